@@ -1,0 +1,63 @@
+"""ckpt_offload: keep saved activations in a pinned host-memory pool instead of GPU memory.
+
+Example::
+
+    import ckpt_offload as co
+    with co.offload() as ctx:
+        loss = model(x).sum()
+    loss.backward()
+    print(ctx.stats())
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ckpt_offload import _C
+from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload
+from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
+
+__version__ = "0.1.0"
+__all__ = [
+    "offload",
+    "HostPool",
+    "PoolFullError",
+    "default_pool",
+    "build_info",
+    "synchronize",
+    "DEFAULT_MIN_BYTES",
+]
+
+
+def build_info() -> dict:
+    """How this ckpt_offload was built and what it can use here.
+
+    Keys: ``version``, ``cuda_compiled`` (the CUDA copy engine is built in), ``gpu_available``,
+    ``torch_version``, ``cuda_version`` (torch's CUDA version when CUDA is compiled in, else None),
+    ``cuda_runtime_version`` (the CUDA runtime ckpt_offload runs against, or None),
+    ``pool_backend`` (``"pinned"`` or ``"pageable"``: what a pool made with ``pinned=None`` uses),
+    ``alignment`` (bytes), ``default_min_bytes``.
+
+    Example::
+
+        >>> co.build_info()["cuda_compiled"]
+        True
+    """
+    cuda = bool(_C.cuda_compiled())
+    pinned = pinned_available()
+    return {
+        "version": __version__,
+        "cuda_compiled": cuda,
+        "gpu_available": bool(cuda and torch.cuda.is_available() and _C.cuda_device_count() > 0),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda if cuda else None,
+        "cuda_runtime_version": (_C.cuda_runtime_version() or None) if cuda else None,
+        "pool_backend": "pinned" if pinned else "pageable",
+        "alignment": int(_C.ALIGNMENT),
+        "default_min_bytes": DEFAULT_MIN_BYTES,
+    }
+
+
+def synchronize() -> None:
+    """Waits for every copy ckpt_offload has enqueued (all devices, both directions)."""
+    _C.synchronize()

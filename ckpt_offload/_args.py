@@ -1,0 +1,68 @@
+"""Argument checks shared by the public API: each error names the argument and what it accepts."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        want = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {want}, got {type(value).__name__} ({value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: Iterable[str]):
+    choices = tuple(choices)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {choices}, got {type(value).__name__} ({value!r})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_optional_bool(name: str, value):
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be True, False or None, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def device_types(name: str, value) -> list[str]:
+    """Normalizes a device type, a torch.device, or a list of them, to a list of type names."""
+    items = [value] if isinstance(value, (str, torch.device)) else value
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a device type ('cpu', 'cuda'), a torch.device, or a list of them; "
+            f"got {type(value).__name__} ({value!r})"
+        ) from None
+    out = []
+    for item in items:
+        if isinstance(item, torch.device):
+            dev = item
+        elif isinstance(item, str):
+            try:
+                dev = torch.device(item)
+            except RuntimeError:
+                raise ValueError(f"{name}: unknown device {item!r}; allowed: {DEVICE_TYPES}") from None
+        else:
+            raise TypeError(f"{name} entries must be strings or torch.device, got {type(item).__name__} ({item!r})")
+        if dev.type not in DEVICE_TYPES:
+            raise ValueError(f"{name}: device type {dev.type!r} is not supported; allowed: {DEVICE_TYPES}")
+        if dev.index is not None:
+            raise ValueError(
+                f"{name} takes device types, not devices: got {str(dev)!r}; pass {dev.type!r} "
+                f"(every {dev.type} device is then offloaded)"
+            )
+        if dev.type not in out:
+            out.append(dev.type)
+    return out

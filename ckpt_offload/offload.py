@@ -1,0 +1,150 @@
+"""``co.offload()``: keep the tensors autograd saves in a host-memory pool until backward."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ckpt_offload import _C
+from ckpt_offload._args import check_choice, check_int, device_types
+from ckpt_offload.pool import HostPool, default_pool
+
+__all__ = ["offload", "DEFAULT_MIN_BYTES", "STREAM_MODES", "ON_FULL_POLICIES"]
+
+#: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
+#: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
+#: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
+DEFAULT_MIN_BYTES = 256 * 1024
+STREAM_MODES = ("side", "compute")
+ON_FULL_POLICIES = ("keep", "raise")
+
+_warned_no_accelerator = False
+
+
+def _default_devices() -> list[str]:
+    global _warned_no_accelerator
+    if _C.cuda_compiled() and torch.cuda.is_available():
+        return ["cuda"]
+    if not _warned_no_accelerator:
+        _warned_no_accelerator = True
+        warnings.warn(
+            "ckpt_offload.offload(): no CUDA device is usable, so by default nothing is offloaded "
+            "(saved tensors stay where they are and are counted as kept_by_reason['device']). "
+            "Pass devices=['cpu'] to offload CPU tensors into the pool.",
+            stacklevel=3,
+        )
+    return []
+
+
+class offload:
+    """Context manager: tensors that autograd saves inside it wait for backward in a host pool.
+
+    Built on ``torch.autograd.graph.saved_tensors_hooks``. The per-tensor work (deciding, copying,
+    deduplicating, restoring) runs in C++. Gradients are bit-identical to a run without it.
+
+    Args:
+        min_bytes: the smallest tensor (bytes of storage it spans) worth a copy; smaller ones
+            stay on the device. Default :data:`DEFAULT_MIN_BYTES` (256 KiB).
+        stream: ``"side"`` (default) copies on a dedicated copy stream per device, ordered
+            after the compute stream by events, so copies overlap compute; ``"compute"`` copies
+            on the current stream (simplest, no overlap).
+        devices: device types whose tensors are offloaded: ``"cuda"``, ``"cpu"`` or a list.
+            Default: the accelerator in use (``["cuda"]`` with a GPU; nothing without one).
+        pool: the :class:`~ckpt_offload.HostPool` to use; default :func:`~ckpt_offload.default_pool`.
+        on_full: at the pool's cap, ``"keep"`` (default) leaves the tensor on the device and
+            counts it as ``kept_by_reason["pool_full"]``; ``"raise"`` raises
+            :class:`~ckpt_offload.PoolFullError`.
+
+    Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
+    (``nn.Linear`` saves ``weight.t()``), tensors on other devices, sparse / nested / quantized
+    / conjugate-view tensors, tensor subclasses, and tensors smaller than ``min_bytes``. Several
+    saved tensors that view one storage are offloaded once. A saved tensor modified in place
+    after it was saved makes backward raise, as autograd does without hooks.
+
+    Example::
+
+        import ckpt_offload as co
+        with co.offload() as ctx:
+            loss = model(x).sum()
+        loss.backward()
+        print(ctx.stats())   # tensors_offloaded, bytes_offloaded, kept_by_reason, ...
+    """
+
+    def __init__(
+        self,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        stream: str = "side",
+        devices=None,
+        pool: HostPool | None = None,
+        on_full: str = "keep",
+    ):
+        check_int("min_bytes", min_bytes, minimum=0)
+        check_choice("stream", stream, STREAM_MODES)
+        check_choice("on_full", on_full, ON_FULL_POLICIES)
+        if pool is not None and not isinstance(pool, HostPool):
+            raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+        types = _default_devices() if devices is None else device_types("devices", devices)
+        if "cuda" in types and not _C.cuda_compiled():
+            raise ValueError(
+                "devices includes 'cuda' but this ckpt_offload build has no CUDA "
+                "(co.build_info()['cuda_compiled'] is False). Reinstall with a CUDA build of torch and nvcc "
+                "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
+            )
+        self.min_bytes = min_bytes
+        self.stream = stream
+        self.devices = tuple(types)
+        self.on_full = on_full
+        self.pool = pool if pool is not None else default_pool()
+        self._packer = _C.Packer(
+            pool=self.pool._impl,
+            min_bytes=min_bytes,
+            offload_cpu="cpu" in types,
+            offload_cuda="cuda" in types,
+            side_stream=stream == "side",
+            raise_on_full=on_full == "raise",
+        )
+        self._hooks = None
+        self._module_hook = None
+
+    def _note_module(self, module, args):
+        self._packer.note_module_state(module._parameters, module._buffers)
+
+    def __enter__(self) -> "offload":
+        if self._hooks is not None:
+            raise RuntimeError("this co.offload() context is already active; nest a new co.offload() instead")
+        self._packer.begin()
+        # Parameters and buffers are recognised by storage, from every module that runs inside
+        # the block: a frozen weight's view or a buffer is a plain tensor by the time it is saved.
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._packer.pack, self._packer.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hooks, self._hooks = self._hooks, None
+        try:
+            if hooks is not None:
+                hooks.__exit__(*exc)
+        finally:
+            if self._module_hook is not None:
+                self._module_hook.remove()
+                self._module_hook = None
+            self._packer.end()
+
+    def stats(self) -> dict:
+        """What this context did, accumulated over every time it was entered.
+
+        Keys: ``tensors_offloaded``, ``bytes_offloaded``, ``tensors_deduplicated`` (saved tensors
+        that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
+        ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
+        ``layout``, ``subclass``, ``pool_full``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
+        ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy).
+        """
+        return self._packer.stats()
+
+    def __repr__(self) -> str:
+        return (
+            f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
+            f"on_full={self.on_full!r})"
+        )

@@ -1,0 +1,129 @@
+"""The host-memory pool that offloaded activations live in."""
+
+from __future__ import annotations
+
+import threading
+
+from ckpt_offload import _C
+from ckpt_offload._args import check_int, check_optional_bool
+
+__all__ = ["HostPool", "PoolFullError", "default_pool", "pinned_available"]
+
+#: Raised when the pool is at its cap and the context was made with ``on_full="raise"``.
+#: A subclass of ``MemoryError``.
+PoolFullError = _C.PoolFullError
+
+
+def pinned_available() -> bool:
+    """True when this build can pin host memory: CUDA compiled in and a usable GPU present."""
+    return bool(_C.cuda_compiled() and _C.cuda_device_count() > 0)
+
+
+class HostPool:
+    """A pool of host memory for offloaded activations.
+
+    Memory is taken from the backend in large segments (``segment_bytes``; a larger request
+    gets a segment of its own size) and handed out as best-fit blocks aligned to 512 bytes,
+    split and coalesced, never rounded up to a power of two. A block freed while a copy may
+    still touch it is reused only once that copy has finished.
+
+    Args:
+        max_bytes: cap on the host memory the pool reserves, in bytes; ``None`` for no cap.
+            At the cap, :func:`ckpt_offload.offload` keeps tensors on the device (``on_full="keep"``)
+            or raises :class:`PoolFullError` (``on_full="raise"``).
+        pinned: ``True`` for page-locked memory (``cudaHostAlloc``; needs a GPU), ``False`` for
+            pageable memory, ``None`` to pin whenever a GPU is usable.
+        segment_bytes: size of the segments small requests are carved from (default 64 MiB).
+
+    Example::
+
+        pool = co.HostPool(max_bytes=8 << 30)          # at most 8 GiB of pinned memory
+        with co.offload(pool=pool):
+            loss = model(x).sum()
+        loss.backward()
+        print(pool.stats()["peak_bytes_in_use"])
+    """
+
+    def __init__(self, max_bytes: int | None = None, pinned: bool | None = None, segment_bytes: int | None = None):
+        check_int("max_bytes", max_bytes, minimum=1, allow_none=True)
+        check_optional_bool("pinned", pinned)
+        check_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
+        if pinned is None:
+            pinned = pinned_available()
+        self._impl = _C.HostPool(
+            pinned=pinned,
+            max_bytes=max_bytes or 0,
+            segment_bytes=segment_bytes if segment_bytes is not None else _C.DEFAULT_SEGMENT_BYTES,
+        )
+
+    @property
+    def backend(self) -> str:
+        """``"pinned"`` or ``"pageable"``."""
+        return self._impl.backend
+
+    @property
+    def pinned(self) -> bool:
+        return self._impl.backend == "pinned"
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The cap in bytes, or None. Settable; lowering it below what is reserved frees nothing
+        by itself (call :meth:`empty_cache`) but stops further growth."""
+        return self._impl.stats()["max_bytes"]
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None):
+        self._impl.set_max_bytes(check_int("max_bytes", value, minimum=1, allow_none=True) or 0)
+
+    def set_max_bytes(self, value: int | None) -> None:
+        """Same as assigning :attr:`max_bytes`."""
+        self.max_bytes = value
+
+    def stats(self) -> dict:
+        """Counters of the pool.
+
+        ``bytes_in_use`` (blocks held by live offloaded tensors), ``bytes_requested`` (what those
+        asked for, before alignment), ``bytes_pending`` (freed, waiting for a copy to finish),
+        ``bytes_reserved`` (taken from the backend), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
+        ``max_bytes``, ``num_segments``, ``num_blocks_in_use``, ``num_allocs``, ``num_frees``,
+        ``num_backend_allocs``, ``num_backend_frees``, ``num_cap_hits``, ``backend``.
+        """
+        return self._impl.stats()
+
+    def reset_peak(self) -> None:
+        """Sets the peaks to the current values."""
+        self._impl.reset_peak()
+
+    def empty_cache(self) -> int:
+        """Returns every segment with no live block to the backend. Returns the bytes released."""
+        return self._impl.empty_cache()
+
+    def synchronize(self) -> None:
+        """Waits for the copies that freed blocks still wait on, making those blocks reusable."""
+        self._impl.synchronize()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        cap = "none" if s["max_bytes"] is None else f"{s['max_bytes']:,}"
+        return (
+            f"HostPool(backend={s['backend']!r}, in_use={s['bytes_in_use']:,}, "
+            f"reserved={s['bytes_reserved']:,}, max_bytes={cap})"
+        )
+
+
+_default_pool: HostPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> HostPool:
+    """The process-wide pool that :func:`ckpt_offload.offload` uses unless given ``pool=``.
+
+    Pinned when a GPU is usable, pageable otherwise; no cap. Example::
+
+        co.default_pool().stats()["bytes_in_use"]
+    """
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None:
+            _default_pool = HostPool()
+        return _default_pool

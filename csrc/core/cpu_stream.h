@@ -1,0 +1,72 @@
+// CPU implementations of Stream/Event.
+//
+// InlineStream is the CPU analogue of the compute stream: work runs on the calling thread,
+// so "wait" blocks the caller. WorkerStream is the analogue of a CUDA copy stream: a worker
+// thread runs queued copies in order, optionally sleeping before each one, so that a missing
+// wait or an early reuse shows up as wrong data in a CPU test instead of only on a GPU.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "stream.h"
+
+namespace ckpt_offload {
+
+class FenceEvent final : public Event {
+ public:
+  explicit FenceEvent(bool done = false) : done_(done) {}
+  bool query() override { return done_.load(std::memory_order_acquire); }
+  void synchronize() override;
+  void signal();
+
+ private:
+  std::atomic<bool> done_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+class InlineStream final : public Stream {
+ public:
+  std::shared_ptr<Event> record() override;
+  void wait(const std::shared_ptr<Event>& event) override;
+  void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  bool is_host_inline() const override { return true; }
+  uintptr_t id() const override { return 0; }
+};
+
+class WorkerStream final : public Stream {
+ public:
+  explicit WorkerStream(int64_t delay_us = 0);
+  ~WorkerStream() override;
+  WorkerStream(const WorkerStream&) = delete;
+  WorkerStream& operator=(const WorkerStream&) = delete;
+
+  std::shared_ptr<Event> record() override;
+  void wait(const std::shared_ptr<Event>& event) override;
+  void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+
+  // Delay injected before every copy (microseconds). Test-only knob.
+  void set_delay_us(int64_t us) { delay_us_.store(us); }
+  int64_t delay_us() const { return delay_us_.load(); }
+  // Blocks until everything enqueued so far has run.
+  void drain();
+
+ private:
+  void enqueue(std::function<void()> task);
+  void run();
+
+  std::atomic<int64_t> delay_us_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace ckpt_offload

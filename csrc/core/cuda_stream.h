@@ -1,0 +1,56 @@
+// CUDA implementations of Stream/Event, and the pinned-memory backend of HostPool.
+// Compiled only when ckpt_offload is built with CUDA (CKPT_OFFLOAD_WITH_CUDA).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "host_pool.h"
+#include "stream.h"
+
+// Keep cuda_runtime.h out of this header: the torch layer includes it next to torch's own
+// CUDA headers, and a cudaStream_t is an opaque pointer anyway.
+struct CUstream_st;
+
+namespace ckpt_offload {
+namespace cuda {
+
+using StreamHandle = CUstream_st*;
+
+class CudaStream final : public Stream {
+ public:
+  // Wraps an existing stream (not owned), e.g. PyTorch's current stream on `device`.
+  CudaStream(StreamHandle stream, int device) : stream_(stream), device_(device) {}
+  std::shared_ptr<Event> record() override;
+  void wait(const std::shared_ptr<Event>& event) override;
+  void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  uintptr_t id() const override { return reinterpret_cast<uintptr_t>(stream_) ^ (uintptr_t(device_ + 1) << 56); }
+  StreamHandle handle() const { return stream_; }
+  int device() const { return device_; }
+
+ private:
+  StreamHandle stream_;
+  int device_;
+};
+
+enum class SideStream { D2H = 0, H2D = 1 };
+// The dedicated copy stream of `device` for one direction, created on first use and kept for
+// the life of the process.
+CudaStream& side_stream(int device, SideStream which);
+// Blocks until every side stream created so far has run all its work.
+void synchronize_side_streams();
+
+class PinnedBackend final : public Backend {
+ public:
+  void* allocate(size_t bytes) override;
+  void release(void* ptr, size_t bytes) override;
+  const char* name() const override { return "pinned"; }
+};
+
+// Number of usable devices; 0 when no driver or device is present (never throws).
+int device_count();
+// "13.0"-style runtime version string, empty when unavailable.
+std::string runtime_version();
+
+}  // namespace cuda
+}  // namespace ckpt_offload

@@ -1,0 +1,300 @@
+#include "host_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+
+namespace ckpt_offload {
+
+struct HostPool::Segment {
+  char* base;
+  size_t size;
+  Block* first;  // the block at `base`; never merged away, so it stays valid for the segment's life
+};
+
+struct HostPool::Block {
+  char* ptr;
+  size_t size;
+  size_t requested = 0;
+  Segment* segment;
+  Block* prev = nullptr;  // neighbours in address order within the segment
+  Block* next = nullptr;
+  enum State { Free, Used, Pending } state = Free;
+};
+
+bool HostPool::BySize::operator()(const Block* a, const Block* b) const {
+  if (a->size != b->size) return a->size < b->size;
+  return a->ptr < b->ptr;
+}
+
+void* PageableBackend::allocate(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kSegmentAlignment, bytes) != 0) return nullptr;
+  return p;
+}
+
+void PageableBackend::release(void* ptr, size_t) { std::free(ptr); }
+
+HostPool::HostPool(std::unique_ptr<Backend> backend, size_t max_bytes, size_t segment_bytes)
+    : backend_(std::move(backend)),
+      max_bytes_(max_bytes),
+      segment_bytes_(round_up(std::max<size_t>(segment_bytes, kSegmentAlignment), kSegmentAlignment)) {
+  stats_.max_bytes = max_bytes_;
+}
+
+HostPool::~HostPool() {
+  // Owners keep the pool alive (shared_ptr), so no block is in use here; pending copies may
+  // still be running, so wait for them before the memory goes back to the backend.
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim_locked(/*wait=*/true);
+  for (Segment* s : segments_) {
+    for (Block* b = s->first; b;) {
+      Block* next = b->next;
+      delete b;
+      b = next;
+    }
+    backend_->release(s->base, s->size);
+    delete s;
+  }
+}
+
+void* HostPool::data(const Block* block) { return block->ptr; }
+size_t HostPool::size(const Block* block) { return block->size; }
+
+void HostPool::insert_free_locked(Block* b) {
+  b->state = Block::Free;
+  b->requested = 0;
+  // Coalesce with free neighbours so a large request can reuse space freed as small pieces.
+  if (b->prev && b->prev->state == Block::Free) {
+    Block* p = b->prev;
+    free_blocks_.erase(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    delete b;
+    b = p;
+  }
+  if (b->next && b->next->state == Block::Free) {
+    Block* n = b->next;
+    free_blocks_.erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    delete n;
+  }
+  free_blocks_.insert(b);
+}
+
+void HostPool::reclaim_locked(bool wait) {
+  // Each pending block is checked on its own: a slow copy holds back only its own block.
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Pending& p = pending_[i];
+    bool done = true;
+    for (auto& ev : p.events) {
+      if (!ev) continue;
+      if (wait) {
+        ev->synchronize();
+      } else if (!ev->query()) {
+        done = false;
+        break;
+      }
+    }
+    if (done) {
+      stats_.bytes_pending -= p.block->size;
+      insert_free_locked(p.block);
+    } else {
+      if (kept != i) pending_[kept] = std::move(p);
+      ++kept;
+    }
+  }
+  pending_.resize(kept);
+}
+
+bool HostPool::grow_locked(size_t bytes) {
+  // A large request gets a segment of its own (page-rounded) size; small ones share a segment
+  // of segment_bytes_. Either way the reserve grows by about what was asked for.
+  const size_t need = round_up(bytes, kSegmentAlignment);
+  size_t seg = bytes >= segment_bytes_ / 2 ? need : segment_bytes_;
+  if (max_bytes_) {
+    if (stats_.bytes_reserved + need > max_bytes_) {
+      size_t released = 0;
+      release_free_segments_locked(&released);
+      if (stats_.bytes_reserved + need > max_bytes_) return false;
+    }
+    const size_t room = (max_bytes_ - stats_.bytes_reserved) / kSegmentAlignment * kSegmentAlignment;
+    seg = std::min(seg, room);  // room >= need here
+  }
+  void* mem = backend_->allocate(seg);
+  if (!mem && seg > need) {
+    seg = need;
+    mem = backend_->allocate(seg);
+  }
+  if (!mem) return false;
+  auto* s = new Segment{static_cast<char*>(mem), seg, nullptr};
+  auto* b = new Block{s->base, seg, 0, s};
+  s->first = b;
+  segments_.push_back(s);
+  free_blocks_.insert(b);
+  stats_.bytes_reserved += seg;
+  stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
+  stats_.num_segments = segments_.size();
+  stats_.num_backend_allocs++;
+  return true;
+}
+
+HostPool::Block* HostPool::allocate_locked(size_t bytes) {
+  const size_t need = round_up(std::max<size_t>(bytes, 1), kAlignment);
+  auto find = [&]() -> Block* {
+    Block key{nullptr, need, 0, nullptr};
+    auto it = free_blocks_.lower_bound(&key);
+    return it == free_blocks_.end() ? nullptr : *it;
+  };
+  Block* b = find();
+  if (!b) {
+    reclaim_locked(/*wait=*/false);
+    b = find();
+  }
+  if (!b) {
+    if (!grow_locked(need)) return nullptr;
+    b = find();
+    if (!b) return nullptr;
+  }
+  free_blocks_.erase(b);
+  if (b->size - need >= kAlignment) {
+    auto* rest = new Block{b->ptr + need, b->size - need, 0, b->segment, b, b->next};
+    if (b->next) b->next->prev = rest;
+    b->next = rest;
+    b->size = need;
+    free_blocks_.insert(rest);
+  }
+  b->state = Block::Used;
+  b->requested = bytes;
+  return b;
+}
+
+HostPool::Block* HostPool::allocate(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Block* b = allocate_locked(bytes);
+  if (!b) {
+    stats_.num_cap_hits++;
+    return nullptr;
+  }
+  stats_.num_allocs++;
+  stats_.num_blocks_in_use++;
+  stats_.bytes_in_use += b->size;
+  stats_.bytes_requested += b->requested;
+  stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
+  return b;
+}
+
+void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
+  if (!b) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (b->state != Block::Used) throw std::logic_error("ckpt_offload: HostPool::free of a block that is not in use");
+  stats_.num_frees++;
+  stats_.num_blocks_in_use--;
+  stats_.bytes_in_use -= b->size;
+  stats_.bytes_requested -= b->requested;
+  pending.erase(std::remove_if(pending.begin(), pending.end(),
+                               [](const std::shared_ptr<Event>& e) { return !e || e->query(); }),
+                pending.end());
+  if (pending.empty()) {
+    insert_free_locked(b);
+  } else {
+    b->state = Block::Pending;
+    stats_.bytes_pending += b->size;
+    pending_.push_back({b, std::move(pending)});
+  }
+}
+
+void HostPool::release_free_segments_locked(size_t* released) {
+  reclaim_locked(/*wait=*/false);
+  std::vector<Segment*> keep;
+  for (Segment* s : segments_) {
+    Block* whole = s->first;
+    if (whole->state == Block::Free && whole->size == s->size) {
+      free_blocks_.erase(whole);
+      delete whole;
+      backend_->release(s->base, s->size);
+      stats_.bytes_reserved -= s->size;
+      stats_.num_backend_frees++;
+      *released += s->size;
+      delete s;
+    } else {
+      keep.push_back(s);
+    }
+  }
+  segments_ = std::move(keep);
+  stats_.num_segments = segments_.size();
+}
+
+size_t HostPool::empty_cache() {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t released = 0;
+  release_free_segments_locked(&released);
+  return released;
+}
+
+void HostPool::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim_locked(/*wait=*/true);
+}
+
+PoolStats HostPool::stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim_locked(/*wait=*/false);
+  return stats_;
+}
+
+void HostPool::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes_in_use = stats_.bytes_in_use;
+  stats_.peak_bytes_reserved = stats_.bytes_reserved;
+}
+
+void HostPool::set_max_bytes(size_t max_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  max_bytes_ = max_bytes;
+  stats_.max_bytes = max_bytes;
+}
+
+bool HostPool::check_invariants(std::string* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::ostringstream err;
+  size_t free_count = 0, reserved = 0, used = 0, pending = 0, requested = 0;
+  for (Segment* s : segments_) {
+    reserved += s->size;
+    if (s->first->ptr != s->base || s->first->prev) err << "segment does not start with its first block; ";
+    char* expect = s->base;
+    for (Block* b = s->first; b; b = b->next) {
+      if (b->ptr != expect) err << "gap or overlap between blocks; ";
+      if (b->segment != s) err << "block points at the wrong segment; ";
+      if (b->next && b->next->prev != b) err << "broken block links; ";
+      if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err << "misaligned block; ";
+      if (b->state == Block::Free) {
+        ++free_count;
+        if (!free_blocks_.count(b)) err << "free block missing from the free set; ";
+        if (b->next && b->next->state == Block::Free) err << "adjacent free blocks not coalesced; ";
+      } else if (b->state == Block::Used) {
+        used += b->size;
+        requested += b->requested;
+      } else {
+        pending += b->size;
+      }
+      expect = b->ptr + b->size;
+    }
+    if (expect != s->base + s->size) err << "blocks do not cover the segment; ";
+  }
+  if (free_count != free_blocks_.size()) err << "free set holds blocks of no segment; ";
+  if (reserved != stats_.bytes_reserved) err << "bytes_reserved mismatch; ";
+  if (pending != stats_.bytes_pending) err << "bytes_pending mismatch; ";
+  if (used != stats_.bytes_in_use) err << "bytes_in_use mismatch; ";
+  if (requested != stats_.bytes_requested) err << "bytes_requested mismatch; ";
+  if (max_bytes_ && reserved > max_bytes_) err << "reserved above the cap; ";
+  std::string e = err.str();
+  if (why) *why = e;
+  return e.empty();
+}
+
+}  // namespace ckpt_offload

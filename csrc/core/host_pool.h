@@ -1,0 +1,124 @@
+// HostPool: host memory for offloaded activations.
+//
+// Memory comes from a Backend in large segments and is handed out as best-fit blocks that
+// are split on allocation and coalesced on free. A freed block is reused only after every
+// copy that touched it has finished: the events are queried (never waited on) at each
+// allocation, per block, so one slow copy does not hold back the reuse of the others.
+// Requests are rounded to kAlignment only, never to a power of two, so the bytes reserved
+// stay close to the bytes asked for.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "stream.h"
+
+namespace ckpt_offload {
+
+constexpr size_t kAlignment = 512;          // every block starts on this boundary
+constexpr size_t kSegmentAlignment = 4096;  // segments are whole pages
+constexpr size_t kDefaultSegmentBytes = size_t(64) << 20;
+
+inline size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Where segments come from: pinned (cudaHostAlloc) or pageable aligned host memory.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // Returns nullptr when the memory cannot be had.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void release(void* ptr, size_t bytes) = 0;
+  virtual const char* name() const = 0;
+};
+
+class PageableBackend final : public Backend {
+ public:
+  void* allocate(size_t bytes) override;
+  void release(void* ptr, size_t bytes) override;
+  const char* name() const override { return "pageable"; }
+};
+
+struct PoolStats {
+  size_t bytes_in_use = 0;         // blocks held by live owners (aligned sizes)
+  size_t bytes_requested = 0;      // what those owners asked for (unaligned)
+  size_t bytes_pending = 0;        // freed blocks still waiting for their copies to finish
+  size_t bytes_reserved = 0;       // all segments taken from the backend
+  size_t peak_bytes_in_use = 0;
+  size_t peak_bytes_reserved = 0;
+  size_t max_bytes = 0;            // 0: no cap
+  size_t num_segments = 0;
+  uint64_t num_allocs = 0;         // successful allocate() calls since creation
+  uint64_t num_frees = 0;
+  uint64_t num_backend_allocs = 0; // segments obtained from the backend since creation
+  uint64_t num_backend_frees = 0;
+  uint64_t num_cap_hits = 0;       // allocate() calls refused by the cap
+  uint64_t num_blocks_in_use = 0;
+};
+
+class HostPool {
+ public:
+  struct Block;
+
+  // max_bytes == 0 means no cap.
+  HostPool(std::unique_ptr<Backend> backend, size_t max_bytes = 0,
+           size_t segment_bytes = kDefaultSegmentBytes);
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  // Returns a block of at least `bytes` bytes aligned to kAlignment, or nullptr when the cap
+  // (or the backend) does not allow it. Never blocks on a copy.
+  Block* allocate(size_t bytes);
+  // Returns a block. It becomes reusable once every event in `pending` has completed.
+  void free(Block* block, std::vector<std::shared_ptr<Event>> pending = {});
+
+  static void* data(const Block* block);
+  static size_t size(const Block* block);
+
+  PoolStats stats();
+  void reset_peak();
+  // Releases every segment with no live or pending block. Returns the bytes released.
+  size_t empty_cache();
+  // Blocks until the copies of all pending blocks have finished, then makes them reusable.
+  void synchronize();
+  void set_max_bytes(size_t max_bytes);
+  const char* backend_name() const { return backend_->name(); }
+  size_t segment_bytes() const { return segment_bytes_; }
+
+  // Checks the internal invariants (blocks tile segments, free list matches). Test-only.
+  bool check_invariants(std::string* why);
+
+ private:
+  struct Segment;
+  struct BySize {
+    bool operator()(const Block* a, const Block* b) const;
+  };
+
+  Block* allocate_locked(size_t bytes);
+  bool grow_locked(size_t bytes);
+  void reclaim_locked(bool wait);
+  void insert_free_locked(Block* block);
+  void release_free_segments_locked(size_t* released);
+
+  std::unique_ptr<Backend> backend_;
+  size_t max_bytes_;
+  size_t segment_bytes_;
+  std::mutex mu_;
+  std::set<Block*, BySize> free_blocks_;
+  struct Pending {
+    Block* block;
+    std::vector<std::shared_ptr<Event>> events;
+  };
+  std::vector<Pending> pending_;
+  std::vector<Segment*> segments_;
+  PoolStats stats_;
+};
+
+}  // namespace ckpt_offload

@@ -1,0 +1,123 @@
+#include "runtime.h"
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+
+#include "../core/cpu_stream.h"
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "../core/cuda_stream.h"
+#endif
+
+namespace ckpt_offload {
+namespace {
+
+int64_t initial_delay() {
+  const char* env = std::getenv("CKPT_OFFLOAD_CPU_COPY_DELAY_US");
+  return env ? std::atoll(env) : 0;
+}
+
+struct CpuStreams {
+  InlineStream compute;
+  WorkerStream d2h{initial_delay()};
+  WorkerStream h2d{initial_delay()};
+};
+
+CpuStreams& cpu_streams() {
+  // Leaked on purpose: worker threads must not be joined during interpreter teardown.
+  static CpuStreams* s = new CpuStreams();
+  return *s;
+}
+
+}  // namespace
+
+CopyEngine& engine() {
+  static CopyEngine* e = new CopyEngine();  // leaked: keepalives must outlive every pool user
+  return *e;
+}
+
+StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host) {
+  if (device.is_cpu()) {
+    CpuStreams& s = cpu_streams();
+    compute_ = &s.compute;
+    copy_ = side ? static_cast<Stream*>(to_host ? &s.d2h : &s.h2d) : compute_;
+    return;
+  }
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda()) {
+    const int index = device.index();
+    // The current stream is read at every call: FSDP, recompute and user code switch streams.
+    auto current = c10::cuda::getCurrentCUDAStream(index);
+    owned_compute_ = std::make_unique<cuda::CudaStream>(current.stream(), index);
+    compute_ = owned_compute_.get();
+    copy_ = side ? &cuda::side_stream(index, to_host ? cuda::SideStream::D2H : cuda::SideStream::H2D) : compute_;
+    return;
+  }
+#endif
+  throw std::invalid_argument("ckpt_offload: no copy streams for device " + device.str());
+}
+
+void set_cpu_copy_delay_us(int64_t us) {
+  cpu_streams().d2h.set_delay_us(us);
+  cpu_streams().h2d.set_delay_us(us);
+}
+
+int64_t cpu_copy_delay_us() { return cpu_streams().d2h.delay_us(); }
+
+void synchronize_side_streams() {
+  cpu_streams().d2h.drain();
+  cpu_streams().h2d.drain();
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  cuda::synchronize_side_streams();
+#endif
+  engine().synchronize();
+}
+
+bool cuda_compiled() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  return cuda::device_count();
+#else
+  return 0;
+#endif
+}
+
+std::string cuda_runtime_version() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  return cuda::runtime_version();
+#else
+  return "";
+#endif
+}
+
+std::shared_ptr<HostPool> make_pool(bool pinned, size_t max_bytes, size_t segment_bytes) {
+  std::unique_ptr<Backend> backend;
+  if (pinned) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (cuda::device_count() == 0)
+      throw std::invalid_argument(
+          "ckpt_offload: pinned=True needs a usable CUDA device, and none was found; pass pinned=False "
+          "(or pinned=None to choose automatically)");
+    backend = std::make_unique<cuda::PinnedBackend>();
+#else
+    throw std::invalid_argument(
+        "ckpt_offload: pinned=True needs ckpt_offload built with CUDA; this build is CPU-only. Pass "
+        "pinned=False, or reinstall with CKPT_OFFLOAD_CUDA=1 where nvcc and a CUDA build of torch exist");
+#endif
+  } else {
+    backend = std::make_unique<PageableBackend>();
+  }
+  return std::make_shared<HostPool>(std::move(backend), max_bytes, segment_bytes);
+}
+
+}  // namespace ckpt_offload

@@ -1,0 +1,47 @@
+// Process-wide pieces the torch layer shares: the copy engine and the streams per device.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "../core/copy_engine.h"
+#include "../core/host_pool.h"
+#include "../core/stream.h"
+
+namespace ckpt_offload {
+
+CopyEngine& engine();
+
+// Where the copies of one tensor run. `compute` is the stream that produced (or will
+// consume) the tensor, captured at every call; `copy` is `compute` itself for
+// stream="compute", or the device's side copy stream for the direction.
+class StreamPair {
+ public:
+  StreamPair(const c10::Device& device, bool side, bool to_host);
+  Stream& compute() { return *compute_; }
+  Stream& copy() { return *copy_; }
+
+ private:
+  std::unique_ptr<Stream> owned_compute_;
+  Stream* compute_;
+  Stream* copy_;
+};
+
+// Delay injected before every copy on the CPU side streams (test knob; also read once from
+// CKPT_OFFLOAD_CPU_COPY_DELAY_US).
+void set_cpu_copy_delay_us(int64_t us);
+int64_t cpu_copy_delay_us();
+// Waits until every copy enqueued on the side streams has finished.
+void synchronize_side_streams();
+
+bool cuda_compiled();
+int cuda_device_count();
+std::string cuda_runtime_version();
+// A pool on the pinned backend when `pinned`, else on pageable memory. Throws when pinned
+// memory is asked for and cannot be had.
+std::shared_ptr<HostPool> make_pool(bool pinned, size_t max_bytes, size_t segment_bytes);
+
+}  // namespace ckpt_offload
