@@ -14,12 +14,13 @@ from __future__ import annotations
 import torch
 
 from ckpt_offload import _C
-from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload
+from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 
 __version__ = "0.1.0"
 __all__ = [
     "offload",
+    "offload_tensor",
     "HostPool",
     "PoolFullError",
     "default_pool",

@@ -10,7 +10,7 @@ from ckpt_offload import _C
 from ckpt_offload._args import check_choice, check_int, device_types
 from ckpt_offload.pool import HostPool, default_pool
 
-__all__ = ["offload", "DEFAULT_MIN_BYTES", "STREAM_MODES", "ON_FULL_POLICIES"]
+__all__ = ["offload", "offload_tensor", "DEFAULT_MIN_BYTES", "STREAM_MODES", "ON_FULL_POLICIES"]
 
 #: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
 #: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
@@ -148,3 +148,30 @@ class offload:
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
             f"on_full={self.on_full!r})"
         )
+
+
+def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: str = "side"):
+    """Copies one tensor into the pool, outside autograd; ``handle.reload()`` gives it back.
+
+    The low-level entry to the copy engine (what :class:`offload` uses per saved tensor): the
+    copy is asynchronous on ``stream="side"``, the exact layout (sizes, strides, storage offset)
+    comes back, an expanded tensor is stored at the size of its source, and the pool block is
+    returned when the handle dies, after its last copy has finished. Raises
+    :class:`~ckpt_offload.PoolFullError` when the pool is at its cap.
+
+    Example::
+
+        h = co.offload_tensor(x)          # x's bytes now also live in the pool
+        del x                             # device memory can go
+        x = h.reload()                    # same values, same strides, on the same device
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+    check_choice("stream", stream, STREAM_MODES)
+    pool = pool if pool is not None else default_pool()
+    try:
+        return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
+    except ValueError as e:
+        raise ValueError(f"tensor: {e}") from None

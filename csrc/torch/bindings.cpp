@@ -55,7 +55,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<SavedTensor, std::shared_ptr<SavedTensor>>(m, "SavedTensor")
       .def_property_readonly("offloaded", &SavedTensor::offloaded)
-      .def_property_readonly("nbytes", &SavedTensor::nbytes);
+      .def_property_readonly("nbytes", &SavedTensor::nbytes)
+      .def_property_readonly("device", [](const SavedTensor& s) { return s.device().str(); })
+      .def("reload", &SavedTensor::unpack);
+
+  m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
 
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       .def(py::init([](std::shared_ptr<HostPool> pool, int64_t min_bytes, bool offload_cpu, bool offload_cuda,

@@ -56,6 +56,15 @@ bool wrapped_tensor(const at::Tensor& t) {
   return t.key_set().has_any(wrappers);
 }
 
+// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
+// reaches only its source's elements, so it does not grow on the host.
+int64_t extent_elements(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return extent;
+}
+
 bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass)); }
 
 }  // namespace
@@ -148,19 +157,11 @@ void Packer::note_module_state(py::handle parameters, py::handle buffers) {
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_tensors[static_cast<int>(why)]++;
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
-  auto saved = std::make_shared<SavedTensor>();
+  auto saved = SavedTensor::describe_layout(t, counters_);
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
   // by its own node does not form a reference cycle that would leak the graph.
   saved->kept_ = t.detach();
   saved->nbytes_ = nbytes;
-  saved->dtype_ = t.scalar_type();
-  saved->device_ = t.device();
-  saved->sizes_ = t.sizes().vec();
-  if (t.unsafeGetTensorImpl()->version_counter().enabled()) {
-    saved->version_ = t.unsafeGetTensorImpl()->version_counter();
-    saved->saved_version_ = saved->version_.current_version();
-  }
-  saved->counters_ = counters_;
   return py::cast(std::move(saved));
 }
 
@@ -193,12 +194,8 @@ py::object Packer::pack(py::handle obj) {
     if (param_base) return keep(t, KeepReason::Parameter, logical_bytes);
   }
 
-  // The bytes this tensor reaches in its storage. An expanded tensor (stride 0) reaches only
-  // its source's bytes, so it does not grow on the host.
-  const int64_t numel = t.numel();
-  if (numel == 0) return keep(t, KeepReason::TooSmall, 0);
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const int64_t extent = extent_elements(t);
+  if (extent == 0) return keep(t, KeepReason::TooSmall, 0);
   const int64_t lo = t.storage_offset() * itemsize;
   const int64_t hi = lo + extent * itemsize;
   const int64_t span = hi - lo;
@@ -206,19 +203,6 @@ py::object Packer::pack(py::handle obj) {
 
   const auto& vc = t.unsafeGetTensorImpl()->version_counter();
   const uint32_t version = vc.enabled() ? vc.current_version() : 0;
-
-  auto saved = std::make_shared<SavedTensor>();
-  saved->side_stream_ = options_.side_stream;
-  saved->dtype_ = t.scalar_type();
-  saved->device_ = device;
-  saved->sizes_ = t.sizes().vec();
-  saved->strides_ = t.strides().vec();
-  saved->nbytes_ = span;
-  saved->counters_ = counters_;
-  if (vc.enabled()) {
-    saved->version_ = vc;
-    saved->saved_version_ = version;
-  }
 
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -229,6 +213,8 @@ py::object Packer::pack(py::handle obj) {
       auto held = e.offloaded.lock();
       if (alive.get() == storage && held && e.version == version && lo >= e.lo && hi <= e.hi &&
           (lo - e.lo) % itemsize == 0) {
+        auto saved = SavedTensor::describe_layout(t, counters_);
+        saved->side_stream_ = options_.side_stream;
         saved->storage_ = std::move(held);
         saved->offset_ = (lo - e.lo) / itemsize;
         counters_->tensors_deduplicated++;
@@ -238,28 +224,11 @@ py::object Packer::pack(py::handle obj) {
     }
   }
 
-  StreamPair streams(device, options_.side_stream, /*to_host=*/true);
-  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
-  auto keepalive = std::make_shared<c10::Storage>(t.storage());
-  const char* src = static_cast<const char*>(t.storage().data()) + lo;
-  auto buffer = engine().offload(options_.pool, src, static_cast<size_t>(span), streams.compute(), streams.copy(),
-                                 std::move(keepalive));
-  if (!buffer) {
-    if (options_.raise_on_full) {
-      PoolStats ps = options_.pool->stats();
-      std::ostringstream msg;
-      msg << "ckpt_offload: the host pool is full. Asked for " << mib(span) << " (" << span << " bytes) for a saved "
-          << "tensor " << describe(t.scalar_type(), t.sizes().vec(), device) << "; " << mib(ps.bytes_in_use)
-          << " in use, " << mib(ps.bytes_pending) << " waiting for copies, " << mib(ps.bytes_reserved)
-          << " reserved, cap " << mib(ps.max_bytes) << ". Raise the cap (co.HostPool(max_bytes=...) or "
-          << "pool.set_max_bytes(...)), offload less (a larger min_bytes), or pass on_full=\"keep\" to keep such "
-          << "tensors on the device.";
-      throw PoolFull(msg.str());
-    }
+  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_);
+  if (!saved) {
+    if (options_.raise_on_full) throw PoolFull(pool_full_message(*options_.pool, t, span));
     return keep(t, KeepReason::PoolFull, span);
   }
-  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), device);
-  saved->offset_ = 0;
   counters_->tensors_offloaded++;
   counters_->bytes_offloaded += span;
   {
@@ -272,6 +241,69 @@ py::object Packer::pack(py::handle obj) {
     e.hi = hi;
   }
   return py::cast(std::move(saved));
+}
+
+std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
+  PoolStats ps = pool.stats();
+  std::ostringstream msg;
+  msg << "ckpt_offload: the host pool is full. Asked for " << mib(span) << " (" << span << " bytes) for a saved "
+      << "tensor " << describe(t.scalar_type(), t.sizes().vec(), t.device()) << "; " << mib(ps.bytes_in_use)
+      << " in use, " << mib(ps.bytes_pending) << " waiting for copies, " << mib(ps.bytes_reserved)
+      << " reserved, cap " << mib(ps.max_bytes) << ". Raise the cap (co.HostPool(max_bytes=...) or "
+      << "pool.set_max_bytes(...)), offload less (a larger min_bytes), or pass on_full=\"keep\" to keep such "
+      << "tensors on the device.";
+  return msg.str();
+}
+
+std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
+                                                          std::shared_ptr<PackerCounters> counters) {
+  auto saved = std::make_shared<SavedTensor>();
+  saved->dtype_ = t.scalar_type();
+  saved->device_ = t.device();
+  saved->sizes_ = t.sizes().vec();
+  saved->strides_ = t.strides().vec();
+  saved->counters_ = std::move(counters);
+  const auto& vc = t.unsafeGetTensorImpl()->version_counter();
+  if (vc.enabled()) {
+    saved->version_ = vc;
+    saved->saved_version_ = vc.current_version();
+  }
+  saved->nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
+  return saved;
+}
+
+std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                                  bool side_stream, std::shared_ptr<PackerCounters> counters) {
+  auto saved = describe_layout(t, std::move(counters));
+  saved->side_stream_ = side_stream;
+  const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
+  StreamPair streams(t.device(), side_stream, /*to_host=*/true);
+  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
+  auto keepalive = std::make_shared<c10::Storage>(t.storage());
+  const char* src = static_cast<const char*>(t.storage().data()) + lo;
+  auto buffer = engine().offload(pool, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
+                                 std::move(keepalive));
+  if (!buffer) return nullptr;
+  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device());
+  saved->offset_ = 0;
+  return saved;
+}
+
+std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                            bool side_stream) {
+  if (!t.defined()) throw std::invalid_argument("ckpt_offload.offload_tensor: tensor is undefined");
+  if (unsupported_layout(t) || wrapped_tensor(t))
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be a plain strided tensor, got layout " +
+                                c10::str(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
+                                (t.is_neg() ? " with the negative bit set" : ""));
+  if (!t.device().is_cpu() && !t.device().is_cuda())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be on 'cpu' or 'cuda', got " +
+                                t.device().str());
+  if (t.device().is_cuda() && !cuda_compiled())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
+  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>());
+  if (!saved) throw PoolFull(pool_full_message(*pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
+  return saved;
 }
 
 at::Tensor Packer::unpack(py::handle obj) {

@@ -70,8 +70,15 @@ class OffloadedStorage {
 // tensor of an output), so a dropped graph frees it and its pool block.
 class SavedTensor {
  public:
+  // Copies t's bytes (the span of its storage it reaches) into `pool`, keeping its layout.
+  // Returns nullptr when the pool cannot provide the memory.
+  static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                              bool side_stream, std::shared_ptr<PackerCounters> counters);
+  // A SavedTensor with t's layout and version filled in, holding nothing yet.
+  static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
   at::Tensor unpack();
   bool offloaded() const { return storage_ != nullptr; }
+  const c10::Device& device() const { return device_; }
   int64_t nbytes() const { return nbytes_; }
 
  private:
@@ -90,6 +97,11 @@ class SavedTensor {
   uint32_t saved_version_ = 0;
   std::shared_ptr<PackerCounters> counters_;
 };
+
+// The standalone engine entry point (co.offload_tensor): validates, offloads, raises PoolFull.
+std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                            bool side_stream);
+std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span);
 
 class Packer {
  public:
