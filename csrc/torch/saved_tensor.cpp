@@ -81,10 +81,11 @@ c10::Storage OffloadedStorage::materialize(bool side_stream, bool* shared) {
   }
   *shared = false;
   // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
-  at::Tensor bytes = at::empty({static_cast<int64_t>(buffer_->nbytes())},
+  at::Tensor bytes = at::empty({static_cast<int64_t>(pad_ + buffer_->nbytes())},
                                at::TensorOptions().dtype(at::kByte).device(device_));
   c10::Storage storage = bytes.storage();
-  reloaded_ready_ = engine().reload(*buffer_, storage.mutable_data(), streams.compute(), streams.copy());
+  char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
+  reloaded_ready_ = engine().reload(*buffer_, dst, streams.compute(), streams.copy());
   reloaded_ = storage.getWeakStorageImpl();
   return storage;
 }
@@ -216,7 +217,7 @@ py::object Packer::pack(py::handle obj) {
         auto saved = SavedTensor::describe_layout(t, counters_);
         saved->side_stream_ = options_.side_stream;
         saved->storage_ = std::move(held);
-        saved->offset_ = (lo - e.lo) / itemsize;
+        saved->offset_ = static_cast<int64_t>(saved->storage_->pad() + (lo - e.lo)) / itemsize;
         counters_->tensors_deduplicated++;
         counters_->bytes_deduplicated += span;
         return py::cast(std::move(saved));
@@ -284,8 +285,9 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
   auto buffer = engine().offload(pool, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
                                  std::move(keepalive));
   if (!buffer) return nullptr;
-  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device());
-  saved->offset_ = 0;
+  const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
+  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad);
+  saved->offset_ = static_cast<int64_t>(pad) / static_cast<int64_t>(t.dtype().itemsize());
   return saved;
 }
 

@@ -51,16 +51,22 @@ struct PackerCounters {
 // The host copy of one span of a storage, shared by every saved tensor that views it.
 class OffloadedStorage {
  public:
-  OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device)
-      : buffer_(std::move(buffer)), device_(device) {}
+  // `pad` bytes precede the span in a reloaded storage, so the data pointer keeps its original
+  // alignment (mod kReloadAlignment): kernels choose code paths by alignment, and a different
+  // path could change the result's bits.
+  OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad)
+      : buffer_(std::move(buffer)), device_(device), pad_(pad) {}
+  static constexpr size_t kReloadAlignment = 512;
   // A device storage holding the bytes again. While one reloaded storage is alive, later
   // unpacks (other views, retain_graph, double backward) share it instead of copying again.
   c10::Storage materialize(bool side_stream, bool* shared);
   size_t nbytes() const { return buffer_->nbytes(); }
+  size_t pad() const { return pad_; }
 
  private:
   std::shared_ptr<HostBuffer> buffer_;
   c10::Device device_;
+  size_t pad_;
   std::mutex mu_;
   c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
   std::shared_ptr<Event> reloaded_ready_;
@@ -91,7 +97,7 @@ class SavedTensor {
   c10::ScalarType dtype_ = c10::kFloat;
   c10::Device device_{c10::kCPU};
   std::vector<int64_t> sizes_, strides_;
-  int64_t offset_ = 0;  // in elements, from the start of the offloaded span
+  int64_t offset_ = 0;  // in elements, from the start of the reloaded storage
   int64_t nbytes_ = 0;
   c10::VariableVersion version_;  // shares the counter, not the tensor
   uint32_t saved_version_ = 0;
