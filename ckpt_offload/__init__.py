@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_offload import _C
+try:
+    from ckpt_offload import _C
+except ImportError as e:  # pragma: no cover - explained to the user
+    raise ImportError(
+        f"ckpt_offload's native extension could not be loaded ({e}). Build it with "
+        "`pip install --no-build-isolation .` in the source folder; if you run Python from the source "
+        "folder itself, its ckpt_offload/ (without the built extension) shadows the installed one: run "
+        "from elsewhere, or build in place with `python setup.py build_ext --inplace`."
+    ) from e
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 

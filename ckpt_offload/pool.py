@@ -95,7 +95,9 @@ class HostPool:
         self._impl.reset_peak()
 
     def empty_cache(self) -> int:
-        """Returns every segment with no live block to the backend. Returns the bytes released."""
+        """Returns every segment with no live block to the backend, after waiting for the copies
+        that freed blocks still wait on. Returns the bytes released."""
+        self._impl.synchronize()
         return self._impl.empty_cache()
 
     def synchronize(self) -> None:

@@ -34,10 +34,21 @@ std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, c
   return s.str();
 }
 
-std::string mib(size_t bytes) {
+std::string human_bytes(size_t bytes) {
+  static const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
   std::ostringstream s;
-  s.precision(1);
-  s << std::fixed << bytes / 1048576.0 << " MiB";
+  if (u == 0) {
+    s << bytes << " bytes";
+  } else {
+    s.precision(1);
+    s << std::fixed << v << " " << units[u];
+  }
   return s.str();
 }
 
@@ -247,10 +258,11 @@ py::object Packer::pack(py::handle obj) {
 std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
   PoolStats ps = pool.stats();
   std::ostringstream msg;
-  msg << "ckpt_offload: the host pool is full. Asked for " << mib(span) << " (" << span << " bytes) for a saved "
-      << "tensor " << describe(t.scalar_type(), t.sizes().vec(), t.device()) << "; " << mib(ps.bytes_in_use)
-      << " in use, " << mib(ps.bytes_pending) << " waiting for copies, " << mib(ps.bytes_reserved)
-      << " reserved, cap " << mib(ps.max_bytes) << ". Raise the cap (co.HostPool(max_bytes=...) or "
+  msg << "ckpt_offload: the host pool is full. Asked for " << human_bytes(span) << " (" << span
+      << " bytes) for a saved tensor " << describe(t.scalar_type(), t.sizes().vec(), t.device()) << "; "
+      << human_bytes(ps.bytes_in_use) << " in use, " << human_bytes(ps.bytes_pending) << " waiting for copies, "
+      << human_bytes(ps.bytes_reserved) << " reserved, cap "
+      << (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) << ". Raise the cap (co.HostPool(max_bytes=...) or "
       << "pool.set_max_bytes(...)), offload less (a larger min_bytes), or pass on_full=\"keep\" to keep such "
       << "tensors on the device.";
   return msg.str();
