@@ -138,7 +138,7 @@ class offload:
         Keys: ``tensors_offloaded``, ``bytes_offloaded``, ``tensors_deduplicated`` (saved tensors
         that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
         ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
-        ``layout``, ``subclass``, ``pool_full``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
+        ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
         ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy).
         """
         return self._packer.stats()

@@ -7,6 +7,10 @@
 
 #include "runtime.h"
 
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
 namespace py = pybind11;
 
 namespace ckpt_offload {
@@ -20,6 +24,7 @@ const char* keep_reason_name(KeepReason r) {
     case KeepReason::Layout: return "layout";
     case KeepReason::Subclass: return "subclass";
     case KeepReason::PoolFull: return "pool_full";
+    case KeepReason::GraphCapture: return "cuda_graph_capture";
     default: return "unknown";
   }
 }
@@ -190,6 +195,13 @@ py::object Packer::pack(py::handle obj) {
   const c10::Device device = t.device();
   const bool device_ok = (device.is_cpu() && options_.offload_cpu) || (device.is_cuda() && options_.offload_cuda);
   if (!device_ok) return keep(t, KeepReason::Device, logical_bytes);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  // Under CUDA graph capture events cannot be queried and the pool's addresses would be baked
+  // into the graph: leave such tensors alone.
+  if (device.is_cuda() && c10::cuda::captureStatusMayInitCtx(c10::cuda::getCurrentCUDAStream(device.index()).stream()) !=
+                               c10::cuda::CaptureStatus::None)
+    return keep(t, KeepReason::GraphCapture, logical_bytes);
+#endif
 
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   {
