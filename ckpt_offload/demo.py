@@ -1,0 +1,479 @@
+"""``python -m ckpt_offload demo``: train the built-in transformer with and without ``co.offload``.
+
+Two training runs with the same seed, the same data and dropout on: a plain one (``baseline``)
+and one whose forward passes run inside :class:`ckpt_offload.offload`. The report says how many
+activation bytes autograd saved, how many stayed on the device and how many went to the host
+pool, the pool's own counters, the step-time ratio, and whether the gradients of the first step
+and the losses of every step are bit-identical (they must be: invariant 1 of DESIGN.md).
+
+How the bytes are counted, so the two columns are comparable:
+
+* baseline: a counting ``torch.autograd.graph.saved_tensors_hooks`` on the first step sorts every
+  saved tensor into parameter (its storage is a parameter's), buffer, or activation, and sums the
+  bytes of the storage span it reaches, the way ckpt_offload's packer measures a tensor.
+* offload: ``ctx.stats()`` after the first step. "Kept on the device" is ``bytes_kept`` less the
+  parameters and buffers (those are never offloaded and are reported on their own row).
+
+Both are per-save sums for one training step: a tensor saved by two autograd nodes counts twice.
+
+Example::
+
+    from ckpt_offload.demo import run_demo, format_report
+    result = run_demo(size="tiny", steps=3, device="cpu", min_bytes=0)
+    print(format_report(result))
+    assert result["grads_match"]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import textwrap
+import time
+
+import torch
+
+import ckpt_offload as co
+from ckpt_offload.models import TinyTransformer, lm_loss, make_batch, make_config
+
+__all__ = ["run_demo", "format_report", "write_json", "default_device", "gpu_usable", "DEMO_JSON"]
+
+DEMO_JSON = "demo.json"
+
+
+def gpu_usable() -> bool:
+    """True when torch sees a CUDA GPU and this ckpt_offload build can offload CUDA tensors."""
+    return bool(torch.cuda.is_available() and co.build_info()["cuda_compiled"])
+
+
+def default_device() -> str:
+    """``"cuda"`` when :func:`gpu_usable`, else ``"cpu"``."""
+    return "cuda" if gpu_usable() else "cpu"
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes of storage ``t`` reaches from its first element (what ckpt_offload copies)."""
+    if t.numel() == 0:
+        return 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return extent * t.element_size()
+
+
+class _SavedBytesCounter:
+    """A saved-tensor hook pair that counts, by kind, what autograd saves and changes nothing."""
+
+    def __init__(self, model: torch.nn.Module, min_bytes: int):
+        self.min_bytes = min_bytes
+        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.buffer_storages = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self.counts = {"parameter": [0, 0], "buffer": [0, 0], "activation": [0, 0], "activation_small": [0, 0]}
+        self.unique = {}  # storage data_ptr -> (lo, hi) byte range over every save of it
+
+    def pack(self, t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        ptr = t.untyped_storage().data_ptr() if t.layout == torch.strided else None
+        if isinstance(t, torch.nn.Parameter) or ptr in self.param_storages:
+            kind, nbytes = "parameter", t.numel() * t.element_size()
+        elif ptr in self.buffer_storages:
+            kind, nbytes = "buffer", t.numel() * t.element_size()
+        else:
+            kind, nbytes = "activation", _span_bytes(t)
+            if nbytes < self.min_bytes:
+                self.counts["activation_small"][0] += 1
+                self.counts["activation_small"][1] += nbytes
+            lo = t.storage_offset() * t.element_size()
+            old = self.unique.get(ptr, (lo, lo + nbytes))
+            self.unique[ptr] = (min(old[0], lo), max(old[1], lo + nbytes))
+        self.counts[kind][0] += 1
+        self.counts[kind][1] += nbytes
+        # A detached alias, not t itself: an output saved by its own node would otherwise form
+        # a reference cycle and keep the graph (and its memory) alive until the next gc.
+        return t.detach()
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def result(self) -> dict:
+        c = self.counts
+        return {
+            "saved_tensors": sum(v[0] for k, v in c.items() if k != "activation_small"),
+            "activation_tensors": c["activation"][0],
+            "activation_bytes": c["activation"][1],
+            "activation_bytes_unique": sum(hi - lo for lo, hi in self.unique.values()),
+            "activation_tensors_below_min_bytes": c["activation_small"][0],
+            "activation_bytes_below_min_bytes": c["activation_small"][1],
+            "parameter_tensors": c["parameter"][0],
+            "parameter_bytes": c["parameter"][1],
+            "buffer_tensors": c["buffer"][0],
+            "buffer_bytes": c["buffer"][1],
+        }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Adam:
+    """Plain Adam, enough for a demo. Not torch.optim: its first use imports torch._dynamo,
+    which costs seconds of start-up on a small CPU (most of a tiny demo's run time)."""
+
+    def __init__(self, params, lr: float = 3e-3, betas=(0.9, 0.999), eps: float = 1e-8):
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.betas, self.eps, self.t = lr, betas, eps, 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        c1, c2 = 1 - b1**self.t, 1 - b2**self.t
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            p.addcdiv_(m, (v / c2).sqrt_().add_(self.eps), value=-self.lr / c1)
+
+
+def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0) -> dict:
+    """One training run. With ``offload_ctx`` every forward runs inside it; without, the first
+    step's forward runs under a counting hook. Returns losses, times, first-step grads, counts."""
+    torch.manual_seed(seed)  # dropout draws: identical sequence in both runs
+    model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)
+    model.train()
+    opt = _Adam(model.parameters(), lr=3e-3)
+    counter = None if offload_ctx is not None else _SavedBytesCounter(model, min_bytes)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    losses, times, first_grads, first_stats = [], [], None, None
+    for step, tokens in enumerate(batches):
+        if offload_ctx is not None:
+            ctx = offload_ctx
+        elif step == 0:
+            ctx = counter.hooks()
+        else:
+            ctx = contextlib.nullcontext()
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        with ctx:
+            loss = lm_loss(model, tokens)
+        loss.backward()
+        if step == 0:
+            first_grads = {
+                name: (None if p.grad is None else p.grad.detach().clone()) for name, p in model.named_parameters()
+            }
+            if offload_ctx is not None:
+                first_stats = offload_ctx.stats()
+        opt.step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    out = {
+        "losses": losses,
+        "step_times_s": times,
+        "median_step_s": statistics.median(times[1:]) if len(times) > 1 else None,
+        "max_memory_allocated": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+        "first_grads": first_grads,
+        "num_parameters": model.num_parameters(),
+    }
+    if counter is not None:
+        out["saved_per_step"] = counter.result()
+    else:
+        out["stats_first_step"] = first_stats
+        out["stats_total"] = offload_ctx.stats()
+    return out
+
+
+def _compare_grads(a: dict, b: dict) -> tuple:
+    """(all equal, names that differ, max |difference|; None when a shape or a None grad differs)."""
+    mismatched, max_diff = [], 0.0
+    for name, ga in a.items():
+        gb = b.get(name)
+        if ga is None or gb is None:
+            if ga is not gb:
+                mismatched.append(name)
+                max_diff = None
+            continue
+        if not torch.equal(ga, gb):
+            mismatched.append(name)
+            if ga.shape != gb.shape:
+                max_diff = None
+            elif max_diff is not None:
+                max_diff = max(max_diff, (ga.double() - gb.double()).abs().max().item())
+    return not mismatched, mismatched, max_diff
+
+
+def run_demo(
+    size: str = "small",
+    steps: int = 8,
+    device: str | None = None,
+    min_bytes: int = co.DEFAULT_MIN_BYTES,
+    stream: str = "side",
+    seed: int = 0,
+) -> dict:
+    """Runs the baseline and the offloaded training, returns every number as a JSON-able dict.
+
+    ``device`` None picks :func:`default_device`. On ``"cuda"`` the context is
+    ``co.offload(devices=None)`` (the default: CUDA tensors); on ``"cpu"`` it is
+    ``co.offload(devices=["cpu"])``, which copies CPU tensors into the host pool. The pool is a
+    fresh :class:`ckpt_offload.HostPool` so its counters describe this run alone.
+
+    Keys include ``grads_match`` (first step, every parameter, ``torch.equal``),
+    ``losses_match`` (every step, exact), ``activation_bytes_on_device_baseline``,
+    ``activation_bytes_on_device_offload``, ``bytes_offloaded_to_pool``, ``pool``,
+    ``time_ratio`` (median offload / baseline step time, steps after the first; None for one
+    step), ``baseline``, ``offload``, ``config``, ``cpu_only`` and ``note``.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = default_device() if device is None else device
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not gpu_usable():
+        raise RuntimeError(
+            "device='cuda' needs a CUDA GPU and a CUDA build of ckpt_offload "
+            f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+            f"cuda_compiled={co.build_info()['cuda_compiled']}); use device='cpu'"
+        )
+    cfg = make_config(size)
+    batches = [make_batch(cfg, seed=seed * 100_003 + i, device=device) for i in range(steps)]
+
+    base = _train(cfg, batches, device, seed, min_bytes=min_bytes)
+
+    pool = co.HostPool()
+    devices = None if device == "cuda" else ["cpu"]
+    ctx = co.offload(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool)
+    off = _train(cfg, batches, device, seed, offload_ctx=ctx)
+    co.synchronize()
+    pool.synchronize()
+    pool_stats = pool.stats()
+
+    base_grads, off_grads = base.pop("first_grads"), off.pop("first_grads")
+    grads_match, mismatched, max_grad_diff = _compare_grads(base_grads, off_grads)
+    losses_match = base["losses"] == off["losses"]
+
+    saved = base["saved_per_step"]
+    s1 = off["stats_first_step"]
+    kept_bytes_by_reason = s1["kept_bytes_by_reason"]
+    kept_activation_bytes = s1["bytes_kept"] - kept_bytes_by_reason.get("parameter", 0) - kept_bytes_by_reason.get(
+        "buffer", 0
+    )
+    kept_activation_tensors = (
+        s1["tensors_kept"] - s1["kept_by_reason"].get("parameter", 0) - s1["kept_by_reason"].get("buffer", 0)
+    )
+    ratio = None
+    if base["median_step_s"] and off["median_step_s"] is not None:
+        ratio = off["median_step_s"] / base["median_step_s"]
+
+    cpu_only = device == "cpu"
+    if cpu_only:
+        note = (
+            "No GPU was used: this run offloaded CPU tensors (co.offload(devices=['cpu'])) by copying them "
+            f"into a {pool_stats['backend']} host pool in the same RAM. The byte counts and the gradient/loss "
+            "equality are real results of the offload machinery; 'kept on the device' means kept in place on "
+            "the CPU. The time ratio is CPU copy overhead (memcpy on a worker thread), not GPU behaviour: no "
+            "PCIe transfer, no overlap with GPU compute, and no device memory is saved."
+        )
+    else:
+        note = (
+            f"CUDA run: saved CUDA activations were copied to a {pool_stats['backend']} host pool "
+            f"(stream={stream!r}) and reloaded in backward."
+        )
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "build_info": co.build_info(),
+        "config": {
+            **cfg.as_dict(),
+            "size": size,
+            "steps": steps,
+            "device": device,
+            "seed": seed,
+            "min_bytes": min_bytes,
+            "stream": stream,
+            "offload_devices": devices,
+            "num_parameters": base["num_parameters"],
+            "torch_threads": torch.get_num_threads(),
+        },
+        "cpu_only": cpu_only,
+        "note": note,
+        "grads_match": grads_match,
+        "grad_mismatches": mismatched,
+        "max_grad_abs_diff": max_grad_diff,
+        "num_grads_compared": len(base_grads),
+        "losses_match": losses_match,
+        "activation_bytes_saved_per_step": saved["activation_bytes"],
+        "activation_bytes_on_device_baseline": saved["activation_bytes"],
+        "activation_bytes_on_device_offload": kept_activation_bytes,
+        "activation_tensors_on_device_offload": kept_activation_tensors,
+        "bytes_offloaded_to_pool": s1["bytes_offloaded"],
+        "bytes_deduplicated": s1["bytes_deduplicated"],
+        "time_ratio": ratio,
+        "pool": pool_stats,
+        "baseline": base,
+        "offload": off,
+    }
+    return result
+
+
+def _mib(n) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def _note(text: str) -> list:
+    return textwrap.wrap("NOTE: " + text, width=100, subsequent_indent="      ")
+
+
+def _timed_steps(steps: int) -> str:
+    return f" (steps 2..{steps})" if steps > 2 else " (step 2)" if steps == 2 else ""
+
+
+def _ms(s) -> str:
+    return "-" if s is None else f"{s * 1e3:,.1f} ms"
+
+
+def format_report(r: dict) -> str:
+    """The plain-text report of a :func:`run_demo` result."""
+    c = r["config"]
+    base, off, pool = r["baseline"], r["offload"], r["pool"]
+    saved = base["saved_per_step"]
+    s1 = off["stats_first_step"]
+    reasons = ", ".join(
+        f"{k} {v}" for k, v in sorted(s1["kept_by_reason"].items()) if k not in ("parameter", "buffer")
+    )
+    devices = "default (cuda)" if c["offload_devices"] is None else c["offload_devices"]
+    lines = [
+        f"ckpt_offload demo: TinyTransformer '{c['size']}' (vocab {c['vocab']}, dim {c['dim']}, "
+        f"{_n(c['layers'], 'layer')}, "
+        f"{_n(c['heads'], 'head')}, seq {c['seq']}, batch {c['batch']}, {c['num_parameters'] / 1e6:.2f} M params), "
+        f"dropout {c['dropout']}, seed {c['seed']}, {_n(c['steps'], 'step')} on {c['device']}",
+        f"offload run: co.offload(devices={devices}, min_bytes={c['min_bytes']}, stream={c['stream']!r}), "
+        f"a fresh co.HostPool ({pool['backend']})",
+        "",
+    ]
+    if r["cpu_only"]:
+        lines += _note(r["note"]) + [""]
+    rows = [
+        ("per training step", "baseline", "co.offload", ""),
+        (
+            "activation bytes saved by autograd",
+            _mib(saved["activation_bytes"]),
+            _mib(saved["activation_bytes"]),
+            f"{_n(saved['activation_tensors'], 'save')}; {_mib(saved['activation_bytes_unique'])} in distinct storage",
+        ),
+        (
+            "  kept on the device",
+            _mib(r["activation_bytes_on_device_baseline"]),
+            _mib(r["activation_bytes_on_device_offload"]),
+            _n(r["activation_tensors_on_device_offload"], "tensor") + (f" ({reasons})" if reasons else ""),
+        ),
+        (
+            "  copied into the pool",
+            "-",
+            _mib(r["bytes_offloaded_to_pool"]),
+            _n(s1["tensors_offloaded"], "tensor"),
+        ),
+        (
+            "  deduplicated (views of those)",
+            "-",
+            _mib(r["bytes_deduplicated"]),
+            _n(s1["tensors_deduplicated"], "tensor") + ", no extra copy",
+        ),
+        (
+            "parameter/buffer bytes saved (kept)",
+            _mib(saved["parameter_bytes"] + saved["buffer_bytes"]),
+            _mib(s1["kept_bytes_by_reason"].get("parameter", 0) + s1["kept_bytes_by_reason"].get("buffer", 0)),
+            "never offloaded",
+        ),
+        (
+            "reloaded in backward",
+            "-",
+            _mib(s1["bytes_reloaded"]),
+            f"{_n(s1['tensors_reloaded'], 'copy').replace('copys', 'copies')}, {s1['tensors_reload_shared']} shared",
+        ),
+        ("", "", "", ""),
+        ("pool (whole run)", "", "", ""),
+        ("  peak in use / reserved", "-", f"{_mib(pool['peak_bytes_in_use'])} / {_mib(pool['bytes_reserved'])}", ""),
+        (
+            "  segments / backend allocs / allocs",
+            "-",
+            f"{pool['num_segments']} / {pool['num_backend_allocs']} / {pool['num_allocs']}",
+            "",
+        ),
+        ("  in use after the run", "-", _mib(pool["bytes_in_use"]), "0 expected: nothing leaked"),
+    ]
+    if c["device"] == "cuda":
+        rows.append(
+            (
+                "torch.cuda.max_memory_allocated",
+                _mib(base["max_memory_allocated"]),
+                _mib(off["max_memory_allocated"]),
+                "whole run: weights, optimizer, activations",
+            )
+        )
+    ratio = r["time_ratio"]
+    rows += [
+        (
+            "median step time" + _timed_steps(c["steps"]),
+            _ms(base["median_step_s"]),
+            _ms(off["median_step_s"]),
+            "n/a (one step)" if ratio is None else f"ratio offload/baseline {ratio:.2f}x",
+        ),
+        (
+            "loss (first -> last step)",
+            f"{base['losses'][0]:.4f} -> {base['losses'][-1]:.4f}",
+            f"{off['losses'][0]:.4f} -> {off['losses'][-1]:.4f}",
+            "",
+        ),
+    ]
+    w0 = max(len(row[0]) for row in rows)
+    w1 = max(len(row[1]) for row in rows)
+    w2 = max(len(row[2]) for row in rows)
+    for a, b, cc, d in rows:
+        lines.append(f"{a:<{w0}}  {b:>{w1}}  {cc:>{w2}}  {d}".rstrip())
+    lines.append("")
+    if r["grads_match"]:
+        lines.append(f"gradients on step 1: bit-identical (torch.equal on all {r['num_grads_compared']} parameters)")
+    else:
+        lines.append(
+            f"gradients on step 1: MISMATCH in {len(r['grad_mismatches'])} of {r['num_grads_compared']} parameters "
+            f"(max |diff| {r['max_grad_abs_diff']}): {', '.join(r['grad_mismatches'][:8])}"
+        )
+    lines.append(
+        f"losses on {'all ' if c['steps'] > 1 else ''}{_n(c['steps'], 'step')}: "
+        + ("bit-identical" if r["losses_match"] else "MISMATCH (see demo.json)")
+    )
+    if not r["cpu_only"]:
+        lines += _note(r["note"])
+    return "\n".join(lines)
+
+
+def write_json(result: dict, out_dir: str) -> str:
+    """Writes ``result`` to ``out_dir/demo.json`` (creating the folder); returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, DEMO_JSON)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    return path
