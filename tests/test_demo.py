@@ -115,8 +115,16 @@ def test_demo_cuda(tmp_path):
 # ---------------------------------------------------------------- info and arguments
 
 
-def test_info_subprocess():
-    p = subprocess.run([sys.executable, "-m", "ckpt_offload", "info"], capture_output=True, text=True, timeout=120)
+def test_info_subprocess(tmp_path):
+    # Run where this test imported ckpt_offload from (installed, or built in place), not from
+    # whatever ./ckpt_offload the working directory holds.
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(co.__file__)))
+    p = subprocess.run(
+        [sys.executable, "-m", "ckpt_offload", "info"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr
     assert "cuda_compiled" in p.stdout
     assert "default_pool" in p.stdout and "bytes_reserved" in p.stdout
