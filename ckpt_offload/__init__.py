@@ -68,5 +68,7 @@ def build_info() -> dict:
 
 
 def synchronize() -> None:
-    """Waits for every copy ckpt_offload has enqueued (all devices, both directions)."""
+    """Waits for every copy on ckpt_offload's side streams (all devices, both directions) and
+    releases the source tensors those copies held. Copies made with ``stream="compute"`` run on
+    the compute stream itself; ``torch.cuda.synchronize()`` waits for those."""
     _C.synchronize()

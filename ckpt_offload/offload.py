@@ -159,6 +159,10 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
     returned when the handle dies, after its last copy has finished. Raises
     :class:`~ckpt_offload.PoolFullError` when the pool is at its cap.
 
+    With ``stream="side"`` the copy waits only for work already enqueued when this is called:
+    do not modify ``tensor`` in place before :func:`ckpt_offload.synchronize` (``reload`` raises
+    if it sees the tensor's version changed, but the copy may already hold the new values).
+
     Example::
 
         h = co.offload_tensor(x)          # x's bytes now also live in the pool
