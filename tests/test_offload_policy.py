@@ -301,3 +301,23 @@ def test_stats_keys(pool):
                 "tensors_deduplicated", "bytes_deduplicated", "tensors_reloaded", "bytes_reloaded"]:
         assert key in s
     assert re.match(r"co\.offload\(min_bytes=0, stream='side', devices=\['cpu'\]", repr(ctx))
+
+
+@pytest.mark.parametrize("first_offset", [1, 3, 37])
+def test_dedup_view_of_misaligned_first_save(pool, stream, first_offset):
+    """The first view of a storage to be offloaded starts `first_offset` elements in, so its
+    host copy is reloaded behind a pad of first_offset * 4 bytes (alignment is kept modulo
+    512). A later view deduplicated onto that copy must count the pad in its offset, or it
+    reads the wrong elements. (Found by mutation testing: other dedup tests start at offset 0.)"""
+    base = torch.randn(1000)
+    x = torch.randn(3, requires_grad=True)
+    first = base[first_offset:]
+    with cpu_offload(pool, stream=stream) as ctx:
+        y = Probe.apply(x, first, base[50:60], base[first_offset + 2 : 900 : 7], base[100:].view(9, 100)[:, 3:])
+    s = ctx.stats()
+    assert s["tensors_offloaded"] == 2  # x and `first`
+    assert s["tensors_deduplicated"] == 3  # all within first's span
+    Probe.seen.clear()
+    y.sum().backward()  # Probe checks values, sizes, strides and storage offsets
+    assert Probe.seen == [torch.float32] * 4
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
