@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 
 namespace ckpt_offload {
@@ -144,6 +145,10 @@ bool HostPool::grow_locked(size_t bytes) {
 }
 
 HostPool::Block* HostPool::allocate_locked(size_t bytes) {
+  // No host can provide half the address space. Refusing such a request here also keeps the
+  // rounding below (and the cap arithmetic in grow_locked) from wrapping around: SIZE_MAX
+  // would otherwise round to 0 and be "served" by a zero-byte split of some free block.
+  if (bytes > std::numeric_limits<size_t>::max() / 2) return nullptr;
   const size_t need = round_up(std::max<size_t>(bytes, 1), kAlignment);
   auto find = [&]() -> Block* {
     Block key{nullptr, need, 0, nullptr};
@@ -237,8 +242,18 @@ size_t HostPool::empty_cache() {
 }
 
 void HostPool::synchronize() {
+  // Wait without holding the lock: allocate() promises never to block on a copy, and it would
+  // if another thread sat in this wait with mu_ held (pack on the forward thread while a
+  // backward thread or the user synchronizes).
+  std::vector<std::shared_ptr<Event>> events;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Pending& p : pending_) events.insert(events.end(), p.events.begin(), p.events.end());
+  }
+  for (const auto& ev : events)
+    if (ev) ev->synchronize();
   std::lock_guard<std::mutex> lock(mu_);
-  reclaim_locked(/*wait=*/true);
+  reclaim_locked(/*wait=*/false);
 }
 
 PoolStats HostPool::stats() {

@@ -86,7 +86,8 @@ class HostPool {
   void reset_peak();
   // Releases every segment with no live or pending block. Returns the bytes released.
   size_t empty_cache();
-  // Blocks until the copies of all pending blocks have finished, then makes them reusable.
+  // Blocks until the copies of all blocks pending at the call have finished, then makes them
+  // reusable. Other threads may allocate and free meanwhile: the wait holds no lock.
   void synchronize();
   void set_max_bytes(size_t max_bytes);
   const char* backend_name() const { return backend_->name(); }
