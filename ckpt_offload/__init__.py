@@ -22,6 +22,7 @@ except ImportError as e:  # pragma: no cover - explained to the user
         "folder itself, its ckpt_offload/ (without the built extension) shadows the installed one: run "
         "from elsewhere, or build in place with `python setup.py build_ext --inplace`."
     ) from e
+from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 
@@ -29,6 +30,10 @@ __version__ = "0.1.0"
 __all__ = [
     "offload",
     "offload_tensor",
+    "checkpoint",
+    "checkpoint_sequential",
+    "apply",
+    "CheckpointHandle",
     "HostPool",
     "PoolFullError",
     "default_pool",

@@ -106,6 +106,9 @@ class offload:
         )
         self._hooks = None
         self._module_hook = None
+        # co.checkpoint reuses one context across layers and keeps its deduplication table, so
+        # an input every layer receives is stored once.
+        self._keep_dedup = False
 
     def _note_module(self, module, args):
         self._packer.note_module_state(module._parameters, module._buffers)
@@ -130,7 +133,7 @@ class offload:
             if self._module_hook is not None:
                 self._module_hook.remove()
                 self._module_hook = None
-            self._packer.end()
+            self._packer.end(keep_dedup=self._keep_dedup)
 
     def stats(self) -> dict:
         """What this context did, accumulated over every time it was entered.

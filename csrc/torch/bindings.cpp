@@ -79,7 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unpack", &Packer::unpack)
       .def("note_module_state", &Packer::note_module_state)
       .def("begin", &Packer::begin)
-      .def("end", &Packer::end)
+      .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("stats", &Packer::stats);
 
   m.def("cuda_compiled", &cuda_compiled);

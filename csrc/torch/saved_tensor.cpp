@@ -141,15 +141,14 @@ Packer::Packer(PackerOptions options) : options_(std::move(options)), counters_(
 
 void Packer::begin() {
   std::lock_guard<std::mutex> lock(mu_);
-  dedup_.clear();
   parameter_storages_.clear();
   buffer_storages_.clear();
 }
 
-void Packer::end() {
+void Packer::end(bool keep_dedup) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    dedup_.clear();
+    if (!keep_dedup) dedup_.clear();
     parameter_storages_.clear();
     buffer_storages_.clear();
   }
@@ -257,6 +256,15 @@ py::object Packer::pack(py::handle obj) {
   counters_->bytes_offloaded += span;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (dedup_.size() >= prune_at_) {
+      for (auto it = dedup_.begin(); it != dedup_.end();) {
+        if (it->second.offloaded.expired() || it->second.storage.expired())
+          it = dedup_.erase(it);
+        else
+          ++it;
+      }
+      prune_at_ = std::max<size_t>(1024, 2 * dedup_.size());
+    }
     DedupEntry& e = dedup_[storage];
     e.storage = t.storage().getWeakStorageImpl();
     e.offloaded = saved->storage_;

@@ -117,9 +117,11 @@ class Packer {
   // Records the storages of a module's own parameters and buffers (called from a forward
   // pre-hook), so views of them are never offloaded.
   void note_module_state(pybind11::handle parameters, pybind11::handle buffers);
-  // Starts / ends an activation of the context: the deduplication table lives in between.
+  // Starts / ends an activation of the context. The deduplication table lives in between, or
+  // across activations with keep_dedup (co.checkpoint: an input shared by every layer, such
+  // as a rotary table or a mask, is stored once); its entries are weak either way.
   void begin();
-  void end();
+  void end(bool keep_dedup);
   pybind11::dict stats() const;
   const PackerOptions& options() const { return options_; }
 
@@ -137,6 +139,7 @@ class Packer {
   std::shared_ptr<PackerCounters> counters_;
   std::mutex mu_;
   std::unordered_map<const void*, DedupEntry> dedup_;
+  size_t prune_at_ = 1024;  // drop expired dedup entries when the table grows past this
   std::unordered_set<const void*> parameter_storages_, buffer_storages_;
 };
 
