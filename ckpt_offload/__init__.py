@@ -77,3 +77,14 @@ def synchronize() -> None:
     releases the source tensors those copies held. Copies made with ``stream="compute"`` run on
     the compute stream itself; ``torch.cuda.synchronize()`` waits for those."""
     _C.synchronize()
+
+
+def __getattr__(name):
+    # co.hf imports transformers only when asked for.
+    if name == "hf":
+        import importlib
+
+        module = importlib.import_module("ckpt_offload.integrations.hf")
+        globals()["hf"] = module
+        return module
+    raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")

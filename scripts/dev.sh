@@ -16,7 +16,7 @@ setup() {
     python3 -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=64"
-  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" numpy ninja pytest
+  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" numpy ninja pytest transformers accelerate
   echo "== building ckpt_offload (MAX_JOBS=$MAX_JOBS; log in build.log)"
   if ! "$VENV/bin/python" -m pip install --no-build-isolation -v . > build.log 2>&1; then
     tail -n 60 build.log
