@@ -1,0 +1,185 @@
+"""Hugging Face Accelerate training loops with co.apply(..., offload=...) end where they end without it.
+
+1. ``accelerator.accumulate(model)`` with ``gradient_accumulation_steps=2`` in this process.
+2. ``accelerate.local_sgd.LocalSGD`` across 2 CPU processes talking gloo over 127.0.0.1
+   (tests/accelerate_worker.py is one rank).
+
+Order: ``co.apply`` goes on the bare model *before* ``accelerator.prepare`` -- what a user
+writes (build, wrap blocks, prepare). It only replaces the blocks' ``forward`` on the block
+instances, which survive the DDP wrapper ``prepare`` adds in a multi-process run. Applying it
+after ``prepare`` to the returned model also works (the blocks are found through the wrapper)
+and is checked in the single-process test too.
+
+Dropout stays on (0.1): the checkpoint restores the RNG state for its recompute, so the masks,
+and hence the parameters, match bit for bit.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
+import ckpt_offload as co  # noqa: E402
+from ckpt_offload.models import TinyTransformer, lm_loss  # noqa: E402
+
+MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
+WORKER = Path(__file__).with_name("accelerate_worker.py")
+WORKER_TIMEOUT_S = 120
+
+
+def _reset_accelerate():
+    # Accelerator's state is a per-process singleton; a fresh one per run keeps the runs (and
+    # the other test modules) independent, as accelerate's own AccelerateTestCase does.
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate():
+    _reset_accelerate()
+    yield
+    _reset_accelerate()
+
+
+def train_accumulate(offload_opts=None, order="apply_then_prepare"):
+    """7 batches with gradient_accumulation_steps=2: optimizer steps after batches 2, 4, 6 and
+    at the end of the dataloader (7). Returns the final parameters and the co.apply handle."""
+    _reset_accelerate()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    assert accelerator.device.type == "cpu"
+    model = TinyTransformer(**MODEL, seed=0)
+    tokens = torch.randint(0, MODEL["vocab"], (28, MODEL["seq"] + 1), generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(tokens), batch_size=4, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = None
+    if offload_opts is not None and order == "apply_then_prepare":
+        handle = co.apply(model, offload=offload_opts)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if offload_opts is not None and order == "prepare_then_apply":
+        handle = co.apply(model, offload=offload_opts)
+    torch.manual_seed(1234)  # dropout
+    optimizer_steps = 0
+    for (batch,) in loader:
+        with accelerator.accumulate(model):
+            loss = lm_loss(model, batch)
+            accelerator.backward(loss)
+            optimizer_steps += accelerator.sync_gradients
+            optimizer.step()
+            optimizer.zero_grad()
+    assert optimizer_steps == 4
+    co.synchronize()
+    params = {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+    return params, handle
+
+
+def assert_same_params(expected: dict, got: dict, what: str):
+    assert expected.keys() == got.keys()
+    differing = [n for n in expected if not torch.equal(expected[n], got[n])]
+    assert not differing, f"{what}: parameters differ: {differing}"
+
+
+@pytest.mark.parametrize("order", ["apply_then_prepare", "prepare_then_apply"])
+def test_gradient_accumulation_matches_without_ckpt_offload(fresh_accelerate, order):
+    base, _ = train_accumulate(None)
+    initial = TinyTransformer(**MODEL, seed=0).state_dict()
+    assert any(not torch.equal(initial[n], p) for n, p in base.items()), "the loop did not train"
+
+    pool = co.HostPool(pinned=False)
+    got, handle = train_accumulate({"devices": ["cpu"], "min_bytes": 0, "pool": pool}, order)
+    assert handle.names == ["blocks.0", "blocks.1", "blocks.2"]
+    stats = pool.stats()
+    # Fails if co.apply silently did nothing: the checkpoint inputs must have gone to the pool.
+    assert stats["num_allocs"] > 0, stats
+    assert stats["bytes_in_use"] == 0, stats  # every offloaded input was released after backward
+    assert_same_params(base, got, f"accumulate, co.apply {order}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_ranks(out_dir: Path, world_size: int = 2):
+    """Starts one plain Python process per rank with the environment accelerate reads for a
+    multi-CPU gloo run; loopback only."""
+    repo_root = str(Path(co.__file__).resolve().parent.parent)  # the ckpt_offload this test imported
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.pop("ACCELERATE_USE_CPU", None)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            GLOO_SOCKET_IFNAME="lo",  # gloo's pairs bind to loopback, not the host's address
+            OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine; also silences accelerate's hint
+            PYTHONPATH=os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p),
+        )
+        log = open(out_dir / f"rank{rank}.log", "wb")
+        procs.append((subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT, cwd=repo_root), log))
+    return procs
+
+
+def _wait_ranks(procs, out_dir: Path, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    try:
+        for rank, (proc, _) in enumerate(procs):
+            try:
+                rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed = f"rank {rank} did not finish within {timeout_s} s (hang?)"
+                break
+            if rc != 0 and failed is None:
+                failed = f"rank {rank} exited with {rc}"
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    if failed:
+        logs = "\n".join(
+            f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text(errors="replace")[-4000:]
+            for r in range(len(procs))
+        )
+        pytest.fail(f"{failed}\n{logs}")
+
+
+def test_local_sgd_two_cpu_processes_matches_without_ckpt_offload(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    _wait_ranks(_launch_ranks(tmp_path), tmp_path, WORKER_TIMEOUT_S)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    initial = TinyTransformer(**MODEL, seed=0).state_dict()
+    for rank, res in enumerate(results):
+        assert res["distributed_type"] == "MULTI_CPU" and res["backend"] == "gloo", res["distributed_type"]
+        assert (res["num_processes"], res["process_index"]) == (2, rank)
+        assert res["plain_steps"] == res["offload_steps"] == 5
+        assert res["checkpointed_blocks"] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert res["pool_stats"]["num_allocs"] > 0, res["pool_stats"]
+        assert res["pool_stats"]["bytes_in_use"] == 0, res["pool_stats"]
+        assert any(not torch.equal(initial[n], p) for n, p in res["plain"].items()), "rank did not train"
+        assert_same_params(res["plain"], res["offload"], f"LocalSGD rank {rank}")
+
+    # LocalSGD averages the parameters on exit, so the ranks end identical (a mean of two values
+    # is the same on both ranks) -- although each trained on its own shard in between.
+    for variant in ("plain", "offload"):
+        assert_same_params(results[0][variant], results[1][variant], f"LocalSGD {variant}: rank 0 vs rank 1")
