@@ -15,8 +15,13 @@ setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
   fi
-  "$VENV/bin/python" -m pip install -q --upgrade pip "setuptools>=64"
-  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC" numpy ninja pytest transformers accelerate
+  echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
+  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=64" "$TORCH_SPEC" numpy ninja pytest \
+      transformers accelerate > pip.log 2>&1; then
+    tail -n 40 pip.log
+    echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
+    exit 1
+  fi
   echo "== building ckpt_offload (MAX_JOBS=$MAX_JOBS; log in build.log)"
   if ! "$VENV/bin/python" -m pip install --no-build-isolation -v . > build.log 2>&1; then
     tail -n 60 build.log
