@@ -1,0 +1,489 @@
+"""``co.hf``: ckpt_offload's checkpoint as the gradient-checkpointing function of Hugging Face models.
+
+Hugging Face ``transformers`` checkpoints a model through one hook: its enable method
+(``activation_checkpointing_enable`` in recent releases such as 5.24, ``gradient_checkpointing_enable``
+in earlier ones such as 5.18, where the new name is absent; 5.24 keeps the old name as a deprecated
+alias) sets ``gradient_checkpointing`` on the selected layers and stores a checkpoint function as
+``_gradient_checkpointing_func`` on every module that has that flag. Each
+``GradientCheckpointingLayer`` then calls ``self._gradient_checkpointing_func(partial(forward,
+self, **kwargs), *args)`` (5.24; 5.18 and earlier checkpoint ``partial(super().__call__,
+**kwargs)``). :func:`enable` calls the model's own enable method -- so Hugging Face chooses the
+layers, applies ``every_n_layers`` and turns on input gradients exactly as it does by itself --
+and then puts :func:`ckpt_offload.checkpoint` with your offload options in place of that
+function. Both names, both layer styles, and enable methods without ``every_n_layers`` (5.0,
+4.57) are detected on the model itself, not from the version number.
+
+Hugging Face passes a layer's ``position_embeddings``, masks and ids by keyword, inside the
+``partial``: torch's checkpoint would keep those on the device. Our function opens the
+``partial`` so that they are offloaded too, once for all layers that share them.
+
+Trainer: ``Trainer.train()`` calls the model's enable method again when
+``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing=True`` in releases
+without the new name), which would put Hugging Face's function back. While :func:`enable` is active the model's
+enable methods are wrapped on the instance so that such a call keeps ckpt_offload's function
+(with a warning when it asked for different settings). :class:`OffloadCheckpointCallback` is the
+Trainer route: it enables ckpt_offload when the Trainer is built and checks it again at
+``on_train_begin``. ``activation_checkpointing_kwargs`` cannot carry our function itself (its
+keys go to ``torch.utils.checkpoint.checkpoint`` and it is serialized with the arguments), but
+the callback reads ``every_n_layers`` and torch's checkpoint keywords from it.
+
+Example::
+
+    import ckpt_offload as co
+
+    handle = co.hf.enable(model, every_n_layers=2, offload=True)
+    model(**batch).loss.backward()
+    handle.remove()
+
+    trainer = Trainer(model, args, train_dataset=ds,
+                      callbacks=[co.hf.OffloadCheckpointCallback(offload=True)])
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import torch
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - explained to the user
+    raise ImportError(
+        f"co.hf needs Hugging Face transformers ({e}); install it with `pip install transformers`, "
+        "or use co.apply(model, ...) for other models."
+    ) from e
+
+try:  # recent transformers (4.57 has it): every decoder/encoder layer is one of these
+    from transformers.modeling_layers import GradientCheckpointingLayer
+except ImportError:  # pragma: no cover - older transformers: checkpointing lives in the layer stacks
+    GradientCheckpointingLayer = None
+
+from ckpt_offload._args import check_int
+from ckpt_offload.checkpoint import _TORCH_KEYWORDS, _check_reentrant, _checkpoint, offload_options
+
+__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback"]
+
+# New name first: it is the one that does not warn. Feature-detected on each model, not by version.
+_ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+_HANDLE_ATTR = "_ckpt_offload_handle"  # shared with co.apply, so neither stacks on the other
+
+
+class HFCheckpointFunction:
+    """The callable installed as ``_gradient_checkpointing_func`` on the model's modules.
+
+    Called by Hugging Face as ``f(partial(forward, layer, **kwargs), *args)``; runs
+    :func:`ckpt_offload.checkpoint` with the options given to :func:`enable`. ``calls`` counts
+    the checkpointed layer calls, so you can check that this function is the one in use.
+
+    Example::
+
+        handle = co.hf.enable(model)
+        model(**batch).loss.backward()
+        assert handle.function.calls > 0
+    """
+
+    def __init__(self, options: dict | None, use_reentrant: bool, torch_kwargs: dict):
+        self.options = options
+        self.use_reentrant = use_reentrant
+        self.torch_kwargs = dict(torch_kwargs)
+        self.calls = 0
+
+    def __call__(self, function, *args, **kwargs):
+        self.calls += 1
+        torch_kwargs = dict(self.torch_kwargs)
+        for name in _TORCH_KEYWORDS:  # a call site may pass torch's keywords as Hugging Face's func allows
+            if name in kwargs:
+                torch_kwargs[name] = kwargs.pop(name)
+        use_reentrant = _check_reentrant(kwargs.pop("use_reentrant", self.use_reentrant), self.options)
+        if self.options is not None:
+            # The partial's keywords (position_embeddings, attention_mask, position_ids) become
+            # inputs of the checkpoint, where they are offloaded; left in the partial they would
+            # stay on the device until backward.
+            pargs, pkw = (), {}
+            while isinstance(function, functools.partial):
+                pargs = function.args + pargs
+                pkw = {**function.keywords, **pkw}
+                function = function.func
+            args, kwargs = pargs + args, {**pkw, **kwargs}
+        return _checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs)
+
+    def __deepcopy__(self, memo):
+        # A copied model shares the function: its options may hold a HostPool, which is not copyable.
+        return self
+
+    def __repr__(self) -> str:
+        return f"HFCheckpointFunction(offload={self.options!r}, use_reentrant={self.use_reentrant}, calls={self.calls})"
+
+
+class _KeepOurs:
+    """Set on the model instance over its enable methods while a handle is active: a later call
+    (``Trainer.train()``'s) re-installs ckpt_offload's function instead of replacing it."""
+
+    def __init__(self, handle: "HFCheckpointHandle", name: str):
+        self.handle = handle
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        self.handle._warn_ignored(self.name, args, kwargs)
+        self.handle._install()
+
+
+class HFCheckpointHandle:
+    """Returned by :func:`enable`: what is checkpointed, and :meth:`remove` to undo it.
+
+    Attributes: ``names`` (qualified names of the checkpointed layers), ``every_n_layers``,
+    ``offload`` (the co.offload options, or None), ``function`` (the installed
+    :class:`HFCheckpointFunction`), ``enable_method`` (the Hugging Face method used), ``removed``.
+    """
+
+    def __init__(self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict):
+        self._model = model
+        self.every_n_layers = every_n_layers
+        self.use_reentrant = use_reentrant
+        self.torch_kwargs = dict(torch_kwargs)
+        self.function = HFCheckpointFunction(options, use_reentrant, torch_kwargs)
+        self.enable_method = next(n for n in _ENABLE_NAMES if hasattr(model, n))
+        self.names: list[str] = []
+        self.removed = False
+        self._saved_state = None  # per-module flags/functions before enable, restored by remove()
+        self._input_grads_added = False
+
+    @property
+    def offload(self) -> dict | None:
+        """The co.offload options in use, or None when offload is off."""
+        return self.function.options
+
+    # -- installing ---------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        model = self._model
+        patches = {n: model.__dict__.pop(n) for n in _ENABLE_NAMES if isinstance(model.__dict__.get(n), _KeepOurs)}
+        try:
+            if self._input_grads_added and hasattr(model, "disable_input_require_grads"):
+                # Hugging Face's enable adds the embedding hook again on every call; drop ours first.
+                model.disable_input_require_grads()
+                self._input_grads_added = False
+            had = _input_grads_hooks(model)
+            self._call_hf_enable()
+            self._input_grads_added = bool(_input_grads_hooks(model) - had)
+        finally:
+            model.__dict__.update(patches)
+        layers = _checkpoint_layers(model)
+        selected = [(n, m) for n, m in layers if m.gradient_checkpointing is True]
+        if not self._hf_takes_every_n:
+            # An enable method without every_n_layers (5.0, 4.57) turned every layer on: Hugging
+            # Face's later rule (layer i when i % every_n_layers == 0, in modules() order) is applied here.
+            for i, (_, m) in enumerate(selected):
+                m.gradient_checkpointing = i % self.every_n_layers == 0
+            selected = selected[:: self.every_n_layers]
+        if not layers:
+            # Before GradientCheckpointingLayer the layer stacks called _gradient_checkpointing_func.
+            selected = [(n, m) for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True]
+            if self.every_n_layers != 1 and selected:
+                raise ValueError(
+                    f"{type(model).__name__} checkpoints per layer stack, not per layer, in this transformers "
+                    f"({transformers.__version__}), so every_n_layers={self.every_n_layers} cannot be applied. Pass "
+                    "every_n_layers=1, upgrade transformers, or use co.apply(model, layers=<its block class>, ...)."
+                )
+        if not selected:
+            raise ValueError(
+                f"{type(model).__name__}'s {self.enable_method}() turned no layer's checkpointing on through "
+                "transformers' _gradient_checkpointing_func hook (its _set_gradient_checkpointing is custom), so "
+                "ckpt_offload cannot plug in. Use co.apply(model, layers=<its block class>, every_n_layers=..., "
+                "offload=...) instead."
+            )
+        for m in model.modules():
+            if hasattr(m, "gradient_checkpointing"):
+                m._gradient_checkpointing_func = self.function
+        self.names = [n for n, _ in selected]
+
+    def _call_hf_enable(self) -> None:
+        model = self._model
+        method = getattr(model, self.enable_method)
+        params = inspect.signature(method).parameters
+        takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self._hf_takes_every_n = "every_n_layers" in params or takes_var_kw
+        # Hugging Face's own function is replaced right after; these keep its checks quiet.
+        hf_kwargs = {"use_reentrant": self.use_reentrant}
+        extra = {"every_n_layers": self.every_n_layers} if self._hf_takes_every_n else {}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*deprecated.*", category=FutureWarning)
+                method(hf_kwargs, **extra)
+        except ValueError as e:
+            raise ValueError(
+                f"{type(model).__name__}.{self.enable_method}() refused: {e} co.hf.enable needs a model that "
+                "supports Hugging Face gradient checkpointing; for any other model use co.apply(model, "
+                "layers=<its block class>, every_n_layers=..., offload=...)."
+            ) from e
+
+    def _warn_ignored(self, name: str, args, kwargs) -> None:
+        ckpt_kwargs = args[0] if args else kwargs.get(
+            "activation_checkpointing_kwargs", kwargs.get("gradient_checkpointing_kwargs")
+        )
+        every_n = args[1] if len(args) > 1 else kwargs.get("every_n_layers", 1)
+        offload = args[2] if len(args) > 2 else kwargs.get("offload", False)
+        ignored = []
+        if every_n not in (1, self.every_n_layers):
+            ignored.append(f"every_n_layers={every_n}")
+        if offload and self.offload is None:
+            ignored.append("offload=True")
+        ours = {"use_reentrant": self.use_reentrant, **self.torch_kwargs}
+        for k, v in (ckpt_kwargs or {}).items():
+            if k not in ("every_n_layers", "offload") and ours.get(k, _MISSING) != v:
+                ignored.append(f"{k}={v!r}")
+        if ignored:
+            warnings.warn(
+                f"{name}() on a model with co.hf.enable active keeps ckpt_offload's checkpoint (every_n_layers="
+                f"{self.every_n_layers}, offload={self.offload!r}) and ignores {', '.join(ignored)}. To change "
+                "the settings, call handle.remove() and co.hf.enable(...) again.",
+                stacklevel=3,
+            )
+
+    # -- removing -----------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Restores every module's checkpointing flag and function to what it was before
+        :func:`enable` (so checkpointing is off again unless it was on before), drops the
+        input-gradient hook if enabling added it, and unwraps the model's enable methods.
+        Calling it twice is harmless."""
+        if self.removed:
+            return
+        model = self._model
+        for n in _ENABLE_NAMES:
+            if isinstance(model.__dict__.get(n), _KeepOurs):
+                del model.__dict__[n]
+        for m, state in self._saved_state:
+            for key, value in state.items():
+                if value is _MISSING:
+                    m.__dict__.pop(key, None)
+                else:
+                    m.__dict__[key] = value
+        if self._input_grads_added and hasattr(model, "disable_input_require_grads"):
+            model.disable_input_require_grads()
+        if model.__dict__.get(_HANDLE_ATTR) is self:
+            del model.__dict__[_HANDLE_ATTR]
+        self.removed = True
+
+    disable = remove
+
+    def __repr__(self) -> str:
+        return (
+            f"HFCheckpointHandle({len(self.names)} layers, every_n_layers={self.every_n_layers}, "
+            f"offload={self.offload!r}, removed={self.removed})"
+        )
+
+
+class _Missing:
+    """Marks an attribute a module did not have. Copies of a model keep this very object."""
+
+    def __reduce__(self):
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _input_grads_hooks(model) -> set:
+    """The input-gradient hooks Hugging Face's enable_input_require_grads() keeps track of."""
+    hooks = list(getattr(model, "_require_grads_hooks", None) or [])
+    if getattr(model, "_require_grads_hook", None) is not None:
+        hooks.append(model._require_grads_hook)
+    return {id(h) for h in hooks}
+
+
+def _checkpoint_layers(model) -> list:
+    if GradientCheckpointingLayer is None:
+        return []
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def _snapshot(model) -> list:
+    keys = ("gradient_checkpointing", "_gradient_checkpointing_func")
+    return [(m, {k: m.__dict__.get(k, _MISSING) for k in keys}) for m in model.modules()
+            if hasattr(m, "gradient_checkpointing")]
+
+
+def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) -> HFCheckpointHandle:
+    """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
+
+    Calls the model's own ``activation_checkpointing_enable`` (or, where that does not exist,
+    ``gradient_checkpointing_enable``): Hugging Face selects the layers, applies
+    ``every_n_layers`` (layer ``i`` when ``i % every_n_layers == 0``; done here for transformers
+    releases whose method lacks the argument) and enables input gradients when it would. Then
+    every module with a ``gradient_checkpointing`` flag gets ckpt_offload's function. While the
+    handle is active, a later call of the model's enable method (``Trainer.train()`` makes one)
+    keeps ckpt_offload's function and these settings.
+
+    Args:
+        model: a ``transformers.PreTrainedModel`` (or anything with Hugging Face's enable method)
+            whose class supports gradient checkpointing through ``_gradient_checkpointing_func``.
+        every_n_layers: checkpoint one layer in ``every_n_layers`` (>= 1), starting with the first.
+        offload: ``True`` (default), ``False``, or a dict of :class:`ckpt_offload.offload`
+            options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
+            checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
+            ids Hugging Face passes by keyword -- wait in the host pool until backward.
+        **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs
+            ``offload=False``), ``preserve_rng_state``, ``context_fn``, ``determinism_check``,
+            ``debug``, ``early_stop``.
+
+    Returns:
+        an :class:`HFCheckpointHandle`; ``handle.remove()`` restores the model.
+
+    Raises:
+        TypeError: ``model`` is not a Hugging Face model (use :func:`ckpt_offload.apply`).
+        ValueError: the model does not support gradient checkpointing (or not through that hook),
+            ``every_n_layers < 1``, or ``offload`` with ``use_reentrant=True``.
+        RuntimeError: ckpt_offload is already applied to this model.
+
+    Example::
+
+        import ckpt_offload as co
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, hidden_size=256))
+        handle = co.hf.enable(model, every_n_layers=2, offload=True)
+        print(handle.names)    # ['model.layers.0', 'model.layers.2']
+        model(input_ids=ids, labels=ids).loss.backward()
+        handle.remove()
+    """
+    if not isinstance(model, torch.nn.Module) or not any(hasattr(model, n) for n in _ENABLE_NAMES):
+        raise TypeError(
+            f"co.hf.enable needs a Hugging Face transformers model (a PreTrainedModel, which has "
+            f"activation_checkpointing_enable / gradient_checkpointing_enable); got {type(model).__name__}. "
+            "For any other nn.Module use co.apply(model, layers=<its block class>, every_n_layers=..., offload=...)."
+        )
+    check_int("every_n_layers", every_n_layers, minimum=1)
+    options = offload_options(offload)
+    use_reentrant = _check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
+    unknown = sorted(set(checkpoint_kwargs) - set(_TORCH_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *_TORCH_KEYWORDS]}")
+    if getattr(model, "supports_gradient_checkpointing", True) is False:
+        raise ValueError(
+            f"{type(model).__name__} does not support gradient checkpointing in transformers "
+            "(supports_gradient_checkpointing=False), so co.hf.enable cannot hook it. Use co.apply(model, "
+            "layers=<its block class>, every_n_layers=..., offload=...), which checkpoints the blocks of any nn.Module."
+        )
+    setter = getattr(model, "_set_gradient_checkpointing", None)
+    if setter is not None and "value" in inspect.signature(setter).parameters:
+        # transformers' own test for the pre-4.35 format: such modules call torch's checkpoint
+        # themselves and never read _gradient_checkpointing_func.
+        raise ValueError(
+            f"{type(model).__name__} uses the old checkpointing format (_set_gradient_checkpointing(module, "
+            "value)), whose layers call torch's checkpoint directly, so co.hf.enable cannot plug in. Use "
+            "co.apply(model, layers=<its block class>, every_n_layers=..., offload=...) instead."
+        )
+    existing = model.__dict__.get(_HANDLE_ATTR)
+    if existing is not None and not existing.removed:
+        raise RuntimeError(
+            "ckpt_offload is already applied to this model (co.hf.enable or co.apply); call .remove() on the "
+            "handle it returned (model._ckpt_offload_handle.remove()) before enabling again"
+        )
+    handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs)
+    handle._saved_state = _snapshot(model)
+    try:
+        handle._install()
+    except BaseException:
+        handle.remove()
+        raise
+    for n in _ENABLE_NAMES:
+        if hasattr(model, n):
+            model.__dict__[n] = _KeepOurs(handle, n)
+    model.__dict__[_HANDLE_ATTR] = handle
+    return handle
+
+
+def disable(model) -> None:
+    """Removes ckpt_offload's checkpointing from ``model`` (what ``handle.remove()`` does);
+    does nothing if :func:`enable` is not active on it.
+
+    Example::
+
+        co.hf.enable(model)
+        ...
+        co.hf.disable(model)
+    """
+    handle = getattr(model, "__dict__", {}).get(_HANDLE_ATTR)
+    if isinstance(handle, HFCheckpointHandle):
+        handle.remove()
+
+
+def _args_checkpoint_kwargs(args) -> dict:
+    """The checkpoint kwargs of TrainingArguments, under its new or its deprecated name."""
+    if args is None or not (getattr(args, "activation_checkpointing", None)
+                            or getattr(args, "gradient_checkpointing", None)):
+        return {}
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if isinstance(value, dict):
+            return dict(value)
+    return {}
+
+
+class OffloadCheckpointCallback(TrainerCallback):
+    """Trainer callback: the model trains with ckpt_offload's checkpoint (and offload).
+
+    Enables :func:`enable` on the Trainer's model when the Trainer is built (``on_init_end``), so
+    Trainer sees a checkpointed model when it wraps it, and checks again at ``on_train_begin``
+    (after ``Trainer.train()`` re-enabled Hugging Face's checkpointing, and on a model made by
+    ``model_init``). ``every_n_layers=None`` takes ``every_n_layers`` from
+    ``TrainingArguments.activation_checkpointing_kwargs`` (``gradient_checkpointing_kwargs`` in
+    releases without the new name) when ``activation_checkpointing`` is on, else 1; torch's checkpoint keywords
+    there (``use_reentrant``, ...) are used too, unless given here. Its ``offload`` key (Hugging
+    Face's own offload) is ignored: this callback's ``offload`` decides. The handle is
+    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
+
+    Example::
+
+        args = TrainingArguments("out", activation_checkpointing=True,
+                                 activation_checkpointing_kwargs={"every_n_layers": 2})
+        trainer = Trainer(model, args, train_dataset=ds,
+                          callbacks=[co.hf.OffloadCheckpointCallback(offload=True)])
+        trainer.train()
+    """
+
+    def __init__(self, every_n_layers: int | None = None, offload=True, **checkpoint_kwargs):
+        if every_n_layers is not None:
+            check_int("every_n_layers", every_n_layers, minimum=1)
+        self.every_n_layers = every_n_layers
+        self.offload = offload
+        self.checkpoint_kwargs = checkpoint_kwargs
+        offload_options(offload)  # bad options fail here, not at the first step
+        self.handle: HFCheckpointHandle | None = None
+
+    def _settings(self, args):
+        from_args = _args_checkpoint_kwargs(args)
+        every_n = self.every_n_layers if self.every_n_layers is not None else from_args.pop("every_n_layers", 1)
+        from_args.pop("every_n_layers", None)
+        from_args.pop("offload", None)
+        return every_n, {**from_args, **self.checkpoint_kwargs}
+
+    def _ensure(self, args, model) -> None:
+        if model is None:
+            return
+        every_n, kwargs = self._settings(args)
+        handle = model.__dict__.get(_HANDLE_ATTR)
+        if handle is not None and not handle.removed:
+            if handle is self.handle:
+                handle._install()  # idempotent; covers a Trainer that changed the model's flags
+                return
+            if not isinstance(handle, HFCheckpointHandle):
+                raise RuntimeError(
+                    "OffloadCheckpointCallback: co.apply is active on this model; remove it "
+                    "(model._ckpt_offload_handle.remove()) or drop the callback"
+                )
+            handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
+        self.handle = enable(model, every_n_layers=every_n, offload=self.offload, **kwargs)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._ensure(args, model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._ensure(args, model)

@@ -1,0 +1,368 @@
+"""co.hf: ckpt_offload's checkpoint inside Hugging Face models and Trainer (tiny models from configs)."""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ckpt_offload as co  # noqa: E402
+from conftest import assert_bit_identical, grads_of  # noqa: E402
+
+B, T, VOCAB = 2, 8, 100
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny matrices: on a busy 2-core machine intra-op threads only wait for each other (10-50x slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def bert():
+    cfg = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                  vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+# Each model keeps its default dropout (Llama's attention dropout is turned on): co.checkpoint restores
+# the RNG state for the recompute, so even with dropout the gradients are bit-identical.
+MODELS = {"gpt2": gpt2, "llama": llama, "bert": bert}
+
+
+def make(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model.train()
+    return model
+
+
+def layers_of(model):
+    base = getattr(model, model.base_model_prefix)
+    for path in ("h", "layers", "encoder.layer"):
+        obj = base
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        return list(obj)
+    raise AssertionError(f"no layers found in {type(model).__name__}")
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - 2:] = 0  # padding, so every layer receives a real attention mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def loss_of(model, seed=5):
+    torch.manual_seed(seed)
+    # Checkpointed layers run without a KV cache (Hugging Face turns use_cache off in them); the
+    # reference must too: with a cache GPT-2 takes another attention path, rounding differently.
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
+    return model(**batch(), **extra).loss
+
+
+def base_grads(model):
+    loss_of(model).backward()
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def input_grad_hooks(model):
+    return len(model.get_input_embeddings()._forward_hooks)
+
+
+def hf_input_grad_hooks(name):
+    twin = make(name)
+    getattr(twin, next(n for n in ENABLE_NAMES if hasattr(twin, n)))()
+    return input_grad_hooks(twin)
+
+
+ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+
+
+def cpu_offload(pool):
+    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("every_n_layers, offload", [(1, True), (2, True), (1, False)])
+def test_gradients_bit_identical(pool, name, every_n_layers, offload):
+    model = make(name)
+    base = base_grads(model)
+    handle = co.hf.enable(model, every_n_layers=every_n_layers, offload=cpu_offload(pool) if offload else False)
+    # Input gradients as Hugging Face's own enable sets them (>= 5.0: on for models fed input_ids).
+    assert input_grad_hooks(model) == hf_input_grad_hooks(name)
+    loss_of(model).backward()
+    assert handle.function.calls == len(handle.names) == len(range(0, 4, every_n_layers))
+    assert_bit_identical(base, grads_of(model))
+    assert pool.stats()["bytes_in_use"] == 0
+    assert (pool.stats()["num_allocs"] > 0) == offload
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_exactly_the_selected_layers_recompute(pool, name):
+    model = make(name)
+    handle = co.hf.enable(model, every_n_layers=2, offload=cpu_offload(pool))
+    layers = layers_of(model)
+    assert [m for n, m in model.named_modules() if n in handle.names] == layers[0::2]
+    counts = {}
+    for i, layer in enumerate(layers):
+        first = next(iter(layer.children()))  # a submodule: its hook runs in forward and in each recompute
+        first.register_forward_pre_hook(lambda m, a, i=i: counts.__setitem__(i, counts.get(i, 0) + 1))
+    loss = loss_of(model)
+    assert counts == {0: 1, 1: 1, 2: 1, 3: 1}
+    loss.backward()
+    assert counts == {0: 2, 1: 1, 2: 2, 3: 1}
+
+
+def storage_bytes(t):
+    return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_pool_holds_layer_inputs_shared_ones_once(pool, name):
+    model = make(name)
+    handle = co.hf.enable(model, every_n_layers=2, offload=cpu_offload(pool))
+    checkpointed = [m for n, m in model.named_modules() if n in handle.names]
+    received = []  # every tensor each checkpointed layer receives, positional or by keyword
+
+    def record(module, args, kwargs):
+        flat, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        received.append([t for t in flat if isinstance(t, torch.Tensor)])
+
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in checkpointed]
+    loss = loss_of(model)
+    for h in hooks:
+        h.remove()
+    received = received[: len(checkpointed)]  # the forward's calls (older releases recompute through __call__)
+    unique = {t.untyped_storage().data_ptr(): t for ts in received for t in ts}
+    hidden = [ts[0] for ts in received]
+    shared = [t for p, t in unique.items() if all(p != h.untyped_storage().data_ptr() for h in hidden)]
+    # What the layers receive: their own hidden states, plus tensors every layer shares (Llama: the
+    # rotary cos/sin and position ids; GPT-2: position ids; all: the padding mask), stored once.
+    assert all(h.shape == (B, T, 32) and h.dtype == torch.float32 for h in hidden)
+    assert any(t.dim() == 4 and t.shape[0] == B for t in shared), "the padding mask reached the layers"
+    if name == "llama":
+        assert sum(t.shape[-1] == 16 and t.is_floating_point() for t in shared) == 2  # cos, sin (head_dim 16)
+    expected = sum(storage_bytes(h) for h in hidden) + sum(storage_bytes(t) for t in shared)
+    assert pool.stats()["bytes_requested"] == expected
+    assert pool.stats()["num_blocks_in_use"] == len(hidden) + len(shared)
+    loss.backward()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_remove_restores_the_model_and_disable():
+    model = make("llama")
+    layers = layers_of(model)
+    before = [dict(m.__dict__) for m in layers]
+    handle = co.hf.enable(model, offload=False)
+    assert all(layer._gradient_checkpointing_func is handle.function for layer in layers)
+    with pytest.raises(RuntimeError, match="already applied"):
+        co.hf.enable(model)
+    with pytest.raises(RuntimeError, match="already applied"):
+        co.apply(model)
+    handle.remove()
+    handle.remove()  # harmless
+    assert [dict(m.__dict__) for m in layers] == before
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert "activation_checkpointing_enable" not in model.__dict__ and "_ckpt_offload_handle" not in model.__dict__
+    assert input_grad_hooks(model) == 0
+    co.hf.enable(model, offload=False)
+    co.hf.disable(model)
+    assert "_ckpt_offload_handle" not in model.__dict__
+
+
+def test_deepcopy_of_an_enabled_model(pool):
+    import copy
+
+    model = make("llama")
+    handle = co.hf.enable(model, offload=cpu_offload(pool))
+    twin = copy.deepcopy(model)  # the pool is shared, not copied
+    twin_handle = twin._ckpt_offload_handle
+    assert twin_handle is not handle and twin_handle.names == handle.names
+    base = base_grads(make("llama"))
+    loss_of(twin).backward()
+    assert_bit_identical(base, grads_of(twin))
+    twin_handle.remove()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in twin.modules())
+    assert all(layer.gradient_checkpointing for layer in layers_of(model))
+
+
+def test_model_reenable_keeps_our_function_and_warns_on_ignored_settings():
+    model = make("gpt2")
+    handle = co.hf.enable(model, every_n_layers=2, offload=False)
+    names = list(handle.names)
+    enable_names = [n for n in ENABLE_NAMES if hasattr(model, n)]
+    for n in enable_names:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Trainer's default call: nothing ignored, nothing to warn
+            getattr(model, n)(None, every_n_layers=1, offload=False)
+        with pytest.warns(UserWarning, match=r"keeps ckpt_offload's checkpoint .* ignores every_n_layers=3"):
+            getattr(model, n)(every_n_layers=3)
+        assert handle.names == names
+        assert all(m._gradient_checkpointing_func is handle.function for m in model.modules()
+                   if hasattr(m, "gradient_checkpointing"))
+    assert input_grad_hooks(model) == hf_input_grad_hooks("gpt2")  # re-enabling did not stack hooks
+    handle.remove()
+    assert input_grad_hooks(model) == 0
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(TypeError, match=r"co\.apply"):
+        co.hf.enable(torch.nn.Linear(2, 2))
+    no_gc = type("NoCheckpointGPT2", (transformers.GPT2LMHeadModel,), {"supports_gradient_checkpointing": False})
+    torch.manual_seed(0)
+    model = no_gc(gpt2().config)
+    with pytest.raises(ValueError, match=r"does not support gradient checkpointing.*co\.apply"):
+        co.hf.enable(model)
+
+    def custom(self, *args, **kwargs):  # a model whose checkpointing does not use the hook
+        pass
+
+    custom_gc = type("CustomGPT2", (transformers.GPT2LMHeadModel,), {"_set_gradient_checkpointing": custom})
+    model = custom_gc(gpt2().config)
+    before = [dict(m.__dict__) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"turned no layer's checkpointing on.*co\.apply"):
+        co.hf.enable(model)
+    assert "_ckpt_offload_handle" not in model.__dict__  # and the failed enable was undone:
+    assert input_grad_hooks(model) == 0
+    assert all(m.__dict__.get("gradient_checkpointing") is keys_m.get("gradient_checkpointing")
+               for m, keys_m in zip(model.modules(), before))
+
+    def old_format(self, module, value=False):  # transformers' pre-4.35 format
+        if hasattr(module, "gradient_checkpointing"):
+            module.gradient_checkpointing = value
+
+    old_gc = type("OldFormatGPT2", (transformers.GPT2LMHeadModel,), {"_set_gradient_checkpointing": old_format})
+    with pytest.raises(ValueError, match=r"old checkpointing format.*co\.apply"):
+        co.hf.enable(old_gc(gpt2().config))
+
+    model = make("gpt2")
+    with pytest.raises(ValueError, match="every_n_layers must be >= 1"):
+        co.hf.enable(model, every_n_layers=0)
+    with pytest.raises(ValueError, match="offload needs use_reentrant=False"):
+        co.hf.enable(model, offload=True, use_reentrant=True)
+    with pytest.raises(TypeError, match="offload must be False, True"):
+        co.hf.enable(model, offload="cpu")
+    with pytest.raises(TypeError, match="unknown checkpoint keyword"):
+        co.hf.enable(model, speed=2)
+    with pytest.raises(ValueError, match="every_n_layers must be >= 1"):
+        co.hf.OffloadCheckpointCallback(every_n_layers=0)
+    assert "_ckpt_offload_handle" not in model.__dict__
+
+
+def test_reentrant_without_offload_matches():
+    model = make("gpt2")
+    base = base_grads(model)
+    co.hf.enable(model, offload=False, use_reentrant=True)
+    loss_of(model).backward()
+    assert_bit_identical(base, grads_of(model))
+
+
+# --- Trainer ------------------------------------------------------------------------------
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n=12):
+        g = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(1, VOCAB, (n, T), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train(tmp_path, model, callbacks=(), **args):
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True, **args,
+    )
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=list(callbacks))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpointing_args(**kwargs):
+    """TrainingArguments that turn Hugging Face's checkpointing on, under this release's names."""
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    new = "activation_checkpointing" in fields
+    flag, kw = ("activation_checkpointing", "activation_checkpointing_kwargs") if new else \
+        ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+    return {flag: True, kw: kwargs}
+
+
+def trainer_model():
+    torch.manual_seed(0)
+    model = gpt2()
+    model.config.use_cache = False  # as in the checkpointed layers (see loss_of)
+    return model
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("base"), trainer_model())
+
+
+@pytest.mark.parametrize("route", ["callback", "callback+args", "enable+args"])
+def test_trainer_loss_matches_without_ckpt_offload(tmp_path, baseline, route):
+    pool = co.HostPool(pinned=False)
+    model = trainer_model()
+    if route == "callback":
+        cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_offload(pool))
+        losses, params = train(tmp_path, model, [cb])
+        handle = cb.handle
+    elif route == "callback+args":
+        # every_n_layers comes from TrainingArguments; Trainer's own re-enable at train() keeps ours.
+        cb = co.hf.OffloadCheckpointCallback(offload=cpu_offload(pool))
+        losses, params = train(tmp_path, model, [cb], **checkpointing_args(every_n_layers=2))
+        handle = cb.handle
+    else:
+        handle = co.hf.enable(model, every_n_layers=2, offload=cpu_offload(pool))
+        losses, params = train(tmp_path, model, **checkpointing_args(every_n_layers=2))
+    assert handle is model._ckpt_offload_handle and not handle.removed
+    assert handle.names == ["transformer.h.0", "transformer.h.2"]
+    # Our function did the checkpointing, 2 layers x 3 steps, and offloaded into our pool:
+    assert handle.function.calls == 6
+    assert pool.stats()["num_allocs"] > 0 and pool.stats()["bytes_in_use"] == 0
+    assert all(m._gradient_checkpointing_func is handle.function for m in layers_of(model))
+    # Same seed, same data order, RNG restored for the recompute: bit-equal losses and weights.
+    base_losses, base_params = baseline
+    assert losses == base_losses
+    assert_bit_identical(base_params, params)
+
+
+def test_trainer_callback_with_reentrant_args_raises_clearly(tmp_path):
+    args = checkpointing_args(use_reentrant=True)
+    with pytest.raises(ValueError, match="offload needs use_reentrant=False"):
+        train(tmp_path, trainer_model(), [co.hf.OffloadCheckpointCallback(offload=True)], **args)
+    # Without offload the reentrant checkpoint is allowed, and the callback uses it.
+    cb = co.hf.OffloadCheckpointCallback(offload=False)
+    losses, _ = train(tmp_path, trainer_model(), [cb], **args)
+    assert cb.handle.use_reentrant and cb.handle.function.calls == 12
