@@ -21,6 +21,7 @@ from ckpt_offload.offload import offload as offload_context
 
 __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
 
+# _checkpoint, _check_reentrant and _TORCH_KEYWORDS are shared with integrations/hf.py.
 _OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full")
 # Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
 _TORCH_KEYWORDS = tuple(
@@ -302,8 +303,8 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
         raise RuntimeError(
-            "co.apply was already applied to this model; call .remove() on the handle it returned "
-            "(model._ckpt_offload_handle.remove()) before applying again"
+            "co.apply or co.hf.enable was already applied to this model; call .remove() on the handle "
+            "it returned (model._ckpt_offload_handle.remove()) before applying again"
         )
     candidates = _select_blocks(model, layers)
     for name, block in candidates:
