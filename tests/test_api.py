@@ -71,7 +71,12 @@ def test_pool_cap_setter():
     assert pool.max_bytes == 1 << 20
     pool.max_bytes = None
     assert pool.max_bytes is None
-    pool.set_max_bytes(4096)
+    h = co.offload_tensor(torch.randn(2000), pool=pool)
+    del h
+    pool.synchronize()
+    assert pool.stats()["bytes_reserved"] > 4096
+    pool.set_max_bytes(4096)  # a lower cap gives back the free segments at once
+    assert pool.stats()["bytes_reserved"] == 0
     with pytest.raises(co.PoolFullError):
         co.offload_tensor(torch.randn(2000), pool=pool)
 

@@ -36,7 +36,7 @@ class DeviceGuard {
 
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(int device) : device_(device) {
+  CudaEvent() {
     check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   }
   ~CudaEvent() override {
@@ -54,18 +54,16 @@ class CudaEvent final : public Event {
   }
   void synchronize() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
   cudaEvent_t get() const { return event_; }
-  int device() const { return device_; }
 
  private:
   cudaEvent_t event_;
-  int device_;
 };
 
 }  // namespace
 
 std::shared_ptr<Event> CudaStream::record() {
   DeviceGuard guard(device_);
-  auto ev = std::make_shared<CudaEvent>(device_);
+  auto ev = std::make_shared<CudaEvent>();
   check(cudaEventRecord(ev->get(), stream_), "cudaEventRecord");
   return ev;
 }

@@ -89,6 +89,7 @@ class HostPool {
   // Blocks until the copies of all blocks pending at the call have finished, then makes them
   // reusable. Other threads may allocate and free meanwhile: the wait holds no lock.
   void synchronize();
+  // A lower cap releases wholly free segments at once; the rest go back as they are freed.
   void set_max_bytes(size_t max_bytes);
   const char* backend_name() const { return backend_->name(); }
   size_t segment_bytes() const { return segment_bytes_; }
