@@ -100,6 +100,26 @@ class HostPool:
         self._impl.synchronize()
         return self._impl.empty_cache()
 
+    def reserve(self, nbytes: int) -> int:
+        """Takes ``nbytes`` (page-rounded) from the backend now, as one segment within the cap,
+        so the first step pays no backend allocation. Returns the bytes reserved; raises
+        :class:`PoolFullError` when the cap (or the backend) refuses.
+
+        Example::
+
+            pool = co.HostPool()
+            pool.reserve(4 << 30)      # 4 GiB of pinned memory before training starts
+        """
+        check_int("nbytes", nbytes, minimum=1)
+        got = self._impl.reserve(nbytes)
+        if got == 0:
+            s = self.stats()
+            raise PoolFullError(
+                f"ckpt_offload: could not reserve {nbytes} bytes: {s['bytes_reserved']} reserved, cap "
+                f"{s['max_bytes']}; raise the cap (pool.max_bytes = ...) or reserve less"
+            )
+        return got
+
     def synchronize(self) -> None:
         """Waits for the copies that freed blocks still wait on, making those blocks reusable."""
         self._impl.synchronize()

@@ -81,6 +81,21 @@ def test_pool_cap_setter():
         co.offload_tensor(torch.randn(2000), pool=pool)
 
 
+def test_reserve_up_front_means_no_backend_allocation_later():
+    pool = co.HostPool(pinned=False)
+    assert pool.reserve(3 << 20) == 3 << 20
+    s = pool.stats()
+    assert s["bytes_reserved"] == 3 << 20 and s["num_backend_allocs"] == 1 and s["bytes_in_use"] == 0
+    hs = [co.offload_tensor(torch.randn(250_000), pool=pool) for _ in range(3)]  # 1 MB each
+    assert pool.stats()["num_backend_allocs"] == 1
+    del hs
+    capped = co.HostPool(pinned=False, max_bytes=1 << 20)
+    with pytest.raises(co.PoolFullError, match="could not reserve"):
+        capped.reserve(2 << 20)
+    with pytest.raises(ValueError, match="nbytes must be >= 1"):
+        capped.reserve(0)
+
+
 def test_pinned_pool_needs_a_gpu():
     if co.build_info()["gpu_available"]:
         assert co.HostPool(pinned=True).backend == "pinned"

@@ -241,6 +241,19 @@ size_t HostPool::empty_cache() {
   return released;
 }
 
+size_t HostPool::reserve(size_t bytes) {
+  if (bytes == 0 || bytes > std::numeric_limits<size_t>::max() / 2) return 0;
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t before = stats_.bytes_reserved;
+  // A segment of exactly this size (page-rounded): grow_locked gives small requests a
+  // default-sized segment, which is not what an explicit reservation asks for.
+  const size_t saved = segment_bytes_;
+  segment_bytes_ = std::min(segment_bytes_, round_up(bytes, kSegmentAlignment));
+  const bool ok = grow_locked(bytes);
+  segment_bytes_ = saved;
+  return ok ? stats_.bytes_reserved - before : 0;
+}
+
 void HostPool::synchronize() {
   // Wait without holding the lock: allocate() promises never to block on a copy, and it would
   // if another thread sat in this wait with mu_ held (pack on the forward thread while a

@@ -86,6 +86,10 @@ class HostPool {
   void reset_peak();
   // Releases every segment with no live or pending block. Returns the bytes released.
   size_t empty_cache();
+  // Takes at least `bytes` more from the backend now (one segment, within the cap), so that the
+  // first training step does not pay for backend allocations (cudaHostAlloc takes a driver lock
+  // and milliseconds). Returns the bytes reserved, 0 when the cap or the backend refused.
+  size_t reserve(size_t bytes);
   // Blocks until the copies of all blocks pending at the call have finished, then makes them
   // reusable. Other threads may allocate and free meanwhile: the wait holds no lock.
   void synchronize();

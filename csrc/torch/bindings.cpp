@@ -44,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_peak", &HostPool::reset_peak)
       .def("empty_cache", &HostPool::empty_cache, py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &HostPool::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def("reserve", &HostPool::reserve, py::call_guard<py::gil_scoped_release>())
       .def("set_max_bytes", &HostPool::set_max_bytes)
       .def("check_invariants", [](HostPool& p) {
         std::string why;

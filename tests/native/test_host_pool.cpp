@@ -656,6 +656,28 @@ void test_destroy_with_pending() {
   signaller.join();
 }
 
+// reserve() takes one segment of the asked size now; later allocations inside it need no backend
+// call; the cap and absurd sizes refuse it.
+void test_reserve() {
+  auto pool = make_pool(0, 64 * MiB);
+  CHECK_EQ(pool->reserve(3 * MiB + 1), 3 * MiB + 4096);
+  CHECK_EQ(pool->stats().num_backend_allocs, 1u);
+  CHECK_EQ(pool->stats().bytes_reserved, 3 * MiB + 4096);
+  Block* a = pool->allocate(1 * MiB);
+  Block* b = pool->allocate(2 * MiB);
+  CHECK(a && b);
+  CHECK_EQ(pool->stats().num_backend_allocs, 1u);
+  pool->free(a);
+  pool->free(b);
+  CHECK_POOL(*pool);
+  auto capped = make_pool(1 * MiB, 64 * MiB);
+  CHECK_EQ(capped->reserve(2 * MiB), 0u);
+  CHECK_EQ(capped->reserve(512 * KiB), 512 * KiB);
+  CHECK_EQ(capped->reserve(0), 0u);
+  CHECK_EQ(capped->reserve(std::numeric_limits<size_t>::max()), 0u);
+  CHECK(capped->stats().bytes_reserved <= 1 * MiB);
+}
+
 }  // namespace
 
 int main() {
@@ -672,6 +694,7 @@ int main() {
   check::run("huge_request", test_huge_request);
   check::run("synchronize_does_not_block_others", test_synchronize_does_not_block_others);
   check::run("destroy_with_pending", test_destroy_with_pending);
+  check::run("reserve", test_reserve);
   std::printf("all HostPool tests passed\n");
   return 0;
 }
