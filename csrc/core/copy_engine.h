@@ -68,7 +68,8 @@ class CopyEngine {
 
   // Releases the keepalives whose copies have finished. Never blocks on a copy.
   void poll();
-  // Waits for every copy this engine enqueued and releases all keepalives.
+  // Waits for the copies whose sources it still holds, then releases those sources. (The side
+  // streams themselves are drained by the runtime's synchronize.)
   void synchronize();
   size_t num_keepalives();
 
