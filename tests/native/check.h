@@ -123,3 +123,12 @@ void run(const char* name, F&& f) {
     if (!(pool).check_invariants(&check_why_))                        \
       ::check::fail(__FILE__, __LINE__, "pool invariants: " + check_why_); \
   } while (0)
+
+// Every block came back: nothing in use, nothing waiting for a copy, invariants hold.
+#define CHECK_POOL_EMPTY(pool)                        \
+  do {                                                \
+    const auto check_stats_ = (pool).stats();         \
+    CHECK_EQ(check_stats_.bytes_in_use, 0u);          \
+    CHECK_EQ(check_stats_.bytes_pending, 0u);         \
+    CHECK_POOL(pool);                                 \
+  } while (0)

@@ -138,10 +138,7 @@ void test_roundtrip() {
   CHECK_EQ(engine.num_keepalives(), 0u);
   bufs.clear();
   s.h2d.drain();
-  PoolStats st = pool->stats();
-  CHECK_EQ(st.bytes_in_use, 0u);
-  CHECK_EQ(st.bytes_pending, 0u);
-  CHECK_POOL(*pool);
+  CHECK_POOL_EMPTY(*pool);
 }
 
 // The keepalive is held until the copy has read the source, and released by poll() after.
@@ -427,10 +424,7 @@ void test_buffer_destroyed_while_queued() {
     engine.synchronize();
   }
   CHECK_EQ(engine.num_keepalives(), 0u);
-  PoolStats st = pool->stats();
-  CHECK_EQ(st.bytes_in_use, 0u);
-  CHECK_EQ(st.bytes_pending, 0u);
-  CHECK_POOL(*pool);
+  CHECK_POOL_EMPTY(*pool);
 }
 
 // A buffer reloaded many times (retain_graph=True) stays correct, and its readers are tracked.
@@ -560,11 +554,8 @@ void test_threads() {
   CHECK_EQ(released.load(), kThreads * kIters);
   d2h.drain();
   h2d.drain();
-  PoolStats st = pool->stats();
-  CHECK_EQ(st.bytes_in_use, 0u);
-  CHECK_EQ(st.bytes_pending, 0u);
-  CHECK_EQ(st.num_allocs, uint64_t(kThreads * kIters));
-  CHECK_POOL(*pool);
+  CHECK_EQ(pool->stats().num_allocs, uint64_t(kThreads * kIters));
+  CHECK_POOL_EMPTY(*pool);
 }
 
 // The pool outlives its last user through the buffers' shared_ptr, and its destructor waits

@@ -89,10 +89,7 @@ void test_side_stream_roundtrip() {
   cuda::synchronize_side_streams();
   engine.synchronize();
   CHECK_EQ(engine.num_keepalives(), 0u);
-  PoolStats st = pool->stats();
-  CHECK_EQ(st.bytes_in_use, 0u);
-  CHECK_EQ(st.bytes_pending, 0u);
-  CHECK_POOL(*pool);
+  CHECK_POOL_EMPTY(*pool);
   CUDA_OK(cudaStreamDestroy(raw_compute));
 }
 
