@@ -25,6 +25,7 @@ except ImportError as e:  # pragma: no cover - explained to the user
 from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
+from ckpt_offload.profiler import Profile, profile
 
 __version__ = "0.1.0"
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "build_info",
     "synchronize",
     "DEFAULT_MIN_BYTES",
+    "profile",
+    "Profile",
 ]
 
 
