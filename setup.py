@@ -49,8 +49,18 @@ except ImportError:  # pragma: no cover - explained to the user
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = ["csrc/core/host_pool.cpp", "csrc/core/cpu_stream.cpp", "csrc/core/copy_engine.cpp"]
-TORCH_LAYER = ["csrc/torch/runtime.cpp", "csrc/torch/saved_tensor.cpp", "csrc/torch/bindings.cpp"]
+CORE = [
+    "csrc/core/host_pool.cpp",
+    "csrc/core/cpu_stream.cpp",
+    "csrc/core/copy_engine.cpp",
+    "csrc/core/profiler.cpp",
+]
+TORCH_LAYER = [
+    "csrc/torch/runtime.cpp",
+    "csrc/torch/saved_tensor.cpp",
+    "csrc/torch/profiling.cpp",
+    "csrc/torch/bindings.cpp",
+]
 CUDA_SOURCES = ["csrc/core/cuda_stream.cu"]
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 # Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)

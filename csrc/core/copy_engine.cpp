@@ -32,9 +32,36 @@ void HostBuffer::add_reader(std::shared_ptr<Event> ev) {
   readers_.push_back(std::move(ev));
 }
 
+namespace {
+
+// Starts a profiled copy: an event before it, when profiling is on.
+std::shared_ptr<Event> copy_start(Stream& copy, bool profiling) {
+  return profiling ? copy.record_timed() : nullptr;
+}
+
+std::shared_ptr<Event> copy_end(Stream& copy, CopyKind kind, size_t bytes, const CopyTag& tag,
+                                std::shared_ptr<Event> start) {
+  if (!start) return copy.record();
+  auto end = copy.record_timed();
+  profiler::CopyRecord r;
+  r.kind = kind;
+  r.handle = tag.handle;
+  r.bytes = bytes;
+  r.device = tag.device;
+  r.stream = copy.id();
+  r.prefetch = tag.prefetch;
+  r.members = tag.members;
+  r.start = std::move(start);
+  r.end = end;
+  profiler::add(std::move(r));
+  return end;
+}
+
+}  // namespace
+
 std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src,
                                                 size_t bytes, Stream& compute, Stream& copy,
-                                                std::shared_ptr<void> keepalive) {
+                                                std::shared_ptr<void> keepalive, const CopyTag& tag) {
   poll();
   HostPool::Block* block = pool->allocate(bytes);
   if (!block) return nullptr;
@@ -43,8 +70,9 @@ std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>&
     // The side stream must not read the source before the compute stream has written it.
     copy.wait(compute.record());
   }
+  auto start = copy_start(copy, profiler::enabled());
   copy.memcpy(buf->data(), src, bytes, CopyKind::DeviceToHost);
-  auto done = copy.record();
+  auto done = copy_end(copy, CopyKind::DeviceToHost, bytes, tag, std::move(start));
   buf->set_ready(done);
   // The source's memory may be reused by its allocator as soon as its tensor dies; hold
   // the tensor until the copy has read it.
@@ -52,7 +80,8 @@ std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>&
   return buf;
 }
 
-std::shared_ptr<Event> CopyEngine::reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy) {
+std::shared_ptr<Event> CopyEngine::reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy,
+                                          bool consumer_waits, const CopyTag& tag) {
   poll();
   if (&copy != &compute) {
     // dst was allocated in compute order: its previous user may still be running there.
@@ -60,12 +89,63 @@ std::shared_ptr<Event> CopyEngine::reload(HostBuffer& buf, void* dst, Stream& co
   }
   // The host bytes are valid only once the offload copy has finished.
   copy.wait(buf.ready());
+  auto start = copy_start(copy, profiler::enabled());
   copy.memcpy(dst, buf.data(), buf.nbytes(), CopyKind::HostToDevice);
-  auto done = copy.record();
+  auto done = copy_end(copy, CopyKind::HostToDevice, buf.nbytes(), tag, std::move(start));
   buf.add_reader(done);
   // The consumer runs on the compute stream: it must not read dst before the copy ends.
-  if (&copy != &compute) compute.wait(done);
+  if (consumer_waits && &copy != &compute) compute.wait(done);
   return done;
+}
+
+std::shared_ptr<HostBuffer> CopyEngine::offload_gather(const std::shared_ptr<HostPool>& pool,
+                                                       const std::vector<BatchSpan>& spans, size_t block_bytes,
+                                                       void* staging, Stream& compute, Stream& copy,
+                                                       std::shared_ptr<void> keepalive, const CopyTag& tag) {
+  poll();
+  HostPool::Block* block = pool->allocate(block_bytes);
+  if (!block) return nullptr;
+  auto buf = std::make_shared<HostBuffer>(pool, block, block_bytes);
+  if (&copy != &compute) copy.wait(compute.record());  // the sources (and staging) are ready in compute order
+  char* into = staging ? static_cast<char*>(staging) : static_cast<char*>(buf->data());
+  std::vector<CopySegment> segments;
+  segments.reserve(spans.size());
+  for (const BatchSpan& s : spans) segments.push_back({into + s.offset, s.ptr, s.bytes});
+  auto start = copy_start(copy, profiler::enabled());
+  copy.memcpy_batch(segments, staging ? CopyKind::DeviceToDevice : CopyKind::DeviceToHost);
+  if (staging) copy.memcpy(buf->data(), staging, block_bytes, CopyKind::DeviceToHost);
+  auto done = copy_end(copy, CopyKind::DeviceToHost, block_bytes, tag, std::move(start));
+  buf->set_ready(done);
+  if (!done->query()) hold(copy.id(), done, std::move(keepalive));
+  return buf;
+}
+
+std::shared_ptr<Event> CopyEngine::reload_scatter(HostBuffer& buf, const std::vector<BatchSpan>& spans, void* staging,
+                                                  Stream& compute, Stream& copy, std::shared_ptr<void> keepalive,
+                                                  bool consumer_waits, const CopyTag& tag) {
+  poll();
+  // The destinations and the staging block were allocated in compute order.
+  if (&copy != &compute) copy.wait(compute.record());
+  copy.wait(buf.ready());
+  auto start = copy_start(copy, profiler::enabled());
+  const char* from = static_cast<const char*>(buf.data());
+  if (staging) {
+    copy.memcpy(staging, buf.data(), buf.nbytes(), CopyKind::HostToDevice);
+    from = static_cast<const char*>(staging);
+  }
+  std::vector<CopySegment> segments;
+  segments.reserve(spans.size());
+  for (const BatchSpan& s : spans) segments.push_back({s.ptr, from + s.offset, s.bytes});
+  copy.memcpy_batch(segments, staging ? CopyKind::DeviceToDevice : CopyKind::HostToDevice);
+  auto done = copy_end(copy, CopyKind::HostToDevice, buf.nbytes(), tag, std::move(start));
+  buf.add_reader(done);
+  if (!done->query()) hold(copy.id(), done, std::move(keepalive));
+  if (consumer_waits && &copy != &compute) compute.wait(done);
+  return done;
+}
+
+void CopyEngine::keep_until(Stream& copy, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive) {
+  if (done && !done->query()) hold(copy.id(), std::move(done), std::move(keepalive));
 }
 
 void CopyEngine::hold(uintptr_t stream_id, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive) {

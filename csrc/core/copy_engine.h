@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "host_pool.h"
+#include "profiler.h"
 #include "stream.h"
 
 namespace ckpt_offload {
@@ -48,6 +49,22 @@ class HostBuffer {
   std::vector<std::shared_ptr<Event>> readers_;
 };
 
+// What a copy is, for the profiler's records (ignored while profiling is off).
+struct CopyTag {
+  uint64_t handle = 0;
+  int device = -1;  // -1: CPU
+  bool prefetch = false;
+  int members = 1;  // tensors moved by this copy (> 1: a batch)
+};
+
+// One member of a batched copy: `bytes` bytes at `ptr` on the device (the source of a
+// gather, the destination of a scatter), at `offset` in the host block.
+struct BatchSpan {
+  void* ptr;
+  size_t offset;
+  size_t bytes;
+};
+
 class CopyEngine {
  public:
   CopyEngine() = default;
@@ -59,12 +76,32 @@ class CopyEngine {
   // `keepalive` owns the source memory; it is released once the copy has finished.
   // Returns nullptr when the pool cannot provide the memory (cap reached).
   std::shared_ptr<HostBuffer> offload(const std::shared_ptr<HostPool>& pool, const void* src, size_t bytes,
-                                      Stream& compute, Stream& copy, std::shared_ptr<void> keepalive);
+                                      Stream& compute, Stream& copy, std::shared_ptr<void> keepalive,
+                                      const CopyTag& tag = {});
 
   // Copies `buf` into `dst` (`buf.nbytes()` bytes), whose memory is free for writing in
-  // `compute` order. On return, work enqueued on `compute` afterwards sees the data.
-  // Returns the event that marks the end of the copy.
-  std::shared_ptr<Event> reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy);
+  // `compute` order. With `consumer_waits`, work enqueued on `compute` after the return sees
+  // the data; without (prefetch), the caller must make the consumer wait on the returned
+  // event, which marks the end of the copy.
+  std::shared_ptr<Event> reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy,
+                                bool consumer_waits = true, const CopyTag& tag = {});
+
+  // Batched offload of many small spans into one block of `block_bytes`: a gather (one kernel
+  // launch per kBatchMaxSegments spans) into `staging` (device memory of block_bytes allocated
+  // in compute order, kept alive by `keepalive` too), then one copy to the host. With
+  // `staging` null (CPU tensors) the spans are gathered straight into the block.
+  std::shared_ptr<HostBuffer> offload_gather(const std::shared_ptr<HostPool>& pool, const std::vector<BatchSpan>& spans,
+                                             size_t block_bytes, void* staging, Stream& compute, Stream& copy,
+                                             std::shared_ptr<void> keepalive, const CopyTag& tag = {});
+  // The mirror: one copy of `buf` into `staging` (kept alive by `keepalive` until the copy
+  // stream is done with it), then a scatter into each span's destination.
+  std::shared_ptr<Event> reload_scatter(HostBuffer& buf, const std::vector<BatchSpan>& spans, void* staging,
+                                        Stream& compute, Stream& copy, std::shared_ptr<void> keepalive,
+                                        bool consumer_waits = true, const CopyTag& tag = {});
+
+  // Keeps `keepalive` until `done` (an event of `copy`) has completed; e.g. a prefetched
+  // reload dropped before use: its memory must not go back to the allocator mid-copy.
+  void keep_until(Stream& copy, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive);
 
   // Releases the keepalives whose copies have finished. Never blocks on a copy.
   void poll();

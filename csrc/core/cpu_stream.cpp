@@ -1,9 +1,44 @@
 #include "cpu_stream.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
 namespace ckpt_offload {
+
+namespace {
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void copy_batch_on_host(const std::vector<CopySegment>& segments) {
+  // Chunk by chunk through the kernel's own plan, so that the CPU suite checks its arithmetic.
+  BatchLaunch launch;
+  for (size_t first = 0; first < segments.size(); first += kBatchMaxSegments) {
+    const int n = static_cast<int>(std::min<size_t>(kBatchMaxSegments, segments.size() - first));
+    const uint32_t chunks = plan_batch_launch(segments.data() + first, n, &launch);
+    for (uint32_t b = 0; b < chunks; ++b) {
+      int seg = 0;
+      size_t offset = 0, length = 0;
+      locate_chunk(launch, b, &seg, &offset, &length);
+      const CopySegment& s = launch.segments[seg];
+      std::memcpy(static_cast<char*>(s.dst) + offset, static_cast<const char*>(s.src) + offset, length);
+    }
+  }
+}
+
+FenceEvent::FenceEvent(bool done, bool timed) : done_(done), timed_(timed) {
+  if (done && timed) done_ns_ = steady_ns();
+}
+
+int64_t FenceEvent::completion_ns() {
+  if (!timed_) return -1;
+  synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ns_;
+}
 
 void FenceEvent::synchronize() {
   if (query()) return;
@@ -14,12 +49,17 @@ void FenceEvent::synchronize() {
 void FenceEvent::signal() {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (timed_) done_ns_ = steady_ns();
     done_.store(true, std::memory_order_release);
   }
   cv_.notify_all();
 }
 
 std::shared_ptr<Event> InlineStream::record() { return std::make_shared<FenceEvent>(true); }
+
+std::shared_ptr<Event> InlineStream::record_timed() { return std::make_shared<FenceEvent>(true, true); }
+
+void InlineStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind) { copy_batch_on_host(segments); }
 
 void InlineStream::wait(const std::shared_ptr<Event>& event) {
   // The caller *is* this stream: waiting means blocking it.
@@ -75,11 +115,28 @@ void WorkerStream::wait(const std::shared_ptr<Event>& event) {
   enqueue([event] { event->synchronize(); });
 }
 
+std::shared_ptr<Event> WorkerStream::record_timed() {
+  auto ev = std::make_shared<FenceEvent>(false, true);
+  enqueue([ev] { ev->signal(); });
+  return ev;
+}
+
+void WorkerStream::delay() {
+  const int64_t us = delay_us_.load();
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
 void WorkerStream::memcpy(void* dst, const void* src, size_t bytes, CopyKind) {
   enqueue([this, dst, src, bytes] {
-    const int64_t us = delay_us_.load();
-    if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+    delay();
     if (bytes) std::memcpy(dst, src, bytes);
+  });
+}
+
+void WorkerStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind) {
+  enqueue([this, segments] {
+    delay();
+    copy_batch_on_host(segments);
   });
 }
 

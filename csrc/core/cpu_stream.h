@@ -20,13 +20,17 @@ namespace ckpt_offload {
 
 class FenceEvent final : public Event {
  public:
-  explicit FenceEvent(bool done = false) : done_(done) {}
+  // A timed fence notes the steady-clock time at which it was signalled (profiling).
+  explicit FenceEvent(bool done = false, bool timed = false);
   bool query() override { return done_.load(std::memory_order_acquire); }
   void synchronize() override;
+  int64_t completion_ns() override;
   void signal();
 
  private:
   std::atomic<bool> done_;
+  bool timed_;
+  int64_t done_ns_ = -1;
   std::mutex mu_;
   std::condition_variable cv_;
 };
@@ -34,8 +38,10 @@ class FenceEvent final : public Event {
 class InlineStream final : public Stream {
  public:
   std::shared_ptr<Event> record() override;
+  std::shared_ptr<Event> record_timed() override;
   void wait(const std::shared_ptr<Event>& event) override;
   void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void memcpy_batch(const std::vector<CopySegment>& segments, CopyKind kind) override;
   bool is_host_inline() const override { return true; }
   uintptr_t id() const override { return 0; }
 };
@@ -48,8 +54,10 @@ class WorkerStream final : public Stream {
   WorkerStream& operator=(const WorkerStream&) = delete;
 
   std::shared_ptr<Event> record() override;
+  std::shared_ptr<Event> record_timed() override;
   void wait(const std::shared_ptr<Event>& event) override;
   void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void memcpy_batch(const std::vector<CopySegment>& segments, CopyKind kind) override;
 
   // Delay injected before every copy (microseconds). Test-only knob.
   void set_delay_us(int64_t us) { delay_us_.store(us); }
@@ -59,6 +67,7 @@ class WorkerStream final : public Stream {
 
  private:
   void enqueue(std::function<void()> task);
+  void delay();
   void run();
 
   std::atomic<int64_t> delay_us_;

@@ -1,7 +1,12 @@
 #include "cuda_stream.h"
 
 #include <cuda_runtime.h>
+#include <nvtx3/nvToolsExt.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -34,10 +39,26 @@ class DeviceGuard {
   bool set_ = false;
 };
 
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Per device: a timing event whose host time is known, so that a timed event's completion
+// converts to the host's steady clock (cudaEventElapsedTime between the two). Reset at each
+// profiler start: the elapsed time is a float of milliseconds and loses precision with age.
+struct TimingEpoch {
+  cudaEvent_t event = nullptr;
+  int64_t host_ns = 0;
+};
+std::mutex epoch_mu;
+TimingEpoch epochs[64];
+
 class CudaEvent final : public Event {
  public:
-  CudaEvent() {
-    check(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  explicit CudaEvent(int device, bool timed = false) : device_(device), timed_(timed) {
+    check(cudaEventCreateWithFlags(&event_, timed ? cudaEventDefault : cudaEventDisableTiming),
+          "cudaEventCreateWithFlags");
   }
   ~CudaEvent() override {
     // May run after the driver has shut down at process exit: ignore the error.
@@ -53,19 +74,80 @@ class CudaEvent final : public Event {
     return true;
   }
   void synchronize() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  int64_t completion_ns() override {
+    if (!timed_) return -1;
+    synchronize();
+    std::lock_guard<std::mutex> lock(epoch_mu);
+    TimingEpoch& e = epochs[device_];
+    if (!e.event) {
+      DeviceGuard guard(device_);
+      check(cudaEventCreate(&e.event), "cudaEventCreate");
+      // Recorded on the legacy stream with nothing queued after it: its completion is within
+      // microseconds of the host time taken after the synchronize.
+      check(cudaEventRecord(e.event, nullptr), "cudaEventRecord");
+      check(cudaEventSynchronize(e.event), "cudaEventSynchronize");
+      e.host_ns = steady_ns();
+    }
+    float ms = 0.f;
+    check(cudaEventElapsedTime(&ms, e.event, event_), "cudaEventElapsedTime");
+    return e.host_ns + static_cast<int64_t>(static_cast<double>(ms) * 1e6);
+  }
   cudaEvent_t get() const { return event_; }
 
  private:
   cudaEvent_t event_;
+  int device_;
+  bool timed_;
 };
+
+// One block per chunk (kBatchChunkBytes): 16-byte moves where source and destination share
+// their alignment mod 16 (the batch layout arranges that), bytes elsewhere.
+__global__ void copy_batch_kernel(BatchLaunch launch) {
+  int seg = 0;
+  size_t offset = 0, length = 0;
+  locate_chunk(launch, blockIdx.x, &seg, &offset, &length);
+  const char* src = static_cast<const char*>(launch.segments[seg].src) + offset;
+  char* dst = static_cast<char*>(launch.segments[seg].dst) + offset;
+  const uintptr_t s = reinterpret_cast<uintptr_t>(src), d = reinterpret_cast<uintptr_t>(dst);
+  size_t head = length, body = 0;
+  if ((s & 15) == (d & 15)) {
+    head = (16 - (s & 15)) & 15;
+    if (head > length) head = length;
+    body = (length - head) / 16;
+  }
+  for (size_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+  const uint4* src4 = reinterpret_cast<const uint4*>(src + head);
+  uint4* dst4 = reinterpret_cast<uint4*>(dst + head);
+  for (size_t i = threadIdx.x; i < body; i += blockDim.x) dst4[i] = src4[i];
+  for (size_t i = head + body * 16 + threadIdx.x; i < length; i += blockDim.x) dst[i] = src[i];
+}
 
 }  // namespace
 
 std::shared_ptr<Event> CudaStream::record() {
   DeviceGuard guard(device_);
-  auto ev = std::make_shared<CudaEvent>();
+  auto ev = std::make_shared<CudaEvent>(device_);
   check(cudaEventRecord(ev->get(), stream_), "cudaEventRecord");
   return ev;
+}
+
+std::shared_ptr<Event> CudaStream::record_timed() {
+  DeviceGuard guard(device_);
+  auto ev = std::make_shared<CudaEvent>(device_, /*timed=*/true);
+  check(cudaEventRecord(ev->get(), stream_), "cudaEventRecord");
+  return ev;
+}
+
+void CudaStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind) {
+  DeviceGuard guard(device_);
+  BatchLaunch launch;
+  for (size_t first = 0; first < segments.size(); first += kBatchMaxSegments) {
+    const int n = static_cast<int>(std::min<size_t>(kBatchMaxSegments, segments.size() - first));
+    const uint32_t chunks = plan_batch_launch(segments.data() + first, n, &launch);
+    if (chunks == 0) continue;
+    copy_batch_kernel<<<chunks, 256, 0, stream_>>>(launch);
+    check(cudaGetLastError(), "launching the gather/scatter kernel");
+  }
 }
 
 void CudaStream::wait(const std::shared_ptr<Event>& event) {
@@ -127,6 +209,39 @@ void* PinnedBackend::allocate(size_t bytes) {
 }
 
 void PinnedBackend::release(void* ptr, size_t) { cudaFreeHost(ptr); }
+
+void* RegisteredBackend::allocate(size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t rounded = (bytes + page - 1) / page * page;
+  void* p = nullptr;
+  if (posix_memalign(&p, page, rounded) != 0) return nullptr;
+  // Touch every page first: registering faults the pages in under the driver's lock anyway,
+  // and pre-faulted memory registers faster.
+  for (size_t off = 0; off < rounded; off += page) static_cast<volatile char*>(p)[off] = 0;
+  cudaError_t err = cudaHostRegister(p, rounded, cudaHostRegisterPortable);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    std::free(p);
+    return nullptr;
+  }
+  return p;
+}
+
+void RegisteredBackend::release(void* ptr, size_t) {
+  cudaHostUnregister(ptr);
+  std::free(ptr);
+}
+
+void nvtx_push(const char* name) { nvtxRangePushA(name); }
+void nvtx_pop() { nvtxRangePop(); }
+
+void reset_timing_epochs() {
+  std::lock_guard<std::mutex> lock(epoch_mu);
+  for (auto& e : epochs) {
+    if (e.event) cudaEventDestroy(e.event);
+    e.event = nullptr;
+  }
+}
 
 int device_count() {
   int n = 0;

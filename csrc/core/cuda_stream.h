@@ -22,8 +22,10 @@ class CudaStream final : public Stream {
   // Wraps an existing stream (not owned), e.g. PyTorch's current stream on `device`.
   CudaStream(StreamHandle stream, int device) : stream_(stream), device_(device) {}
   std::shared_ptr<Event> record() override;
+  std::shared_ptr<Event> record_timed() override;
   void wait(const std::shared_ptr<Event>& event) override;
   void memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) override;
+  void memcpy_batch(const std::vector<CopySegment>& segments, CopyKind kind) override;
   uintptr_t id() const override { return reinterpret_cast<uintptr_t>(stream_) ^ (uintptr_t(device_ + 1) << 56); }
   StreamHandle handle() const { return stream_; }
   int device() const { return device_; }
@@ -46,6 +48,22 @@ class PinnedBackend final : public Backend {
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return "pinned"; }
 };
+
+// Page-aligned, pre-faulted host memory made pinned with cudaHostRegister: an alternative to
+// cudaHostAlloc for large segments (the segment size is rounded up to whole pages).
+class RegisteredBackend final : public Backend {
+ public:
+  void* allocate(size_t bytes) override;
+  void release(void* ptr, size_t bytes) override;
+  const char* name() const override { return "registered"; }
+};
+
+// NVTX ranges (Nsight Systems); no-ops unless a tool is attached.
+void nvtx_push(const char* name);
+void nvtx_pop();
+// Forgets the per-device timing epochs (profiler start): timed events convert to host time
+// against a fresh epoch.
+void reset_timing_epochs();
 
 // Number of usable devices; 0 when no driver or device is present (never throws).
 int device_count();

@@ -1,5 +1,7 @@
 #include "host_pool.h"
 
+#include "profiler.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
@@ -54,7 +56,7 @@ HostPool::~HostPool() {
       delete b;
       b = next;
     }
-    backend_->release(s->base, s->size);
+    release_segment_locked(s);
     delete s;
   }
 }
@@ -126,12 +128,15 @@ bool HostPool::grow_locked(size_t bytes) {
     const size_t room = (max_bytes_ - stats_.bytes_reserved) / kSegmentAlignment * kSegmentAlignment;
     seg = std::min(seg, room);  // room >= need here
   }
+  const bool profiling = profiler::enabled();
+  const int64_t t0 = profiling ? profiler::now_ns() : 0;
   void* mem = backend_->allocate(seg);
   if (!mem && seg > need) {
     seg = need;
     mem = backend_->allocate(seg);
   }
   if (!mem) return false;
+  if (profiling) profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendAlloc, seg, t0, profiler::now_ns()});
   auto* s = new Segment{static_cast<char*>(mem), seg, nullptr};
   auto* b = new Block{s->base, seg, 0, s};
   s->first = b;
@@ -183,6 +188,10 @@ HostPool::Block* HostPool::allocate(size_t bytes) {
   Block* b = allocate_locked(bytes);
   if (!b) {
     stats_.num_cap_hits++;
+    if (profiler::enabled()) {
+      const int64_t t = profiler::now_ns();
+      profiler::add(profiler::PoolRecord{profiler::PoolEventKind::CapHit, bytes, t, t});
+    }
     return nullptr;
   }
   stats_.num_allocs++;
@@ -213,6 +222,14 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   }
 }
 
+void HostPool::release_segment_locked(Segment* s) {
+  const bool profiling = profiler::enabled();
+  const int64_t t0 = profiling ? profiler::now_ns() : 0;
+  backend_->release(s->base, s->size);
+  if (profiling)
+    profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendFree, s->size, t0, profiler::now_ns()});
+}
+
 void HostPool::release_free_segments_locked(size_t* released) {
   reclaim_locked(/*wait=*/false);
   std::vector<Segment*> keep;
@@ -221,7 +238,7 @@ void HostPool::release_free_segments_locked(size_t* released) {
     if (whole->state == Block::Free && whole->size == s->size) {
       free_blocks_.erase(whole);
       delete whole;
-      backend_->release(s->base, s->size);
+      release_segment_locked(s);
       stats_.bytes_reserved -= s->size;
       stats_.num_backend_frees++;
       *released += s->size;

@@ -112,6 +112,7 @@ class HostPool {
   void reclaim_locked(bool wait);
   void insert_free_locked(Block* block);
   void release_free_segments_locked(size_t* released);
+  void release_segment_locked(Segment* s);
 
   std::unique_ptr<Backend> backend_;
   size_t max_bytes_;
