@@ -2,6 +2,8 @@
 #include <torch/extension.h>
 
 #include "../core/host_pool.h"
+#include "../core/profiler.h"
+#include "profiling.h"
 #include "runtime.h"
 #include "saved_tensor.h"
 
@@ -64,8 +66,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       .def(py::init([](std::shared_ptr<HostPool> pool, int64_t min_bytes, bool offload_cpu, bool offload_cuda,
-                       bool side_stream, bool raise_on_full) {
+                       bool side_stream, bool raise_on_full, int64_t prefetch_bytes, int64_t batch_below,
+                       int64_t batch_bytes) {
              PackerOptions o;
+             o.prefetch_bytes = prefetch_bytes;
+             o.batch_below = batch_below;
+             o.batch_bytes = batch_bytes;
              o.pool = std::move(pool);
              o.min_bytes = min_bytes;
              o.offload_cpu = offload_cpu;
@@ -75,12 +81,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return std::make_shared<Packer>(std::move(o));
            }),
            py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
-           py::arg("side_stream"), py::arg("raise_on_full"))
+           py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes") = 0,
+           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20)
       .def("pack", &Packer::pack)
       .def("unpack", &Packer::unpack)
       .def("note_module_state", &Packer::note_module_state)
       .def("begin", &Packer::begin)
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
+      .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats);
 
   m.def("cuda_compiled", &cuda_compiled);
@@ -91,6 +99,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("synchronize", &synchronize_side_streams, py::call_guard<py::gil_scoped_release>());
   m.def("poll", [] { engine().poll(); });
   m.def("num_keepalives", [] { return engine().num_keepalives(); });
+  m.def("profiler_start", &profiler_start);
+  m.def("profiler_stop", &profiler::stop);
+  m.def("profiler_enabled", &profiler::enabled);
+  m.def("profiler_set_scope", &profiler::set_scope, py::arg("scope"));
+  m.def("profiler_range", &profiler_range, py::arg("name"), py::arg("device"), py::arg("begin"));
+  m.def("profiler_records", &profiler_records);
+  m.def("device_bytes_saved", [] { return profiler::g_device_bytes_saved.load(); });
+  m.def("copy_batch_on_host", [](std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> segs) {
+    // Test hook: runs the gather/scatter kernel's chunk plan on the host.
+    std::vector<CopySegment> s;
+    for (auto& t : segs)
+      s.push_back({reinterpret_cast<void*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)), std::get<2>(t)});
+    copy_batch_on_host(s);
+  });
+  m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;
 }

@@ -7,6 +7,8 @@
 #include "../core/cpu_stream.h"
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "../core/cuda_stream.h"
@@ -48,7 +50,7 @@ StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host) {
   }
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (device.is_cuda()) {
-    const int index = device.index();
+    const int index = device.has_index() ? device.index() : c10::cuda::current_device();
     // The current stream is read at every call: FSDP, recompute and user code switch streams.
     auto current = c10::cuda::getCurrentCUDAStream(index);
     owned_compute_ = std::make_unique<cuda::CudaStream>(current.stream(), index);
@@ -58,6 +60,31 @@ StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host) {
   }
 #endif
   throw std::invalid_argument("ckpt_offload: no copy streams for device " + device.str());
+}
+
+CopyRange::CopyRange(const char* name, const c10::Device& device)
+    : guard_(at::RecordScope::USER_SCOPE), nvtx_(device.is_cuda()) {
+  if (guard_.isActive()) guard_.before(name);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (nvtx_) cuda::nvtx_push(name);
+#endif
+}
+
+CopyRange::~CopyRange() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (nvtx_) cuda::nvtx_pop();
+#endif
+}
+
+int64_t device_allocated_bytes(const c10::Device& device) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda()) {
+    const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(index).allocated_bytes[0].current;
+  }
+#endif
+  (void)device;
+  return -1;
 }
 
 void set_cpu_copy_delay_us(int64_t us) {

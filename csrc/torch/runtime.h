@@ -1,6 +1,7 @@
 // Process-wide pieces the torch layer shares: the copy engine and the streams per device.
 #pragma once
 
+#include <ATen/record_function.h>
 #include <c10/core/Device.h>
 
 #include <cstdint>
@@ -29,6 +30,23 @@ class StreamPair {
   Stream* compute_;
   Stream* copy_;
 };
+
+// A named range around the enqueueing of a copy: shows in torch.profiler traces
+// (record_function) and, on a GPU, in Nsight Systems (NVTX).
+class CopyRange {
+ public:
+  CopyRange(const char* name, const c10::Device& device);
+  ~CopyRange();
+  CopyRange(const CopyRange&) = delete;
+  CopyRange& operator=(const CopyRange&) = delete;
+
+ private:
+  at::RecordFunction guard_;
+  bool nvtx_;
+};
+
+// Bytes torch's CUDA caching allocator has handed out on `device`; -1 for CPU.
+int64_t device_allocated_bytes(const c10::Device& device);
 
 // Delay injected before every copy on the CPU side streams (test knob; also read once from
 // CKPT_OFFLOAD_CPU_COPY_DELAY_US).

@@ -83,27 +83,405 @@ int64_t extent_elements(const at::Tensor& t) {
 
 bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass)); }
 
+int device_index(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }
+
+at::Tensor device_bytes(const c10::Device& device, size_t n) {
+  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+// Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
+std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes) {
+  profiler::g_device_bytes_saved += bytes;
+  return std::shared_ptr<void>(new c10::Storage(st), [bytes](void* p) {
+    profiler::g_device_bytes_saved -= bytes;
+    delete static_cast<c10::Storage*>(p);
+  });
+}
+
+void sample_memory(HostPool* pool, const c10::Device& device) {
+  if (!profiler::enabled()) return;
+  profiler::MemorySample m;
+  m.t_ns = profiler::now_ns();
+  m.pool_bytes_in_use = pool ? static_cast<int64_t>(pool->stats().bytes_in_use) : 0;
+  m.device_bytes_saved = profiler::g_device_bytes_saved.load();
+  m.device_bytes_allocated = device_allocated_bytes(device);
+  profiler::add(m);
+}
+
 }  // namespace
 
-c10::Storage OffloadedStorage::materialize(bool side_stream, bool* shared) {
+// ---- Prefetcher ----------------------------------------------------------------------------
+
+uint64_t Prefetcher::add(std::weak_ptr<Reloadable> r) {
   std::lock_guard<std::mutex> lock(mu_);
-  StreamPair streams(device_, side_stream, /*to_host=*/false);
-  if (auto alive = reloaded_.lock()) {
-    // Another view (or an earlier unpack) already brought these bytes back. The copy may
-    // have been ordered on another stream: order this one after it too.
-    streams.compute().wait(reloaded_ready_);
-    *shared = true;
-    return c10::Storage(std::move(alive));
+  if (order_.size() >= prune_at_) {
+    for (auto it = order_.begin(); it != order_.end();) it = it->second.expired() ? order_.erase(it) : std::next(it);
+    prune_at_ = std::max<size_t>(1024, 2 * order_.size());
   }
-  *shared = false;
-  // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
-  at::Tensor bytes = at::empty({static_cast<int64_t>(pad_ + buffer_->nbytes())},
-                               at::TensorOptions().dtype(at::kByte).device(device_));
+  const uint64_t seq = next_++;
+  order_.emplace(seq, std::move(r));
+  return seq;
+}
+
+void Prefetcher::after_unpack(uint64_t seq) {
+  // Backward needs the handles packed just before this one next: walk down from it.
+  constexpr int kMaxScan = 64;
+  std::vector<std::shared_ptr<Reloadable>> release_outside;  // destroyed after the lock
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = order_.lower_bound(seq);
+  int scanned = 0;
+  while (it != order_.begin() && scanned < kMaxScan) {
+    --it;
+    ++scanned;
+    auto r = it->second.lock();
+    if (!r) {
+      it = order_.erase(it);
+      continue;
+    }
+    const int64_t want = r->prefetchable_bytes();
+    if (want > 0) {
+      if (outstanding_.load() + want > budget_) break;
+      const int64_t got = r->start_prefetch();
+      const int64_t now = outstanding_ += got;
+      int64_t peak = counters_->peak_prefetch_bytes.load();
+      while (now > peak && !counters_->peak_prefetch_bytes.compare_exchange_weak(peak, now)) {
+      }
+    }
+    release_outside.push_back(std::move(r));
+  }
+}
+
+// ---- OffloadedStorage -------------------------------------------------------------------------
+
+OffloadedStorage::OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad,
+                                   bool side_stream, std::shared_ptr<PackerCounters> counters)
+    : buffer_(std::move(buffer)),
+      device_(device),
+      pad_(pad),
+      nbytes_(buffer_->nbytes()),
+      side_stream_(side_stream),
+      handle_(profiler::next_handle_id()),
+      counters_(std::move(counters)) {}
+
+OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes,
+                                   bool side_stream, std::shared_ptr<PackerCounters> counters)
+    : batch_(std::move(batch)),
+      device_(device),
+      pad_(pad),
+      nbytes_(nbytes),
+      side_stream_(side_stream),
+      handle_(batch_->handle()),
+      counters_(std::move(counters)) {}
+
+HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool().get() : batch_->pool(); }
+
+OffloadedStorage::~OffloadedStorage() {
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_staged_locked();
+}
+
+void OffloadedStorage::set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prefetcher_ = std::move(prefetcher);
+  seq_ = seq;
+}
+
+bool OffloadedStorage::resident_locked() { return static_cast<bool>(staged_.storage) || !reloaded_.expired(); }
+
+bool OffloadedStorage::stage_locked(Staged staged) {
+  if (resident_locked()) {
+    // Another unpack got here first: give the copy back once it has finished.
+    if (staged.copy && staged.ready)
+      engine().keep_until(*staged.copy, staged.ready, std::make_shared<c10::Storage>(std::move(staged.storage)));
+    return false;
+  }
+  staged_ = std::move(staged);
+  profiler::g_device_bytes_saved += static_cast<int64_t>(pad_ + nbytes_);
+  return true;
+}
+
+void OffloadedStorage::drop_staged_locked() {
+  if (!static_cast<bool>(staged_.storage)) return;
+  profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+  if (staged_.prefetch) {
+    if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+    if (counters_) counters_->prefetches_unused++;
+  }
+  // Nobody waited for this copy on the compute stream: the memory must not go back to the
+  // allocator (in compute order) before the copy stream is done writing it.
+  if (staged_.copy && staged_.ready)
+    engine().keep_until(*staged_.copy, staged_.ready, std::make_shared<c10::Storage>(std::move(staged_.storage)));
+  staged_ = Staged{};
+}
+
+int64_t OffloadedStorage::prefetchable_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (batch_ || unpacked_ || !side_stream_ || resident_locked()) return 0;
+  return static_cast<int64_t>(nbytes_);
+}
+
+int64_t OffloadedStorage::start_prefetch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (batch_ || unpacked_ || !side_stream_ || resident_locked()) return 0;
+  StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
+  CopyRange range("ckpt_offload::prefetch", device_);
+  // Allocated on the compute stream, which will consume it; the copy stream waits for it.
+  at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
   c10::Storage storage = bytes.storage();
   char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
-  reloaded_ready_ = engine().reload(*buffer_, dst, streams.compute(), streams.copy());
-  reloaded_ = storage.getWeakStorageImpl();
-  return storage;
+  CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
+  auto done = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
+  stage_locked(Staged{std::move(storage), done, &streams.copy(), true});
+  counters_->prefetches++;
+  counters_->bytes_prefetched += static_cast<int64_t>(nbytes_);
+  return static_cast<int64_t>(nbytes_);
+}
+
+c10::Storage OffloadedStorage::materialize(bool* shared, int64_t* fresh_bytes) {
+  *shared = false;
+  *fresh_bytes = 0;
+  c10::Storage out;
+  std::shared_ptr<Prefetcher> prefetcher;
+  uint64_t seq = 0;
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<Event> request;
+    if (batch_) {
+      if (!batch_->flushed()) batch_->flush();
+      bool need;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        need = !resident_locked();
+      }
+      if (need) {
+        // Asked for now: the whole wait for this reload is a stall of the compute stream.
+        if (profiler::enabled()) request = StreamPair(device_, side_stream_, false).compute().record_timed();
+        batch_->reload(/*prefetch=*/false);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    StreamPair streams(device_, side_stream_, /*to_host=*/false);
+    if (static_cast<bool>(staged_.storage)) {
+      Staged st = std::move(staged_);
+      staged_ = Staged{};
+      profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+      if (profiler::enabled() && st.ready)
+        profiler::add(profiler::WaitRecord{handle_, device_index(device_),
+                                           request ? request : streams.compute().record_timed(), st.ready});
+      if (st.ready) streams.compute().wait(st.ready);
+      if (st.prefetch) {
+        if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+        counters_->prefetch_hits++;
+      }
+      reloaded_ = st.storage.getWeakStorageImpl();
+      reloaded_ready_ = st.ready;
+      *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
+      out = std::move(st.storage);
+    } else if (auto alive = reloaded_.lock()) {
+      // Another view (or an earlier unpack) already brought these bytes back. The copy may
+      // have been ordered on another stream: order this one after it too.
+      streams.compute().wait(reloaded_ready_);
+      *shared = true;
+      out = c10::Storage(std::move(alive));
+    } else if (batch_) {
+      // A concurrent unpack took the batch's reload of this member and already let it go.
+      if (attempt < 3) continue;
+      throw std::logic_error("ckpt_offload: a batched saved tensor could not be reloaded");
+    } else {
+      CopyRange range("ckpt_offload::reload", device_);
+      auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
+      // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
+      at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
+      c10::Storage storage = bytes.storage();
+      char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
+      CopyTag tag{handle_, device_index(device_), false, 1};
+      reloaded_ready_ = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), true, tag);
+      if (request_ev) profiler::add(profiler::WaitRecord{handle_, device_index(device_), request_ev, reloaded_ready_});
+      reloaded_ = storage.getWeakStorageImpl();
+      *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
+      out = std::move(storage);
+    }
+    unpacked_ = true;
+    prefetcher = prefetcher_;
+    seq = seq_;
+    break;
+  }
+  if (prefetcher) prefetcher->after_unpack(seq);
+  return out;
+}
+
+// ---- Batch ------------------------------------------------------------------------------------
+
+Batch::Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> pool,
+             std::shared_ptr<PackerCounters> counters, std::shared_ptr<Prefetcher> prefetcher)
+    : device_(device),
+      side_stream_(side_stream),
+      pool_(std::move(pool)),
+      counters_(std::move(counters)),
+      handle_(profiler::next_handle_id()),
+      prefetcher_(std::move(prefetcher)) {}
+
+std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, int64_t span) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (flushed_) return nullptr;
+  const char* src = static_cast<const char*>(t.storage().data()) + lo;
+  // Each member starts at its source's address mod 16, so the kernel moves 16 bytes at a time
+  // both ways (the reload destination keeps that alignment too: its pad is lo mod 512).
+  const size_t offset = (block_bytes_ + 15) / 16 * 16 + reinterpret_cast<uintptr_t>(src) % 16;
+  const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
+  auto member = std::make_shared<OffloadedStorage>(shared_from_this(), device_, pad, static_cast<size_t>(span),
+                                                   side_stream_, counters_);
+  Member m;
+  m.storage = member;
+  m.source = tracked_keepalive(t.storage(), span);
+  m.src = src;
+  m.lo = static_cast<size_t>(lo);
+  m.offset = offset;
+  m.bytes = static_cast<size_t>(span);
+  m.pad = pad;
+  members_.push_back(std::move(m));
+  block_bytes_ = offset + static_cast<size_t>(span);
+  return member;
+}
+
+bool Batch::flushed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return flushed_;
+}
+
+bool Batch::flush() {
+  std::vector<std::shared_ptr<OffloadedStorage>> alive;
+  bool ok = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (flushed_) return true;
+    flushed_ = true;
+    if (members_.empty()) return true;
+    StreamPair streams(device_, side_stream_, /*to_host=*/true);
+    CopyRange range("ckpt_offload::offload_batch", device_);
+    std::vector<BatchSpan> spans;
+    auto sources = std::make_shared<std::vector<std::shared_ptr<void>>>();
+    for (Member& m : members_) {
+      spans.push_back({const_cast<char*>(m.src), m.offset, m.bytes});
+      sources->push_back(m.source);
+    }
+    at::Tensor staging;
+    if (device_.is_cuda()) staging = device_bytes(device_, block_bytes_);
+    std::shared_ptr<void> keepalive(new std::pair<decltype(sources), at::Tensor>(sources, staging), [](void* p) {
+      delete static_cast<std::pair<std::shared_ptr<std::vector<std::shared_ptr<void>>>, at::Tensor>*>(p);
+    });
+    sources.reset();
+    CopyTag tag{handle_, device_index(device_), false, static_cast<int>(members_.size())};
+    buffer_ = engine().offload_gather(pool_, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
+                                      streams.compute(), streams.copy(), std::move(keepalive), tag);
+    if (buffer_) {
+      counters_->batches++;
+      if (profiler::enabled()) {
+        profiler::HandleRecord h;
+        h.handle = handle_;
+        h.bytes = block_bytes_;
+        h.device = device_index(device_);
+        h.dtype = "batch";
+        h.module = profiler::scope();
+        h.members = static_cast<int>(members_.size());
+        profiler::add(std::move(h));
+      }
+      for (Member& m : members_) m.source.reset();  // the engine holds them until the copy has read them
+    } else {
+      ok = false;
+      // The pool is full: give every member a device copy of its own in the reload layout, so
+      // the saved tensors still come back, and count them as kept.
+      for (Member& m : members_) {
+        auto member = m.storage.lock();
+        if (member) {
+          const c10::Storage& src_storage = *static_cast<c10::Storage*>(m.source.get());
+          at::Tensor whole = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device_));
+          whole.set_(src_storage, 0, {static_cast<int64_t>(src_storage.nbytes())}, {1});
+          at::Tensor copy = device_bytes(device_, m.pad + m.bytes);
+          copy.narrow(0, static_cast<int64_t>(m.pad), static_cast<int64_t>(m.bytes))
+              .copy_(whole.narrow(0, static_cast<int64_t>(m.lo), static_cast<int64_t>(m.bytes)));
+          std::lock_guard<std::mutex> mlock(member->mu_);
+          member->stage_locked(OffloadedStorage::Staged{copy.storage(), nullptr, nullptr, false});
+        }
+        counters_->tensors_offloaded--;
+        counters_->bytes_offloaded -= static_cast<int64_t>(m.bytes);
+        counters_->tensors_batched--;
+        counters_->kept_tensors[static_cast<int>(KeepReason::PoolFull)]++;
+        counters_->kept_bytes[static_cast<int>(KeepReason::PoolFull)] += static_cast<int64_t>(m.bytes);
+        m.source.reset();
+      }
+    }
+    if (buffer_ && prefetcher_)
+      for (Member& m : members_)
+        if (auto member = m.storage.lock()) alive.push_back(std::move(member));
+  }
+  if (!alive.empty()) {
+    // Outside the batch's lock: the prefetcher locks itself, then batches (after_unpack).
+    seq_ = prefetcher_->add(weak_from_this());
+    for (auto& member : alive) member->set_order(prefetcher_, seq_);
+  }
+  return ok;
+}
+
+int64_t Batch::prefetchable_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!buffer_ || !side_stream_) return 0;
+  int64_t total = 0;
+  for (Member& m : members_) {
+    auto member = m.storage.lock();
+    if (!member) continue;
+    std::lock_guard<std::mutex> mlock(member->mu_);
+    if (!member->unpacked_ && !member->resident_locked()) total += static_cast<int64_t>(m.bytes);
+  }
+  return total;
+}
+
+int64_t Batch::reload(bool prefetch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!buffer_) return 0;
+  if (prefetch && !side_stream_) return 0;
+  struct Target {
+    std::shared_ptr<OffloadedStorage> member;
+    c10::Storage storage;
+  };
+  std::vector<Target> targets;
+  std::vector<BatchSpan> spans;
+  for (Member& m : members_) {
+    auto member = m.storage.lock();
+    if (!member) continue;
+    {
+      std::lock_guard<std::mutex> mlock(member->mu_);
+      if (member->resident_locked() || (prefetch && member->unpacked_)) continue;
+    }
+    // Allocated on the compute stream, which consumes them; the copy stream waits for them.
+    at::Tensor bytes = device_bytes(device_, m.pad + m.bytes);
+    spans.push_back({static_cast<char*>(bytes.data_ptr()) + m.pad, m.offset, m.bytes});
+    targets.push_back({std::move(member), bytes.storage()});
+  }
+  if (targets.empty()) return 0;
+  StreamPair streams(device_, side_stream_, /*to_host=*/false);
+  CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
+  at::Tensor staging;
+  if (device_.is_cuda()) staging = device_bytes(device_, block_bytes_);
+  CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
+  auto done = engine().reload_scatter(*buffer_, spans, staging.defined() ? staging.data_ptr() : nullptr,
+                                      streams.compute(), streams.copy(), std::make_shared<at::Tensor>(staging),
+                                      /*consumer_waits=*/!prefetch, tag);
+  int64_t staged = 0, count = 0;
+  for (Target& t : targets) {
+    std::lock_guard<std::mutex> mlock(t.member->mu_);
+    const size_t nbytes = t.member->nbytes_;
+    if (t.member->stage_locked(OffloadedStorage::Staged{std::move(t.storage), done,
+                                                        prefetch ? &streams.copy() : nullptr, prefetch}) &&
+        prefetch) {
+      staged += static_cast<int64_t>(nbytes);
+      ++count;
+    }
+  }
+  if (prefetch) {
+    counters_->prefetches += count;
+    counters_->bytes_prefetched += staged;
+  }
+  return staged;
 }
 
 void SavedTensor::check_version() const {
@@ -119,17 +497,29 @@ void SavedTensor::check_version() const {
   throw std::runtime_error(msg.str());
 }
 
+SavedTensor::~SavedTensor() {
+  if (device_held_) profiler::g_device_bytes_saved -= device_held_;
+}
+
 at::Tensor SavedTensor::unpack() {
   check_version();
   if (!storage_) return kept_;
   bool shared = false;
-  c10::Storage st = storage_->materialize(side_stream_, &shared);
+  int64_t fresh = 0;
+  c10::Storage st = storage_->materialize(&shared, &fresh);
   if (shared) {
     counters_->tensors_reload_shared++;
   } else {
     counters_->tensors_reloaded++;
     counters_->bytes_reloaded += static_cast<int64_t>(storage_->nbytes());
   }
+  if (fresh) {
+    // The reloaded storage lives about as long as the node that unpacked it, which is when
+    // autograd drops this SavedTensor: the memory timeline counts it until then.
+    device_held_ += fresh;
+    profiler::g_device_bytes_saved += fresh;
+  }
+  sample_memory(storage_->pool(), device_);
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype_).device(st.device()));
   out.set_(st, offset_, sizes_, strides_);
   return out;
@@ -137,6 +527,28 @@ at::Tensor SavedTensor::unpack() {
 
 Packer::Packer(PackerOptions options) : options_(std::move(options)), counters_(std::make_shared<PackerCounters>()) {
   if (!options_.pool) throw std::invalid_argument("ckpt_offload: Packer needs a pool");
+  // Prefetching on the compute stream would only move the same stall earlier.
+  if (options_.prefetch_bytes > 0 && options_.side_stream)
+    prefetcher_ = std::make_shared<Prefetcher>(options_.prefetch_bytes, counters_);
+}
+
+void Packer::flush_batches() {
+  std::map<int, std::shared_ptr<Batch>> open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    open.swap(open_batches_);
+  }
+  size_t refused = 0, refused_bytes = 0;
+  for (auto& kv : open) {
+    if (!kv.second->flush()) {
+      refused += kv.second->size();
+      refused_bytes += kv.second->block_bytes();
+    }
+  }
+  if (refused && options_.raise_on_full)
+    throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
+                                     static_cast<int64_t>(refused_bytes)) +
+                   " (The batch's tensors were kept on the device, so backward still works.)");
 }
 
 void Packer::begin() {
@@ -146,6 +558,7 @@ void Packer::begin() {
 }
 
 void Packer::end(bool keep_dedup) {
+  flush_batches();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!keep_dedup) dedup_.clear();
@@ -178,6 +591,21 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   // by its own node does not form a reference cycle that would leak the graph.
   saved->kept_ = t.detach();
   saved->nbytes_ = nbytes;
+  if (why != KeepReason::Parameter && why != KeepReason::Buffer) {
+    saved->device_held_ = nbytes;
+    profiler::g_device_bytes_saved += nbytes;
+  }
+  if (profiler::enabled()) {
+    profiler::KeepRecord k;
+    k.reason = keep_reason_name(why);
+    k.dtype = c10::toString(t.scalar_type());
+    k.module = profiler::scope();
+    k.bytes = static_cast<size_t>(nbytes);
+    k.device = device_index(t.device());
+    k.shape = t.sizes().vec();
+    profiler::add(std::move(k));
+    sample_memory(options_.pool.get(), t.device());
+  }
   return py::cast(std::move(saved));
 }
 
@@ -247,10 +675,41 @@ py::object Packer::pack(py::handle obj) {
     }
   }
 
-  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_);
-  if (!saved) {
-    if (options_.raise_on_full) throw PoolFull(pool_full_message(*options_.pool, t, span));
-    return keep(t, KeepReason::PoolFull, span);
+  std::shared_ptr<SavedTensor> saved;
+  if (options_.batch_below > 0 && span < options_.batch_below) {
+    saved = SavedTensor::describe_layout(t, counters_);
+    saved->side_stream_ = options_.side_stream;
+    const int key = device_index(device);
+    for (;;) {
+      std::shared_ptr<Batch> batch, full;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto& open = open_batches_[key];
+        if (open && (open->flushed() || open->block_bytes() + static_cast<size_t>(span) + 16 >
+                                            static_cast<size_t>(options_.batch_bytes))) {
+          full = std::move(open);
+          open.reset();
+        }
+        if (!open) open = std::make_shared<Batch>(device, options_.side_stream, options_.pool, counters_, prefetcher_);
+        batch = open;
+      }
+      if (full && !full->flush() && options_.raise_on_full)
+        throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(full->size()) +
+                                         " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
+                       " (The batch's tensors were kept on the device, so backward still works.)");
+      // Null when an unpack flushed the batch meanwhile: take a new one.
+      saved->storage_ = batch->add(t, lo, span);
+      if (saved->storage_) break;
+    }
+    saved->offset_ = static_cast<int64_t>(saved->storage_->pad()) / itemsize;
+    counters_->tensors_batched++;
+  } else {
+    saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_);
+    if (!saved) {
+      if (options_.raise_on_full) throw PoolFull(pool_full_message(*options_.pool, t, span));
+      return keep(t, KeepReason::PoolFull, span);
+    }
+    if (prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
   }
   counters_->tensors_offloaded++;
   counters_->bytes_offloaded += span;
@@ -272,14 +731,19 @@ py::object Packer::pack(py::handle obj) {
     e.lo = lo;
     e.hi = hi;
   }
+  sample_memory(options_.pool.get(), device);
   return py::cast(std::move(saved));
 }
 
 std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
+  return pool_full_message(pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+}
+
+std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
   PoolStats ps = pool.stats();
   std::ostringstream msg;
   msg << "ckpt_offload: the host pool is full. Asked for " << human_bytes(span) << " (" << span
-      << " bytes) for a saved tensor " << describe(t.scalar_type(), t.sizes().vec(), t.device()) << "; "
+      << " bytes) for " << what << "; "
       << human_bytes(ps.bytes_in_use) << " in use, " << human_bytes(ps.bytes_pending) << " waiting for copies, "
       << human_bytes(ps.bytes_reserved) << " reserved, cap "
       << (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) << ". Raise the cap (co.HostPool(max_bytes=...) or "
@@ -307,19 +771,33 @@ std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
 
 std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                                   bool side_stream, std::shared_ptr<PackerCounters> counters) {
-  auto saved = describe_layout(t, std::move(counters));
+  auto saved = describe_layout(t, counters);
   saved->side_stream_ = side_stream;
   const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
   StreamPair streams(t.device(), side_stream, /*to_host=*/true);
+  CopyRange range("ckpt_offload::offload", t.device());
   // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
-  auto keepalive = std::make_shared<c10::Storage>(t.storage());
+  auto keepalive = tracked_keepalive(t.storage(), saved->nbytes_);
   const char* src = static_cast<const char*>(t.storage().data()) + lo;
+  const uint64_t handle = profiler::next_handle_id();
+  CopyTag tag{handle, device_index(t.device()), false, 1};
   auto buffer = engine().offload(pool, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
-                                 std::move(keepalive));
+                                 std::move(keepalive), tag);
   if (!buffer) return nullptr;
   const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
-  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad);
+  saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad, side_stream, counters);
+  saved->storage_->handle_ = handle;
   saved->offset_ = static_cast<int64_t>(pad) / static_cast<int64_t>(t.dtype().itemsize());
+  if (profiler::enabled()) {
+    profiler::HandleRecord h;
+    h.handle = handle;
+    h.bytes = static_cast<size_t>(saved->nbytes_);
+    h.device = device_index(t.device());
+    h.shape = saved->sizes_;
+    h.dtype = c10::toString(saved->dtype_);
+    h.module = profiler::scope();
+    profiler::add(std::move(h));
+  }
   return saved;
 }
 
@@ -374,6 +852,13 @@ py::dict Packer::stats() const {
   d["tensors_reloaded"] = c.tensors_reloaded.load();
   d["bytes_reloaded"] = c.bytes_reloaded.load();
   d["tensors_reload_shared"] = c.tensors_reload_shared.load();
+  d["tensors_batched"] = c.tensors_batched.load();
+  d["batches"] = c.batches.load();
+  d["prefetches"] = c.prefetches.load();
+  d["bytes_prefetched"] = c.bytes_prefetched.load();
+  d["prefetch_hits"] = c.prefetch_hits.load();
+  d["prefetches_unused"] = c.prefetches_unused.load();
+  d["peak_prefetch_bytes"] = c.peak_prefetch_bytes.load();
   return d;
 }
 
