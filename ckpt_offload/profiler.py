@@ -765,7 +765,7 @@ class Profile:
 
     def export_csv(self, path) -> str:
         """Writes one row per copy record, joined with its storage's shape, dtype and module;
-        returns the path. Columns: :attr:`CSV_COLUMNS` (shape as ``"4x64x64"``).
+        returns the path. Columns: :attr:`CSV_COLUMNS` (shape as JSON, ``"[4, 64, 64]"``; ``"[]"`` for a 0-d tensor).
 
         Example::
 
@@ -788,7 +788,7 @@ class Profile:
                         c["handle"],
                         h.get("module") or "",
                         c["bytes"],
-                        "x".join(str(s) for s in shape) if shape is not None else "",
+                        json.dumps(shape) if shape is not None else "",
                         h.get("dtype", ""),
                         c["device"],
                         c["stream"],
@@ -830,6 +830,32 @@ class Profile:
 
         for d in self.devices:
             pid_of(d)
+
+        # Copies of one direction on one stream never overlap, so they nest on one track; a
+        # second stream of a direction (stream="compute" and "side" in one profile) gets its own.
+        stream_tids: dict = {}
+
+        def copy_tid(pid: int, kind: str, stream) -> int:
+            key = (pid, kind, stream)
+            if key not in stream_tids:
+                base = "D2H" if kind == "d2h" else "H2D"
+                n = sum(1 for k in stream_tids if k[:2] == (pid, kind))
+                tid = (2 if kind == "d2h" else 3) if n == 0 else 10 + len(stream_tids)
+                stream_tids[key] = tid
+                if n:
+                    events.append(
+                        {
+                            "name": "thread_name",
+                            "ph": "M",
+                            "pid": pid,
+                            "tid": tid,
+                            "args": {"name": f"{base} (stream {stream})"},
+                        }
+                    )
+                    events.append(
+                        {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+                    )
+            return stream_tids[key]
 
         def x(name, cat, pid, tid, start, end, args):
             if start is None or end is None:  # untimed: nothing to place on a timeline
@@ -892,7 +918,16 @@ class Profile:
             label = ("D2H " if d2h else ("H2D prefetch " if c.get("prefetch") else "H2D ")) + (
                 module or f"#{c['handle']}"
             )
-            x(label, "d2h" if d2h else "h2d", pid_of(c["device"]), 2 if d2h else 3, c["start_us"], c["end_us"], args)
+            pid = pid_of(c["device"])
+            x(
+                label,
+                "d2h" if d2h else "h2d",
+                pid,
+                copy_tid(pid, c["kind"], c["stream"]),
+                c["start_us"],
+                c["end_us"],
+                args,
+            )
 
         # The host pool and the memory counters: a process of their own (the pool is not per device).
         pool_pid = len(pids) + 1
