@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite: one command that builds ckpt_offload on the GPU machine, runs the GPU tests,
-# the CPU test suite, the bandwidth benchmark and (when present) the demo, and writes the
-# results into OUT_DIR.
+# the CPU test suite, the bandwidth benchmark, the overlap benchmark and (when present) the demo,
+# and writes the results into OUT_DIR.
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR
 #
@@ -11,16 +11,19 @@
 #
 # OUT_DIR receives at most 8 files, none in subfolders (what the device tool brings back):
 #   suite.log      everything printed by every step (also on stdout)
-#   build.log      the extension build (setup.py build_ext --inplace)
-#   gpu_tests.xml  junit XML of `pytest -m gpu -v tests/`
-#   cpu_tests.xml  junit XML of `pytest tests -x -q -m "not gpu"`
+#   summary.md     one page: environment, step table, test counts, bandwidth and overlap headlines
 #   bandwidth.json / bandwidth.md   benchmarks/bandwidth.py --out OUT_DIR
-#   demo.*         the output of `python3 -m ckpt_offload demo`, if that command exists
-#                  (its one file as demo_<name>, or several packed into demo.tar.gz)
-#   summary.md     one page: environment, step table, test counts, bandwidth headline
+#   overlap.json / overlap.md / overlap.png   benchmarks/overlap.py --out OUT_DIR
+#   extras.tar.gz  the rest, packed: extras/build.log (setup.py build_ext --inplace),
+#                  extras/gpu_tests.xml (junit XML of `pytest -m gpu -v tests/`),
+#                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`) and
+#                  extras/demo/* (the output of `python3 -m ckpt_offload demo`, if it exists)
+#   (suite.log has the last 40 lines of any failing step's log, build.log included.)
 #
 # Every step runs under `timeout`, inside a total budget (SUITE_BUDGET_S, default 450 s), and
-# the suite keeps going after a failing step. Exit status: 0 when every step that ran passed,
+# the suite keeps going after a failing step. On a GPU the overlap benchmark runs the 1b Llama
+# preset at sequence lengths 512..4096, batch 1, and skips a length predicted to end after
+# OVERLAP_BUDGET_S (default 130 s, less when the suite budget is short). Exit status: 0 when every step that ran passed,
 # 1 when a step failed or timed out, 2 on bad usage.
 #
 # Without a GPU (here: a CPU-only dev machine) the suite still builds (nvcc compiles CUDA code
@@ -31,7 +34,9 @@
 # an extension built without CUDA there, is a failure, not a skip).
 #
 # Environment: PYTHON (default python3; falls back to ./.venv/bin/python when python3 has no
-# torch), MAX_JOBS (default 16), SUITE_BUDGET_S (default 450), REQUIRE_GPU (default 0).
+# torch), MAX_JOBS (default 16), SUITE_BUDGET_S (default 450), REQUIRE_GPU (default 0),
+# OVERLAP_BUDGET_S (default 130), SKIP_BUILD=1 (use the extension already built in place: for
+# trying the suite on a dev machine; the step table says the build was skipped).
 
 set -u
 set -o pipefail
@@ -56,6 +61,10 @@ REQUIRE_GPU=${REQUIRE_GPU:-0}
 START=$(date +%s)
 WORK=$(mktemp -d)              # scratch outside OUT_DIR: keeps OUT_DIR to its 8 files
 STEPS="$WORK/steps.tsv"        # name <TAB> status <TAB> seconds <TAB> note
+EXTRAS="$WORK/extras"          # packed into OUT_DIR/extras.tar.gz at the end
+mkdir -p "$EXTRAS"
+OVERLAP_BUDGET=${OVERLAP_BUDGET_S:-130}
+SKIP_BUILD=${SKIP_BUILD:-0}
 : >"$STEPS"
 FAILED=0
 
@@ -173,8 +182,12 @@ EOF
   fi
 
   # ---- build --------------------------------------------------------------------------------
-  step build 300 "$OUT/build.log" "$PY" setup.py build_ext --inplace
-  grep -E "ninja|Falling back|warning: |error" "$OUT/build.log" | grep -v "^\s*$" | head -n 20 || true
+  if [ "$SKIP_BUILD" = "1" ]; then
+    record build "SKIPPED" 0 "SKIP_BUILD=1: using the extension already built in place"
+  else
+    step build 300 "$EXTRAS/build.log" "$PY" setup.py build_ext --inplace
+    grep -E "ninja|Falling back|warning: |error" "$EXTRAS/build.log" | grep -v "^\s*$" | head -n 20 || true
+  fi
 
   # ---- what got built -----------------------------------------------------------------------
   step build_info 60 - "$PY" - "$TORCH_GPU" "$WORK/build_info.json" <<'EOF'
@@ -194,14 +207,26 @@ if sys.argv[1] == "1":
 EOF
 
   # ---- tests --------------------------------------------------------------------------------
-  step gpu_tests 180 - "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider tests/ --junitxml="$OUT/gpu_tests.xml"
+  step gpu_tests 180 - "$PY" -m pytest -m gpu -v -rs -p no:cacheprovider tests/ --junitxml="$EXTRAS/gpu_tests.xml"
   if [ "$LAST_RC" -eq 5 ]; then note_last "pytest exit 5: no GPU tests were collected"; fi
   if [ "$LAST_RC" -eq 0 ] && [ "$TORCH_GPU" != "1" ]; then note_last "all skipped: no GPU"; fi
   # The GPU tests are deselected here: they just ran above.
-  step cpu_tests 240 - "$PY" -m pytest tests -x -q -m "not gpu" -p no:cacheprovider --junitxml="$OUT/cpu_tests.xml"
+  step cpu_tests 240 - "$PY" -m pytest tests -x -q -m "not gpu" -p no:cacheprovider --junitxml="$EXTRAS/cpu_tests.xml"
 
   # ---- benchmarks ---------------------------------------------------------------------------
   step bandwidth 180 - "$PY" benchmarks/bandwidth.py --out "$OUT"
+
+  # ---- overlap: every strategy side by side on the built-in Llama decoder ---------------------
+  if [ "$TORCH_GPU" = "1" ]; then
+    # Leave a minute of the suite budget for the demo and the summary.
+    left=$((BUDGET - ($(date +%s) - START) - 60))
+    ob=$((left < OVERLAP_BUDGET ? left : OVERLAP_BUDGET))
+    if [ "$ob" -lt 30 ]; then ob=30; fi
+    OVERLAP_ARGS=(--model 1b --seq-lens 512,1024,2048,4096 --batch 1 --steps 8 --warmup 2 --budget-s "$ob")
+  else
+    OVERLAP_ARGS=(--quick)   # the CPU path: a tiny model, CPU numbers (the files say so)
+  fi
+  step overlap 200 - "$PY" benchmarks/overlap.py "${OVERLAP_ARGS[@]}" --no-progress --out "$OUT"
 
   # ---- demo (only if someone has written it) ------------------------------------------------
   if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('ckpt_offload.__main__') else 1)" \
@@ -213,27 +238,20 @@ EOF
       DEMO_ARGS=(--size medium)
     fi
     step demo 150 - "$PY" -m ckpt_offload demo "${DEMO_ARGS[@]}" --out "$WORK/demo"
-    # Bring back one file, at the top of OUT_DIR: its own file, or a tarball of several.
-    n=$(find "$WORK/demo" -type f | wc -l)
-    if [ "$n" -eq 1 ]; then
-      f=$(find "$WORK/demo" -type f)
-      b=$(basename "$f" | tr -c 'A-Za-z0-9._\n-' '_')
-      case "$b" in demo*) ;; *) b="demo_$b" ;; esac
-      cp "$f" "$OUT/$b"
-    elif [ "$n" -gt 1 ]; then
-      tar czf "$OUT/demo.tar.gz" -C "$WORK" demo && echo "demo: $n files packed into demo.tar.gz"
-    fi
+    # Its files travel in extras.tar.gz (extras/demo/).
+    if [ -n "$(ls -A "$WORK/demo" 2>/dev/null)" ]; then cp -r "$WORK/demo" "$EXTRAS/demo"; fi
   else
     record demo "SKIPPED" 0 "python3 -m ckpt_offload demo does not exist (yet)"
   fi
 
   # ---- summary ------------------------------------------------------------------------------
   echo
-  "$PY" - "$OUT" "$STEPS" "$WORK/build_info.json" "$(($(date +%s) - START))" <<'EOF' || record summary "FAIL" 0 "summary.md could not be written"
+  "$PY" - "$OUT" "$STEPS" "$WORK/build_info.json" "$(($(date +%s) - START))" "$EXTRAS" <<'EOF' || record summary "FAIL" 0 "summary.md could not be written"
 import json, os, sys
 import xml.etree.ElementTree as ET
 
 out, steps_path, info_path, elapsed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+extras = sys.argv[5]
 steps = [line.rstrip("\n").split("\t") for line in open(steps_path) if line.strip()]
 lines = []
 gpu = next((s for s in steps if s[0] == "gpu_present"), None)
@@ -260,9 +278,9 @@ for name, status, secs, note in steps:
     lines.append(f"| {name} | {status} | {secs} | {note} |")
 
 for label, fname in (("GPU tests", "gpu_tests.xml"), ("CPU tests", "cpu_tests.xml")):
-    path = os.path.join(out, fname)
+    path = os.path.join(extras, fname)
     lines.append("")
-    lines.append(f"## {label} ({fname})")
+    lines.append(f"## {label} (extras/{fname})")
     lines.append("")
     if not os.path.exists(path):
         lines.append("no junit XML (the step did not run or pytest did not start)")
@@ -331,12 +349,53 @@ if os.path.exists(bw):
 else:
     lines.append("no bandwidth.json (the step failed or did not run)")
 
+ov = os.path.join(out, "overlap.json")
 lines.append("")
-lines.append("Files: " + ", ".join(sorted(os.listdir(out))))
+lines.append("## Overlap (overlap.md has every strategy and column, overlap.png the plot)")
+lines.append("")
+if os.path.exists(ov):
+    try:
+        r = json.load(open(ov))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        m = r["model"]
+        lines.append(f"{r.get('gpu_name') or 'CPU path'} · model {m['name']} ({m['num_parameters'] / 1e6:.1f} M) · "
+                     f"batch {r['args']['batch']} · {r['args']['dtype']} · {r.get('elapsed_s', 0):.0f} s")
+        lines.append("")
+        lines.append("| seq len | co_checkpoint_side_prefetch vs checkpoint | hf_offload vs checkpoint | ours < half of HF |")
+        lines.append("|---:|---:|---:|---|")
+        for p in r["headline"]["per_seq"]:
+            o = "-" if p["ours_overhead"] is None else f"{p['ours_overhead'] * 100:+.1f}%"
+            if p["ours_overhead"] is None and p.get("ours_status") not in (None, "ok"):
+                o = p["ours_status"][:80]
+            h = "-" if p["hf_overhead"] is None else f"{p['hf_overhead'] * 100:+.1f}%"
+            half = {None: "n/a", True: "yes", False: "NO"}[p["less_than_half_of_hf"]]
+            lines.append(f"| {p['seq_len']} | {o} | {h} | {half} |")
+        t = r["headline"].get("targets") or {}
+        if t:
+            lines.append("")
+            lines.append(f"Targets at seq {t['at_seq_len']}: " + "; ".join(
+                f"{k}: {({None: 'n/a', True: 'yes', False: 'NO'})[v]}" for k, v in t.items() if k != "at_seq_len"))
+        bad = [f"{x['strategy']}@{x['seq_len']}: {x['status'][:120]}" for x in r["results"]
+               if x["status"].startswith("failed")]
+        if bad:
+            lines.append("")
+            lines += [f"- FAILED {b}" for b in bad]
+    except Exception as e:
+        lines.append(f"could not read overlap.json: {e}")
+else:
+    lines.append("no overlap.json (the step failed or did not run)")
+
+lines.append("")
+lines.append("Files: " + ", ".join(sorted(set(os.listdir(out)) | {"summary.md", "extras.tar.gz"})) + " (extras.tar.gz: "
+             + ", ".join(sorted(os.listdir(extras))) + ")")
 open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
 
+  # Everything else in one file: OUT_DIR stays within the 8 files the device tool brings back.
+  tar czf "$OUT/extras.tar.gz" -C "$WORK" extras || echo "WARNING: extras.tar.gz could not be written"
   echo
   echo "=== files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
   nfiles=$(find "$OUT" -type f | wc -l)
