@@ -22,7 +22,7 @@ from ckpt_offload.offload import offload as offload_context
 __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
 
 # _checkpoint, _check_reentrant and _TORCH_KEYWORDS are shared with integrations/hf.py.
-_OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full")
+_OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
 # Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
 _TORCH_KEYWORDS = tuple(
     name
@@ -65,6 +65,9 @@ def _context_for(options: dict) -> offload_context:
         tuple(devices) if isinstance(devices, (list, tuple)) else devices,
         id(options.get("pool")),  # the cached context holds the pool, so its id stays unique
         options.get("on_full"),
+        options.get("prefetch_bytes"),
+        options.get("batch_below"),
+        options.get("batch_bytes"),
     )
     ctx = cache.get(key)
     if ctx is None:

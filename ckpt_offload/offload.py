@@ -10,12 +10,26 @@ from ckpt_offload import _C
 from ckpt_offload._args import check_choice, check_int, device_types
 from ckpt_offload.pool import HostPool, default_pool
 
-__all__ = ["offload", "offload_tensor", "DEFAULT_MIN_BYTES", "STREAM_MODES", "ON_FULL_POLICIES"]
+__all__ = [
+    "offload",
+    "offload_tensor",
+    "DEFAULT_MIN_BYTES",
+    "DEFAULT_PREFETCH_BYTES",
+    "DEFAULT_BATCH_BYTES",
+    "STREAM_MODES",
+    "ON_FULL_POLICIES",
+]
 
 #: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
 #: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
 #: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
 DEFAULT_MIN_BYTES = 256 * 1024
+#: Backward keeps at most this many bytes of prefetched (reloaded ahead of need, not yet used)
+#: tensors on the device. A few layers' worth of boundary activations of a large model at long
+#: sequence length; the extra device memory in backward is bounded by it.
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+#: Size of the blocks that batched small tensors are gathered into (``batch_below``).
+DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
 ON_FULL_POLICIES = ("keep", "raise")
 
@@ -55,6 +69,19 @@ class offload:
         on_full: at the pool's cap, ``"keep"`` (default) leaves the tensor on the device and
             counts it as ``kept_by_reason["pool_full"]``; ``"raise"`` raises
             :class:`~ckpt_offload.PoolFullError`.
+        prefetch_bytes: with ``stream="side"``, each reload in backward starts the reloads of
+            the tensors packed just before it (the ones backward needs next) on the copy stream,
+            while fewer than this many bytes of such prefetched tensors wait unused on the
+            device. Default :data:`DEFAULT_PREFETCH_BYTES` (256 MiB); ``0`` turns it off.
+            Correct for any unpack order: a prefetched tensor is used by whichever unpack asks
+            first and, if none does, released once its copy has finished.
+        batch_below: saved tensors spanning fewer bytes than this (and at least ``min_bytes``)
+            are gathered into shared blocks of ``batch_bytes`` and copied once (a gather kernel
+            on a GPU), then scattered back into tensors of their own on reload. ``0`` (default)
+            turns batching off. Lower ``min_bytes`` with it to offload small tensors cheaply,
+            e.g. ``co.offload(min_bytes=4096, batch_below=256 * 1024)``.
+        batch_bytes: size of a batch block (default :data:`DEFAULT_BATCH_BYTES`, 4 MiB). A batch
+            is copied when full, when the context exits, or when one of its tensors is needed.
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``), tensors on other devices, sparse / nested / quantized
@@ -78,10 +105,21 @@ class offload:
         devices=None,
         pool: HostPool | None = None,
         on_full: str = "keep",
+        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        batch_below: int = 0,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
     ):
         check_int("min_bytes", min_bytes, minimum=0)
         check_choice("stream", stream, STREAM_MODES)
         check_choice("on_full", on_full, ON_FULL_POLICIES)
+        check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        check_int("batch_below", batch_below, minimum=0)
+        check_int("batch_bytes", batch_bytes, minimum=1)
+        if batch_below > batch_bytes:
+            raise ValueError(
+                f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "
+                "has to fit in a batch block; raise batch_bytes or lower batch_below"
+            )
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
         types = _default_devices() if devices is None else device_types("devices", devices)
@@ -95,6 +133,9 @@ class offload:
         self.stream = stream
         self.devices = tuple(types)
         self.on_full = on_full
+        self.prefetch_bytes = prefetch_bytes
+        self.batch_below = batch_below
+        self.batch_bytes = batch_bytes
         self.pool = pool if pool is not None else default_pool()
         self._packer = _C.Packer(
             pool=self.pool._impl,
@@ -103,6 +144,9 @@ class offload:
             offload_cuda="cuda" in types,
             side_stream=stream == "side",
             raise_on_full=on_full == "raise",
+            prefetch_bytes=prefetch_bytes,
+            batch_below=batch_below,
+            batch_bytes=batch_bytes,
         )
         self._hooks = None
         self._module_hook = None
@@ -142,14 +186,18 @@ class offload:
         that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
         ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
         ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
-        ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy).
+        ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy),
+        ``tensors_batched`` and ``batches`` (small tensors gathered into shared copies, and those
+        copies), ``prefetches`` / ``bytes_prefetched`` (reloads started ahead of need),
+        ``prefetch_hits`` (unpacks served by one), ``prefetches_unused`` (dropped unused),
+        ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``).
         """
         return self._packer.stats()
 
     def __repr__(self) -> str:
         return (
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
-            f"on_full={self.on_full!r})"
+            f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below})"
         )
 
 

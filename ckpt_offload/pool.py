@@ -5,9 +5,13 @@ from __future__ import annotations
 import threading
 
 from ckpt_offload import _C
-from ckpt_offload._args import check_int, check_optional_bool
+from ckpt_offload._args import check_choice, check_int, check_optional_bool
 
-__all__ = ["HostPool", "PoolFullError", "default_pool", "pinned_available"]
+__all__ = ["HostPool", "PoolFullError", "default_pool", "pinned_available", "BACKENDS"]
+
+#: Host-memory backends: ``"pinned"`` (``cudaHostAlloc``), ``"registered"`` (page-aligned,
+#: pre-faulted memory pinned with ``cudaHostRegister``) and ``"pageable"`` (plain memory).
+BACKENDS = ("pinned", "registered", "pageable")
 
 #: Raised when the pool is at its cap and the context was made with ``on_full="raise"``.
 #: A subclass of ``MemoryError``.
@@ -34,36 +38,58 @@ class HostPool:
         pinned: ``True`` for page-locked memory (``cudaHostAlloc``; needs a GPU), ``False`` for
             pageable memory, ``None`` to pin whenever a GPU is usable.
         segment_bytes: size of the segments small requests are carved from (default 64 MiB).
+        backend: overrides ``pinned`` with a backend by name, one of :data:`BACKENDS`:
+            ``"registered"`` pins large page-aligned host allocations with ``cudaHostRegister``
+            (pre-faulted first) instead of ``cudaHostAlloc``; both give page-locked memory that
+            copies run from asynchronously. Combine with :meth:`reserve` so that the first step
+            pays no allocation.
 
     Example::
 
         pool = co.HostPool(max_bytes=8 << 30)          # at most 8 GiB of pinned memory
+        pool.reserve(2 << 30)                          # taken now, not in the first step
         with co.offload(pool=pool):
             loss = model(x).sum()
         loss.backward()
         print(pool.stats()["peak_bytes_in_use"])
     """
 
-    def __init__(self, max_bytes: int | None = None, pinned: bool | None = None, segment_bytes: int | None = None):
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        pinned: bool | None = None,
+        segment_bytes: int | None = None,
+        backend: str | None = None,
+    ):
         check_int("max_bytes", max_bytes, minimum=1, allow_none=True)
         check_optional_bool("pinned", pinned)
         check_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
-        if pinned is None:
-            pinned = pinned_available()
+        if backend is not None:
+            check_choice("backend", backend, BACKENDS)
+            if pinned is not None and pinned != (backend != "pageable"):
+                raise ValueError(
+                    f"pinned={pinned} contradicts backend={backend!r}; pass one of them "
+                    "(backend='pinned' or 'registered' is pinned memory, 'pageable' is not)"
+                )
+        else:
+            if pinned is None:
+                pinned = pinned_available()
+            backend = "pinned" if pinned else "pageable"
         self._impl = _C.HostPool(
-            pinned=pinned,
+            backend=backend,
             max_bytes=max_bytes or 0,
             segment_bytes=segment_bytes if segment_bytes is not None else _C.DEFAULT_SEGMENT_BYTES,
         )
 
     @property
     def backend(self) -> str:
-        """``"pinned"`` or ``"pageable"``."""
+        """``"pinned"``, ``"registered"`` or ``"pageable"``."""
         return self._impl.backend
 
     @property
     def pinned(self) -> bool:
-        return self._impl.backend == "pinned"
+        """True when the memory is page-locked (``"pinned"`` or ``"registered"``)."""
+        return self._impl.backend in ("pinned", "registered")
 
     @property
     def max_bytes(self) -> int | None:

@@ -127,22 +127,29 @@ std::string cuda_runtime_version() {
 #endif
 }
 
-std::shared_ptr<HostPool> make_pool(bool pinned, size_t max_bytes, size_t segment_bytes) {
+std::shared_ptr<HostPool> make_pool(const std::string& backend_name, size_t max_bytes, size_t segment_bytes) {
   std::unique_ptr<Backend> backend;
-  if (pinned) {
+  if (backend_name == "pageable") {
+    backend = std::make_unique<PageableBackend>();
+  } else if (backend_name == "pinned" || backend_name == "registered") {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
     if (cuda::device_count() == 0)
-      throw std::invalid_argument(
-          "ckpt_offload: pinned=True needs a usable CUDA device, and none was found; pass pinned=False "
-          "(or pinned=None to choose automatically)");
-    backend = std::make_unique<cuda::PinnedBackend>();
+      throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
+                                  "' (pinned memory) needs a usable CUDA device, and none was found; pass "
+                                  "pinned=False / backend='pageable' (or pinned=None to choose automatically)");
+    if (backend_name == "pinned")
+      backend = std::make_unique<cuda::PinnedBackend>();
+    else
+      backend = std::make_unique<cuda::RegisteredBackend>();
 #else
-    throw std::invalid_argument(
-        "ckpt_offload: pinned=True needs ckpt_offload built with CUDA; this build is CPU-only. Pass "
-        "pinned=False, or reinstall with CKPT_OFFLOAD_CUDA=1 where nvcc and a CUDA build of torch exist");
+    throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
+                                "' (pinned memory) needs ckpt_offload built with CUDA; this build is CPU-only. Pass "
+                                "pinned=False / backend='pageable', or reinstall with CKPT_OFFLOAD_CUDA=1 where nvcc and "
+                                "a CUDA build of torch exist");
 #endif
   } else {
-    backend = std::make_unique<PageableBackend>();
+    throw std::invalid_argument("ckpt_offload: backend must be 'pinned', 'registered' or 'pageable', got '" +
+                                backend_name + "'");
   }
   return std::make_shared<HostPool>(std::move(backend), max_bytes, segment_bytes);
 }

@@ -58,8 +58,8 @@ void synchronize_side_streams();
 bool cuda_compiled();
 int cuda_device_count();
 std::string cuda_runtime_version();
-// A pool on the pinned backend when `pinned`, else on pageable memory. Throws when pinned
-// memory is asked for and cannot be had.
-std::shared_ptr<HostPool> make_pool(bool pinned, size_t max_bytes, size_t segment_bytes);
+// A pool on the named backend: "pinned" (cudaHostAlloc), "registered" (cudaHostRegister on
+// page-aligned memory) or "pageable". Throws when pinned memory cannot be had.
+std::shared_ptr<HostPool> make_pool(const std::string& backend, size_t max_bytes, size_t segment_bytes);
 
 }  // namespace ckpt_offload
