@@ -1001,7 +1001,7 @@ class Profile:
         allocated = [m.get("device_bytes_allocated") for m in mem]
         if any(a is not None for a in allocated):
             ax.step(ts, [(a or 0) * mib for a in allocated], where="post", label="device allocator total")
-        ax.step(ts, [m["pool_bytes_in_use"] * mib for m in mem], where="post", label="host pool in use")
+        ax.step(ts, [m["pool_bytes_in_use"] * mib for m in mem], where="post", label="host pool in use", linestyle="--")
         ax.set_xlabel("time since profile start (ms)")
         ax.set_ylabel("MiB")
         title = "ckpt_offload memory timeline"
