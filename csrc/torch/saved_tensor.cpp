@@ -188,6 +188,16 @@ void OffloadedStorage::set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_
 
 bool OffloadedStorage::resident_locked() { return static_cast<bool>(staged_.storage) || !reloaded_.expired(); }
 
+void OffloadedStorage::link() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++pending_;
+}
+
+void OffloadedStorage::unlink() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--pending_ == 0 && staged_.held) drop_staged_locked();
+}
+
 bool OffloadedStorage::stage_locked(Staged staged) {
   if (resident_locked()) {
     // Another unpack got here first: give the copy back once it has finished.
@@ -202,6 +212,10 @@ bool OffloadedStorage::stage_locked(Staged staged) {
 
 void OffloadedStorage::drop_staged_locked() {
   if (!static_cast<bool>(staged_.storage)) return;
+  if (staged_.held) {
+    staged_ = Staged{};
+    return;
+  }
   profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
   if (staged_.prefetch) {
     if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
@@ -216,13 +230,13 @@ void OffloadedStorage::drop_staged_locked() {
 
 int64_t OffloadedStorage::prefetchable_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || unpacked_ || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
   return static_cast<int64_t>(nbytes_);
 }
 
 int64_t OffloadedStorage::start_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || unpacked_ || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
   CopyRange range("ckpt_offload::prefetch", device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
@@ -237,7 +251,7 @@ int64_t OffloadedStorage::start_prefetch() {
   return static_cast<int64_t>(nbytes_);
 }
 
-c10::Storage OffloadedStorage::materialize(bool* shared, int64_t* fresh_bytes) {
+c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fresh_bytes) {
   *shared = false;
   *fresh_bytes = 0;
   c10::Storage out;
@@ -260,7 +274,12 @@ c10::Storage OffloadedStorage::materialize(bool* shared, int64_t* fresh_bytes) {
     }
     std::lock_guard<std::mutex> lock(mu_);
     StreamPair streams(device_, side_stream_, /*to_host=*/false);
-    if (static_cast<bool>(staged_.storage)) {
+    if (static_cast<bool>(staged_.storage) && staged_.held) {
+      // Kept from an earlier unpack for the saved tensors still to come.
+      streams.compute().wait(staged_.ready);
+      *shared = true;
+      out = staged_.storage;
+    } else if (static_cast<bool>(staged_.storage)) {
       Staged st = std::move(staged_);
       staged_ = Staged{};
       profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
@@ -300,7 +319,13 @@ c10::Storage OffloadedStorage::materialize(bool* shared, int64_t* fresh_bytes) {
       *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
       out = std::move(storage);
     }
-    unpacked_ = true;
+    if (first) --pending_;
+    if (pending_ > 0 && !static_cast<bool>(staged_.storage)) {
+      // Other saved tensors of this storage are still to unpack: keep the bytes for them.
+      staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
+    } else if (pending_ <= 0 && staged_.held) {
+      drop_staged_locked();
+    }
     prefetcher = prefetcher_;
     seq = seq_;
     break;
@@ -430,7 +455,7 @@ int64_t Batch::prefetchable_bytes() {
     auto member = m.storage.lock();
     if (!member) continue;
     std::lock_guard<std::mutex> mlock(member->mu_);
-    if (!member->unpacked_ && !member->resident_locked()) total += static_cast<int64_t>(m.bytes);
+    if (member->pending_ > 0 && !member->resident_locked()) total += static_cast<int64_t>(m.bytes);
   }
   return total;
 }
@@ -450,7 +475,7 @@ int64_t Batch::reload(bool prefetch) {
     if (!member) continue;
     {
       std::lock_guard<std::mutex> mlock(member->mu_);
-      if (member->resident_locked() || (prefetch && member->unpacked_)) continue;
+      if (member->resident_locked() || (prefetch && member->pending_ <= 0)) continue;
     }
     // Allocated on the compute stream, which consumes them; the copy stream waits for them.
     at::Tensor bytes = device_bytes(device_, m.pad + m.bytes);
@@ -499,6 +524,7 @@ void SavedTensor::check_version() const {
 
 SavedTensor::~SavedTensor() {
   if (device_held_) profiler::g_device_bytes_saved -= device_held_;
+  if (storage_ && !unpacked_) storage_->unlink();
 }
 
 at::Tensor SavedTensor::unpack() {
@@ -506,7 +532,8 @@ at::Tensor SavedTensor::unpack() {
   if (!storage_) return kept_;
   bool shared = false;
   int64_t fresh = 0;
-  c10::Storage st = storage_->materialize(&shared, &fresh);
+  c10::Storage st = storage_->materialize(!unpacked_, &shared, &fresh);
+  unpacked_ = true;
   if (shared) {
     counters_->tensors_reload_shared++;
   } else {
@@ -667,6 +694,7 @@ py::object Packer::pack(py::handle obj) {
         auto saved = SavedTensor::describe_layout(t, counters_);
         saved->side_stream_ = options_.side_stream;
         saved->storage_ = std::move(held);
+        saved->storage_->link();
         saved->offset_ = static_cast<int64_t>(saved->storage_->pad() + (lo - e.lo)) / itemsize;
         counters_->tensors_deduplicated++;
         counters_->bytes_deduplicated += span;
@@ -699,7 +727,10 @@ py::object Packer::pack(py::handle obj) {
                        " (The batch's tensors were kept on the device, so backward still works.)");
       // Null when an unpack flushed the batch meanwhile: take a new one.
       saved->storage_ = batch->add(t, lo, span);
-      if (saved->storage_) break;
+      if (saved->storage_) {
+        saved->storage_->link();
+        break;
+      }
     }
     saved->offset_ = static_cast<int64_t>(saved->storage_->pad()) / itemsize;
     counters_->tensors_batched++;
@@ -786,6 +817,7 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
   if (!buffer) return nullptr;
   const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
   saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad, side_stream, counters);
+  saved->storage_->link();
   saved->storage_->handle_ = handle;
   saved->offset_ = static_cast<int64_t>(pad) / static_cast<int64_t>(t.dtype().itemsize());
   if (profiler::enabled()) {

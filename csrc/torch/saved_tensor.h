@@ -112,7 +112,11 @@ class OffloadedStorage : public Reloadable {
   // A device storage holding the bytes again. While one reloaded storage is alive, later
   // unpacks (other views, retain_graph, double backward) share it instead of copying again.
   // `*fresh_bytes`: device bytes this call brought back (0 when shared).
-  c10::Storage materialize(bool* shared, int64_t* fresh_bytes);
+  // `first`: the first unpack of one of the saved tensors that view this storage.
+  c10::Storage materialize(bool first, bool* shared, int64_t* fresh_bytes);
+  // A saved tensor that views this storage was made / died before it was ever unpacked.
+  void link();
+  void unlink();
   size_t nbytes() const { return nbytes_; }
   size_t pad() const { return pad_; }
   uint64_t handle() const { return handle_; }
@@ -129,6 +133,9 @@ class OffloadedStorage : public Reloadable {
     std::shared_ptr<Event> ready;
     Stream* copy = nullptr;  // the side stream of a prefetch, which the consumer has not waited on
     bool prefetch = false;
+    // A reload kept for the saved tensors that have not unpacked yet (tanh's output is also
+    // the next Linear's input): they share it instead of copying the same bytes again.
+    bool held = false;
   };
   bool resident_locked();
   // Takes a staged reload (from a batch reload, or a prefetch); false (and the copy is let go
@@ -147,7 +154,7 @@ class OffloadedStorage : public Reloadable {
   c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
   std::shared_ptr<Event> reloaded_ready_;
   Staged staged_;
-  bool unpacked_ = false;
+  int pending_ = 0;  // saved tensors viewing this storage that have not unpacked yet
   std::shared_ptr<Prefetcher> prefetcher_;
   uint64_t seq_ = 0;
 };
@@ -227,6 +234,7 @@ class SavedTensor {
   uint32_t saved_version_ = 0;
   std::shared_ptr<PackerCounters> counters_;
   int64_t device_held_ = 0;  // bytes counted in profiler::g_device_bytes_saved for this tensor
+  bool unpacked_ = false;
 };
 
 // The standalone engine entry point (co.offload_tensor): validates, offloads, raises PoolFull.

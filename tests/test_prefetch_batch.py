@@ -1,0 +1,317 @@
+"""Prefetch in backward and batched small copies, on the engine's CPU path.
+
+The CPU side streams are worker threads with a delay before every copy (conftest), so a
+prefetched reload really is in flight when its unpack comes, and the bookkeeping (pack order,
+byte budget, any unpack order, unused prefetches, batch flush and scatter) runs as on a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ckpt_offload as co
+from conftest import assert_bit_identical, cpu_offload, grads_of
+
+MiB = 1 << 20
+
+
+class Chain(nn.Module):
+    """Layers that each save one 1 MiB activation (tanh saves its output)."""
+
+    def __init__(self, n=8, width=512):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _run(model, x, ctx=None, retain=False):
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        y = model(x)
+    else:
+        with ctx:
+            y = model(x)
+    loss = (y * y).sum()
+    loss.backward(retain_graph=retain)
+    return grads_of(model), loss
+
+
+def _inputs(seed=0, rows=512, width=512):
+    torch.manual_seed(seed)
+    return torch.randn(rows, width)
+
+
+def test_prefetch_gradients_bit_identical_and_prefetches_happen(pool):
+    torch.manual_seed(0)
+    model, x = Chain(), _inputs()
+    ref, _ = _run(model, x)
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    got, _ = _run(model, x, ctx)
+    assert_bit_identical(ref, got)
+    s = ctx.stats()
+    assert s["tensors_offloaded"] >= 8
+    assert s["prefetches"] > 0
+    # Every reload is either a prefetch that was used or an on-demand copy; none went unused.
+    assert s["prefetch_hits"] == s["prefetches"]
+    assert s["prefetches_unused"] == 0
+    assert s["tensors_reloaded"] == s["tensors_offloaded"]
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_prefetch_follows_reverse_pack_order(pool):
+    torch.manual_seed(0)
+    model, x = Chain(n=6), _inputs()
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    with co.profile() as prof:
+        _run(model, x, ctx)
+    records = prof.to_dict()["records"]
+    d2h = [c["handle"] for c in records["copies"] if c["kind"] == "d2h"]
+    h2d = [(c["handle"], c["prefetch"]) for c in records["copies"] if c["kind"] == "h2d"]
+    assert sorted(h for h, _ in h2d) == sorted(d2h), "one reload per offloaded storage"
+    # Backward asks for the last packed first; everything after it was prefetched, and in the
+    # reverse of the pack order.
+    assert h2d[0] == (d2h[-1], False)
+    assert [h for h, _ in h2d] == list(reversed(d2h))
+    assert all(p for _, p in h2d[1:])
+
+
+def test_prefetch_budget_bounds_waiting_bytes(pool):
+    torch.manual_seed(0)
+    model, x = Chain(n=8), _inputs()
+    one = 512 * 512 * 4
+    ref, _ = _run(model, x)
+    ctx = cpu_offload(pool, prefetch_bytes=2 * one)
+    got, _ = _run(model, x, ctx)
+    assert_bit_identical(ref, got)
+    s = ctx.stats()
+    assert 0 < s["peak_prefetch_bytes"] <= 2 * one
+    # A budget smaller than any tensor prefetches nothing.
+    small = cpu_offload(co.HostPool(pinned=False), prefetch_bytes=one - 1)
+    got, _ = _run(model, x, small)
+    assert_bit_identical(ref, got)
+    assert small.stats()["prefetches"] == 0
+
+
+@pytest.mark.parametrize("options", [{"prefetch_bytes": 0}, {"stream": "compute"}])
+def test_no_prefetch_when_off_or_on_the_compute_stream(pool, options):
+    torch.manual_seed(0)
+    model, x = Chain(n=4), _inputs()
+    ref, _ = _run(model, x)
+    ctx = cpu_offload(pool, **options)
+    got, _ = _run(model, x, ctx)
+    assert_bit_identical(ref, got)
+    assert ctx.stats()["prefetches"] == 0
+
+
+def test_any_unpack_order_and_unpacking_twice(pool):
+    ctx = cpu_offload(pool, prefetch_bytes=3 * MiB)
+    tensors = [torch.randn(256, 1024) + i for i in range(12)]
+    baseline_saved = co._C.device_bytes_saved()
+    with ctx:
+        handles = [ctx._packer.pack(t) for t in tensors]
+    order = list(range(12))
+    random.Random(0).shuffle(order)
+    for i in order + order[:5]:
+        got = ctx._packer.unpack(handles[i])
+        assert torch.equal(got, tensors[i]), i
+    s = ctx.stats()
+    assert s["prefetches"] > 0 and s["peak_prefetch_bytes"] <= 3 * MiB
+    del handles, got
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+    assert co._C.device_bytes_saved() == baseline_saved
+
+
+def test_unused_prefetches_are_released_after_their_copy(pool):
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    tensors = [torch.randn(256, 1024) for _ in range(6)]
+    with ctx:
+        handles = [ctx._packer.pack(t) for t in tensors]
+    assert torch.equal(ctx._packer.unpack(handles[-1]), tensors[-1])  # prefetches the other five
+    assert ctx.stats()["prefetches"] == 5
+    del handles  # the graph is dropped before backward got to them
+    co.synchronize()
+    s = ctx.stats()
+    assert s["prefetches_unused"] == 5 and s["prefetch_hits"] == 0
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_branches_and_retain_graph_with_prefetch(pool):
+    torch.manual_seed(0)
+    a, b = Chain(n=3), Chain(n=3)
+    x = _inputs()
+
+    def step(ctx=None):
+        for m in (a, b):
+            m.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            y = a(x) * b(x.flip(0))
+        loss = y.sum()
+        loss.backward(retain_graph=True)
+        first = {**grads_of(a), **{"b." + k: v for k, v in grads_of(b).items()}}
+        loss.backward()
+        second = {**grads_of(a), **{"b." + k: v for k, v in grads_of(b).items()}}
+        return first, second
+
+    ref = step()
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    got = step(ctx)
+    assert_bit_identical(ref[0], got[0])
+    assert_bit_identical(ref[1], got[1])
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+# ---- batching --------------------------------------------------------------------------------
+
+
+class Small(nn.Module):
+    """Many small saved tensors (a few KiB each), some of them views of one storage."""
+
+    def __init__(self, n=6, width=64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            h = layer(x)
+            a, b = h.chunk(2, dim=-1)  # views at an offset of one storage
+            x = torch.cat([torch.sigmoid(a) * b, torch.tanh(b)], dim=-1) + x
+        return x
+
+
+@pytest.mark.parametrize("stream", ["side", "compute"])
+def test_batched_small_tensors_bit_identical(pool, stream):
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(32, 64)
+    ref, _ = _run(model, x)
+    ctx = cpu_offload(pool, stream=stream, batch_below=16 * 1024, batch_bytes=32 * 1024)
+    with co.profile() as prof:
+        got, _ = _run(model, x, ctx)
+    assert_bit_identical(ref, got)
+    s = ctx.stats()
+    assert s["tensors_batched"] == s["tensors_offloaded"] > 10
+    assert 1 < s["batches"] < s["tensors_batched"], "several tensors per copy, several copies (32 KiB blocks)"
+    copies = prof.to_dict()["records"]["copies"]
+    d2h = [c for c in copies if c["kind"] == "d2h"]
+    assert len(d2h) == s["batches"]
+    assert sum(c["members"] for c in d2h) == s["tensors_batched"]
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_batch_member_unpacked_before_the_context_exits(pool):
+    ctx = cpu_offload(pool, batch_below=MiB)
+    xs = [torch.randn(100 + i, 7) for i in range(5)]
+    with ctx:
+        handles = [ctx._packer.pack(t) for t in xs]
+        # Still inside: the batch is open; unpacking a member copies it out first.
+        assert torch.equal(ctx._packer.unpack(handles[2]), xs[2])
+    for h, t in zip(handles, xs):
+        assert torch.equal(ctx._packer.unpack(h), t)
+    assert ctx.stats()["batches"] == 1
+
+
+def test_batched_views_keep_layout_and_dedup(pool):
+    ctx = cpu_offload(pool, batch_below=MiB)
+    base = torch.randn(64, 33)
+    views = [base.t(), base[1:, 3:], base[5], base[::2, ::3]]  # the first spans the storage
+    with ctx:
+        handles = [ctx._packer.pack(v) for v in views]
+    s = ctx.stats()
+    assert s["tensors_offloaded"] == 1 and s["tensors_deduplicated"] == 3
+    for h, v in zip(handles, views):
+        got = ctx._packer.unpack(h)
+        assert got.shape == v.shape and got.stride() == v.stride()
+        assert torch.equal(got, v)
+
+
+def test_batch_with_a_full_pool_keeps_tensors_on_the_device():
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(32, 64)
+    ref, _ = _run(model, x)
+    tiny = co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096)
+    ctx = cpu_offload(tiny, batch_below=16 * 1024, batch_bytes=32 * 1024)
+    got, _ = _run(model, x, ctx)
+    assert_bit_identical(ref, got)
+    s = ctx.stats()
+    assert s["kept_by_reason"].get("pool_full", 0) > 0
+    assert s["tensors_offloaded"] + s["kept_by_reason"]["pool_full"] >= 10
+    strict = cpu_offload(co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096), batch_below=64 * 1024,
+                         on_full="raise")
+    with pytest.raises(co.PoolFullError, match="batch of .* small saved tensors"):
+        with strict:
+            model(x)
+
+
+def test_batch_options_are_checked():
+    with pytest.raises(ValueError, match="batch_below"):
+        co.offload(devices=["cpu"], batch_below=8 * MiB, batch_bytes=MiB)
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        co.offload(devices=["cpu"], prefetch_bytes=-1)
+    with pytest.raises(TypeError, match="unknown co.offload option"):
+        co.checkpoint(lambda t: t, torch.ones(1, requires_grad=True), offload={"prefetch": 1})
+
+
+def test_checkpoint_passes_prefetch_and_batch_options(pool):
+    torch.manual_seed(0)
+    model, x = Chain(n=4), _inputs().requires_grad_()
+
+    def fwd(opts):
+        model.zero_grad(set_to_none=True)
+        h = x
+        for layer in model.layers:
+            h = co.checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h, offload=opts)
+        h.sum().backward()
+        return grads_of(model)
+
+    ref = fwd(False)
+    opts = {"devices": ["cpu"], "min_bytes": 0, "pool": pool, "prefetch_bytes": 64 * MiB, "batch_below": 4096}
+    assert_bit_identical(ref, fwd(opts))
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+# ---- the gather/scatter plan -----------------------------------------------------------------
+
+
+def test_chunk_plan_copies_like_plain_copies():
+    """The kernel's index computation (csrc/core/batch_plan.h), run on the host: sizes around
+    the chunk size, empty copies, odd alignments, more copies than one launch holds."""
+    chunk = co._C.BATCH_CHUNK_BYTES
+    rng = random.Random(1)
+    sizes = [0, 1, 15, 16, 17, chunk - 1, chunk, chunk + 1, 3 * chunk + 5] + [rng.randrange(0, 3 * chunk) for _ in range(80)]
+    src = torch.randint(0, 256, (sum(sizes) + 4096,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    segs, expected, offset = [], torch.zeros_like(src), 0
+    for i, n in enumerate(sizes):
+        s_off = offset + (i % 7)       # misaligned sources
+        d_off = offset + (i % 13)      # and destinations, differently
+        segs.append((dst.data_ptr() + d_off, src.data_ptr() + s_off, n))
+        expected[d_off:d_off + n] = src[s_off:s_off + n]
+        offset += n + 16
+    co._C.copy_batch_on_host(segs)
+    assert torch.equal(dst, expected)
+
+
+# ---- pool backends -----------------------------------------------------------------------------
+
+
+def test_backend_argument_is_checked():
+    with pytest.raises(ValueError, match="backend"):
+        co.HostPool(backend="cuda")
+    with pytest.raises(ValueError, match="contradicts"):
+        co.HostPool(pinned=False, backend="registered")
+    assert co.HostPool(backend="pageable").backend == "pageable"
+    if not co.pool.pinned_available():
+        with pytest.raises(ValueError, match="registered.*pageable"):
+            co.HostPool(backend="registered")
