@@ -290,7 +290,10 @@ def _profile(args, parser) -> int:
         for _ in _progress(args.steps, not args.no_progress):
             step_fn()
     print(prof.summary(top=args.top))
-    paths = prof.save(args.out)
+    try:
+        paths = prof.save(args.out)
+    except ValueError as e:
+        parser.error(f"--out: {e}")
     if "memory" not in paths:
         print("memory.png not written: matplotlib is not installed (`pip install matplotlib`)")
     print(f"wrote {', '.join(paths[k] for k in ('summary', 'trace', 'csv', 'json', 'memory') if k in paths)}")

@@ -1037,6 +1037,8 @@ class Profile:
         """
         self._check()
         folder = os.fspath(folder)
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise ValueError(f"folder: {folder!r} exists and is not a folder; pass a folder path (it is created)")
         os.makedirs(folder, exist_ok=True)
         paths = {}
         summary = self.summary()
