@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace ckpt_offload {
 namespace cuda {
@@ -54,16 +55,53 @@ struct TimingEpoch {
 std::mutex epoch_mu;
 TimingEpoch epochs[64];
 
+// Every copy records an event or two: reuse them instead of a cudaEventCreate/Destroy pair per
+// copy. Safe because a stream that waited on an event captured its state at the wait; the event
+// is handed out again only after its last owner (and so every query of it) is gone.
+class EventPool {
+ public:
+  cudaEvent_t take(int device, bool timed) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& free = free_[device][timed];
+      if (!free.empty()) {
+        cudaEvent_t e = free.back();
+        free.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e;
+    check(cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    return e;
+  }
+  void give(int device, bool timed, cudaEvent_t e) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& free = free_[device][timed];
+      if (free.size() < kMaxFree) {
+        free.push_back(e);
+        return;
+      }
+    }
+    cudaEventDestroy(e);  // may fail after driver shutdown at exit: ignored
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 4096;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_[64][2];
+};
+
+EventPool& event_pool() {
+  static EventPool* p = new EventPool();  // leaked: events may die during interpreter teardown
+  return *p;
+}
+
 class CudaEvent final : public Event {
  public:
-  explicit CudaEvent(int device, bool timed = false) : device_(device), timed_(timed) {
-    check(cudaEventCreateWithFlags(&event_, timed ? cudaEventDefault : cudaEventDisableTiming),
-          "cudaEventCreateWithFlags");
-  }
-  ~CudaEvent() override {
-    // May run after the driver has shut down at process exit: ignore the error.
-    cudaEventDestroy(event_);
-  }
+  explicit CudaEvent(int device, bool timed = false)
+      : event_(event_pool().take(device, timed)), device_(device), timed_(timed) {}
+  ~CudaEvent() override { event_pool().give(device_, timed_, event_); }
   bool query() override {
     cudaError_t err = cudaEventQuery(event_);
     if (err == cudaErrorNotReady) {

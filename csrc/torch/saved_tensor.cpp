@@ -85,6 +85,25 @@ bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinter
 
 int device_index(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }
 
+// torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return "float32";
+    case c10::kDouble: return "float64";
+    case c10::kHalf: return "float16";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kByte: return "uint8";
+    case c10::kChar: return "int8";
+    case c10::kShort: return "int16";
+    case c10::kInt: return "int32";
+    case c10::kLong: return "int64";
+    case c10::kBool: return "bool";
+    case c10::kComplexFloat: return "complex64";
+    case c10::kComplexDouble: return "complex128";
+    default: return c10::toString(t);
+  }
+}
+
 at::Tensor device_bytes(const c10::Device& device, size_t n) {
   return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
 }
@@ -625,7 +644,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   if (profiler::enabled()) {
     profiler::KeepRecord k;
     k.reason = keep_reason_name(why);
-    k.dtype = c10::toString(t.scalar_type());
+    k.dtype = dtype_name(t.scalar_type());
     k.module = profiler::scope();
     k.bytes = static_cast<size_t>(nbytes);
     k.device = device_index(t.device());
@@ -826,7 +845,7 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
     h.bytes = static_cast<size_t>(saved->nbytes_);
     h.device = device_index(t.device());
     h.shape = saved->sizes_;
-    h.dtype = c10::toString(saved->dtype_);
+    h.dtype = dtype_name(saved->dtype_);
     h.module = profiler::scope();
     profiler::add(std::move(h));
   }
