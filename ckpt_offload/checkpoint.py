@@ -24,10 +24,11 @@ __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "
 # _checkpoint, _check_reentrant and _TORCH_KEYWORDS are shared with integrations/hf.py.
 _OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
 # Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
-_TORCH_KEYWORDS = tuple(
+# preserve_rng_state is one in every torch, but before 2.14 it is read from **kwargs, not named
+# in the signature.
+_TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
     name
-    for name in ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-                 "respect_saved_tensors_hooks")
+    for name in ("context_fn", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
     if name in inspect.signature(torch_checkpoint.checkpoint).parameters
 )
 
