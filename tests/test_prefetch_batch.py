@@ -315,3 +315,21 @@ def test_backend_argument_is_checked():
     if not co.pool.pinned_available():
         with pytest.raises(ValueError, match="registered.*pageable"):
             co.HostPool(backend="registered")
+
+
+# ---- torch.profiler integration ----------------------------------------------------------------
+
+
+def test_copies_are_named_ranges_in_torch_profiler(pool):
+    torch.manual_seed(0)
+    model, x = Chain(n=4), _inputs()
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _run(model, x, ctx)
+    names = {e.key for e in prof.key_averages()}
+    assert {"ckpt_offload::offload", "ckpt_offload::reload", "ckpt_offload::prefetch"} <= names
+    batched = cpu_offload(co.HostPool(pinned=False), batch_below=MiB)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        _run(Small(), torch.randn(8, 64), batched)
+    names = {e.key for e in prof.key_averages()}
+    assert {"ckpt_offload::offload_batch", "ckpt_offload::reload_batch"} <= names
