@@ -419,7 +419,8 @@ def _profile_totals(step, strategy: Strategy):
     if not hasattr(co, "profile"):
         return None, "co.profile() does not exist in this build"
     try:
-        with co.profile() as prof:
+        # The strategy's own pool, so the totals' pool numbers describe it.
+        with co.profile(pools=strategy.pool) if strategy.pool is not None else co.profile() as prof:
             step()
         totals = dict(prof.to_dict()["totals"])
     except Exception as e:  # noqa: BLE001 - the profiler is new: a failure must not lose the other numbers
