@@ -190,7 +190,9 @@ class offload:
         ``tensors_batched`` and ``batches`` (small tensors gathered into shared copies, and those
         copies), ``prefetches`` / ``bytes_prefetched`` (reloads started ahead of need),
         ``prefetch_hits`` (unpacks served by one), ``prefetches_unused`` (dropped unused),
-        ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``).
+        ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``),
+        ``prefetch_failures`` (prefetches that raised, e.g. out of device memory: backward goes
+        on and reloads those tensors when asked).
         """
         return self._packer.stats()
 

@@ -333,3 +333,24 @@ def test_copies_are_named_ranges_in_torch_profiler(pool):
         _run(Small(), torch.randn(8, 64), batched)
     names = {e.key for e in prof.key_averages()}
     assert {"ckpt_offload::offload_batch", "ckpt_offload::reload_batch"} <= names
+
+
+@pytest.mark.parametrize("batch_below", [0, 2 * MiB])
+def test_a_failing_prefetch_does_not_fail_backward(pool, batch_below):
+    """Prefetch is an optimization: when it raises (out of device memory on a GPU), backward
+    goes on and reloads on demand."""
+    torch.manual_seed(0)
+    model, x = Chain(n=6), _inputs()
+    ref, _ = _run(model, x)
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB, batch_below=batch_below, batch_bytes=4 * MiB)
+    co._C._fail_next_prefetches(2)
+    try:
+        got, _ = _run(model, x, ctx)
+    finally:
+        co._C._fail_next_prefetches(0)
+    assert_bit_identical(ref, got)
+    s = ctx.stats()
+    assert s["prefetch_failures"] == 2
+    assert (s["batches"] > 0) == bool(batch_below)
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0

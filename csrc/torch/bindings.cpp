@@ -113,6 +113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       s.push_back({reinterpret_cast<void*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)), std::get<2>(t)});
     copy_batch_on_host(s);
   });
+  m.def("_fail_next_prefetches", &fail_next_prefetches, py::arg("n"));
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;

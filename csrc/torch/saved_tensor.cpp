@@ -131,6 +131,18 @@ void sample_memory(HostPool* pool, const c10::Device& device) {
 
 // ---- Prefetcher ----------------------------------------------------------------------------
 
+std::atomic<int> g_failing_prefetches{0};
+
+void fail_next_prefetches(int n) { g_failing_prefetches.store(n); }
+
+namespace {
+// Test hook: makes the next prefetches raise, as an out-of-memory would.
+void maybe_fail_prefetch() {
+  if (g_failing_prefetches.load(std::memory_order_relaxed) > 0 && g_failing_prefetches.fetch_sub(1) > 0)
+    throw std::runtime_error("ckpt_offload: injected prefetch failure (test hook)");
+}
+}  // namespace
+
 uint64_t Prefetcher::add(std::weak_ptr<Reloadable> r) {
   std::lock_guard<std::mutex> lock(mu_);
   if (order_.size() >= prune_at_) {
@@ -160,7 +172,16 @@ void Prefetcher::after_unpack(uint64_t seq) {
     const int64_t want = r->prefetchable_bytes();
     if (want > 0) {
       if (outstanding_.load() + want > budget_) break;
-      const int64_t got = r->start_prefetch();
+      int64_t got = 0;
+      try {
+        got = r->start_prefetch();
+      } catch (const std::exception&) {
+        // Prefetch is only an optimization: out of device memory (or any other failure) here
+        // must not fail the backward that asked for something else. The tensor is reloaded
+        // on demand when its unpack comes.
+        counters_->prefetch_failures++;
+        break;
+      }
       const int64_t now = outstanding_ += got;
       int64_t peak = counters_->peak_prefetch_bytes.load();
       while (now > peak && !counters_->peak_prefetch_bytes.compare_exchange_weak(peak, now)) {
@@ -256,6 +277,7 @@ int64_t OffloadedStorage::prefetchable_bytes() {
 int64_t OffloadedStorage::start_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
   if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
+  maybe_fail_prefetch();
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
   CopyRange range("ckpt_offload::prefetch", device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
@@ -502,6 +524,7 @@ int64_t Batch::reload(bool prefetch) {
     targets.push_back({std::move(member), bytes.storage()});
   }
   if (targets.empty()) return 0;
+  if (prefetch) maybe_fail_prefetch();
   StreamPair streams(device_, side_stream_, /*to_host=*/false);
   CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
   at::Tensor staging;
@@ -910,6 +933,7 @@ py::dict Packer::stats() const {
   d["prefetch_hits"] = c.prefetch_hits.load();
   d["prefetches_unused"] = c.prefetches_unused.load();
   d["peak_prefetch_bytes"] = c.peak_prefetch_bytes.load();
+  d["prefetch_failures"] = c.prefetch_failures.load();
   return d;
 }
 

@@ -56,6 +56,7 @@ struct PackerCounters {
   std::atomic<int64_t> tensors_batched{0}, batches{0};
   std::atomic<int64_t> prefetches{0}, bytes_prefetched{0}, prefetch_hits{0}, prefetches_unused{0};
   std::atomic<int64_t> peak_prefetch_bytes{0};
+  std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
 };
@@ -96,6 +97,9 @@ class Prefetcher {
 
 class Batch;
 
+// Test hook: the next `n` prefetches raise (as running out of device memory would).
+void fail_next_prefetches(int n);
+
 // The host copy of one span of a storage, shared by every saved tensor that views it. Its
 // bytes live in a HostBuffer of its own, or at an offset of a Batch's.
 class OffloadedStorage : public Reloadable {
@@ -127,6 +131,9 @@ class OffloadedStorage : public Reloadable {
 
  private:
   friend class Batch;
+
+// Test hook: the next `n` prefetches raise (as running out of device memory would).
+void fail_next_prefetches(int n);
   friend class SavedTensor;
   struct Staged {
     c10::Storage storage;
