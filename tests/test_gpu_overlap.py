@@ -108,7 +108,16 @@ def test_unused_prefetches_do_not_return_memory_mid_copy(device):
     assert pool.stats()["bytes_in_use"] == 0
 
 
-def test_gather_scatter_matches_plain_copies(device):
+@pytest.fixture(params=[True, False], ids=["staging", "member_by_member"])
+def staging(request):
+    """Batches through a device staging block (the gather/scatter kernel), or member by member
+    (what a batch does when device memory for the staging block is short)."""
+    co._C._set_batch_staging(request.param)
+    yield request.param
+    co._C._set_batch_staging(True)
+
+
+def test_gather_scatter_matches_plain_copies(device, staging):
     """Many small tensors of several dtypes, at odd storage offsets, batched."""
     rng = random.Random(0)
     pool = co.HostPool()
@@ -134,7 +143,7 @@ def test_gather_scatter_matches_plain_copies(device):
         assert torch.equal(got, t)
 
 
-def test_batched_checkpoint_offload_bit_identical(device):
+def test_batched_checkpoint_offload_bit_identical(device, staging):
     torch.manual_seed(0)
     model = Chain(n=6, width=256).to(device)
     x = torch.randn(64, 256, device=device, requires_grad=True)

@@ -176,8 +176,14 @@ std::shared_ptr<Event> CudaStream::record_timed() {
   return ev;
 }
 
-void CudaStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind) {
+void CudaStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind kind) {
   DeviceGuard guard(device_);
+  if (kind != CopyKind::DeviceToDevice) {
+    // Host memory (pinned, registered or pageable) need not be addressable by a kernel: one
+    // copy per segment. Used when there was no device memory for a staging block.
+    for (const CopySegment& s : segments) memcpy(s.dst, s.src, s.bytes, kind);
+    return;
+  }
   BatchLaunch launch;
   for (size_t first = 0; first < segments.size(); first += kBatchMaxSegments) {
     const int n = static_cast<int>(std::min<size_t>(kBatchMaxSegments, segments.size() - first));

@@ -114,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     copy_batch_on_host(s);
   });
   m.def("_fail_next_prefetches", &fail_next_prefetches, py::arg("n"));
+  m.def("_set_batch_staging", &set_batch_staging, py::arg("on"));
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;

@@ -135,11 +135,27 @@ std::atomic<int> g_failing_prefetches{0};
 
 void fail_next_prefetches(int n) { g_failing_prefetches.store(n); }
 
+std::atomic<bool> g_batch_staging{true};
+
+void set_batch_staging(bool on) { g_batch_staging.store(on); }
+
 namespace {
 // Test hook: makes the next prefetches raise, as an out-of-memory would.
 void maybe_fail_prefetch() {
   if (g_failing_prefetches.load(std::memory_order_relaxed) > 0 && g_failing_prefetches.fetch_sub(1) > 0)
     throw std::runtime_error("ckpt_offload: injected prefetch failure (test hook)");
+}
+
+// A device block for a batch's gather or scatter. Undefined when device memory is short (or
+// the test hook turned staging off): the batch then copies each member on its own, between
+// its device memory and the host block, which needs no extra device memory.
+at::Tensor staging_block(const c10::Device& device, size_t bytes) {
+  if (!device.is_cuda() || !g_batch_staging.load()) return at::Tensor();
+  try {
+    return device_bytes(device, bytes);
+  } catch (const c10::OutOfMemoryError&) {
+    return at::Tensor();
+  }
 }
 }  // namespace
 
@@ -430,8 +446,7 @@ bool Batch::flush() {
       spans.push_back({const_cast<char*>(m.src), m.offset, m.bytes});
       sources->push_back(m.source);
     }
-    at::Tensor staging;
-    if (device_.is_cuda()) staging = device_bytes(device_, block_bytes_);
+    at::Tensor staging = staging_block(device_, block_bytes_);
     std::shared_ptr<void> keepalive(new std::pair<decltype(sources), at::Tensor>(sources, staging), [](void* p) {
       delete static_cast<std::pair<std::shared_ptr<std::vector<std::shared_ptr<void>>>, at::Tensor>*>(p);
     });
@@ -527,8 +542,7 @@ int64_t Batch::reload(bool prefetch) {
   if (prefetch) maybe_fail_prefetch();
   StreamPair streams(device_, side_stream_, /*to_host=*/false);
   CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
-  at::Tensor staging;
-  if (device_.is_cuda()) staging = device_bytes(device_, block_bytes_);
+  at::Tensor staging = staging_block(device_, block_bytes_);
   CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
   auto done = engine().reload_scatter(*buffer_, spans, staging.defined() ? staging.data_ptr() : nullptr,
                                       streams.compute(), streams.copy(), std::make_shared<at::Tensor>(staging),

@@ -99,6 +99,8 @@ class Batch;
 
 // Test hook: the next `n` prefetches raise (as running out of device memory would).
 void fail_next_prefetches(int n);
+// Test hook: batches gather through a device staging block (default) or copy member by member.
+void set_batch_staging(bool on);
 
 // The host copy of one span of a storage, shared by every saved tensor that views it. Its
 // bytes live in a HostBuffer of its own, or at an offset of a Batch's.
@@ -134,6 +136,8 @@ class OffloadedStorage : public Reloadable {
 
 // Test hook: the next `n` prefetches raise (as running out of device memory would).
 void fail_next_prefetches(int n);
+// Test hook: batches gather through a device staging block (default) or copy member by member.
+void set_batch_staging(bool on);
   friend class SavedTensor;
   struct Staged {
     c10::Storage storage;
