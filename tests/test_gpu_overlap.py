@@ -5,16 +5,18 @@ A spin kernel (``torch.cuda._sleep``) holds the compute stream so that a copy th
 wait for it would read or overwrite too early; sentinel values make that visible.
 """
 
+# ruff: noqa: F811 - `device` is test_gpu.py's fixture, imported so pytest finds it here
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
-import torch.nn as nn
+from models_for_tests import Chain
+from test_gpu import HAS_GPU, _sleep, device  # noqa: F401 - device is a fixture
 
 import ckpt_offload as co
-from test_gpu import HAS_GPU, _sleep
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,24 +26,6 @@ pytestmark = [
 MiB = 1 << 20
 
 
-@pytest.fixture
-def device():
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.synchronize(dev)
-    yield dev
-    co.synchronize()
-    torch.cuda.synchronize(dev)
-
-
-class Chain(nn.Module):
-    def __init__(self, n=8, width=1024):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
 
 
 def _grads(model, x, ctx=None):
@@ -64,7 +48,7 @@ def _assert_equal(a, b):
 @pytest.mark.parametrize("backend", ["pinned", "registered"])
 def test_prefetch_bit_identical_and_used(device, backend):
     torch.manual_seed(0)
-    model = Chain().to(device)
+    model = Chain(width=1024).to(device)
     x = torch.randn(2048, 1024, device=device)
     ref = _grads(model, x)
     pool = co.HostPool(backend=backend)
