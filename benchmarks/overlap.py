@@ -79,7 +79,7 @@ except ImportError:  # run from a checkout without installing: benchmarks/ sits 
     import ckpt_offload as co
 import torch.nn.functional as F
 
-from ckpt_offload.models import LLAMA_CONFIGS, LlamaDecoder, make_llama_config, random_tokens
+from ckpt_offload.demo.model import LLAMA_CONFIGS, LlamaDecoder, make_llama_config, random_tokens
 
 KiB, MiB = 1 << 10, 1 << 20
 

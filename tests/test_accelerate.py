@@ -30,7 +30,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import ckpt_offload as co  # noqa: E402
-from ckpt_offload.models import TinyTransformer, lm_loss  # noqa: E402
+from ckpt_offload.demo.model import TinyTransformer, lm_loss  # noqa: E402
 
 MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
 WORKER = Path(__file__).with_name("accelerate_worker.py")

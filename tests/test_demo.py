@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import ckpt_offload as co
-from ckpt_offload import demo
+from ckpt_offload.demo import runner as demo
 from ckpt_offload.__main__ import main
-from ckpt_offload.models import CONFIGS, TinyTransformer, lm_loss, make_batch, make_config
+from ckpt_offload.demo.model import CONFIGS, TinyTransformer, lm_loss, make_batch, make_config
 
 TINY_DEMO = ["demo", "--size", "tiny", "--steps", "2", "--device", "cpu"]
 

@@ -15,7 +15,7 @@ import torch
 from conftest import assert_bit_identical, grads_of
 
 import ckpt_offload as co
-from ckpt_offload.models import (
+from ckpt_offload.demo.model import (
     LLAMA_CONFIGS,
     LlamaBlock,
     LlamaDecoder,

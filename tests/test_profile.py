@@ -17,7 +17,7 @@ from torch import nn
 import ckpt_offload as co
 from ckpt_offload import _C
 from ckpt_offload.__main__ import main
-from ckpt_offload.models import TinyTransformer, lm_loss, make_batch, make_config
+from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
 
 HAS_PROFILER = hasattr(_C, "profiler_start")
 needs_profiler = pytest.mark.skipif(not HAS_PROFILER, reason="native extension built without the profiler")

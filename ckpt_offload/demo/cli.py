@@ -1,0 +1,350 @@
+"""Command line: ``python -m ckpt_offload {demo,profile,info}``.
+
+Examples::
+
+    python -m ckpt_offload info
+    python -m ckpt_offload profile --steps 3 --size small --out prof/   # summary, trace, CSV, plot
+    python -m ckpt_offload profile --script train.py:step             # profile your own step
+    python -m ckpt_offload demo                          # small model, GPU if usable, else CPU
+    python -m ckpt_offload demo --steps 4 --device cpu --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main", "build_parser"]
+
+_DEMO_DESCRIPTION = """\
+Train the built-in TinyTransformer for a few steps twice, with the same seed, data and dropout:
+once plainly and once with every forward inside co.offload(). Prints the activation bytes autograd
+saved, how many stayed on the device and how many went to the host pool, the pool's counters, the
+median step-time ratio offload/baseline (steps after the first), and whether the first step's
+gradients and every step's loss are bit-identical.
+
+On a GPU the offload run uses co.offload()'s default devices (CUDA tensors into a pinned pool) and
+torch.cuda.max_memory_allocated is reported for both runs. Without one it uses
+co.offload(devices=["cpu"]): CPU tensors copied into a pageable host pool. There the bytes and the
+gradient equality are real; the time ratio is CPU copy overhead, not GPU behaviour.
+
+Exit status: 0 when gradients and losses match, 1 when they do not, 2 for bad arguments."""
+
+_PROFILE_DESCRIPTION = """\
+Run a few training steps under co.profile() and write what ckpt_offload did: summary.txt (the
+table also printed here: bytes offloaded and reloaded per module, bandwidth per direction, copy
+time hidden behind compute vs. time the compute stream stalled for reloads, pool peak / reserved /
+backend allocations / cap hits, tensors kept and why), trace.json (Chrome trace: open it in
+https://ui.perfetto.dev or chrome://tracing), records.csv (one row per copy), profile.json and
+memory.png (needs matplotlib).
+
+Without --script: the built-in TinyTransformer trains (Adam) with every forward inside
+co.offload(); on a GPU CUDA tensors go to the pinned pool, on --device cpu CPU tensors are copied
+to a pageable pool (co.offload(devices=["cpu"])), and the bandwidths are memcpy speed, not GPU.
+
+With --script path/to/file.py:function the file is imported and function() is called once per
+step, with no arguments: it is your whole training step and uses co.offload / co.checkpoint /
+co.apply itself (the profiler records what they do; nothing is offloaded for you).
+
+Exit status: 0 on success, 2 for bad arguments."""
+
+
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, with an error that says so."""
+
+    def parse(text: str) -> int:
+        want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ckpt_offload.demo.model import CONFIGS
+    from ckpt_offload.offload import DEFAULT_MIN_BYTES, STREAM_MODES
+
+    parser = argparse.ArgumentParser(
+        prog="python -m ckpt_offload",
+        description="ckpt_offload: offload saved activations to a host-memory pool.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,profile,info}")
+    sub.required = True
+
+    demo = sub.add_parser(
+        "demo",
+        help="train the built-in transformer with and without co.offload and compare",
+        description=_DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sizes = "; ".join(
+        f"{name}: dim {c.dim}, {c.layers} layers, seq {c.seq}, batch {c.batch}" for name, c in CONFIGS.items()
+    )
+    demo.add_argument("--steps", type=_positive_int, default=8, help="training steps per run (default: 8)")
+    demo.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where to train (default: cuda if a GPU is usable, else cpu)",
+    )
+    demo.add_argument(
+        "--size",
+        choices=tuple(CONFIGS),
+        default="small",
+        help=f"model preset (default: small). {sizes}. medium is meant for a GPU (a minute a step on a 2-core CPU)",
+    )
+    demo.add_argument("--out", metavar="DIR", default=None, help="also write DIR/demo.json with every number")
+    demo.add_argument(
+        "--min-bytes",
+        type=_non_negative_int,
+        default=DEFAULT_MIN_BYTES,
+        help=f"co.offload(min_bytes=...): smaller saved tensors stay on the device (default: {DEFAULT_MIN_BYTES})",
+    )
+    demo.add_argument(
+        "--stream", choices=STREAM_MODES, default="side", help="co.offload(stream=...) (default: side)"
+    )
+    demo.add_argument(
+        "--seed", type=_non_negative_int, default=0, help="seed for weights, data and dropout (default: 0)"
+    )
+
+    prof = sub.add_parser(
+        "profile",
+        help="run a few training steps under co.profile() and write summary, trace, CSV and plot",
+        description=_PROFILE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prof.add_argument("--steps", type=_positive_int, default=3, help="training steps to profile (default: 3)")
+    prof.add_argument(
+        "--size",
+        choices=tuple(CONFIGS),
+        default="small",
+        help=f"built-in model preset (default: small). {sizes}",
+    )
+    prof.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the built-in model trains (default: cuda if a GPU is usable, else cpu)",
+    )
+    prof.add_argument(
+        "--out",
+        metavar="DIR",
+        default="ckpt_offload_profile",
+        help="folder for summary.txt, trace.json, records.csv, profile.json, memory.png "
+        "(default: ./ckpt_offload_profile)",
+    )
+    prof.add_argument(
+        "--script",
+        metavar="FILE.py:FUNCTION",
+        default=None,
+        help="profile your own step instead: import FILE.py and call FUNCTION() once per step",
+    )
+    prof.add_argument(
+        "--min-bytes",
+        type=_non_negative_int,
+        default=DEFAULT_MIN_BYTES,
+        help=f"built-in model: co.offload(min_bytes=...) (default: {DEFAULT_MIN_BYTES})",
+    )
+    prof.add_argument(
+        "--stream", choices=STREAM_MODES, default="side", help="built-in model: co.offload(stream=...) (default: side)"
+    )
+    prof.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
+    prof.add_argument("--top", type=_positive_int, default=None, help="summary: show the N heaviest modules only")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser(
+        "info",
+        help="print co.build_info() and the default pool's configuration and counters",
+        description="Print how ckpt_offload was built (co.build_info()) and the default host pool's state.",
+    )
+    return parser
+
+
+def _info() -> int:
+    import ckpt_offload as co
+
+    print("build_info:")
+    for key, value in co.build_info().items():
+        print(f"  {key}: {value}")
+    from ckpt_offload import _C
+
+    pool = co.default_pool()
+    stats = pool.stats()
+    print("default_pool configuration:")
+    print(f"  backend: {stats['backend']}")
+    print(f"  max_bytes: {'none' if stats['max_bytes'] is None else stats['max_bytes']}")
+    # default_pool() is HostPool() with the default segment size.
+    print(f"  segment_bytes: {int(_C.DEFAULT_SEGMENT_BYTES)}")
+    print(f"  reserved: {stats['bytes_reserved']}")
+    print("default_pool counters:")
+    for key, value in stats.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def _load_script(spec: str, parser):
+    """``path/to/file.py:function`` -> the function, or a parser error saying what is wrong."""
+    import importlib.util
+    import os
+
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        parser.error(f"--script: expected FILE.py:FUNCTION, got {spec!r}")
+    if not name.isidentifier():
+        parser.error(f"--script: {name!r} is not a function name (expected FILE.py:FUNCTION)")
+    if not os.path.isfile(path):
+        parser.error(f"--script: no such file: {path!r}")
+    mod_name = "_ckpt_offload_profile_script_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if module_spec is None or module_spec.loader is None:
+        parser.error(f"--script: cannot import {path!r} as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)  # the script's own imports of its neighbours work as when run directly
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+    fn = getattr(module, name, None)
+    if fn is None:
+        parser.error(f"--script: {path!r} has no attribute {name!r}")
+    if not callable(fn):
+        parser.error(f"--script: {path}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _progress(steps: int, enabled: bool):
+    """range(steps) with a tqdm progress bar when tqdm is installed (stderr), plain otherwise."""
+    if enabled:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(range(steps), desc="profiling", unit="step", file=sys.stderr)
+        except ImportError:
+            pass
+    return range(steps)
+
+
+def _profile(args, parser) -> int:
+    import torch
+
+    import ckpt_offload as co
+    from ckpt_offload.demo import runner as demo
+
+    step_fn = _load_script(args.script, parser) if args.script is not None else None
+    model, pools = None, None  # a script's steps use their own pools: the default one is reported
+    if step_fn is None:
+        from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
+
+        device = args.device or demo.default_device()
+        if device == "cuda" and not demo.gpu_usable():
+            parser.error(
+                "--device cuda: no usable CUDA GPU here "
+                f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+                f"ckpt_offload cuda_compiled={co.build_info()['cuda_compiled']}); use --device cpu"
+            )
+        cfg = make_config(args.size)
+        torch.manual_seed(args.seed)
+        model = TinyTransformer(**cfg.model_kwargs(), seed=args.seed).to(device).train()
+        opt = demo._Adam(model.parameters(), lr=3e-3)
+        batches = [make_batch(cfg, seed=args.seed * 100_003 + i, device=device) for i in range(args.steps)]
+        # A pool of its own, so the pool lines of the summary describe this run alone.
+        pools = [co.HostPool()]
+        ctx = co.offload(
+            min_bytes=args.min_bytes,
+            stream=args.stream,
+            devices=None if device == "cuda" else ["cpu"],
+            pool=pools[0],
+        )
+        print(
+            f"profiling {args.steps} step(s) of TinyTransformer {args.size} on {device} under {ctx!r}",
+            file=sys.stderr,
+        )
+
+        next_batch = iter(batches).__next__
+
+        def step_fn():
+            with ctx:
+                loss = lm_loss(model, next_batch())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
+    else:
+        print(f"profiling {args.steps} call(s) of {args.script}", file=sys.stderr)
+
+    with co.profile(model=model, pools=pools) as prof:
+        for _ in _progress(args.steps, not args.no_progress):
+            step_fn()
+    print(prof.summary(top=args.top))
+    try:
+        paths = prof.save(args.out)
+    except ValueError as e:
+        parser.error(f"--out: {e}")
+    if "memory" not in paths:
+        print("memory.png not written: matplotlib is not installed (`pip install matplotlib`)")
+    print(f"wrote {', '.join(paths[k] for k in ('summary', 'trace', 'csv', 'json', 'memory') if k in paths)}")
+    return 0
+
+
+def _demo(args, parser) -> int:
+    from ckpt_offload.demo import runner as demo
+
+    if args.device == "cuda" and not demo.gpu_usable():
+        import torch
+
+        import ckpt_offload as co
+
+        parser.error(
+            "--device cuda: no usable CUDA GPU here "
+            f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+            f"ckpt_offload cuda_compiled={co.build_info()['cuda_compiled']}); use --device cpu"
+        )
+    result = demo.run_demo(
+        size=args.size,
+        steps=args.steps,
+        device=args.device,
+        min_bytes=args.min_bytes,
+        stream=args.stream,
+        seed=args.seed,
+    )
+    print(demo.format_report(result))
+    if args.out is not None:
+        path = demo.write_json(result, args.out)
+        print(f"wrote {path}")
+    return 0 if (result["grads_match"] and result["losses_match"]) else 1
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the exit status. ``argv`` defaults to ``sys.argv[1:]``.
+
+    Example::
+
+        from ckpt_offload.__main__ import main
+        status = main(["demo", "--size", "tiny", "--steps", "2", "--device", "cpu"])
+        status = main(["profile", "--size", "tiny", "--steps", "2", "--device", "cpu", "--out", "prof"])
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info()
+    if args.command == "profile":
+        return _profile(args, parser)
+    return _demo(args, parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
