@@ -25,7 +25,7 @@ except ImportError as e:  # pragma: no cover - explained to the user
 from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
-from ckpt_offload.profiling import Profile, profile
+from ckpt_offload.profiling import Profile, ProfileReport, profile
 
 __version__ = "0.1.0"
 __all__ = [
@@ -42,7 +42,8 @@ __all__ = [
     "synchronize",
     "DEFAULT_MIN_BYTES",
     "profile",
-    "Profile",
+    "ProfileReport",
+    "Profile",  # deprecated alias of ProfileReport
 ]
 
 

@@ -252,7 +252,7 @@ def test_nested_profile_raises_and_hooks_are_removed(pool):
 
 
 def test_profile_before_exit_and_bad_arguments():
-    p = co.Profile()
+    p = co.ProfileReport()
     with pytest.raises(RuntimeError, match="exits"):
         p.summary()
     with pytest.raises(TypeError, match="model"):
@@ -337,7 +337,7 @@ def _synthetic():
 
 def test_totals_arithmetic_on_synthetic_records():
     pool_stats = [{"bytes_reserved": 64 << 20, "max_bytes": None, "backend": "pinned"}]
-    prof = co.Profile.from_records(_synthetic(), pool_stats)
+    prof = co.ProfileReport.from_records(_synthetic(), pool_stats)
     t = prof.totals()
     assert t["d2h_bytes"] == t["h2d_bytes"] == 1_000_000
     assert t["d2h_seconds"] == pytest.approx(100e-6) and t["h2d_seconds"] == pytest.approx(200e-6)
@@ -447,7 +447,7 @@ def test_untimed_records_count_in_bytes_not_in_times(tmp_path):
     r["copies"].append(dict(r["copies"][0], id=2, handle=8, start_us=None, end_us=None))
     r["handles"].append(dict(r["handles"][0], handle=8))
     r["waits"].append({"handle": 8, "device": "cuda:0", "request_us": None, "ready_us": 3.0, "stall_us": None})
-    prof = co.Profile.from_records(r, [])
+    prof = co.ProfileReport.from_records(r, [])
     t = prof.totals()
     assert t["d2h_bytes"] == 2_000_000 and t["tensors_offloaded"] == 2
     assert t["d2h_gbps"] == pytest.approx(10.0) and t["d2h_seconds"] == pytest.approx(100e-6)
@@ -464,14 +464,15 @@ def test_untimed_records_count_in_bytes_not_in_times(tmp_path):
 def test_chrome_trace_second_stream_gets_its_own_track():
     r = _synthetic()
     r["copies"].append(dict(r["copies"][0], id=2, stream=99, start_us=20.0, end_us=60.0))  # overlaps copy 0
-    _, threads, _, xs = _check_trace(co.Profile.from_records(r, []).chrome_trace())
+    _, threads, _, xs = _check_trace(co.ProfileReport.from_records(r, []).chrome_trace())
     d2h = sorted(threads[(e["pid"], e["tid"])] for e in xs if e["cat"] == "d2h")
     assert d2h == ["D2H", "D2H (stream 99)"]
     _check_nesting(xs)
 
 
 def test_chrome_trace_synthetic_has_stall_marker(tmp_path):
-    prof = co.Profile.from_records(_synthetic(), [{"bytes_reserved": 0, "max_bytes": None, "backend": "pinned"}])
+    pool_stats = [{"bytes_reserved": 0, "max_bytes": None, "backend": "pinned"}]
+    prof = co.ProfileReport.from_records(_synthetic(), pool_stats)
     with open(prof.export_chrome_trace(tmp_path / "t.json")) as f:
         _events, threads, procs, xs = _check_trace(json.load(f))
     stall = next(e for e in xs if e["name"].startswith("stall"))
@@ -498,7 +499,7 @@ def test_csv_json_and_png(tiny_profile, tmp_path):
     assert set(TOTALS_KEYS) <= set(d["totals"])
     assert d["totals"] == json.loads(json.dumps(prof.to_dict()["totals"]))
     assert len(d["records"]["copies"]) == len(prof.records["copies"])
-    again = co.Profile.from_records(d["records"], d["pool_stats"])
+    again = co.ProfileReport.from_records(d["records"], d["pool_stats"])
     assert again.summary() == prof.summary()
 
     pytest.importorskip("matplotlib")
@@ -509,11 +510,30 @@ def test_csv_json_and_png(tiny_profile, tmp_path):
 
 def test_plot_memory_synthetic_with_allocator_line(tmp_path):
     pytest.importorskip("matplotlib")
-    prof = co.Profile.from_records(_synthetic(), [])
+    prof = co.ProfileReport.from_records(_synthetic(), [])
     paths = prof.save(tmp_path / "out")
     assert set(paths) == {"summary", "trace", "csv", "json", "memory"}
     for p in paths.values():
         assert (tmp_path / "out").joinpath(p.rsplit("/", 1)[-1]).stat().st_size > 0
+
+
+def test_report_class_alias_and_exporter_functions(tmp_path):
+    """The result class is co.ProfileReport (not a case variant of co.profile), co.Profile stays as
+    its alias, and the exporters are functions over a report giving what the methods give."""
+    from ckpt_offload.profiling import export_table, export_trace
+
+    assert co.Profile is co.ProfileReport
+    assert co.ProfileReport.__name__.lower() != co.profile.__name__.lower()
+    assert repr(co.ProfileReport()) == "ProfileReport(<recording>)"
+    prof = co.ProfileReport.from_records(_synthetic(), [])
+    assert export_trace.chrome_trace(prof) == prof.chrome_trace()
+    assert export_table.to_dict(prof) == prof.to_dict()
+    export_table.export_csv(prof, tmp_path / "a.csv")
+    prof.export_csv(tmp_path / "b.csv")
+    assert (tmp_path / "a.csv").read_text() == (tmp_path / "b.csv").read_text()
+    assert prof.CSV_COLUMNS == export_table.CSV_COLUMNS
+    with pytest.raises(RuntimeError, match="exits"):
+        export_trace.chrome_trace(co.ProfileReport())
 
 
 # ---------------------------------------------------------------- command line
