@@ -1,4 +1,4 @@
-"""benchmarks/overlap.py on CPU, and the Llama-style decoder it runs (ckpt_offload.models).
+"""benchmarks/overlap.py on CPU, and the Llama-style decoder it runs (benchmarks/llama_decoder.py).
 
 The benchmark measures; these tests check what it reports, never how fast anything ran.
 """
@@ -9,22 +9,28 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 import torch
 from conftest import assert_bit_identical, grads_of
 
 import ckpt_offload as co
-from ckpt_offload.demo.model import (
-    LLAMA_CONFIGS,
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The benchmarks are scripts next to each other, not a package: import them the way they import
+# each other, with benchmarks/ on sys.path.
+if os.path.join(ROOT, "benchmarks") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from llama_decoder import (  # noqa: E402
+    DECODER_CONFIGS,
     LlamaBlock,
     LlamaDecoder,
     causal_lm_loss,
-    make_llama_config,
+    make_decoder_config,
     random_tokens,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_overlap():
@@ -170,7 +176,7 @@ def test_unsupported_option_is_reported_not_raised(monkeypatch):
 
 
 def test_llama_shapes_and_presets():
-    cfg = make_llama_config("tiny")
+    cfg = make_decoder_config("tiny")
     model = LlamaDecoder(cfg, seed=0)
     assert isinstance(model.layers, torch.nn.ModuleList) and len(model.layers) == cfg.layers
     assert all(isinstance(layer, LlamaBlock) for layer in model.layers)
@@ -185,24 +191,24 @@ def test_llama_shapes_and_presets():
     # same seed, same weights; tied embeddings share one tensor
     again = LlamaDecoder(cfg, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
-    tied = LlamaDecoder(make_llama_config("tiny", tie_embeddings=True), seed=0)
+    tied = LlamaDecoder(make_decoder_config("tiny", tie_embeddings=True), seed=0)
     assert tied.lm_head.weight is tied.embed.weight
-    assert tied.num_parameters() == make_llama_config("tiny", tie_embeddings=True).num_parameters()
+    assert tied.num_parameters() == make_decoder_config("tiny", tie_embeddings=True).num_parameters()
     # causal: the first position's logits do not depend on later tokens
     changed = tokens.clone()
     changed[:, 5:] = (changed[:, 5:] + 1) % cfg.vocab
     assert torch.allclose(model(changed[:, :-1])[:, :5], logits[:, :5], atol=1e-6)
-    assert LLAMA_CONFIGS["1b"].num_parameters() > 1_000_000_000
+    assert DECODER_CONFIGS["1b"].num_parameters() > 1_000_000_000
     with pytest.raises(ValueError, match="kv_heads"):
-        make_llama_config("tiny", kv_heads=3)
+        make_decoder_config("tiny", kv_heads=3)
     with pytest.raises(ValueError, match="preset"):
-        make_llama_config("huge")
+        make_decoder_config("huge")
     with pytest.raises(ValueError, match="max_seq"):
         model(torch.zeros(1, cfg.max_seq + 1, dtype=torch.int64))
 
 
 def test_llama_apply_offload_gives_bit_identical_grads():
-    cfg = make_llama_config("tiny")
+    cfg = make_decoder_config("tiny")
     model = LlamaDecoder(cfg, seed=0)
     tokens = random_tokens(cfg.vocab, batch=2, seq=48, seed=0)
     causal_lm_loss(model, tokens).backward()
@@ -222,3 +228,16 @@ def test_llama_apply_offload_gives_bit_identical_grads():
     causal_lm_loss(model, tokens, checkpoint_fn=fn).backward()
     co.synchronize()
     assert_bit_identical(grads_of(model), reference)
+
+
+def test_decoder_lives_in_benchmarks_not_in_the_library():
+    """The benchmark model is not shipped: no module of the installed package defines it."""
+    package = os.path.dirname(os.path.abspath(co.__file__))
+    sources = [os.path.join(d, f) for d, _, files in os.walk(package) for f in files if f.endswith(".py")]
+    assert sources
+    for path in sources:
+        with open(path) as f:
+            text = f.read()
+        for name in ("class LlamaDecoder", "class DecoderConfig", "class LlamaConfig", "LLAMA_CONFIGS"):
+            assert name not in text, f"{path} defines {name}"
+    assert importlib.util.find_spec("ckpt_offload.models") is None

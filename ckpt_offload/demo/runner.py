@@ -4,7 +4,8 @@ Two training runs with the same seed, the same data and dropout on: a plain one 
 and one whose forward passes run inside :class:`ckpt_offload.offload`. The report says how many
 activation bytes autograd saved, how many stayed on the device and how many went to the host
 pool, the pool's own counters, the step-time ratio, and whether the gradients of the first step
-and the losses of every step are bit-identical (they must be: offloading changes where a saved tensor waits, never its bytes).
+and the losses of every step are bit-identical (they must be: offloading changes where a saved
+tensor waits, never its bytes).
 
 How the bytes are counted, so the two columns are comparable:
 
