@@ -170,14 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _info() -> int:
-    import ckpt_offload as co
+    from ckpt_offload import _C, build_info
+    from ckpt_offload.pool import default_pool
 
     print("build_info:")
-    for key, value in co.build_info().items():
+    for key, value in build_info().items():
         print(f"  {key}: {value}")
-    from ckpt_offload import _C
 
-    pool = co.default_pool()
+    pool = default_pool()
     stats = pool.stats()
     print("default_pool configuration:")
     print(f"  backend: {stats['backend']}")
@@ -237,32 +237,45 @@ def _progress(steps: int, enabled: bool):
     return range(steps)
 
 
+def _gpu_or_error(device: str, parser) -> None:
+    """A parser error (exit status 2) when ``device`` is "cuda" and no CUDA GPU is usable here."""
+    from ckpt_offload.demo.runner import gpu_usable
+
+    if device == "cuda" and not gpu_usable():
+        import torch
+
+        from ckpt_offload import build_info
+
+        parser.error(
+            "--device cuda: no usable CUDA GPU here "
+            f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
+            f"ckpt_offload cuda_compiled={build_info()['cuda_compiled']}); use --device cpu"
+        )
+
+
 def _profile(args, parser) -> int:
     import torch
 
-    import ckpt_offload as co
-    from ckpt_offload.demo import runner as demo
+    from ckpt_offload.offload import offload
+    from ckpt_offload.pool import HostPool
+    from ckpt_offload.profiling import profile
 
     step_fn = _load_script(args.script, parser) if args.script is not None else None
     model, pools = None, None  # a script's steps use their own pools: the default one is reported
     if step_fn is None:
         from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
+        from ckpt_offload.demo.runner import SimpleAdam, default_device
 
-        device = args.device or demo.default_device()
-        if device == "cuda" and not demo.gpu_usable():
-            parser.error(
-                "--device cuda: no usable CUDA GPU here "
-                f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
-                f"ckpt_offload cuda_compiled={co.build_info()['cuda_compiled']}); use --device cpu"
-            )
+        device = args.device or default_device()
+        _gpu_or_error(device, parser)
         cfg = make_config(args.size)
         torch.manual_seed(args.seed)
         model = TinyTransformer(**cfg.model_kwargs(), seed=args.seed).to(device).train()
-        opt = demo._Adam(model.parameters(), lr=3e-3)
+        opt = SimpleAdam(model.parameters(), lr=3e-3)
         batches = [make_batch(cfg, seed=args.seed * 100_003 + i, device=device) for i in range(args.steps)]
         # A pool of its own, so the pool lines of the summary describe this run alone.
-        pools = [co.HostPool()]
-        ctx = co.offload(
+        pools = [HostPool()]
+        ctx = offload(
             min_bytes=args.min_bytes,
             stream=args.stream,
             devices=None if device == "cuda" else ["cpu"],
@@ -286,7 +299,7 @@ def _profile(args, parser) -> int:
     else:
         print(f"profiling {args.steps} call(s) of {args.script}", file=sys.stderr)
 
-    with co.profile(model=model, pools=pools) as prof:
+    with profile(model=model, pools=pools) as prof:
         for _ in _progress(args.steps, not args.no_progress):
             step_fn()
     print(prof.summary(top=args.top))
@@ -303,16 +316,7 @@ def _profile(args, parser) -> int:
 def _demo(args, parser) -> int:
     from ckpt_offload.demo import runner as demo
 
-    if args.device == "cuda" and not demo.gpu_usable():
-        import torch
-
-        import ckpt_offload as co
-
-        parser.error(
-            "--device cuda: no usable CUDA GPU here "
-            f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
-            f"ckpt_offload cuda_compiled={co.build_info()['cuda_compiled']}); use --device cpu"
-        )
+    _gpu_or_error(args.device, parser)
     result = demo.run_demo(
         size=args.size,
         steps=args.steps,

@@ -37,8 +37,10 @@ import time
 
 import torch
 
-import ckpt_offload as co
+from ckpt_offload import build_info, synchronize
 from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
+from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload
+from ckpt_offload.pool import HostPool
 
 __all__ = ["run_demo", "format_report", "write_json", "default_device", "gpu_usable", "DEMO_JSON"]
 
@@ -47,7 +49,7 @@ DEMO_JSON = "demo.json"
 
 def gpu_usable() -> bool:
     """True when torch sees a CUDA GPU and this ckpt_offload build can offload CUDA tensors."""
-    return bool(torch.cuda.is_available() and co.build_info()["cuda_compiled"])
+    return bool(torch.cuda.is_available() and build_info()["cuda_compiled"])
 
 
 def default_device() -> str:
@@ -123,7 +125,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class _Adam:
+class SimpleAdam:
     """Plain Adam, enough for a demo. Not torch.optim: its first use imports torch._dynamo,
     which costs seconds of start-up on a small CPU (most of a tiny demo's run time)."""
 
@@ -156,7 +158,7 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
     torch.manual_seed(seed)  # dropout draws: identical sequence in both runs
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)
     model.train()
-    opt = _Adam(model.parameters(), lr=3e-3)
+    opt = SimpleAdam(model.parameters(), lr=3e-3)
     counter = None if offload_ctx is not None else _SavedBytesCounter(model, min_bytes)
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -224,7 +226,7 @@ def run_demo(
     size: str = "small",
     steps: int = 8,
     device: str | None = None,
-    min_bytes: int = co.DEFAULT_MIN_BYTES,
+    min_bytes: int = DEFAULT_MIN_BYTES,
     stream: str = "side",
     seed: int = 0,
 ) -> dict:
@@ -250,18 +252,18 @@ def run_demo(
         raise RuntimeError(
             "device='cuda' needs a CUDA GPU and a CUDA build of ckpt_offload "
             f"(torch.cuda.is_available()={torch.cuda.is_available()}, "
-            f"cuda_compiled={co.build_info()['cuda_compiled']}); use device='cpu'"
+            f"cuda_compiled={build_info()['cuda_compiled']}); use device='cpu'"
         )
     cfg = make_config(size)
     batches = [make_batch(cfg, seed=seed * 100_003 + i, device=device) for i in range(steps)]
 
     base = _train(cfg, batches, device, seed, min_bytes=min_bytes)
 
-    pool = co.HostPool()
+    pool = HostPool()
     devices = None if device == "cuda" else ["cpu"]
-    ctx = co.offload(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool)
+    ctx = offload(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool)
     off = _train(cfg, batches, device, seed, offload_ctx=ctx)
-    co.synchronize()
+    synchronize()
     pool.synchronize()
     pool_stats = pool.stats()
 
@@ -298,7 +300,7 @@ def run_demo(
         )
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "build_info": co.build_info(),
+        "build_info": build_info(),
         "config": {
             **cfg.as_dict(),
             "size": size,
