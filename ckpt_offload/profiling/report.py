@@ -93,8 +93,8 @@ class ProfileReport:
         """
         if not self._ready:
             raise RuntimeError(
-                "this ProfileReport has no records yet: they are collected when the `with co.profile()` block exits; "
-                "read them after it"
+                "this ProfileReport has no records yet: they are collected when the `with co.profile()` block "
+                "exits; read them after it"
             )
 
     def handle(self, handle) -> dict:
@@ -127,8 +127,6 @@ class ProfileReport:
         """True when every copy recorded was between CPU tensors and the pool (memcpy)."""
         devs = {c["device"] for c in self.records.get("copies", [])} or set(self.devices)
         return all(str(d).startswith("cpu") for d in devs)
-
-    # ---------------------------------------------------------------- aggregation
 
     # ---------------------------------------------------------------- aggregation
 
