@@ -187,6 +187,7 @@ class _ReplicateWithForward:
     def __call__(self):
         w = self.wrapper
         replica = type(w.block)._replicate_for_data_parallel(w.block)
+        replica.__dict__.pop("forward", None)  # the shallow copy's: the original block's wrapper
         _CheckpointedForward(replica, w.options, w.use_reentrant, w.torch_kwargs, w.original).install()
         return replica
 
