@@ -30,7 +30,9 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     and honours ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` (where the installed torch has them); every other keyword goes to
     ``function``. Gradients equal those without checkpointing, dropout included (the RNG state
-    is restored for the recompute).
+    is restored for the recompute). With ``offload`` and a selective-checkpoint ``context_fn``,
+    the tensors its policy saves go to the host pool too: ``respect_saved_tensors_hooks=True``
+    is passed where torch has it, unless you pass that keyword yourself.
 
     Args:
         function: the callable to checkpoint (a module, or a function of tensors).
@@ -252,7 +254,9 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
 
     The blocks' parameters and ``state_dict()`` keys do not change: only the blocks' ``forward``
     is wrapped, and the wrapper checkpoints only in training mode with gradients enabled (in
-    ``eval()`` or under ``torch.no_grad()`` it calls the block directly).
+    ``eval()`` or under ``torch.no_grad()`` it calls the block directly). The wrapped model can
+    be deep-copied, pickled, ``torch.save``-d and replicated by ``nn.DataParallel``: each copy
+    checkpoints its own blocks, with its own weights.
 
     Returns:
         a :class:`CheckpointHandle`; ``handle.remove()`` restores the model.
