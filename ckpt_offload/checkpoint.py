@@ -8,76 +8,19 @@ device -- wait in the host pool instead.
 
 from __future__ import annotations
 
-import inspect
-import threading
 from typing import Any, Callable
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload._args import check_int
-from ckpt_offload.offload import offload as offload_context
-
-__all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
-
-# _checkpoint, _check_reentrant and _TORCH_KEYWORDS are shared with integrations/hf.py.
-_OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
-# Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
-# preserve_rng_state is one in every torch, but before 2.14 it is read from **kwargs, not named
-# in the signature.
-_TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
-    name
-    for name in ("context_fn", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
-    if name in inspect.signature(torch_checkpoint.checkpoint).parameters
+from ckpt_offload._checkpoint_core import (
+    TORCH_KEYWORDS,
+    check_reentrant,
+    offload_options,
+    run_checkpoint,
 )
 
-
-def offload_options(offload, *, name: str = "offload") -> dict | None:
-    """Normalizes an ``offload=`` argument: False/None -> None, True -> {}, a dict -> checked copy."""
-    if offload is None or offload is False:
-        return None
-    if offload is True:
-        return {}
-    if isinstance(offload, dict):
-        unknown = sorted(set(offload) - set(_OFFLOAD_KEYS))
-        if unknown:
-            raise TypeError(f"{name}: unknown co.offload option(s) {unknown}; allowed: {list(_OFFLOAD_KEYS)}")
-        return dict(offload)
-    raise TypeError(
-        f"{name} must be False, True, or a dict of co.offload options ({', '.join(_OFFLOAD_KEYS)}); "
-        f"got {type(offload).__name__}"
-    )
-
-
-_local = threading.local()
-
-
-def _context_for(options: dict) -> offload_context:
-    """One co.offload context per thread and option set, reused by every checkpoint so that its
-    deduplication table spans layers (weakly: it holds no tensor)."""
-    cache = getattr(_local, "contexts", None)
-    if cache is None:
-        cache = _local.contexts = {}
-    devices = options.get("devices")
-    key = (
-        options.get("min_bytes"),
-        options.get("stream"),
-        tuple(devices) if isinstance(devices, (list, tuple)) else devices,
-        id(options.get("pool")),  # the cached context holds the pool, so its id stays unique
-        options.get("on_full"),
-        options.get("prefetch_bytes"),
-        options.get("batch_below"),
-        options.get("batch_bytes"),
-    )
-    ctx = cache.get(key)
-    if ctx is None:
-        ctx = cache[key] = offload_context(**options)
-        ctx._keep_dedup = True
-    if ctx._hooks is not None:
-        # A checkpoint nested inside another one's forward: the shared context is active.
-        ctx = offload_context(**options)
-    return ctx
+__all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
 
 
 def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: bool | None = None, **kwargs: Any):
@@ -87,7 +30,9 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     and honours ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` (where the installed torch has them); every other keyword goes to
     ``function``. Gradients equal those without checkpointing, dropout included (the RNG state
-    is restored for the recompute).
+    is restored for the recompute). With ``offload`` and a selective-checkpoint ``context_fn``,
+    the tensors its policy saves go to the host pool too: ``respect_saved_tensors_hooks=True``
+    is passed where torch has it, unless you pass that keyword yourself.
 
     Args:
         function: the callable to checkpoint (a module, or a function of tensors).
@@ -109,45 +54,8 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     options = offload_options(offload)
-    torch_kwargs = {k: kwargs.pop(k) for k in _TORCH_KEYWORDS if k in kwargs}
-    return _checkpoint(function, args, kwargs, options, _check_reentrant(use_reentrant, options), torch_kwargs)
-
-
-def _check_reentrant(use_reentrant, options) -> bool:
-    if use_reentrant is None:
-        return False
-    if not isinstance(use_reentrant, bool):
-        raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}")
-    if use_reentrant and options is not None:
-        raise ValueError(
-            "offload needs use_reentrant=False: the reentrant checkpoint keeps its inputs outside "
-            "autograd's saved tensors, so they could not be offloaded. Pass use_reentrant=False "
-            "(the default of co.checkpoint), or offload=False."
-        )
-    return use_reentrant
-
-
-def _checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict):
-    if use_reentrant or options is None:
-        return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **torch_kwargs, **kwargs)
-    # Every tensor input becomes a positional argument of torch's checkpoint, which saves those
-    # through the active saved-tensor hooks (ours). The closure keeps only the non-tensor
-    # leaves: a tensor in it would stay on the device until backward.
-    leaves, spec = tree_flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    tensors = [leaves[i] for i in positions]
-    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    del leaves, args, kwargs
-
-    def run(*inputs):
-        filled = list(skeleton)
-        for i, t in zip(positions, inputs):
-            filled[i] = t
-        a, kw = tree_unflatten(filled, spec)
-        return function(*a, **kw)
-
-    with _context_for(options):
-        return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
+    torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
+    return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
 
 
 def checkpoint_sequential(functions, segments: int, input, offload=False, use_reentrant: bool | None = None,
@@ -213,14 +121,77 @@ class CheckpointHandle:
         if self.removed:
             return
         for block in self._blocks:
-            block.__dict__.pop("forward", None)
-            block.__dict__.pop("_ckpt_offload_wrapped", None)
+            _CheckpointedForward.uninstall(block)
         if getattr(self._model, "_ckpt_offload_handle", None) is self:
             del self._model._ckpt_offload_handle
         self.removed = True
 
     def __repr__(self) -> str:
         return f"CheckpointHandle({len(self.names)} blocks, every_n_layers={self.every_n_layers}, removed={self.removed})"
+
+
+class _CheckpointedForward:
+    """The ``forward`` that :func:`apply` sets on a block (in its ``__dict__``).
+
+    Holds the block as an attribute instead of capturing it in a closure: ``copy.deepcopy`` of
+    the model copies this object with the block it belongs to, so a copy computes with its own
+    weights; ``pickle`` / ``torch.save`` store it by class name (module-level, no locals).
+    """
+
+    def __init__(self, block: torch.nn.Module, options, use_reentrant: bool, torch_kwargs: dict, original=None):
+        self.block = block
+        # An instance-level forward the block had before (None: the class's, looked up at call
+        # time, so the copy's class method is bound to the copy).
+        self.original = original if original is not None else block.__dict__.get("forward")
+        self.options = options
+        self.use_reentrant = use_reentrant
+        self.torch_kwargs = torch_kwargs
+
+    def install(self) -> None:
+        block = self.block
+        block.__dict__["forward"] = self
+        block.__dict__["_ckpt_offload_wrapped"] = True
+        # nn.DataParallel replicates a module with a shallow copy of its __dict__, which would
+        # leave the replica's forward pointing at the original block: give the replica its own.
+        block.__dict__["_replicate_for_data_parallel"] = _ReplicateWithForward(self)
+
+    @staticmethod
+    def uninstall(block: torch.nn.Module) -> None:
+        wrapper = block.__dict__.get("forward")
+        if isinstance(wrapper, _CheckpointedForward) and wrapper.original is not None:
+            block.__dict__["forward"] = wrapper.original
+        else:
+            block.__dict__.pop("forward", None)
+        block.__dict__.pop("_ckpt_offload_wrapped", None)
+        block.__dict__.pop("_replicate_for_data_parallel", None)
+
+    def _forward(self):
+        if self.original is not None:
+            return self.original
+        return type(self.block).forward.__get__(self.block)
+
+    def __call__(self, *args, **kwargs):
+        forward = self._forward()
+        if self.block.training and torch.is_grad_enabled():
+            return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, self.torch_kwargs)
+        return forward(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<ckpt_offload checkpointed forward of {type(self.block).__name__}, offload={self.options!r}>"
+
+
+class _ReplicateWithForward:
+    """``block._replicate_for_data_parallel()`` that re-targets the replica's checkpointed forward."""
+
+    def __init__(self, wrapper: _CheckpointedForward):
+        self.wrapper = wrapper
+
+    def __call__(self):
+        w = self.wrapper
+        replica = type(w.block)._replicate_for_data_parallel(w.block)
+        replica.__dict__.pop("forward", None)  # the shallow copy's: the original block's wrapper
+        _CheckpointedForward(replica, w.options, w.use_reentrant, w.torch_kwargs, w.original).install()
+        return replica
 
 
 def _largest_block_list(model: torch.nn.Module):
@@ -283,7 +254,9 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
 
     The blocks' parameters and ``state_dict()`` keys do not change: only the blocks' ``forward``
     is wrapped, and the wrapper checkpoints only in training mode with gradients enabled (in
-    ``eval()`` or under ``torch.no_grad()`` it calls the block directly).
+    ``eval()`` or under ``torch.no_grad()`` it calls the block directly). The wrapped model can
+    be deep-copied, pickled, ``torch.save``-d and replicated by ``nn.DataParallel``: each copy
+    checkpoints its own blocks, with its own weights.
 
     Returns:
         a :class:`CheckpointHandle`; ``handle.remove()`` restores the model.
@@ -298,11 +271,11 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
-    use_reentrant = _check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(_TORCH_KEYWORDS))
+    use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
+    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
     if unknown:
         raise TypeError(
-            f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *_TORCH_KEYWORDS]}"
+            f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}"
         )
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
@@ -317,15 +290,7 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
     chosen = [(n, b) for i, (n, b) in enumerate(candidates) if i % every_n_layers == 0]
 
     for _, block in chosen:
-        original = block.forward  # the class's forward, bound to this block
-
-        def forward(*args, _original=original, _block=block, **kwargs):
-            if _block.training and torch.is_grad_enabled():
-                return _checkpoint(_original, args, kwargs, options, use_reentrant, checkpoint_kwargs)
-            return _original(*args, **kwargs)
-
-        block.forward = forward
-        block._ckpt_offload_wrapped = True
+        _CheckpointedForward(block, options, use_reentrant, checkpoint_kwargs).install()
     handle = CheckpointHandle(model, [b for _, b in chosen], [n for n, _ in chosen], every_n_layers)
     model._ckpt_offload_handle = handle
     return handle

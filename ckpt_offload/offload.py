@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -34,6 +35,59 @@ STREAM_MODES = ("side", "compute")
 ON_FULL_POLICIES = ("keep", "raise")
 
 _warned_no_accelerator = False
+_warned_hooks_disabled: set = set()
+_warn_lock = threading.Lock()
+
+
+def hooks_disabled_reason() -> str | None:
+    """torch's message when saved-tensor hooks cannot be entered on this thread (inside
+    ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``, or
+    ``torch.autograd.graph.disable_saved_tensors_hooks``), else None."""
+    autograd = torch._C._autograd
+    is_enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if is_enabled is None or is_enabled():
+        return None
+    get_message = getattr(autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
+    message = get_message() if get_message is not None else None
+    return message or "saved tensor hooks are disabled"
+
+
+def _warn_hooks_disabled(reason: str) -> None:
+    with _warn_lock:
+        if reason in _warned_hooks_disabled:
+            return
+        _warned_hooks_disabled.add(reason)
+    warnings.warn(
+        f"ckpt_offload.offload(): saved-tensor hooks are disabled here ({reason!r}; torch.func.grad, vjp, "
+        "jacrev and hessian disable them), so the tensors saved inside this block are not offloaded. "
+        "Gradients are unaffected. (Warned once per reason.)",
+        stacklevel=3,
+    )
+
+
+def _top_hooks():
+    """The innermost (pack, unpack) pair on this thread's saved-tensor hooks stack, or None;
+    ``False`` when this torch cannot tell."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return False if top is None else top(False)
+
+
+class _Activation:
+    """What one ``__enter__`` of a :class:`offload` started, so that ``__exit__`` undoes exactly that."""
+
+    __slots__ = ("thread", "graph_task", "hooks", "pack", "unpack", "module_hook")
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        # -1 outside backward. Inside backward the hooks stack is a copy that the engine drops
+        # when backward ends, so a context must exit in the backward (or not) where it entered.
+        self.graph_task = torch._C._current_graph_task_id()
+        self.hooks = None  # torch's saved_tensors_hooks we pushed; None: hooks disabled, no offload
+        self.pack = self.unpack = None
+        self.module_hook = None
+
+
+_CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
 
 
 def _default_devices() -> list[str]:
@@ -82,6 +136,18 @@ class offload:
             e.g. ``co.offload(min_bytes=4096, batch_below=256 * 1024)``.
         batch_bytes: size of a batch block (default :data:`DEFAULT_BATCH_BYTES`, 4 MiB). A batch
             is copied when full, when the context exits, or when one of its tensors is needed.
+        keep_dedup: keep the table of offloaded storages from one entry of this context to the
+            next (default ``False``: each entry starts afresh), so that a tensor saved in several
+            entries -- an input every checkpointed layer receives -- is stored once. The table
+            holds no tensor. ``co.checkpoint`` uses this for the context it shares across layers.
+
+    One context object is active at most once at a time: entering it again (also from another
+    thread) before it exits raises ``RuntimeError``; nest a new ``co.offload()`` instead.
+    Contexts exit in the reverse order of entering, on the thread that entered them, outside
+    the backward they were not entered in; otherwise ``__exit__`` raises ``RuntimeError`` and
+    changes nothing. A second ``__exit__`` does nothing. Where saved-tensor hooks are disabled
+    (inside ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) the block runs without
+    offload, with a one-time warning.
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``), tensors on other devices, sparse / nested / quantized
@@ -108,6 +174,8 @@ class offload:
         prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
         batch_below: int = 0,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        *,
+        keep_dedup: bool = False,
     ):
         check_int("min_bytes", min_bytes, minimum=0)
         check_choice("stream", stream, STREAM_MODES)
@@ -122,6 +190,8 @@ class offload:
             )
         if pool is not None and not isinstance(pool, HostPool):
             raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+        if not isinstance(keep_dedup, bool):
+            raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
         types = _default_devices() if devices is None else device_types("devices", devices)
         if "cuda" in types and not _C.cuda_compiled():
             raise ValueError(
@@ -148,36 +218,110 @@ class offload:
             batch_below=batch_below,
             batch_bytes=batch_bytes,
         )
-        self._hooks = None
-        self._module_hook = None
-        # co.checkpoint reuses one context across layers and keeps its deduplication table, so
-        # an input every layer receives is stored once.
-        self._keep_dedup = False
+        self.keep_dedup = keep_dedup
+        # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
+        # is being entered or exited). Checked and set under the lock, so two threads entering
+        # one context at once cannot both start it.
+        self._state = None
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        """True between ``__enter__`` and ``__exit__``."""
+        return self._state is not None
 
     def _note_module(self, module, args):
         self._packer.note_module_state(module._parameters, module._buffers)
 
     def __enter__(self) -> "offload":
-        if self._hooks is not None:
-            raise RuntimeError("this co.offload() context is already active; nest a new co.offload() instead")
-        self._packer.begin()
-        # Parameters and buffers are recognised by storage, from every module that runs inside
-        # the block: a frozen weight's view or a buffer is a plain tensor by the time it is saved.
-        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._packer.pack, self._packer.unpack)
-        self._hooks.__enter__()
+        with self._lock:
+            if self._state is not None:
+                raise RuntimeError(
+                    "this co.offload() context is already active (entered and not exited yet, on this thread or "
+                    "another); nest a new co.offload() instead"
+                )
+            self._state = _CLAIMED
+        try:
+            state = self._activate()
+        except BaseException:
+            with self._lock:
+                self._state = None
+            raise
+        self._state = state
         return self
 
-    def __exit__(self, *exc) -> None:
-        hooks, self._hooks = self._hooks, None
+    def _activate(self) -> _Activation:
+        state = _Activation()
+        reason = hooks_disabled_reason()
+        if reason is not None:
+            _warn_hooks_disabled(reason)
+            return state
+        # torch's hook context first: when torch refuses it, nothing of ours has started yet.
+        state.pack, state.unpack = self._packer.pack, self._packer.unpack
+        hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
+        hooks.__enter__()
+        state.hooks = hooks
         try:
-            if hooks is not None:
-                hooks.__exit__(*exc)
+            self._packer.begin()
+            # Parameters and buffers are recognised by storage, from every module that runs inside
+            # the block: a frozen weight's view or a buffer is a plain tensor by the time it is saved.
+            state.module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
+        except BaseException:
+            if state.module_hook is not None:
+                state.module_hook.remove()
+            hooks.__exit__(None, None, None)
+            self._packer.end(keep_dedup=self.keep_dedup)
+            raise
+        return state
+
+    def _check_exit(self, state: _Activation) -> None:
+        where = None
+        if state.thread != threading.get_ident():
+            where = "on a different thread than the one that entered it (saved-tensor hooks are per thread)"
+        elif state.graph_task != torch._C._current_graph_task_id():
+            where = ("inside a backward it was not entered in (or outside the backward it was entered in): "
+                     "autograd drops the hooks stack of a backward when it ends")
+        elif state.hooks is not None:
+            top = _top_hooks()
+            if top is not False and (top is None or top[0] is not state.pack or top[1] is not state.unpack):
+                where = ("while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint "
+                         "region, torch's save_on_cpu, ...) is still active: contexts exit in the reverse order "
+                         "of entering")
+        if where is not None:
+            raise RuntimeError(
+                f"co.offload().__exit__ called {where}. Nothing was changed: this context is still active; exit "
+                "the contexts entered after it first, on the thread that entered them."
+            )
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with self._lock:
+            state = self._state
+            if state is None or state is _CLAIMED:
+                return  # not active (a second __exit__), or another thread is entering/exiting it
+            self._check_exit(state)
+            self._state = _CLAIMED  # not re-enterable until the teardown below is done
+        flush_error = None
+        try:
+            if state.hooks is not None:
+                state.hooks.__exit__(None, None, None)
         finally:
-            if self._module_hook is not None:
-                self._module_hook.remove()
-                self._module_hook = None
-            self._packer.end(keep_dedup=self._keep_dedup)
+            try:
+                if state.module_hook is not None:
+                    state.module_hook.remove()
+                if state.hooks is not None:
+                    try:
+                        self._packer.flush_batches()
+                    except Exception as e:  # PoolFullError with on_full="raise"
+                        flush_error = e
+                    self._packer.end(keep_dedup=self.keep_dedup)
+            finally:
+                with self._lock:
+                    self._state = None
+        # An exception raised in the block (a KeyboardInterrupt, an OOM) is the one the caller
+        # must see; the flush's PoolFullError only when the block itself succeeded. Its tensors
+        # were kept on the device either way, so backward still works.
+        if flush_error is not None and exc_type is None:
+            raise flush_error
 
     def stats(self) -> dict:
         """What this context did, accumulated over every time it was entered.

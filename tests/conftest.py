@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -16,6 +17,48 @@ def _async_cpu_streams_with_delay():
     co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
     yield
     co._C.set_cpu_copy_delay_us(0)
+
+
+_GLOBAL_MODULE_HOOKS = (
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+)
+
+
+def global_module_hook_counts() -> dict:
+    """How many global nn.Module hooks of each kind are registered (co.offload and co.profile add some)."""
+    mod = torch.nn.modules.module
+    return {name: len(getattr(mod, name)) for name in _GLOBAL_MODULE_HOOKS if hasattr(mod, name)}
+
+
+def default_pool_bytes_in_use() -> int:
+    co.synchronize()
+    return co.default_pool().stats()["bytes_in_use"]
+
+
+def run_a_backward() -> None:
+    """Runs a tiny backward on this thread. After a backward that raised, PyTorch's engine keeps
+    the nodes it had queued (and the tensors they saved) until the next backward on the thread."""
+    x = torch.ones(1, requires_grad=True)
+    (x * 2).sum().backward()
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    """Every test leaves the default pool's bytes in use, the global module hooks and this
+    thread's saved-tensor hooks stack as it found them: no stuck context, no leaked graph."""
+    bytes_before = default_pool_bytes_in_use()
+    hooks_before = global_module_hook_counts()
+    yield
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks left active"
+    assert global_module_hook_counts() == hooks_before, "global nn.Module hooks left registered"
+    if default_pool_bytes_in_use() != bytes_before:
+        gc.collect()  # a graph held only by a reference cycle (an exception's traceback) is not a leak
+        assert default_pool_bytes_in_use() == bytes_before, "default pool bytes still in use after the test"
 
 
 @pytest.fixture

@@ -98,3 +98,21 @@ def test_checkpoint_offload_frees_device_memory_of_inputs():
     # without offload the 5 intermediate inputs (plus the output) stay on the device
     assert plain >= 5 * x.numel() * 4
     assert offloaded <= plain - 4 * x.numel() * 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel replication needs 2 or more GPUs")
+def test_apply_under_data_parallel_replicas_use_their_own_weights():
+    # DataParallel replicates every block with a shallow copy of its __dict__; each replica must
+    # checkpoint its own forward (with the weights broadcast to its GPU), not the original's.
+    from models_for_tests import MLP
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[MLP(dim=64, hidden=128) for _ in range(3)]).cuda()
+    model = nn.Sequential(*[MLP(dim=64, hidden=128) for _ in range(3)]).cuda()
+    model.load_state_dict(ref.state_dict())
+    co.apply(model, offload={"min_bytes": 0})
+    x = torch.randn(16, 64, device="cuda")
+    nn.DataParallel(ref, device_ids=[0, 1])(x).sum().backward()
+    nn.DataParallel(model, device_ids=[0, 1])(x).sum().backward()
+    for (name, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name

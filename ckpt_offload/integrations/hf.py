@@ -62,7 +62,7 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload.checkpoint import _TORCH_KEYWORDS, _check_reentrant, _checkpoint, offload_options
+from ckpt_offload._checkpoint_core import TORCH_KEYWORDS, check_reentrant, offload_options, run_checkpoint
 
 __all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback"]
 
@@ -94,10 +94,10 @@ class HFCheckpointFunction:
     def __call__(self, function, *args, **kwargs):
         self.calls += 1
         torch_kwargs = dict(self.torch_kwargs)
-        for name in _TORCH_KEYWORDS:  # a call site may pass torch's keywords as Hugging Face's func allows
+        for name in TORCH_KEYWORDS:  # a call site may pass torch's keywords as Hugging Face's func allows
             if name in kwargs:
                 torch_kwargs[name] = kwargs.pop(name)
-        use_reentrant = _check_reentrant(kwargs.pop("use_reentrant", self.use_reentrant), self.options)
+        use_reentrant = check_reentrant(kwargs.pop("use_reentrant", self.use_reentrant), self.options)
         if self.options is not None:
             # The partial's keywords (position_embeddings, attention_mask, position_ids) become
             # inputs of the checkpoint, where they are offloaded; left in the partial they would
@@ -108,7 +108,7 @@ class HFCheckpointFunction:
                 pkw = {**function.keywords, **pkw}
                 function = function.func
             args, kwargs = pargs + args, {**pkw, **kwargs}
-        return _checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs)
+        return run_checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs)
 
     def __deepcopy__(self, memo):
         # A copied model shares the function: its options may hold a HostPool, which is not copyable.
@@ -361,10 +361,10 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
-    use_reentrant = _check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(_TORCH_KEYWORDS))
+    use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
+    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
     if unknown:
-        raise TypeError(f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *_TORCH_KEYWORDS]}")
+        raise TypeError(f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}")
     if getattr(model, "supports_gradient_checkpointing", True) is False:
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing in transformers "

@@ -235,6 +235,9 @@ class profile:
         return records
 
     def __exit__(self, *exc) -> None:
+        with _active_lock:
+            if _active is not self:
+                return  # not entered, or already exited: a second __exit__ must not end another profile
         records = self._teardown()
         from ckpt_offload.pool import default_pool
 

@@ -1,0 +1,153 @@
+"""The checkpoint call that ``co.checkpoint``, ``co.apply`` and ``co.hf`` share (private).
+
+Interface (used by ``ckpt_offload/checkpoint.py`` and ``ckpt_offload/integrations/hf.py``):
+
+- :data:`TORCH_KEYWORDS`: the keywords of torch's checkpoint that the installed torch accepts;
+- :func:`offload_options`: normalizes an ``offload=`` argument;
+- :func:`check_reentrant`: validates ``use_reentrant`` against the offload options;
+- :func:`run_checkpoint`: one checkpointed call, with the inputs offloaded when asked;
+- :func:`context_for`: the co.offload context a checkpoint with these options enters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ckpt_offload.offload import hooks_disabled_reason, offload as offload_context
+from ckpt_offload.pool import HostPool
+
+__all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
+
+OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
+_CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
+# Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
+# preserve_rng_state is one in every torch, but before 2.14 it is read from **kwargs, not named
+# in the signature.
+TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
+    name
+    for name in ("context_fn", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
+    if name in _CHECKPOINT_PARAMETERS
+)
+# Selective checkpointing (a context_fn policy) keeps the tensors its policy saves outside
+# autograd's saved tensors; torch 2.14 routes them through the active saved-tensor hooks (ours)
+# only with respect_saved_tensors_hooks=True, and warns on every call when it is left unset.
+_HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in _CHECKPOINT_PARAMETERS
+
+
+def offload_options(offload, *, name: str = "offload") -> dict | None:
+    """Normalizes an ``offload=`` argument: False/None -> None, True -> {}, a dict -> checked copy."""
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return {}
+    if isinstance(offload, dict):
+        unknown = sorted(set(offload) - set(OFFLOAD_KEYS))
+        if unknown:
+            raise TypeError(f"{name}: unknown co.offload option(s) {unknown}; allowed: {list(OFFLOAD_KEYS)}")
+        return dict(offload)
+    raise TypeError(
+        f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}); "
+        f"got {type(offload).__name__}"
+    )
+
+
+def check_reentrant(use_reentrant, options) -> bool:
+    """``use_reentrant`` as a bool (None -> False); refuses reentrant with offload on."""
+    if use_reentrant is None:
+        return False
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}")
+    if use_reentrant and options is not None:
+        raise ValueError(
+            "offload needs use_reentrant=False: the reentrant checkpoint keeps its inputs outside "
+            "autograd's saved tensors, so they could not be offloaded. Pass use_reentrant=False "
+            "(the default of co.checkpoint), or offload=False."
+        )
+    return use_reentrant
+
+
+# Contexts are shared per thread and option set, so that one deduplication table spans all the
+# layers of a forward. Those with the default pool live in this thread-local table; those with a
+# pool passed in the options live in a thread-local table stored on that pool, so that the only
+# references to the context come from the pool itself: a pool the user drops is freed (with its
+# memory) by the garbage collector, instead of being kept alive by the cache forever.
+_local = threading.local()
+_POOL_ATTR = "_ckpt_offload_checkpoint_contexts"
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return tuple(sorted(str(v) for v in value))
+    return value
+
+
+def _table_for(pool) -> dict:
+    if pool is None:
+        local = _local
+    else:
+        # dict.setdefault is atomic: two threads get the same thread-local object.
+        local = pool.__dict__.setdefault(_POOL_ATTR, threading.local())
+    table = getattr(local, "contexts", None)
+    if table is None:
+        table = local.contexts = {}
+    return table
+
+
+def context_for(options: dict) -> offload_context:
+    """The co.offload context for a checkpoint with these options: this thread's shared one
+    (kept across calls with ``keep_dedup``, so an input every layer receives is stored once), or
+    a fresh one when the shared one is already active (a checkpoint nested in another one)."""
+    pool = options.get("pool")
+    key = tuple(sorted((k, _hashable(v)) for k, v in options.items() if k != "pool"))
+    try:
+        hash(key)
+    except TypeError:
+        return offload_context(**options)  # raises the option's own clear error
+    if pool is not None and not isinstance(pool, HostPool):
+        return offload_context(**options)  # same
+    table = _table_for(pool)
+    ctx = table.get(key)
+    if ctx is None:
+        ctx = table[key] = offload_context(**options, keep_dedup=True)
+    if ctx.active:
+        ctx = offload_context(**options)
+    return ctx
+
+
+def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict):
+    """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
+    options, already normalized by :func:`offload_options`) the tensors the checkpoint keeps
+    wait in the host pool -- also those inside ``kwargs`` and containers."""
+    if use_reentrant or options is None:
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **torch_kwargs, **kwargs)
+    if hooks_disabled_reason() is not None:
+        # Inside torch.func.grad / vjp / jacrev / hessian: torch's checkpoint itself refuses
+        # there, with its own clear error; entering our context first would only add noise.
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **torch_kwargs, **kwargs)
+    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
+        # The tensors a selective-checkpoint policy saves go to the pool too (and torch does
+        # not warn that our hooks are in scope).
+        torch_kwargs = {**torch_kwargs, "respect_saved_tensors_hooks": True}
+    # Every tensor input becomes a positional argument of torch's checkpoint, which saves those
+    # through the active saved-tensor hooks (ours). The closure keeps only the non-tensor
+    # leaves: a tensor in it would stay on the device until backward.
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in positions]
+    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    del leaves, args, kwargs
+
+    def run(*inputs):
+        filled = list(skeleton)
+        for i, t in zip(positions, inputs):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        return function(*a, **kw)
+
+    with context_for(options):
+        return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
