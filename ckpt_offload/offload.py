@@ -61,7 +61,7 @@ def _warn_hooks_disabled(reason: str) -> None:
         f"ckpt_offload.offload(): saved-tensor hooks are disabled here ({reason!r}; torch.func.grad, vjp, "
         "jacrev and hessian disable them), so the tensors saved inside this block are not offloaded. "
         "Gradients are unaffected. (Warned once per reason.)",
-        stacklevel=3,
+        stacklevel=4,  # the user's `with`: _warn_hooks_disabled <- _activate <- __enter__
     )
 
 
@@ -70,6 +70,12 @@ def _top_hooks():
     ``False`` when this torch cannot tell."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return False if top is None else top(False)
+
+
+def _graph_task_id() -> int:
+    """The id of the backward running on this thread, -1 outside backward (or when torch cannot tell)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
 
 
 class _Activation:
@@ -81,7 +87,7 @@ class _Activation:
         self.thread = threading.get_ident()
         # -1 outside backward. Inside backward the hooks stack is a copy that the engine drops
         # when backward ends, so a context must exit in the backward (or not) where it entered.
-        self.graph_task = torch._C._current_graph_task_id()
+        self.graph_task = _graph_task_id()
         self.hooks = None  # torch's saved_tensors_hooks we pushed; None: hooks disabled, no offload
         self.pack = self.unpack = None
         self.module_hook = None
@@ -278,7 +284,7 @@ class offload:
         where = None
         if state.thread != threading.get_ident():
             where = "on a different thread than the one that entered it (saved-tensor hooks are per thread)"
-        elif state.graph_task != torch._C._current_graph_task_id():
+        elif state.graph_task != _graph_task_id():
             where = ("inside a backward it was not entered in (or outside the backward it was entered in): "
                      "autograd drops the hooks stack of a backward when it ends")
         elif state.hooks is not None:

@@ -5,7 +5,6 @@ The autouse fixture in conftest.py also checks, after every test here, that no g
 hook, saved-tensor hooks entry or default-pool byte is left behind."""
 
 import copy
-import functools
 import gc
 import io
 import pickle
@@ -297,7 +296,10 @@ def test_vmap_over_offload_is_bit_exact(pool):
     assert pool.stats()["bytes_in_use"] == 0
 
 
-def test_func_grad_over_offloaded_checkpoint_raises_torchs_error_and_stays_clean(pool):
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
+def test_func_transforms_over_offloaded_checkpoint_raise_torchs_error_and_stay_clean(transform, pool):
+    # torch's own checkpoint refuses these transforms (it needs saved-tensor hooks); ours gives
+    # the same error and leaves no module hook or stuck shared context behind.
     opts = dict(CPU, pool=pool)
 
     def f(x):
@@ -306,13 +308,35 @@ def test_func_grad_over_offloaded_checkpoint_raises_torchs_error_and_stays_clean
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # torch's error, not our fallback warning
         with pytest.raises(RuntimeError, match="torch.func"):
-            torch.func.grad(f)(torch.randn(8))
+            if transform == "vjp":
+                torch.func.vjp(f, torch.randn(8))
+            else:
+                getattr(torch.func, transform)(f)(torch.randn(8))
     assert_clean()
     # The shared context still works (and shares inputs) afterwards.
     x = torch.randn(64, 64, requires_grad=True)
     y = co.checkpoint(lambda t: torch.tanh(t) * t, x, offload=opts)
     assert pool.stats()["num_blocks_in_use"] == 1
     y.sum().backward()
+
+
+def test_vmap_over_offloaded_checkpoint_fails_as_torchs_checkpoint_does(pool):
+    # torch's non-reentrant checkpoint under vmap fails in backward (functorch cannot replay
+    # the recompute on batched tensors); ours fails the same way, and leaves nothing behind.
+    x = torch.randn(3, 64, requires_grad=True)
+
+    def body(t):
+        return torch.tanh(t) * t
+
+    with pytest.raises(RuntimeError, match="vmap") as theirs:
+        torch.func.vmap(lambda t: tc.checkpoint(body, t, use_reentrant=False))(x).sum().backward()
+    run_a_backward()
+    with pytest.raises(RuntimeError, match="vmap") as ours:
+        torch.func.vmap(lambda t: co.checkpoint(body, t, offload=dict(CPU, pool=pool)))(x).sum().backward()
+    run_a_backward()
+    assert str(ours.value) == str(theirs.value)
+    assert_clean()
+    assert pool.stats()["bytes_in_use"] == 0
 
 
 # --- issue 17 item 3: selective checkpointing routes the policy's saves through the pool ------
@@ -327,7 +351,8 @@ def _sac_context_fn():
     return create_selective_checkpoint_contexts(policy)
 
 
-@pytest.mark.skipif(not hasattr(tc, "create_selective_checkpoint_contexts"), reason="torch without selective checkpointing")
+@pytest.mark.skipif(not hasattr(tc, "create_selective_checkpoint_contexts"),
+                    reason="torch without selective checkpointing")
 @pytest.mark.skipif("respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
                     reason="torch without respect_saved_tensors_hooks")
 @pytest.mark.parametrize("respect", [None, False])
@@ -428,12 +453,10 @@ def test_data_parallel_replica_gets_its_own_forward():
     x = torch.randn(8, 64)
     replica(x).sum().backward()
     assert block.w.grad is None, "the replica's backward reached the original's weights"
-    expected = torch.tanh(x * block.w.detach()).detach()
     assert replica._parameters["w"].grad is not None
     w = block.w.detach().clone().requires_grad_()
     torch.tanh(x * w).sum().backward()
     assert torch.equal(replica._parameters["w"].grad, w.grad)
-    del expected
 
 
 def test_remove_restores_a_forward_the_block_had_before():
