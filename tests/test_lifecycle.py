@@ -218,7 +218,7 @@ def test_checkpoint_shared_context_is_not_stuck_after_a_failed_enter(monkeypatch
 
 
 def test_profile_enter_failure_and_second_exit(monkeypatch):
-    import ckpt_offload.profiler as profiler
+    import ckpt_offload.profiling.context as profiler
 
     def fail():
         raise RuntimeError("recorder refused")
