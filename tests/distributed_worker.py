@@ -181,6 +181,39 @@ def fsdp2_scenario(how, order, reshard):
     return result(plain, got, pool, ctx, handle, **extra)
 
 
+# --- tensor parallel (DTensor) --------------------------------------------------------------
+
+
+def tp_scenario():
+    """An MLP split column-wise then row-wise over the ranks (``parallelize_module``), run inside
+    ``co.offload``: autograd saves DTensors there (a tensor subclass), which ckpt_offload keeps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def train(ctx):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7)  # tensor parallel: every rank sees the same batch
+        for _ in range(STEPS):
+            x = torch.randn(8, 32, generator=g)
+            with ctx if ctx is not None else contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return full_params(model)
+
+    plain = train(None)
+    pool = co.HostPool(pinned=False)
+    ctx = co.offload(**cpu_options(pool))
+    got = train(ctx)
+    return result(plain, got, pool, ctx)
+
+
 # --- Hugging Face Trainer (DDP over gloo, accelerate underneath) ---------------------------
 
 
@@ -235,6 +268,7 @@ SCENARIOS = {
     "fsdp2_apply_before_reshard": lambda out: fsdp2_scenario("apply", "before", True),
     "fsdp2_apply_after_reshard": lambda out: fsdp2_scenario("apply", "after", True),
     "fsdp2_apply_before_no_reshard": lambda out: fsdp2_scenario("apply", "before", False),
+    "tp_offload": lambda out: tp_scenario(),
     "hf_trainer": hf_trainer_scenario,
 }
 

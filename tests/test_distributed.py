@@ -16,6 +16,9 @@ the engine reduced gradients through ckpt_offload's hooks and recomputes.
   sharding. The parameters FSDP2 unshards for forward (and frees after it when resharding) are
   parameters' storages: they must be kept, not offloaded -- counted against the same
   ``co.offload`` around the unsharded model.
+- Tensor parallel (``parallelize_module``, column- then row-wise): the activations autograd saves
+  there are DTensors, a tensor subclass, which ckpt_offload keeps on the device (the tested
+  boundary: tensor-parallel activations are not offloaded, and their gradients are untouched).
 - The Hugging Face Trainer (DDP over gloo through accelerate) with
   ``co.hf.OffloadCheckpointCallback``.
 """
@@ -38,6 +41,7 @@ DDP = ["ddp_offload", "ddp_checkpoint", "ddp_apply2", "ddp_apply2_no_sync", "ddp
        "ddp_apply2_find_unused", "ddp_offload_find_unused"]
 FSDP2 = ["fsdp2_offload_reshard", "fsdp2_offload_no_reshard", "fsdp2_apply_before_reshard",
          "fsdp2_apply_after_reshard", "fsdp2_apply_before_no_reshard"]
+TP = ["tp_offload"]
 HF = ["hf_trainer"]
 try:
     import transformers  # noqa: F401
@@ -50,7 +54,7 @@ def results(tmp_path_factory):
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     out = tmp_path_factory.mktemp("distributed")
-    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + HF), out, WORKER_TIMEOUT_S)
+    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + TP + HF), out, WORKER_TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -115,6 +119,19 @@ def test_fsdp2_unsharded_parameters_are_kept_activations_offloaded(results, name
         assert (got["tensors_offloaded"], got["bytes_offloaded"]) == (ref["tensors_offloaded"],
                                                                      ref["bytes_offloaded"]), (got, ref)
         assert got["bytes_offloaded"] > 0
+
+
+def test_tensor_parallel_dtensor_activations_are_kept_not_offloaded(results):
+    per_rank = scenario(results, "tp_offload")
+    for r, res in enumerate(per_rank):
+        assert_same_params(res["plain"], res["got"], f"tensor parallel rank {r}")
+        stats = res["ctx"]
+        # The two Linear layers' saved inputs and outputs are DTensors: kept as subclasses. Only
+        # the plain tensors of the loss after the row-wise layer's (replicated) output go to the pool.
+        assert stats["kept_by_reason"].get("subclass", 0) > 0, stats
+        assert set(stats["kept_by_reason"]) == {"subclass"}, stats
+        assert res["pool"]["bytes_in_use"] == 0, res["pool"]
+    assert_same_params(per_rank[0]["got"], per_rank[1]["got"], "tensor parallel: rank 0 vs rank 1")
 
 
 @pytest.mark.skipif(not HF, reason="transformers is not installed")
