@@ -214,6 +214,45 @@ def tp_scenario():
     return result(plain, got, pool, ctx)
 
 
+# --- Accelerate with its FSDP2 plugin ---------------------------------------------------------
+
+
+def accelerate_fsdp2_scenario():
+    import accelerate
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
+
+    def train(how, pool):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+            reshard_after_forward=True,
+        )
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        if accelerator.distributed_type != DistributedType.FSDP:
+            return None, accelerator.distributed_type
+        model = TinyTransformer(**MODEL, seed=0)
+        handle = co.apply(model, offload=cpu_options(pool)) if how else None  # on the bare model, as documented
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        torch.manual_seed(1234)
+        for (tokens,) in batches():
+            accelerator.backward(lm_loss(model, tokens))
+            opt.step()
+            opt.zero_grad()
+        return (full_params(model), handle), accelerator.distributed_type
+
+    plain, kind = train(None, None)
+    if plain is None:
+        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU processes "
+                               f"(Accelerator(cpu=True, fsdp_plugin=...) gives distributed_type={kind.value}, not FSDP)"}
+    pool = co.HostPool(pinned=False)
+    (got, handle), _ = train("apply", pool)
+    return result(plain[0], got, pool, handle=handle)
+
+
 # --- Hugging Face Trainer (DDP over gloo, accelerate underneath) ---------------------------
 
 
@@ -269,6 +308,7 @@ SCENARIOS = {
     "fsdp2_apply_after_reshard": lambda out: fsdp2_scenario("apply", "after", True),
     "fsdp2_apply_before_no_reshard": lambda out: fsdp2_scenario("apply", "before", False),
     "tp_offload": lambda out: tp_scenario(),
+    "accelerate_fsdp2": lambda out: accelerate_fsdp2_scenario(),
     "hf_trainer": hf_trainer_scenario,
 }
 

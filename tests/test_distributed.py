@@ -19,6 +19,9 @@ the engine reduced gradients through ckpt_offload's hooks and recomputes.
 - Tensor parallel (``parallelize_module``, column- then row-wise): the activations autograd saves
   there are DTensors, a tensor subclass, which ckpt_offload keeps on the device (the tested
   boundary: tensor-parallel activations are not offloaded, and their gradients are untouched).
+- Accelerate with ``FullyShardedDataParallelPlugin(fsdp_version=2)`` and ``co.apply`` on the bare
+  model before ``prepare``; skipped, saying why, where accelerate does not use FSDP for CPU
+  processes (1.15 does not).
 - The Hugging Face Trainer (DDP over gloo through accelerate) with
   ``co.hf.OffloadCheckpointCallback``.
 """
@@ -42,7 +45,7 @@ DDP = ["ddp_offload", "ddp_checkpoint", "ddp_apply2", "ddp_apply2_no_sync", "ddp
 FSDP2 = ["fsdp2_offload_reshard", "fsdp2_offload_no_reshard", "fsdp2_apply_before_reshard",
          "fsdp2_apply_after_reshard", "fsdp2_apply_before_no_reshard"]
 TP = ["tp_offload"]
-HF = ["hf_trainer"]
+HF = ["accelerate_fsdp2", "hf_trainer"]
 try:
     import transformers  # noqa: F401
 except ImportError:
@@ -132,6 +135,14 @@ def test_tensor_parallel_dtensor_activations_are_kept_not_offloaded(results):
         assert set(stats["kept_by_reason"]) == {"subclass"}, stats
         assert res["pool"]["bytes_in_use"] == 0, res["pool"]
     assert_same_params(per_rank[0]["got"], per_rank[1]["got"], "tensor parallel: rank 0 vs rank 1")
+
+
+@pytest.mark.skipif(not HF, reason="transformers and accelerate are not installed")
+def test_accelerate_fsdp2_plugin_matches_without_ckpt_offload(results):
+    per_rank = scenario(results, "accelerate_fsdp2")  # skips with accelerate's reason on CPU
+    check_trained_alike("accelerate_fsdp2", per_rank)
+    for res in per_rank:
+        assert res["names"] == [f"blocks.{i}" for i in range(MODEL["layers"])]
 
 
 @pytest.mark.skipif(not HF, reason="transformers is not installed")
