@@ -246,8 +246,9 @@ def accelerate_fsdp2_scenario():
 
     plain, kind = train(None, None)
     if plain is None:
-        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU processes "
-                               f"(Accelerator(cpu=True, fsdp_plugin=...) gives distributed_type={kind.value}, not FSDP)"}
+        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU "
+                               f"processes (Accelerator(cpu=True, fsdp_plugin=...) gives "
+                               f"distributed_type={kind.value}, not FSDP)"}
     pool = co.HostPool(pinned=False)
     (got, handle), _ = train("apply", pool)
     return result(plain[0], got, pool, handle=handle)

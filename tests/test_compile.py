@@ -6,8 +6,8 @@
   the same compiled code without ckpt_offload (and, with the ``aot_eager`` backend, to eager).
 - A compiled block inside ``co.checkpoint(..., offload=...)`` / ``co.apply``: compile what the
   checkpoint runs (``co.checkpoint(torch.compile(block.forward), x, offload=True)``, or
-  ``block.forward = torch.compile(block.forward)`` for each block, then ``co.apply``). The checkpoint's inputs go to the pool, the recompute
-  in backward runs the compiled graph again.
+  ``block.forward = torch.compile(block.forward)`` for each block, then ``co.apply``). The
+  checkpoint's inputs go to the pool, the recompute in backward runs the compiled graph again.
 - ``torch.compile`` *around* a checkpointed block (``co.apply`` then ``torch.compile(model)``):
   Dynamo cannot trace the offload context (a C++ object) and falls back to running those blocks
   eagerly (graph breaks, no error). Gradients stay bit-identical and the inputs still go to the
@@ -81,7 +81,8 @@ def mlp_step(x, w1, w2):
     "aot_eager",
     # Inductor generates and compiles C++ kernels: ~50 s on a busy 2-core machine, too slow for CI.
     pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
-        not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"), reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")]),
+        not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
+        reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")]),
 ])
 def test_compiled_function_saved_tensors_are_offloaded(pool, backend):
     """One graph, no breaks: the tensors AOTAutograd's compiled function saves for backward go

@@ -31,7 +31,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import ckpt_offload as co
 from ckpt_offload.models import TinyTransformer
 from conftest import assert_same_params
 from multiprocess import gloo_available, launch_ranks, wait_ranks
@@ -47,6 +46,7 @@ FSDP2 = ["fsdp2_offload_reshard", "fsdp2_offload_no_reshard", "fsdp2_apply_befor
 TP = ["tp_offload"]
 HF = ["accelerate_fsdp2", "hf_trainer"]
 try:
+    import accelerate  # noqa: F401
     import transformers  # noqa: F401
 except ImportError:
     HF = []
