@@ -1,6 +1,6 @@
 """One rank of the multi-process tests in tests/test_distributed.py (not a test module itself).
 
-Launched by tests/multiprocess.py as ``python tests/distributed_worker.py OUT_DIR SCENARIO...``,
+Launched by tests/gloo_ranks.py as ``python tests/distributed_worker.py OUT_DIR SCENARIO...``,
 one process per rank, gloo over 127.0.0.1. One launch runs every scenario it is given in one
 process group (a process start costs seconds on a 2-core machine; a scenario costs far less), and
 writes ``OUT_DIR/rank{RANK}.pt``: ``{scenario: result dict}``, or ``{"error": traceback}`` for

@@ -27,7 +27,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 import ckpt_offload as co  # noqa: E402
 from ckpt_offload.models import TinyTransformer, lm_loss  # noqa: E402
 from conftest import assert_same_params  # noqa: E402
-from multiprocess import gloo_available, launch_ranks, wait_ranks  # noqa: E402
+from gloo_ranks import gloo_available, launch_ranks, wait_ranks  # noqa: E402
 
 MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
 WORKER = Path(__file__).with_name("accelerate_worker.py")

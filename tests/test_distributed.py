@@ -1,7 +1,7 @@
 """ckpt_offload under distributed engines: 2 CPU processes, gloo over 127.0.0.1.
 
 tests/distributed_worker.py is one rank; one launch runs every scenario below in one process
-group (tests/multiprocess.py launches it, bounded by a timeout so a hang fails). Each scenario
+group (tests/gloo_ranks.py launches it, bounded by a timeout so a hang fails). Each scenario
 trains a tiny transformer (dropout on) for 3 steps with the engine alone and again with
 ckpt_offload, and the final parameters must be **bit-identical**: DDP's and FSDP2's gloo
 reductions and the checkpoint's RNG restore are deterministic, so nothing justifies a
@@ -33,7 +33,7 @@ import torch
 
 from ckpt_offload.models import TinyTransformer
 from conftest import assert_same_params
-from multiprocess import gloo_available, launch_ranks, wait_ranks
+from gloo_ranks import gloo_available, launch_ranks, wait_ranks
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 WORKER_TIMEOUT_S = 240  # measured ~60 s for the whole launch on a busy 2-core machine
