@@ -88,3 +88,10 @@ def assert_bit_identical(a: dict, b: dict):
     for k in a:
         assert a[k].dtype == b[k].dtype, k
         assert torch.equal(a[k], b[k]), f"gradient of {k} differs"
+
+
+def assert_same_params(expected: dict, got: dict, what: str):
+    """Two {name: tensor} parameter sets are bit-identical; the message names the ones that are not."""
+    assert expected.keys() == got.keys()
+    differing = [n for n in expected if not torch.equal(expected[n], got[n])]
+    assert not differing, f"{what}: parameters differ: {differing}"

@@ -14,11 +14,6 @@ Dropout stays on (0.1): the checkpoint restores the RNG state for its recompute,
 and hence the parameters, match bit for bit.
 """
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +26,8 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 import ckpt_offload as co  # noqa: E402
 from ckpt_offload.demo.model import TinyTransformer, lm_loss  # noqa: E402
+from conftest import assert_same_params  # noqa: E402
+from gloo_ranks import gloo_available, launch_ranks, wait_ranks  # noqa: E402
 
 MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
 WORKER = Path(__file__).with_name("accelerate_worker.py")
@@ -82,12 +79,6 @@ def train_accumulate(offload_opts=None, order="apply_then_prepare"):
     return params, handle
 
 
-def assert_same_params(expected: dict, got: dict, what: str):
-    assert expected.keys() == got.keys()
-    differing = [n for n in expected if not torch.equal(expected[n], got[n])]
-    assert not differing, f"{what}: parameters differ: {differing}"
-
-
 @pytest.mark.parametrize("order", ["apply_then_prepare", "prepare_then_apply"])
 def test_gradient_accumulation_matches_without_ckpt_offload(fresh_accelerate, order):
     base, _ = train_accumulate(None)
@@ -104,68 +95,10 @@ def test_gradient_accumulation_matches_without_ckpt_offload(fresh_accelerate, or
     assert_same_params(base, got, f"accumulate, co.apply {order}")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch_ranks(out_dir: Path, world_size: int = 2):
-    """Starts one plain Python process per rank with the environment accelerate reads for a
-    multi-CPU gloo run; loopback only."""
-    repo_root = str(Path(co.__file__).resolve().parent.parent)  # the ckpt_offload this test imported
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.pop("ACCELERATE_USE_CPU", None)
-        env.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            GLOO_SOCKET_IFNAME="lo",  # gloo's pairs bind to loopback, not the host's address
-            OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine; also silences accelerate's hint
-            PYTHONPATH=os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p),
-        )
-        log = open(out_dir / f"rank{rank}.log", "wb")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), str(out_dir)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT, cwd=repo_root), log))
-    return procs
-
-
-def _wait_ranks(procs, out_dir: Path, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    try:
-        for rank, (proc, _) in enumerate(procs):
-            try:
-                rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                failed = f"rank {rank} did not finish within {timeout_s} s (hang?)"
-                break
-            if rc != 0 and failed is None:
-                failed = f"rank {rank} exited with {rc}"
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        logs = "\n".join(
-            f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text(errors="replace")[-4000:]
-            for r in range(len(procs))
-        )
-        pytest.fail(f"{failed}\n{logs}")
-
-
 def test_local_sgd_two_cpu_processes_matches_without_ckpt_offload(tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
-    _wait_ranks(_launch_ranks(tmp_path), tmp_path, WORKER_TIMEOUT_S)
+    wait_ranks(launch_ranks(WORKER, tmp_path), tmp_path, WORKER_TIMEOUT_S)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     initial = TinyTransformer(**MODEL, seed=0).state_dict()

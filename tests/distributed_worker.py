@@ -1,0 +1,336 @@
+"""One rank of the multi-process tests in tests/test_distributed.py (not a test module itself).
+
+Launched by tests/gloo_ranks.py as ``python tests/distributed_worker.py OUT_DIR SCENARIO...``,
+one process per rank, gloo over 127.0.0.1. One launch runs every scenario it is given in one
+process group (a process start costs seconds on a 2-core machine; a scenario costs far less), and
+writes ``OUT_DIR/rank{RANK}.pt``: ``{scenario: result dict}``, or ``{"error": traceback}`` for
+a scenario that raised -- so the test reports the failing composition by name.
+
+Every scenario trains the same tiny model twice from the same seed and data, once as the engine
+runs it alone and once with ckpt_offload, and returns both final (full, unsharded) parameter
+sets plus ckpt_offload's counters. Each rank trains on its own batches (the data depends on the
+rank), so an engine that did not reduce gradients would leave the ranks' parameters apart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import ckpt_offload as co
+from ckpt_offload.models import TinyTransformer, lm_loss
+
+MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
+STEPS = 3
+BATCH = 4
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def batches(steps=STEPS, micro=1):
+    """[step][micro] token batches; different on every rank."""
+    g = torch.Generator().manual_seed(100 + rank())
+    return [[torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=g) for _ in range(micro)]
+            for _ in range(steps)]
+
+
+def cpu_options(pool):
+    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
+
+
+def full_params(model) -> dict:
+    """Parameters by name, as full tensors (FSDP2's are sharded DTensors)."""
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[n.removeprefix("module.")] = t.detach().clone()
+    return out
+
+
+def wrap(model, how, pool):
+    """Puts ckpt_offload on ``model`` in one of the ways a user writes it. Returns a context
+    manager to run each forward in (co.offload) and the co.apply handle, if any."""
+    opts = cpu_options(pool)
+    if how == "offload":
+        ctx = co.offload(**opts)
+        return ctx, None
+    if how == "checkpoint":
+        # The user's own forward loop calls co.checkpoint per block.
+        for block in model.blocks:
+            block.forward = functools.partial(co.checkpoint, block.forward, offload=opts)
+        return None, None
+    if how == "apply2":
+        return None, co.apply(model, every_n_layers=2, offload=opts)
+    if how == "apply":
+        return None, co.apply(model, offload=opts)
+    assert how is None, how
+    return None, None
+
+
+def result(plain, got, pool, ctx=None, handle=None, **extra):
+    co.synchronize()
+    out = {"plain": plain, "got": got, "pool": {k: v for k, v in pool.stats().items() if isinstance(v, int)}}
+    if ctx is not None:
+        out["ctx"] = ctx.stats()
+    if handle is not None:
+        out["names"] = list(handle.names)
+    out.update(extra)
+    return out
+
+
+# --- DDP ---------------------------------------------------------------------------------
+
+
+def train_ddp(how, pool, micro=1, find_unused=False):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = TinyTransformer(**MODEL, seed=0)
+    if find_unused:
+        # A parameter forward never uses: DDP must find it unused in every step's graph, with
+        # ckpt_offload's hooks and checkpoints in that graph.
+        torch.manual_seed(5)  # the same spare weights in both runs
+        model.spare = nn.Linear(MODEL["dim"], MODEL["dim"])
+    ctx, handle = wrap(model, how, pool)
+    ddp = DDP(model, find_unused_parameters=find_unused)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    torch.manual_seed(1234)  # dropout masks: the same in both runs (checkpoints restore the RNG state)
+    for step in batches(micro=micro):
+        for i, tokens in enumerate(step):
+            # no_sync on every micro-batch but the last: gradients accumulate locally and the
+            # last backward all-reduces their sum.
+            with (ddp.no_sync() if i < micro - 1 else contextlib.nullcontext()):
+                with (ctx if ctx is not None else contextlib.nullcontext()):
+                    loss = lm_loss(ddp, tokens)
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model), ctx, handle
+
+
+def ddp_scenario(how, micro=1, find_unused=False):
+    plain, _, _ = train_ddp(None, co.HostPool(pinned=False), micro, find_unused)
+    pool = co.HostPool(pinned=False)
+    got, ctx, handle = train_ddp(how, pool, micro, find_unused)
+    return result(plain, got, pool, ctx, handle)
+
+
+# --- FSDP2 -------------------------------------------------------------------------------
+
+
+def fsdp2_available():
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as e:
+        return f"torch.distributed.fsdp.fully_shard is missing in torch {torch.__version__}: {e}"
+    return None
+
+
+def train_fsdp2(how, pool, order, reshard):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = TinyTransformer(**MODEL, seed=0)
+    ctx = handle = None
+    if order == "before":
+        ctx, handle = wrap(model, how, pool)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if order == "after":
+        ctx, handle = wrap(model, how, pool)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1234)
+    for (tokens,) in batches():
+        with (ctx if ctx is not None else contextlib.nullcontext()):
+            loss = lm_loss(model, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model), ctx, handle
+
+
+def fsdp2_scenario(how, order, reshard):
+    missing = fsdp2_available()
+    if missing:
+        return {"unsupported": missing}
+    plain, _, _ = train_fsdp2(None, co.HostPool(pinned=False), order, reshard)
+    pool = co.HostPool(pinned=False)
+    got, ctx, handle = train_fsdp2(how, pool, order, reshard)
+    extra = {}
+    if how == "offload":
+        # The same co.offload around the same forward of an unsharded model in this process: what
+        # it keeps as parameters and offloads as activations, for the test to compare with.
+        local = TinyTransformer(**MODEL, seed=0)
+        reference = co.offload(**cpu_options(co.HostPool(pinned=False)))
+        torch.manual_seed(1234)
+        for (tokens,) in batches():
+            with reference:
+                loss = lm_loss(local, tokens)
+            loss.backward()
+        extra["reference_ctx"] = reference.stats()
+    return result(plain, got, pool, ctx, handle, **extra)
+
+
+# --- tensor parallel (DTensor) --------------------------------------------------------------
+
+
+def tp_scenario():
+    """An MLP split column-wise then row-wise over the ranks (``parallelize_module``), run inside
+    ``co.offload``: autograd saves DTensors there (a tensor subclass), which ckpt_offload keeps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def train(ctx):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(7)  # tensor parallel: every rank sees the same batch
+        for _ in range(STEPS):
+            x = torch.randn(8, 32, generator=g)
+            with ctx if ctx is not None else contextlib.nullcontext():
+                loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return full_params(model)
+
+    plain = train(None)
+    pool = co.HostPool(pinned=False)
+    ctx = co.offload(**cpu_options(pool))
+    got = train(ctx)
+    return result(plain, got, pool, ctx)
+
+
+# --- Accelerate with its FSDP2 plugin ---------------------------------------------------------
+
+
+def accelerate_fsdp2_scenario():
+    import accelerate
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
+
+    def train(how, pool):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+            reshard_after_forward=True,
+        )
+        accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+        if accelerator.distributed_type != DistributedType.FSDP:
+            return None, accelerator.distributed_type
+        model = TinyTransformer(**MODEL, seed=0)
+        handle = co.apply(model, offload=cpu_options(pool)) if how else None  # on the bare model, as documented
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = accelerator.prepare(model, opt)
+        torch.manual_seed(1234)
+        for (tokens,) in batches():
+            accelerator.backward(lm_loss(model, tokens))
+            opt.step()
+            opt.zero_grad()
+        return (full_params(model), handle), accelerator.distributed_type
+
+    plain, kind = train(None, None)
+    if plain is None:
+        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU "
+                               f"processes (Accelerator(cpu=True, fsdp_plugin=...) gives "
+                               f"distributed_type={kind.value}, not FSDP)"}
+    pool = co.HostPool(pinned=False)
+    (got, handle), _ = train("apply", pool)
+    return result(plain[0], got, pool, handle=handle)
+
+
+# --- Hugging Face Trainer (DDP over gloo, accelerate underneath) ---------------------------
+
+
+def hf_trainer_scenario(out_dir):
+    import transformers
+
+    def model():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(1, 100, (16, 8), generator=torch.Generator().manual_seed(2))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def train(m, callbacks, tag):
+        args = transformers.TrainingArguments(
+            output_dir=os.path.join(out_dir, tag), report_to=[], max_steps=3, per_device_train_batch_size=2,
+            use_cpu=True, logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+            ddp_backend="gloo",
+        )
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=Tokens(), callbacks=callbacks)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach().clone() for n, p in m.named_parameters()}, trainer
+
+    plain_losses, plain, trainer = train(model(), [], "plain")
+    pool = co.HostPool(pinned=False)
+    cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_options(pool))
+    losses, got, trainer = train(model(), [cb], "offload")
+    return result(plain, got, pool, handle=cb.handle, plain_losses=plain_losses, losses=losses,
+                  calls=cb.handle.function.calls, world_size=trainer.args.world_size,
+                  parallel_mode=str(trainer.args.parallel_mode), wrapped=type(trainer.model_wrapped).__name__)
+
+
+SCENARIOS = {
+    "ddp_offload": lambda out: ddp_scenario("offload"),
+    "ddp_checkpoint": lambda out: ddp_scenario("checkpoint"),
+    "ddp_apply2": lambda out: ddp_scenario("apply2"),
+    "ddp_apply2_no_sync": lambda out: ddp_scenario("apply2", micro=2),
+    "ddp_offload_no_sync": lambda out: ddp_scenario("offload", micro=2),
+    "ddp_apply2_find_unused": lambda out: ddp_scenario("apply2", find_unused=True),
+    "ddp_offload_find_unused": lambda out: ddp_scenario("offload", find_unused=True),
+    "fsdp2_offload_reshard": lambda out: fsdp2_scenario("offload", "after", True),
+    "fsdp2_offload_no_reshard": lambda out: fsdp2_scenario("offload", "after", False),
+    "fsdp2_apply_before_reshard": lambda out: fsdp2_scenario("apply", "before", True),
+    "fsdp2_apply_after_reshard": lambda out: fsdp2_scenario("apply", "after", True),
+    "fsdp2_apply_before_no_reshard": lambda out: fsdp2_scenario("apply", "before", False),
+    "tp_offload": lambda out: tp_scenario(),
+    "accelerate_fsdp2": lambda out: accelerate_fsdp2_scenario(),
+    "hf_trainer": hf_trainer_scenario,
+}
+
+
+def main(out_dir: str, names: list) -> None:
+    # The same asynchronous CPU copy threads with an injected delay as tests/conftest.py uses,
+    # so a missing wait corrupts data here too.
+    co._C.set_cpu_copy_delay_us(int(os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name](out_dir)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    torch.save(results, os.path.join(out_dir, f"rank{rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

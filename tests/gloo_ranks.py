@@ -1,0 +1,88 @@
+"""Launching N plain Python processes as the ranks of a gloo process group on 127.0.0.1.
+
+Shared by the multi-process tests (tests/test_accelerate.py, tests/test_distributed.py). Each
+rank is ``python WORKER OUT_DIR [ARGS...]`` with the environment that both
+``torch.distributed.init_process_group`` (``env://``) and accelerate's ``PartialState`` read:
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a
+free ``MASTER_PORT``. Nothing listens beyond loopback. :func:`wait_ranks` bounds the whole run
+by a timeout, so a hang (a collective one rank never joins) fails the test instead of stalling CI,
+and puts every rank's log tail in the failure message.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ckpt_offload as co
+
+
+def gloo_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2):
+    """Starts one plain Python process per rank running ``worker OUT_DIR *args``; loopback only."""
+    repo_root = str(Path(co.__file__).resolve().parent.parent)  # the ckpt_offload this test imported
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ)
+        env.pop("ACCELERATE_USE_CPU", None)
+        env.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            GLOO_SOCKET_IFNAME="lo",  # gloo's pairs bind to loopback, not the host's address
+            OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine; also silences accelerate's hint
+            PYTHONPATH=os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p),
+        )
+        log = open(out_dir / f"rank{rank}.log", "wb")
+        cmd = [sys.executable, str(worker), str(out_dir), *map(str, args)]
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo_root), log))
+    return procs
+
+
+def wait_ranks(procs, out_dir: Path, timeout_s: float) -> None:
+    """Waits for every rank; fails the test (with each rank's log tail) when one exits non-zero or
+    the ranks together run past ``timeout_s``. Ranks still running are killed either way."""
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    try:
+        for rank, (proc, _) in enumerate(procs):
+            try:
+                rc = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                failed = f"rank {rank} did not finish within {timeout_s} s (hang?)"
+                break
+            if rc != 0 and failed is None:
+                failed = f"rank {rank} exited with {rc}"
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+    if failed:
+        logs = "\n".join(
+            f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text(errors="replace")[-4000:]
+            for r in range(len(procs))
+        )
+        pytest.fail(f"{failed}\n{logs}")
