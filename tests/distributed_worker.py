@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import ckpt_offload as co
-from ckpt_offload.models import TinyTransformer, lm_loss
+from ckpt_offload.demo.model import TinyTransformer, lm_loss
 
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
 STEPS = 3

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_offload.models import TinyTransformer
+from ckpt_offload.demo.model import TinyTransformer
 from conftest import assert_same_params
 from gloo_ranks import gloo_available, launch_ranks, wait_ranks
 
