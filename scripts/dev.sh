@@ -40,6 +40,9 @@ case "${1:-}" in
     setup
     echo "== native tests (C++ core under AddressSanitizer + UndefinedBehaviorSanitizer)"
     bash scripts/native_tests.sh
+    echo "== native tests (C++ core under ThreadSanitizer; cannot share a build with ASan)"
+    BUILD_DIR=build-native-tsan CMAKE_ARGS="-DCKPT_OFFLOAD_SANITIZE=OFF -DCKPT_OFFLOAD_TSAN=ON" \
+      bash scripts/native_tests.sh
     echo "== Python tests"
     # The pytest script (not python -m pytest) keeps ./ off sys.path, so the tests import the
     # installed package.
