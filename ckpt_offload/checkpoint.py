@@ -17,6 +17,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload._args import check_int
+from ckpt_offload.offload import check_options as check_offload_options
 from ckpt_offload.offload import offload as offload_context
 
 __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
@@ -40,10 +41,18 @@ def offload_options(offload, *, name: str = "offload") -> dict | None:
     if offload is True:
         return {}
     if isinstance(offload, dict):
-        unknown = sorted(set(offload) - set(_OFFLOAD_KEYS))
+        unknown = sorted(set(offload) - set(_OFFLOAD_KEYS), key=repr)
         if unknown:
             raise TypeError(f"{name}: unknown co.offload option(s) {unknown}; allowed: {list(_OFFLOAD_KEYS)}")
-        return dict(offload)
+        # The checks co.offload makes, now rather than at the first forward.
+        try:
+            devices = check_offload_options(**offload)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
+        options = dict(offload)
+        if devices is not None:
+            options["devices"] = tuple(devices)  # normalized, hashable: {"cpu"} works as in co.offload
+        return options
     raise TypeError(
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(_OFFLOAD_KEYS)}); "
         f"got {type(offload).__name__}"
@@ -246,6 +255,12 @@ def _select_blocks(model: torch.nn.Module, layers):
     elif isinstance(layers, type) and issubclass(layers, torch.nn.Module):
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, layers) and m is not model]
         what = f"a submodule of class {layers.__name__}"
+    elif isinstance(layers, type):
+        # A class is callable, but calling it as a predicate would fail with an unrelated error.
+        raise TypeError(
+            f"layers is the class {layers.__name__}, which is not an nn.Module subclass; pass None, "
+            "an nn.Module subclass (the block class), or a predicate layers(name, module) -> bool"
+        )
     elif callable(layers):
         found = [(n, m) for n, m in model.named_modules() if m is not model and layers(n, m)]
         what = "a submodule for which layers(name, module) is true"
