@@ -281,7 +281,7 @@ def _check_copyable(tensor: torch.Tensor) -> None:
     elif type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         kind = f"a __torch_dispatch__ tensor subclass ({type(tensor).__name__}), whose storage is not its data"
     if kind is not None:
-        raise ValueError(f"tensor must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got {kind}")
+        raise ValueError(f"tensor: must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got {kind}")
     if tensor.numel() == 0:
         return
     extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
@@ -290,6 +290,6 @@ def _check_copyable(tensor: torch.Tensor) -> None:
     if end > have:
         # Reading past the storage would crash (FSDP and torch.compile resize storages to 0).
         raise ValueError(
-            f"tensor reaches byte {end} of its storage, which holds {have} bytes (was the storage "
+            f"tensor: reaches byte {end} of its storage, which holds {have} bytes (was the storage "
             "resized, e.g. untyped_storage().resize_(0)?); offload a tensor whose storage holds its data"
         )
