@@ -15,12 +15,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule
 
-import ckpt_offload as co
-from conftest import cpu_offload, hypothesis_examples
+pytest.importorskip("hypothesis")  # installed by scripts/dev.sh; CI has it
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule  # noqa: E402
+
+import ckpt_offload as co  # noqa: E402
+from conftest import cpu_offload, hypothesis_examples  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # Gradients are compared as raw bits: NaN and -0.0 included, nothing is "close enough".
