@@ -66,7 +66,13 @@ def check_options(
 
     :class:`offload` calls it, and so does every ``offload={...}`` option dict when it is passed
     (``co.checkpoint``, ``co.apply``, ``co.hf``), so a bad option fails there and not at the
-    first forward."""
+    first forward.
+
+    Example::
+
+        check_options(devices={"cpu"}, min_bytes=0)   # -> ["cpu"]
+        check_options(stream="gpu")                   # ValueError: stream must be one of ('side', 'compute')
+    """
     check_native_int("min_bytes", min_bytes)
     check_choice("stream", stream, STREAM_MODES)
     check_choice("on_full", on_full, ON_FULL_POLICIES)
