@@ -128,7 +128,8 @@ class HostPool:
 
     def reserve(self, nbytes: int) -> int:
         """Takes ``nbytes`` (page-rounded) from the backend now, as one segment within the cap,
-        so the first step pays no backend allocation. Returns the bytes reserved; raises
+        so the first step pays no backend allocation. Returns the size of that segment (to make
+        room under the cap, wholly free segments may be given back first); raises
         :class:`PoolFullError` when the cap (or the backend) refuses.
 
         Example::
