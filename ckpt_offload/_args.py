@@ -9,7 +9,14 @@ import torch
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False):
+#: The largest byte count (or count) the native core takes: its integers are 64-bit. A larger
+#: Python int would reach pybind11 and fail there with an "incompatible function arguments" dump
+#: that names no argument, so every integer bound for C++ is checked against this first.
+INT64_MAX = 2**63 - 1
+
+
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+              allow_none: bool = False):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -17,7 +24,15 @@ def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool 
         raise TypeError(f"{name} must be {want}, got {type(value).__name__} ({value!r})")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        limit = "2**63 - 1" if maximum == INT64_MAX else str(maximum)
+        raise ValueError(f"{name} must be <= {limit}, got {value}")
     return value
+
+
+def check_native_int(name: str, value, *, minimum: int = 0, allow_none: bool = False):
+    """check_int for a value passed on to the native core: an int in [minimum, 2**63 - 1]."""
+    return check_int(name, value, minimum=minimum, maximum=INT64_MAX, allow_none=allow_none)
 
 
 def check_choice(name: str, value, choices: Iterable[str]):

@@ -18,6 +18,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ckpt_offload.offload import check_options as check_offload_options
 from ckpt_offload.offload import hooks_disabled_reason, offload as offload_context
 from ckpt_offload.pool import HostPool
 
@@ -46,10 +47,18 @@ def offload_options(offload, *, name: str = "offload") -> dict | None:
     if offload is True:
         return {}
     if isinstance(offload, dict):
-        unknown = sorted(set(offload) - set(OFFLOAD_KEYS))
+        unknown = sorted(set(offload) - set(OFFLOAD_KEYS), key=repr)
         if unknown:
             raise TypeError(f"{name}: unknown co.offload option(s) {unknown}; allowed: {list(OFFLOAD_KEYS)}")
-        return dict(offload)
+        # The checks co.offload makes, now rather than at the first forward.
+        try:
+            devices = check_offload_options(**offload)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
+        options = dict(offload)
+        if devices is not None:
+            options["devices"] = tuple(devices)  # normalized, hashable: {"cpu"} works as in co.offload
+        return options
     raise TypeError(
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}); "
         f"got {type(offload).__name__}"

@@ -217,6 +217,12 @@ def _select_blocks(model: torch.nn.Module, layers):
     elif isinstance(layers, type) and issubclass(layers, torch.nn.Module):
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, layers) and m is not model]
         what = f"a submodule of class {layers.__name__}"
+    elif isinstance(layers, type):
+        # A class is callable, but calling it as a predicate would fail with an unrelated error.
+        raise TypeError(
+            f"layers is the class {layers.__name__}, which is not an nn.Module subclass; pass None, "
+            "an nn.Module subclass (the block class), or a predicate layers(name, module) -> bool"
+        )
     elif callable(layers):
         found = [(n, m) for n, m in model.named_modules() if m is not model and layers(n, m)]
         what = "a submodule for which layers(name, module) is true"

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ckpt_offload import _C
-from ckpt_offload._args import check_choice, check_int, device_types
+from ckpt_offload._args import check_choice, check_native_int, device_types
 from ckpt_offload.pool import HostPool, default_pool
 
 __all__ = [
@@ -111,6 +111,53 @@ def _default_devices() -> list[str]:
     return []
 
 
+def check_options(
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    stream: str = "side",
+    devices=None,
+    pool: HostPool | None = None,
+    on_full: str = "keep",
+    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    batch_below: int = 0,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> list[str] | None:
+    """Checks :class:`offload`'s arguments (each error names the argument and what it accepts)
+    and returns ``devices`` as a list of device types, or None when it was not given.
+
+    :class:`offload` calls it, and so does every ``offload={...}`` option dict when it is passed
+    (``co.checkpoint``, ``co.apply``, ``co.hf``), so a bad option fails there and not at the
+    first forward.
+
+    Example::
+
+        check_options(devices={"cpu"}, min_bytes=0)   # -> ["cpu"]
+        check_options(stream="gpu")                   # ValueError: stream must be one of ('side', 'compute')
+    """
+    check_native_int("min_bytes", min_bytes)
+    check_choice("stream", stream, STREAM_MODES)
+    check_choice("on_full", on_full, ON_FULL_POLICIES)
+    check_native_int("prefetch_bytes", prefetch_bytes)
+    check_native_int("batch_below", batch_below)
+    check_native_int("batch_bytes", batch_bytes, minimum=1)
+    if batch_below > batch_bytes:
+        raise ValueError(
+            f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "
+            "has to fit in a batch block; raise batch_bytes or lower batch_below"
+        )
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+    if devices is None:
+        return None
+    types = device_types("devices", devices)
+    if "cuda" in types and not _C.cuda_compiled():
+        raise ValueError(
+            "devices includes 'cuda' but this ckpt_offload build has no CUDA "
+            "(co.build_info()['cuda_compiled'] is False). Reinstall with a CUDA build of torch and nvcc "
+            "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
+        )
+    return types
+
+
 class offload:
     """Context manager: tensors that autograd saves inside it wait for backward in a host pool.
 
@@ -183,28 +230,12 @@ class offload:
         *,
         keep_dedup: bool = False,
     ):
-        check_int("min_bytes", min_bytes, minimum=0)
-        check_choice("stream", stream, STREAM_MODES)
-        check_choice("on_full", on_full, ON_FULL_POLICIES)
-        check_int("prefetch_bytes", prefetch_bytes, minimum=0)
-        check_int("batch_below", batch_below, minimum=0)
-        check_int("batch_bytes", batch_bytes, minimum=1)
-        if batch_below > batch_bytes:
-            raise ValueError(
-                f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "
-                "has to fit in a batch block; raise batch_bytes or lower batch_below"
-            )
-        if pool is not None and not isinstance(pool, HostPool):
-            raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+        types = check_options(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, on_full=on_full,
+                              prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes)
+        if types is None:
+            types = _default_devices()
         if not isinstance(keep_dedup, bool):
             raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
-        types = _default_devices() if devices is None else device_types("devices", devices)
-        if "cuda" in types and not _C.cuda_compiled():
-            raise ValueError(
-                "devices includes 'cuda' but this ckpt_offload build has no CUDA "
-                "(co.build_info()['cuda_compiled'] is False). Reinstall with a CUDA build of torch and nvcc "
-                "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
-            )
         self.min_bytes = min_bytes
         self.stream = stream
         self.devices = tuple(types)
@@ -377,8 +408,44 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     check_choice("stream", stream, STREAM_MODES)
+    _check_copyable(tensor)
     pool = pool if pool is not None else default_pool()
     try:
         return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
     except ValueError as e:
         raise ValueError(f"tensor: {e}") from None
+
+
+def _check_copyable(tensor: torch.Tensor) -> None:
+    """Raises ValueError naming what ``tensor`` is when its bytes are not one plain strided span
+    of its own storage: offload_tensor copies that span as raw bytes."""
+    kind = None
+    if tensor.is_meta:
+        kind = "a meta tensor (it has no data)"
+    elif tensor.is_nested:
+        kind = "a nested tensor"
+    elif tensor.is_quantized:
+        kind = "a quantized tensor"
+    elif tensor.is_mkldnn:
+        kind = "an MKL-DNN tensor"
+    elif tensor.layout != torch.strided:
+        kind = f"a {tensor.layout} tensor".replace("torch.", "")
+    elif tensor.is_conj():
+        kind = "a conjugate view (resolve it first: tensor.resolve_conj())"
+    elif tensor.is_neg():
+        kind = "a negative-bit view (resolve it first: tensor.resolve_neg())"
+    elif type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        kind = f"a __torch_dispatch__ tensor subclass ({type(tensor).__name__}), whose storage is not its data"
+    if kind is not None:
+        raise ValueError(f"tensor: must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got {kind}")
+    if tensor.numel() == 0:
+        return
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    end = (tensor.storage_offset() + extent) * tensor.element_size()
+    have = tensor.untyped_storage().nbytes()
+    if end > have:
+        # Reading past the storage would crash (FSDP and torch.compile resize storages to 0).
+        raise ValueError(
+            f"tensor: reaches byte {end} of its storage, which holds {have} bytes (was the storage "
+            "resized, e.g. untyped_storage().resize_(0)?); offload a tensor whose storage holds its data"
+        )

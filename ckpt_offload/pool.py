@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from ckpt_offload import _C
-from ckpt_offload._args import check_choice, check_int, check_optional_bool
+from ckpt_offload._args import check_choice, check_native_int, check_optional_bool
 
 __all__ = ["HostPool", "PoolFullError", "default_pool", "pinned_available", "BACKENDS"]
 
@@ -61,9 +61,9 @@ class HostPool:
         segment_bytes: int | None = None,
         backend: str | None = None,
     ):
-        check_int("max_bytes", max_bytes, minimum=1, allow_none=True)
+        check_native_int("max_bytes", max_bytes, minimum=1, allow_none=True)
         check_optional_bool("pinned", pinned)
-        check_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
+        check_native_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
         if backend is not None:
             check_choice("backend", backend, BACKENDS)
             if pinned is not None and pinned != (backend != "pageable"):
@@ -99,7 +99,7 @@ class HostPool:
 
     @max_bytes.setter
     def max_bytes(self, value: int | None):
-        self._impl.set_max_bytes(check_int("max_bytes", value, minimum=1, allow_none=True) or 0)
+        self._impl.set_max_bytes(check_native_int("max_bytes", value, minimum=1, allow_none=True) or 0)
 
     def set_max_bytes(self, value: int | None) -> None:
         """Same as assigning :attr:`max_bytes`."""
@@ -128,7 +128,8 @@ class HostPool:
 
     def reserve(self, nbytes: int) -> int:
         """Takes ``nbytes`` (page-rounded) from the backend now, as one segment within the cap,
-        so the first step pays no backend allocation. Returns the bytes reserved; raises
+        so the first step pays no backend allocation. Returns the size of that segment (to make
+        room under the cap, wholly free segments may be given back first); raises
         :class:`PoolFullError` when the cap (or the backend) refuses.
 
         Example::
@@ -136,7 +137,7 @@ class HostPool:
             pool = co.HostPool()
             pool.reserve(4 << 30)      # 4 GiB of pinned memory before training starts
         """
-        check_int("nbytes", nbytes, minimum=1)
+        check_native_int("nbytes", nbytes, minimum=1)
         got = self._impl.reserve(nbytes)
         if got == 0:
             s = self.stats()

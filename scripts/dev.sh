@@ -16,7 +16,7 @@ setup() {
     python3 -m venv "$VENV"
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
-  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=64" "$TORCH_SPEC" numpy ninja pytest matplotlib tqdm \
+  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=64" "$TORCH_SPEC" numpy ninja pytest hypothesis matplotlib tqdm \
       transformers accelerate peft > pip.log 2>&1; then
     tail -n 40 pip.log
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
@@ -40,6 +40,9 @@ case "${1:-}" in
     setup
     echo "== native tests (C++ core under AddressSanitizer + UndefinedBehaviorSanitizer)"
     bash scripts/native_tests.sh
+    echo "== native tests (C++ core under ThreadSanitizer; cannot share a build with ASan)"
+    BUILD_DIR=build-native-tsan CMAKE_ARGS="-DCKPT_OFFLOAD_SANITIZE=OFF -DCKPT_OFFLOAD_TSAN=ON" \
+      bash scripts/native_tests.sh
     echo "== torch-layer sources against torch 2.11.0's and the installed torch's headers (syntax only)"
     PYTHON="$VENV/bin/python" JOBS="$MAX_JOBS" bash scripts/check_torch_headers.sh
     echo "== Python tests"

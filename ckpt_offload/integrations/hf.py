@@ -455,7 +455,14 @@ class OffloadCheckpointCallback(TrainerCallback):
         self.every_n_layers = every_n_layers
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
-        offload_options(offload)  # bad options fail here, not at the first step
+        # Bad options and keywords fail here, not when Trainer starts.
+        options = offload_options(offload)
+        _check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
+        unknown = sorted(set(checkpoint_kwargs) - {"use_reentrant", *_TORCH_KEYWORDS})
+        if unknown:
+            raise TypeError(
+                f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *_TORCH_KEYWORDS]}"
+            )
         self.handle: HFCheckpointHandle | None = None
 
     def _settings(self, args):

@@ -170,21 +170,33 @@ class profile:
     """
 
     def __init__(self, model: torch.nn.Module | None = None, record_shapes: bool = True, pools=None):
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-        if not isinstance(record_shapes, bool):
-            raise TypeError(f"record_shapes must be True or False, got {type(record_shapes).__name__}")
+        # Argument checks first, before anything is set up.
         from ckpt_offload.pool import HostPool
 
+        pools_error = TypeError(
+            "pools must be None, a ckpt_offload.HostPool or a list of them, "
+            f"got {type(pools).__name__} ({pools!r})"
+        )
         if pools is None:
             pools = []
         elif isinstance(pools, HostPool):
             pools = [pools]
+        elif isinstance(pools, (str, bytes, dict)):
+            raise pools_error
         else:
-            pools = list(pools)
+            try:
+                pools = list(pools)
+            except TypeError:  # not iterable (pools=5): say what pools takes, not "int is not iterable"
+                raise pools_error from None
         for p in pools:
             if not isinstance(p, HostPool):
-                raise TypeError(f"pools must be a ckpt_offload.HostPool or a list of them, got {type(p).__name__}")
+                raise TypeError(
+                    f"pools must be None, a ckpt_offload.HostPool or a list of them; an entry is {type(p).__name__}"
+                )
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        if not isinstance(record_shapes, bool):
+            raise TypeError(f"record_shapes must be True or False, got {type(record_shapes).__name__}")
         self.model = model
         self.record_shapes = record_shapes
         self._pools = pools

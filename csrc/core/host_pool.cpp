@@ -137,7 +137,7 @@ void HostPool::reclaim_locked(bool wait) {
   pending_.resize(kept);
 }
 
-bool HostPool::grow_locked(size_t bytes) {
+bool HostPool::grow_locked(size_t bytes, size_t* segment_size) {
   // A large request gets a segment of its own (page-rounded) size; small ones share a segment
   // of segment_bytes_. Either way the reserve grows by about what was asked for.
   const size_t need = round_up(bytes, kSegmentAlignment);
@@ -170,6 +170,7 @@ bool HostPool::grow_locked(size_t bytes) {
   stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
   stats_.num_segments = segments_.size();
   stats_.num_backend_allocs++;
+  if (segment_size) *segment_size = seg;
   return true;
 }
 
@@ -318,14 +319,16 @@ size_t HostPool::empty_cache() {
 size_t HostPool::reserve(size_t bytes) {
   if (bytes == 0 || bytes > std::numeric_limits<size_t>::max() / 2) return 0;
   std::lock_guard<std::mutex> lock(mu_);
-  const size_t before = stats_.bytes_reserved;
   // A segment of exactly this size (page-rounded): grow_locked gives small requests a
   // default-sized segment, which is not what an explicit reservation asks for.
   const size_t saved = segment_bytes_;
   segment_bytes_ = std::min(segment_bytes_, round_up(bytes, kSegmentAlignment));
-  const bool ok = grow_locked(bytes);
+  // The new segment's size, not the growth of bytes_reserved: near the cap grow_locked releases
+  // free segments to make room, and the difference would then report less than was asked for.
+  size_t got = 0;
+  const bool ok = grow_locked(bytes, &got);
   segment_bytes_ = saved;
-  return ok ? stats_.bytes_reserved - before : 0;
+  return ok ? got : 0;
 }
 
 void HostPool::synchronize() {

@@ -99,7 +99,9 @@ class HostPool {
   size_t release_retired();
   // Takes at least `bytes` more from the backend now (one segment, within the cap), so that the
   // first training step does not pay for backend allocations (cudaHostAlloc takes a driver lock
-  // and milliseconds). Returns the bytes reserved, 0 when the cap or the backend refused.
+  // and milliseconds). Returns the size of that segment, 0 when the cap or the backend refused.
+  // (Making room under the cap may release wholly free segments first, so bytes_reserved can grow
+  // by less than the value returned.)
   size_t reserve(size_t bytes);
   // Blocks until the copies of all blocks pending at the call have finished, then makes them
   // reusable. Other threads may allocate and free meanwhile: the wait holds no lock.
@@ -119,7 +121,8 @@ class HostPool {
   };
 
   Block* allocate_locked(size_t bytes);
-  bool grow_locked(size_t bytes);
+  // Adds a segment for `bytes`; its size goes to *segment_size when given.
+  bool grow_locked(size_t bytes, size_t* segment_size = nullptr);
   void reclaim_locked(bool wait);
   void insert_free_locked(Block* block);
   // Moves every wholly free segment to retired_; returns the bytes moved.

@@ -124,6 +124,14 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
                                 t.device().str());
   if (t.device().is_cuda() && !cuda_compiled())
     throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
+  // The Python wrapper checks this first; here it keeps any other caller from copying past the
+  // end of a storage resized below the tensor's span (resize_(0) leaves sizes and strides as
+  // they were), which reads freed memory on the copy thread.
+  const int64_t end = (t.storage_offset() + extent_elements(t)) * static_cast<int64_t>(t.dtype().itemsize());
+  if (t.numel() > 0 && static_cast<size_t>(end) > t.storage().nbytes())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor reaches byte " + std::to_string(end) +
+                                " of its storage, which holds " + std::to_string(t.storage().nbytes()) +
+                                " bytes (was the storage resized?)");
   auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>());
   if (!saved) throw PoolFull(pool_full_message(*pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
   return saved;

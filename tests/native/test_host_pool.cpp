@@ -684,6 +684,17 @@ void test_reserve() {
   CHECK_EQ(capped->reserve(0), 0u);
   CHECK_EQ(capped->reserve(std::numeric_limits<size_t>::max()), 0u);
   CHECK(capped->stats().bytes_reserved <= 1 * MiB);
+
+  // Near the cap, reserve() makes room by releasing a wholly free segment; it still returns the
+  // size of the segment it took (it used to return the net growth: 12 KiB for 16 KiB asked).
+  auto tight = make_pool(32 * KiB, 16 * KiB);
+  Block* live = tight->allocate(1);  // a 16 KiB segment, in use
+  CHECK(live);
+  CHECK_EQ(tight->reserve(1), 4 * KiB);  // a free 4 KiB segment: 20 KiB reserved
+  CHECK_EQ(tight->reserve(12 * KiB + 1), 16 * KiB);
+  CHECK_EQ(tight->stats().bytes_reserved, 32 * KiB);  // the free 4 KiB segment went back
+  tight->free(live);
+  CHECK_POOL(*tight);
 }
 
 }  // namespace

@@ -1,0 +1,451 @@
+"""Property-based tests (hypothesis): random autograd graphs and random checkpointed models give
+bit-identical gradients with ckpt_offload and without it, and a random sequence of HostPool
+operations keeps the pool's accounting exact.
+
+CI runs the derandomized "ci" profile (tests/conftest.py); CKPT_OFFLOAD_HYPOTHESIS_PROFILE=thorough
+draws ten times as many fresh examples. A failure prints the smallest example hypothesis found
+and an @reproduce_failure line to replay it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("hypothesis")  # installed by scripts/dev.sh; CI has it
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule  # noqa: E402
+
+import ckpt_offload as co  # noqa: E402
+from conftest import cpu_offload, hypothesis_examples  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+# Gradients are compared as raw bits: NaN and -0.0 included, nothing is "close enough".
+_BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+
+
+def assert_same_bits(ref: list, got: list, what: str):
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert (a is None) == (b is None), f"{what} {i}: gradient present in one run only"
+        if a is None:
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {i}"
+        assert torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype])), f"{what} {i}: gradient bits differ"
+
+
+@pytest.fixture(scope="module")
+def shared_pool():
+    """One pool for every example (a fresh 64 MiB segment per example would dominate the time);
+    each example checks that the bytes it used came back."""
+    return co.HostPool(pinned=False, segment_bytes=1 << 20)
+
+
+def _settle():
+    co.synchronize()
+    co._C.poll()
+
+
+# --- random autograd graphs -----------------------------------------------------------------
+
+# One step of a graph: (name, i, j, p, q). i and j pick operands among the values made so far
+# (modulo their number), p and q parametrize the op; all are plain integers so that hypothesis
+# shrinks a failure to a short program with small numbers.
+OPS = ("unary", "mul", "matmul", "t", "slice", "expand", "as_strided", "inplace", "dropout", "conv", "linear",
+       "softmax", "cat")
+_op = st.tuples(st.sampled_from(OPS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
+_UNARY = (torch.tanh, torch.sigmoid, torch.sin, torch.relu, F.gelu, lambda x: x * x, F.silu)
+
+
+@dataclass
+class Graph:
+    dtype: torch.dtype
+    shapes: list
+    ops: list
+    outputs: list
+    seed: int
+
+
+@st.composite
+def graphs(draw):
+    n_inputs = draw(st.integers(1, 3))
+    return Graph(
+        dtype=draw(st.sampled_from(DTYPES)),
+        shapes=[(draw(st.integers(1, 6)), draw(st.integers(1, 6))) for _ in range(n_inputs)],
+        ops=draw(st.lists(_op, min_size=1, max_size=10)),
+        outputs=draw(st.lists(st.integers(0, 63), min_size=0, max_size=2)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _leaves(g: Graph):
+    """The graph's leaves, made afresh from its seed for each run: inputs, conv weights (plain
+    tensors, offloaded), a Parameter (kept: nn.Linear-style weight views are recognised)."""
+    gen = torch.Generator().manual_seed(g.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(g.dtype)
+
+    inputs = [randn(*s).requires_grad_() for s in g.shapes]
+    conv_w = [randn(2, 1, k, k).requires_grad_() for k in (1, 2, 3)]
+    weight = nn.Parameter(randn(5, 6))
+    return inputs, conv_w, weight, gen
+
+
+def _forward(g: Graph, inputs, conv_w, weight):
+    torch.manual_seed(g.seed)  # dropout draws the same masks in both runs
+    values = list(inputs)
+    for name, i, j, p, q in g.ops:
+        a, b = values[i % len(values)], values[j % len(values)]
+        m, n = a.shape
+        if name == "unary":
+            v = _UNARY[p % len(_UNARY)](a)
+        elif name == "mul":  # slices of both operands (views with storage offsets) are saved
+            r, c = min(m, b.shape[0]), min(n, b.shape[1])
+            v = a[m - r:, :c] * b[:r, b.shape[1] - c:]
+        elif name == "matmul":
+            k = min(n, b.shape[0])
+            v = a[:, :k] @ b[:k, :]
+        elif name == "t":
+            v = a.t()
+        elif name == "slice":
+            v = a[p % m:, q % n::1 + (p + q) % 2]
+        elif name == "expand":  # a stride-0 view; whatever saves it saves the expanded tensor
+            v = a[:, :1].expand(-1, 1 + q % 6) if p % 2 else a[:1].expand(1 + q % 6, -1)
+        elif name == "as_strided":  # possibly overlapping windows over a fresh storage
+            base = a * 1.5
+            numel = base.numel()
+            off, s0, s1 = p % numel, q % 3, 1 + (q // 3) % 2
+            rows, cols = 1 + p % 4, 1 + q % 4
+            while off + (rows - 1) * s0 + (cols - 1) * s1 >= numel:
+                if rows > 1:
+                    rows -= 1
+                elif cols > 1:
+                    cols -= 1
+                else:
+                    off = 0
+            v = base.as_strided((rows, cols), (s0, s1), off)
+        elif name == "inplace":  # in-place ops on a tensor nothing has saved yet
+            v = a + 0.0
+            target = v[: 1 + q % m] if p % 2 else v
+            kind = (p // 2) % 4
+            if kind == 0:
+                target.mul_(0.5)
+            elif kind == 1:
+                target.add_(0.25)
+            elif kind == 2:
+                target.relu_()  # saves its result, which is then not modified again
+            else:
+                target.sigmoid_()
+        elif name == "dropout":
+            v = F.dropout(a, p=0.25 + 0.25 * (p % 2), training=True)
+        elif name == "conv":
+            k = 1 + p % min(3, m + 2, n + 2)
+            pad = 1 if (k > min(m, n) or q % 2) else 0
+            if k > min(m, n) + 2 * pad:
+                k = 1
+            out = F.conv2d(a[None, None], conv_w[k - 1], padding=pad)
+            v = out.reshape(-1, out.shape[-1])
+        elif name == "linear":
+            k = min(n, 6)
+            v = F.linear(a[:, :k], weight[:, :k])  # saves a view of a Parameter: kept
+        elif name == "softmax":
+            v = a.softmax(dim=p % 2)
+        else:  # cat along rows, columns cropped to match
+            c = min(n, b.shape[1])
+            v = torch.cat([a[:, :c], b[:, :c]])
+        values.append(v)
+    outs = [values[-1]] + [values[k % len(values)] for k in g.outputs]
+    return [o for o in outs if o.requires_grad]
+
+
+def _grads(g: Graph, ctx_factory):
+    inputs, conv_w, weight, gen = _leaves(g)
+    with ctx_factory() as ctx:
+        outs = _forward(g, inputs, conv_w, weight)
+    # Non-scalar backward of several outputs (possibly the same tensor twice).
+    grad_outs = [torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, grad_tensors=grad_outs)
+    leaves = inputs + conv_w + [weight]
+    return [x.grad for x in leaves], ctx
+
+
+class _NoHooks:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+_configs = st.fixed_dictionaries({
+    "stream": st.sampled_from(("side", "compute")),
+    "prefetch_bytes": st.sampled_from((0, 1 << 20)),
+    "batch_below": st.sampled_from((0, 4096)),
+})
+
+
+@settings(max_examples=hypothesis_examples(1000))
+@given(g=graphs(), cfg=_configs)
+def test_random_graph_gradients_are_bit_identical(g, cfg, shared_pool):
+    start = shared_pool.stats()["bytes_in_use"]
+    ref, _ = _grads(g, _NoHooks)
+    got, ctx = _grads(g, lambda: cpu_offload(shared_pool, batch_bytes=8192, **cfg))
+    assert_same_bits(ref, got, "leaf")
+    s = ctx.stats()
+    # Everything but the Parameter was offloaded: nothing kept for size, layout or device.
+    assert set(s["kept_by_reason"]) <= {"parameter"}, s["kept_by_reason"]
+    del ctx
+    _settle()
+    assert shared_pool.stats()["bytes_in_use"] == start, "a block outlived its graph"
+
+
+# --- random checkpointed models -------------------------------------------------------------
+
+
+class RBlock(nn.Module):
+    """Takes a tensor by keyword and tensors inside a dict and a list; may checkpoint a part of
+    itself (a checkpoint nested in another one's forward and recompute)."""
+
+    def __init__(self, dim: int, nested, dropout: float, dtype):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, dtype=dtype)
+        self.lin2 = nn.Linear(dim, dim, dtype=dtype)
+        self.drop = nn.Dropout(dropout)
+        self.nested = nested  # None: no inner checkpoint; else its offload= argument
+
+    def _inner(self, h, pair):
+        a, b = pair
+        return self.lin2(h * torch.sigmoid(a)) + b
+
+    def forward(self, x, *, scale, extras):
+        h = torch.tanh(self.lin(x)) * scale + extras["bias"]
+        if self.nested is None:
+            h = self._inner(h, extras["pair"])
+        else:
+            h = co.checkpoint(self._inner, h, extras["pair"], offload=self.nested)
+        return x + self.drop(h)
+
+
+class RModel(nn.Module):
+    def __init__(self, n: int, dim: int, nested: list, dropout: float, dtype):
+        super().__init__()
+        self.blocks = nn.ModuleList(RBlock(dim, nested[i], dropout, dtype) for i in range(n))
+
+    def forward(self, x, bias, a, b, ckpt=None):
+        pair = [torch.cos(a), b * 2]  # non-leaf tensors in a list, shared by every block
+        for i, blk in enumerate(self.blocks):
+            kw = {"scale": 0.5 + 0.1 * i, "extras": {"bias": bias, "pair": pair}}
+            if ckpt is not None and i % ckpt[0] == 0:
+                x = co.checkpoint(blk, x, offload=ckpt[1], **kw)
+            else:
+                x = blk(x, **kw)
+        return x
+
+
+@dataclass
+class ModelCase:
+    n: int
+    dim: int
+    rows: int
+    nested: list
+    dropout: float
+    dtype: torch.dtype
+    every: int
+    how: str  # "checkpoint" or "apply"
+    offload: bool
+    seed: int
+
+
+@st.composite
+def model_cases(draw):
+    n = draw(st.integers(1, 5))
+    return ModelCase(
+        n=n,
+        dim=draw(st.integers(1, 8)),
+        rows=draw(st.integers(1, 4)),
+        nested=draw(st.lists(st.sampled_from((None, False, True)), min_size=n, max_size=n)),
+        dropout=draw(st.sampled_from((0.0, 0.3))),
+        dtype=draw(st.sampled_from(DTYPES)),
+        every=draw(st.integers(1, 3)),
+        how=draw(st.sampled_from(("checkpoint", "apply"))),
+        offload=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def _model_grads(c: ModelCase, pool, checkpointed: bool):
+    opts = {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
+    nested = [o if o is None else (dict(opts) if o else False) for o in c.nested]
+    torch.manual_seed(c.seed)
+    model = RModel(c.n, c.dim, nested if checkpointed else [None] * c.n, c.dropout, c.dtype)
+    gen = torch.Generator().manual_seed(c.seed)
+    x, bias, a, b = (torch.randn(c.rows, c.dim, generator=gen, dtype=torch.float64).to(c.dtype).requires_grad_()
+                     for _ in range(4))
+    offload = dict(opts) if c.offload else False
+    ckpt, handle = None, None
+    if checkpointed and c.how == "apply":
+        handle = co.apply(model, layers=RBlock, every_n_layers=c.every, offload=offload)
+    elif checkpointed:
+        ckpt = (c.every, offload)
+    torch.manual_seed(c.seed + 1)
+    out = model(x, bias, a, b, ckpt=ckpt)
+    out.backward(torch.randn(out.shape, generator=gen, dtype=torch.float64).to(c.dtype))
+    if handle is not None:
+        handle.remove()
+    return [p.grad for p in model.parameters()] + [t.grad for t in (x, bias, a, b)]
+
+
+@settings(max_examples=hypothesis_examples(150))
+@given(c=model_cases())
+def test_random_checkpointed_model_gradients_are_bit_identical(c, shared_pool):
+    start = shared_pool.stats()["bytes_in_use"]
+    ref = _model_grads(c, shared_pool, checkpointed=False)
+    got = _model_grads(c, shared_pool, checkpointed=True)
+    assert_same_bits(ref, got, "parameter/input")
+    _settle()
+    assert shared_pool.stats()["bytes_in_use"] == start
+
+
+# --- HostPool state machine ------------------------------------------------------------------
+
+_ALIGN = int(co._C.ALIGNMENT)  # every block is a multiple of this
+_PAGE = 4096  # segments (and reserve()) are whole pages
+_SEGMENT = 16 << 10
+
+
+def _round(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class HostPoolMachine(RuleBasedStateMachine):
+    """Random offload_tensor / free / reload / cap / empty_cache / reserve / reset_peak sequences,
+    checked against a model of the accounting: bytes_in_use and bytes_requested exact, the peak
+    exact, the cap never exceeded by growth, a refusal only when the cap leaves no room, data intact."""
+
+    handles = Bundle("handles")
+
+    def __init__(self):
+        super().__init__()
+        self.pool = co.HostPool(pinned=False, segment_bytes=_SEGMENT)
+        self.live = {}  # key -> (handle, source tensor, block bytes, requested bytes)
+        self.next_key = 0
+        self.in_use = self.requested = self.peak = 0
+        self.cap = None
+        self.reserved_bound = None  # reserved may exceed a cap lowered below it, but never grows then
+        self.allocs = self.cap_hits = 0
+
+    def _stats(self) -> dict:
+        # The block of a dropped handle is pending until its copies finish: settle first, so
+        # the counters are exact.
+        _settle()
+        self.pool.synchronize()
+        return self.pool.stats()
+
+    @rule(target=handles, nbytes=st.integers(1, 3 * _SEGMENT), stream=st.sampled_from(("side", "compute")),
+          seed=st.integers(0, 255))
+    def offload(self, nbytes, stream, seed):
+        src = (torch.arange(nbytes, dtype=torch.int32) * 7 + seed).remainder(251).to(torch.uint8)
+        block = _round(nbytes, _ALIGN)
+        before = self._stats()
+        try:
+            handle = co.offload_tensor(src, self.pool, stream=stream)
+        except co.PoolFullError:
+            after = self._stats()
+            assert self.cap is not None, "refused without a cap"
+            assert before["bytes_reserved"] + _round(block, _PAGE) > self.cap, "refused although growth fitted"
+            assert after["bytes_reserved"] + _round(block, _PAGE) > self.cap
+            self.cap_hits += 1
+            assert after["num_cap_hits"] == self.cap_hits
+            return multiple()
+        # Refusal is required when neither a free block nor growth can hold it.
+        assert self.cap is None or self.in_use + block <= max(self.cap, before["bytes_reserved"])
+        self.allocs += 1
+        self.in_use += block
+        self.requested += nbytes
+        self.peak = max(self.peak, self.in_use)
+        key = self.next_key
+        self.next_key += 1
+        self.live[key] = (handle, src, block, nbytes)
+        return key
+
+    @rule(key=consumes(handles))
+    def free(self, key):
+        _, _, block, nbytes = self.live.pop(key)
+        self.in_use -= block
+        self.requested -= nbytes
+
+    @rule(key=handles)
+    def reload(self, key):
+        handle, src, _, _ = self.live[key]
+        back = handle.reload()
+        assert back.dtype == src.dtype and back.shape == src.shape
+        assert torch.equal(back, src)
+
+    @rule(cap=st.one_of(st.none(), st.integers(1, 8 * _SEGMENT)))
+    def set_cap(self, cap):
+        before = self._stats()
+        self.pool.max_bytes = cap
+        self.cap = cap
+        after = self._stats()
+        assert after["max_bytes"] == cap
+        assert after["bytes_reserved"] <= before["bytes_reserved"]  # a cap frees, never takes
+        self.reserved_bound = None if cap is None else max(cap, after["bytes_reserved"])
+
+    @rule()
+    def empty_cache(self):
+        before = self._stats()
+        released = self.pool.empty_cache()
+        after = self._stats()
+        assert after["bytes_reserved"] == before["bytes_reserved"] - released
+        if not self.live:
+            assert after["bytes_reserved"] == 0 and after["num_segments"] == 0
+
+    @rule(nbytes=st.integers(1, 4 * _SEGMENT))
+    def reserve(self, nbytes):
+        before = self._stats()
+        need = _round(nbytes, _PAGE)
+        try:
+            got = self.pool.reserve(nbytes)
+        except co.PoolFullError:
+            after = self._stats()
+            assert self.cap is not None and before["bytes_reserved"] + need > self.cap
+            assert after["bytes_reserved"] + need > self.cap
+            return
+        assert got == need, "reserve takes one page-rounded segment of the size asked"
+        assert self.cap is None or self._stats()["bytes_reserved"] <= self.cap
+
+    @rule()
+    def reset_peak(self):
+        self.pool.reset_peak()
+        self.peak = self.in_use
+
+    @invariant()
+    def accounting_matches(self):
+        s = self._stats()
+        assert s["bytes_in_use"] == self.in_use
+        assert s["bytes_requested"] == self.requested
+        assert s["num_blocks_in_use"] == len(self.live)
+        assert s["bytes_pending"] == 0
+        assert s["peak_bytes_in_use"] == self.peak
+        assert s["num_allocs"] == self.allocs
+        assert s["bytes_reserved"] >= s["bytes_in_use"]
+        assert s["peak_bytes_reserved"] >= s["bytes_reserved"]
+        if self.reserved_bound is not None:
+            assert s["bytes_reserved"] <= self.reserved_bound
+        assert self.pool._impl.check_invariants() == ""
+
+    def teardown(self):
+        self.live.clear()
+        s = self._stats()
+        assert s["bytes_in_use"] == 0 and s["num_blocks_in_use"] == 0
+
+
+TestHostPoolMachine = HostPoolMachine.TestCase
+TestHostPoolMachine.settings = settings(max_examples=hypothesis_examples(60), stateful_step_count=25)
