@@ -157,3 +157,77 @@ def test_setup_refuses_a_torch_older_than_the_oldest_checked(tmp_path):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "ckpt_offload: torch 2.10.0+cu128 is older than the oldest supported torch (2.11)" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+# --- scripts/check_dist.py (what CI's scripts/check_sdist.sh asserts about the sdist and wheel) ---
+
+
+def load_check_dist():
+    path = os.path.join(SOURCE_ROOT, "scripts", "check_dist.py")
+    if not os.path.exists(path):
+        pytest.skip("no source tree next to the tests")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_dist", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_sdist(path, names, prefix):
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name in names:
+            info = tarfile.TarInfo(prefix + name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+
+
+def test_sdist_check_names_a_missing_header_and_a_shipped_build_output(tmp_path):
+    check_dist = load_check_dist()
+    prefix = f"ckpt_offload-{check_dist.version()}/"
+    files = check_dist.source_files()
+    assert "csrc/core/host_pool.h" in files and "LICENSE" in files
+    complete = tmp_path / "complete.tar.gz"
+    write_sdist(complete, files + ["PKG-INFO"], prefix)
+    assert check_dist.check_sdist(str(complete)) == []
+    # What the sdist of the issue looked like: sources without their headers; and a stale build.
+    broken = tmp_path / "broken.tar.gz"
+    shipped = [f for f in files if f != "csrc/core/host_pool.h"] + ["PKG-INFO", "ckpt_offload/_C.cpython-311.so"]
+    write_sdist(broken, shipped, prefix)
+    problems = check_dist.check_sdist(str(broken))
+    assert problems == [
+        "csrc/core/host_pool.h: in the repository but not in the sdist (MANIFEST.in)",
+        "ckpt_offload/_C.cpython-311.so: a build output in the sdist",
+    ]
+
+
+def write_wheel(path, names, metadata):
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as whl:
+        for name in names:
+            whl.writestr(name, metadata if name.endswith("/METADATA") else "x")
+
+
+def test_wheel_check_refuses_tests_and_a_missing_marker(tmp_path):
+    check_dist = load_check_dist()
+    ver = check_dist.version()
+    info = f"ckpt_offload-{ver}.dist-info/"
+    package = [f for f in check_dist.source_files() if f.startswith("ckpt_offload/")]
+    good = package + ["ckpt_offload/_build_config.py", "ckpt_offload/_C.cpython-311-x86_64-linux-gnu.so"]
+    good += [info + "METADATA", info + "licenses/LICENSE"]
+    metadata = (
+        f"Metadata-Version: 2.4\nName: ckpt_offload\nVersion: {ver}\nLicense-Expression: BSD-3-Clause\n"
+        "Requires-Python: >=3.11\nRequires-Dist: torch>=2.11\n\n# ckpt_offload\n"
+    )
+    write_wheel(tmp_path / "good.whl", good, metadata)
+    assert check_dist.check_wheel(str(tmp_path / "good.whl")) == []
+    bad = [n for n in good if n != "ckpt_offload/py.typed"] + ["tests/test_api.py"]
+    write_wheel(tmp_path / "bad.whl", bad, metadata.replace(">=3.11", ">=3.9"))
+    problems = check_dist.check_wheel(str(tmp_path / "bad.whl"))
+    assert "tests/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
+    assert "ckpt_offload/py.typed: missing from the wheel" in problems
+    assert "METADATA Requires-Python: '>=3.9', expected '>=3.11'" in problems
