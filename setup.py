@@ -199,8 +199,10 @@ class BuildExt(cpp_extension.BuildExtension):
 
     # Declared as outputs so that wheels and editable installs carry the file like _C itself.
     def get_outputs(self):
-        regular, inplace = self._config_paths()
-        return super().get_outputs() + [inplace if self.inplace else regular]
+        outputs = super().get_outputs()  # --inplace: the keys of get_output_mapping, below
+        if not self.inplace:
+            outputs.append(self._config_paths()[0])
+        return outputs
 
     def get_output_mapping(self):
         mapping = super().get_output_mapping()
