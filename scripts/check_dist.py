@@ -61,7 +61,8 @@ def check_sdist(path: str) -> list[str]:
         names = [m.name for m in tar.getmembers() if m.isfile()]
     problems = [f"{n}: outside {prefix}" for n in names if not n.startswith(prefix)]
     inside = {n[len(prefix) :] for n in names if n.startswith(prefix)}
-    problems += [f"{f}: in the repository but not in the sdist (MANIFEST.in)" for f in source_files() if f not in inside]
+    missing = [f for f in source_files() if f not in inside]
+    problems += [f"{f}: in the repository but not in the sdist (MANIFEST.in)" for f in missing]
     problems += [f"{n}: a build output in the sdist" for n in sorted(inside) if is_build_output(n)]
     if "PKG-INFO" not in inside:
         problems.append("PKG-INFO: missing")
@@ -75,13 +76,15 @@ def check_wheel(path: str) -> list[str]:
     dist_info = f"ckpt_offload-{ver}.dist-info/"
     with zipfile.ZipFile(path) as whl:
         names = whl.namelist()
-        metadata = email.message_from_bytes(whl.read(dist_info + "METADATA")) if dist_info + "METADATA" in names else None
+        has_metadata = dist_info + "METADATA" in names
+        metadata = email.message_from_bytes(whl.read(dist_info + "METADATA")) if has_metadata else None
     problems = [
         f"{n}: not part of the package (tests, benchmarks and scripts stay in the sdist)"
         for n in names
         if not (n.startswith("ckpt_offload/") or n.startswith(dist_info))
     ]
-    problems += [f"{n}: a test or benchmark file in the wheel" for n in names if {"tests", "benchmarks"} & set(n.split("/"))]
+    problems += [f"{n}: a test or benchmark file in the wheel"
+                 for n in names if {"tests", "benchmarks"} & set(n.split("/"))]
     if not any(fnmatch.fnmatch(n, "ckpt_offload/_C.*.so") for n in names):
         problems.append("ckpt_offload/_C.*.so: the compiled extension is missing")
     modules = [f for f in source_files() if f.startswith("ckpt_offload/")]

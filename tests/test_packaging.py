@@ -52,7 +52,7 @@ def test_same_release_passes(built, built_cuda, cuda_compiled, runtime, runtime_
         # Nightlies of different dates break the ABI between them.
         ("2.15.0.dev20261101+cpu", None, False, "2.15.0.dev20261102+cpu", None, "torch 2.15.0.dev20261102+cpu"),
         ("2.14.1+cu130", "13.0", True, "2.14.1+cpu", None, "is a CPU-only build"),
-        ("2.14.1+cu130", "13.0", True, "2.14.1+cu128", "12.8", "(CUDA 13.0), but the imported torch 2.14.1+cu128 uses CUDA 12.8"),
+        ("2.14.1+cu130", "13.0", True, "2.14.1+cu128", "12.8", "(CUDA 13.0), but the imported torch 2.14.1+cu128 uses"),
     ],
 )
 def test_other_release_is_refused(built, built_cuda, cuda_compiled, runtime, runtime_cuda, expected):
