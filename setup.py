@@ -22,13 +22,32 @@ from build_env import (  # noqa: E402
 
 _locate_cuda_home()
 
+# Build isolation, on purpose: torch is NOT in pyproject.toml's [build-system] requires. The
+# extension links against the torch it is compiled with, so it must be compiled with the torch the
+# user runs; an isolated build would download another (gigabytes) and produce an extension that
+# fails to load next to the user's torch. Without torch in the build environment, stop here with
+# one message (a plain `pip install .` lands here).
+NO_TORCH_MESSAGE = (
+    "ckpt_offload: the build needs PyTorch, and compiles against the torch you run. Install torch first "
+    "(pip install torch), then build without build isolation: pip install --no-build-isolation . "
+    "(or pip install --no-build-isolation ckpt_offload-<version>.tar.gz). A plain `pip install .` builds in an "
+    "isolated environment that cannot see your torch."
+)
+# The oldest torch a CI check compiles against (README: supported torch versions). Refusing older
+# ones at build time also keeps pip from upgrading torch (install_requires) after compiling
+# against the old one.
+MIN_TORCH = (2, 11)
+
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:  # pragma: no cover - explained to the user
+except ImportError:  # pragma: no cover - explained to the user; tests/test_packaging.py runs it
+    sys.exit(NO_TORCH_MESSAGE)
+
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
     sys.exit(
-        "ckpt_offload: building needs PyTorch installed first (pip install torch), and "
-        "pip install --no-build-isolation . so that the build sees it."
+        "ckpt_offload: torch %s is older than the oldest supported torch (%d.%d); install torch>=%d.%d first, "
+        "then build with pip install --no-build-isolation ." % ((torch.__version__,) + MIN_TORCH + MIN_TORCH)
     )
 
 
@@ -82,7 +101,56 @@ def extension():
     return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER, extra_compile_args={"cxx": cxx})
 
 
+BUILD_CONFIG = "_build_config.py"
+
+
+def build_config_text(ext):
+    """ckpt_offload/_build_config.py: the torch (and CUDA) this build compiles against. The package
+    reads it before loading _C, so that a torch mismatch is an ImportError naming both versions
+    instead of an undefined-symbol error from the loader (ckpt_offload/_torch_compat.py)."""
+    cuda_compiled = any(s.endswith(".cu") for s in ext.sources)
+    return (
+        "# Written by setup.py when ckpt_offload._C was built; read before _C is loaded\n"
+        "# (ckpt_offload/_torch_compat.py). Not in git or the sdist: every build writes its own.\n"
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"TORCH_CUDA_VERSION = {torch.version.cuda!r}  # torch.version.cuda of that torch\n"
+        f"CUDA_COMPILED = {cuda_compiled!r}  # the CUDA engine (.cu sources) is compiled in\n"
+    )
+
+
 class BuildExt(cpp_extension.BuildExtension):
+    def _config_paths(self):
+        """(in build_lib, in the source tree): where _build_config.py goes next to _C."""
+        package_dir = self.get_finalized_command("build_py").get_package_dir("ckpt_offload")
+        return (
+            os.path.join(self.build_lib, "ckpt_offload", BUILD_CONFIG),
+            os.path.join(package_dir, BUILD_CONFIG),
+        )
+
+    def run(self):
+        super().run()  # builds into build_lib, then copies _C to the source tree when --inplace
+        ext = next(e for e in self.extensions if e.name == "ckpt_offload._C")
+        regular, inplace = self._config_paths()
+        os.makedirs(os.path.dirname(regular), exist_ok=True)
+        with open(regular, "w") as f:
+            f.write(build_config_text(ext))
+        if self.inplace:
+            shutil.copyfile(regular, inplace)
+
+    # Declared as outputs so that wheels and editable installs carry the file like _C itself.
+    def get_outputs(self):
+        outputs = super().get_outputs()  # --inplace: the keys of get_output_mapping, below
+        if not self.inplace:
+            outputs.append(self._config_paths()[0])
+        return outputs
+
+    def get_output_mapping(self):
+        mapping = super().get_output_mapping()
+        if self.inplace:
+            regular, inplace = self._config_paths()
+            mapping[regular] = inplace
+        return mapping
+
     def build_extensions(self):
         try:
             super().build_extensions()
@@ -98,14 +166,48 @@ class BuildExt(cpp_extension.BuildExtension):
             raise
 
 
+def read_version():
+    # Read, not imported: importing ckpt_offload needs the extension this script builds.
+    scope = {}
+    with open(os.path.join(HERE, "ckpt_offload", "_version.py")) as f:
+        exec(f.read(), scope)
+    return scope["__version__"]
+
+
+with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+    LONG_DESCRIPTION = f.read()
+
 setup(
     name="ckpt_offload",
-    version="0.1.0",
+    version=read_version(),
     description="Activation offloading to a pinned host-memory pool and gradient checkpointing for PyTorch",
+    long_description=LONG_DESCRIPTION,
+    long_description_content_type="text/markdown",
+    author="the ckpt_offload developers",
+    # SPDX expression (PEP 639, setuptools >= 77); no License classifier, which PEP 639 replaces.
+    license_expression="BSD-3-Clause",
+    license_files=["LICENSE"],
     packages=find_packages(include=["ckpt_offload", "ckpt_offload.*"]),
+    package_data={"ckpt_offload": ["py.typed"]},
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExt.with_options(use_ninja=True)},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
+    # CI runs Python 3.11 only (README, Install): the floor is what is tested, newer Pythons are
+    # expected to work but are not checked.
+    python_requires=">=3.11",
+    install_requires=["torch>=%d.%d" % MIN_TORCH],
+    keywords=["pytorch", "activation offloading", "gradient checkpointing", "memory", "cuda"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.11",
+        "Environment :: GPU :: NVIDIA CUDA",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
     zip_safe=False,
 )

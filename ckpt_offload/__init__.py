@@ -13,6 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from ckpt_offload import _torch_compat
+from ckpt_offload._version import __version__
+
+# Before _C is loaded: under another torch release loading it can fail inside the dynamic loader
+# with an undefined-symbol error that names no version; this says which torch it needs instead.
+_torch_compat.check(torch)
 try:
     from ckpt_offload import _C
 except ImportError as e:  # pragma: no cover - explained to the user
@@ -27,7 +33,6 @@ from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 from ckpt_offload.profiling import Profile, ProfileReport, profile
 
-__version__ = "0.1.0"
 __all__ = [
     "offload",
     "offload_tensor",
@@ -52,6 +57,8 @@ def build_info() -> dict:
 
     Keys: ``version``, ``cuda_compiled`` (the CUDA copy engine is built in), ``gpu_available``,
     ``torch_version``, ``cuda_version`` (torch's CUDA version when CUDA is compiled in, else None),
+    ``built_with_torch`` and ``built_with_cuda`` (the torch, and the CUDA version when CUDA is compiled
+    in, that the extension was compiled against; None for a build made without setup.py),
     ``cuda_runtime_version`` (the CUDA runtime ckpt_offload runs against, or None),
     ``pool_backend`` (``"pinned"`` or ``"pageable"``: what a pool made with ``pinned=None`` uses),
     ``alignment`` (bytes), ``default_min_bytes``.
@@ -62,6 +69,7 @@ def build_info() -> dict:
         True
     """
     cuda = bool(_C.cuda_compiled())
+    config = _torch_compat.build_config()
     pinned = pinned_available()
     return {
         "version": __version__,
@@ -69,6 +77,8 @@ def build_info() -> dict:
         "gpu_available": bool(cuda and torch.cuda.is_available() and _C.cuda_device_count() > 0),
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda if cuda else None,
+        "built_with_torch": config.TORCH_VERSION if config else None,
+        "built_with_cuda": config.TORCH_CUDA_VERSION if config and cuda else None,
         "cuda_runtime_version": (_C.cuda_runtime_version() or None) if cuda else None,
         "pool_backend": "pinned" if pinned else "pageable",
         "alignment": int(_C.ALIGNMENT),

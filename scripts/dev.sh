@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One entry point for a fresh machine (Python 3.9+, a C++ compiler; nvcc optional):
+# One entry point for a fresh machine (Python 3.11, the version CI runs; a C++ compiler; nvcc optional):
 #   bash scripts/dev.sh test   # install everything, build, run the native and Python tests
 #   bash scripts/dev.sh demo   # install everything, build, run the demo
 #   bash scripts/dev.sh setup  # install everything and build only
@@ -16,8 +16,8 @@ setup() {
     python3 -m venv "$VENV"
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
-  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=64" "$TORCH_SPEC" numpy ninja pytest hypothesis matplotlib tqdm \
-      transformers accelerate peft > pip.log 2>&1; then
+  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build "$TORCH_SPEC" numpy ninja pytest hypothesis \
+      matplotlib tqdm transformers accelerate peft > pip.log 2>&1; then
     tail -n 40 pip.log
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
     exit 1
@@ -45,6 +45,8 @@ case "${1:-}" in
       bash scripts/native_tests.sh
     echo "== torch-layer sources against torch 2.11.0's and the installed torch's headers (syntax only)"
     PYTHON="$VENV/bin/python" JOBS="$MAX_JOBS" bash scripts/check_torch_headers.sh
+    echo "== packaging: sdist -> wheel -> install outside the tree -> offload (one C++-only build)"
+    PYTHON="$VENV/bin/python" bash scripts/check_sdist.sh
     echo "== Python tests"
     # The pytest script (not python -m pytest) keeps ./ off sys.path, so the tests import the
     # installed package.
