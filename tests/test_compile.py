@@ -165,8 +165,13 @@ def test_compile_around_checkpointed_blocks_falls_back_to_eager_correctly(pool):
     model = make()
     handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": 0, "pool": pool})
     compiled = torch.compile(model, backend="aot_eager")
-    got = grads(compiled)
-    assert pool.stats()["num_allocs"] == len(handle.names) == 2  # one input per checkpointed block
+    loss = loss_of(compiled)
+    # One input per checkpointed block waits in the pool until backward. (Dynamo's graph breaks
+    # in the context's enter can make it offload an input that the eager rerun then drops, so the
+    # pool's allocation count may be higher: what is held at the end of forward is the claim.)
+    assert pool.stats()["num_blocks_in_use"] == len(handle.names) == 2
+    loss.backward()
+    got = {k.replace("_orig_mod.", ""): v for k, v in grads_of(compiled).items()}
     assert pool.stats()["bytes_in_use"] == 0
     assert_bit_identical(base, got)
 
