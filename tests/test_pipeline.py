@@ -84,10 +84,13 @@ def test_interleaved_micro_batches_bit_identical(pool, stream, schedule, mode):
         assert stats["tensors_offloaded"] > 0
         assert stats["tensors_reloaded"] + stats["tensors_reload_shared"] >= stats["tensors_offloaded"]
         if stream == "side":
-            # Prefetch walks pack order, which across micro-batches is not the schedule's backward
-            # order (after F0, F1, backward 1 comes before backward 0 in "reverse"): every tensor
-            # it fetched ahead was one a later backward used, none was fetched in vain.
+            # Prefetch walks pack order. Where that is the schedule's backward order every tensor
+            # fetched ahead is used. In "reverse" (F0, F1, B1, B0) backward 1 walks on into micro-batch
+            # 0's tensors; those prefetches are released when backward 1 ends (device memory is not
+            # held between backwards) and B0 reloads them: counted as unused, never lost.
             assert stats["prefetches"] > 0, stats
-            assert stats["prefetch_hits"] == stats["prefetches"] and stats["prefetches_unused"] == 0, stats
+            assert stats["prefetch_hits"] + stats["prefetches_unused"] == stats["prefetches"], stats
+            if schedule != "reverse":
+                assert stats["prefetches_unused"] == 0, stats
     else:
         assert what.names == ["blocks.0", "blocks.1", "blocks.2"]
