@@ -7,6 +7,7 @@ done); CKPT_OFFLOAD_CUDA=0 forces the C++-only build.
 
 import glob
 import os
+import shutil
 import sys
 
 from setuptools import find_packages, setup
