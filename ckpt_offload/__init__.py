@@ -26,6 +26,7 @@ from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpo
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 from ckpt_offload.profiler import Profile, profile
+from ckpt_offload.planner import Plan, plan
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
     "DEFAULT_MIN_BYTES",
     "profile",
     "Profile",
+    "plan",
+    "Plan",
 ]
 
 
