@@ -85,3 +85,8 @@ class Transformer(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x))
+
+
+# The built-in TinyTransformer, imported here and nowhere else in the tests (it is moving out of
+# ckpt_offload.models): repoint this line when it moves.
+from ckpt_offload.models import TinyTransformer, lm_loss, make_batch, make_config  # noqa: E402,F401

@@ -459,6 +459,6 @@ def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth 
         c.forward_s, c.backward_s = f, b
         c.selective_recompute_s = f * r._fraction_dropped
         blocks.append(c)
-    bw = bandwidth if bandwidth is not None else measure_bandwidth(device)
+    bw = bandwidth if bandwidth is not None else measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
     return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
                      pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device)
