@@ -4,9 +4,11 @@ events -- independently of the planner's cost model, to check its predictions.
 Every allocation torch's allocator makes during the step is an event (address, bytes, time), and so
 is every free. An allocation counts as a *saved activation* when it was
 
-* made during the forward and is still alive when backward starts (what autograd keeps: kept saved
-  tensors, a checkpoint's inputs, selective recompute's kept outputs, and offloaded tensors whose
-  copy has not finished) -- from its allocation until it is freed;
+* made during the forward, still alive when backward starts and freed before backward ends (what
+  autograd keeps and backward releases: kept saved tensors, a checkpoint's inputs, selective
+  recompute's kept outputs, offloaded tensors whose copy has not finished) -- from its allocation
+  until it is freed. What outlives backward (the loss, outputs the step still holds) is not an
+  activation the graph keeps;
 * made inside a ``ckpt_offload::reload`` / ``ckpt_offload::prefetch`` range (a saved tensor brought
   back from the host pool) -- until it is freed;
 * made inside a ``ckpt_offload::recompute`` range (the planner's recompute) and still alive at the
@@ -79,8 +81,9 @@ def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
     mem = sorted((e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == code),
                  key=lambda e: e["ts"])
     ranges = [e for e in events if e.get("ph") == "X"]
-    bwd = [e["ts"] for e in ranges if str(e.get("name", "")).startswith(_BACKWARD_PREFIX)]
-    t_bwd = min(bwd) if bwd else float("inf")
+    bwd = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in ranges if str(e.get("name", "")).startswith(_BACKWARD_PREFIX)]
+    t_bwd = min(a for a, _ in bwd) if bwd else float("inf")
+    t_bwd_end = max(b for _, b in bwd) if bwd else float("inf")
     reloads = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e.get("name") in _RELOAD_RANGES)
     recomputes = sorted((e["ts"], e["ts"] + e["dur"]) for e in ranges if e.get("name") == _RECOMPUTE)
 
@@ -110,7 +113,7 @@ def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
     t0 = mem[0]["ts"] if mem else 0
     for ts, nbytes, tf in allocs:
         why = None
-        if ts < t_bwd < tf:
+        if ts < t_bwd < tf <= t_bwd_end:
             why = "forward"
         elif ts >= t_bwd and inside(ts, reloads):
             why = "reload"

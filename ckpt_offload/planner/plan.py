@@ -13,7 +13,11 @@ from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, SimResult, simulate
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
-__all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth"]
+__all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
+
+#: Plans leave this many bytes of the budget free: autograd keeps a few scalar buffers alive through
+#: backward that the cost model does not see (16 bytes a step on the built-in model).
+SLACK_BYTES = 256
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -219,7 +223,15 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
     from ckpt_offload.planner import solver as _solver
 
-    best = solve(costs, budget_bytes, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
+    try:
+        best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
+    except InfeasibleBudget as e:
+        smallest = e.minimum + SLACK_BYTES
+        raise InfeasibleBudget(
+            budget_bytes, smallest,
+            f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here, "
+            f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
+            "lowers it)") from None
     sim = simulate(costs, best.units, best.prefetch_bytes)
     base_sim = simulate(costs, _solver.singles(["keep"] * len(named)), 0)
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
