@@ -404,3 +404,34 @@ def test_checkpoint_sequential_sqrt():
     assert_bit_identical(ref, grads_of(layers))
     with pytest.raises(ValueError, match="segments must be an int >= 1 or 'sqrt'"):
         co.checkpoint_sequential(layers, "log", x)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+
+
+def test_cli_plan_writes_summary_json_and_plot(tmp_path, capsys):
+    import json
+
+    from ckpt_offload.__main__ import main
+
+    status = main(["plan", "--size", "tiny", "--device", "cpu", "--budget", "1MiB", "--steps", "1",
+                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out  # 0: the measured peak is within the budget
+    assert "peak of saved activations" in out and "measured with the plan" in out
+    result = json.loads((tmp_path / "plan.json").read_text())
+    assert result["measured_peak_bytes"] <= result["budget_bytes"] == 1 << 20
+    assert set(result["choices"]) == {"blocks.0", "blocks.1"}
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "plan_memory.png").stat().st_size > 0
+
+
+def test_warns_when_hf_cache_keeps_recomputed_tensors(gpt2):
+    gpt2.model.config.use_cache = True
+    try:
+        full = simulate(gpt2.costs, singles(["keep"] * 3)).peak_bytes
+        with pytest.warns(UserWarning, match="use_cache is True"):
+            co.plan(gpt2.model, gpt2.step, budget=full // 2, devices=["cpu"], min_bytes=0, costs=gpt2.costs,
+                    kinds=("keep", "recompute"))
+    finally:
+        gpt2.model.config.use_cache = False

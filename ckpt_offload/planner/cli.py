@@ -62,6 +62,7 @@ def add_plan_parser(sub, configs, default_min_bytes):
     p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
     p.add_argument("--out", metavar="DIR", default="ckpt_offload_plan", help="folder for plan.json and plan_memory.png")
     p.add_argument("--seed", type=int, default=0, help="built-in model: seed (default: 0)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement (default: 3)")
     return p
 
 
@@ -163,10 +164,12 @@ def run_plan(args, parser) -> int:
         parser.error(str(e))
     print(plan.summary())
     model.zero_grad(set_to_none=True)
-    base_s, base_mem = _measure(step, device)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    base_s, base_mem = _measure(step, device, args.steps)
     handle = plan.apply()
     try:
-        plan_s, plan_mem = _measure(step, device)
+        plan_s, plan_mem = _measure(step, device, args.steps)
     finally:
         handle.remove()
     model.zero_grad(set_to_none=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import torch
 
@@ -232,6 +233,12 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here, "
             f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
             "lowers it)") from None
+    if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
+            u.kind in ("recompute", "recompute_offload", "selective") for u in best.units):
+        warnings.warn(
+            "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
+            "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
+            "training (as gradient_checkpointing_enable does)", stacklevel=2)
     sim = simulate(costs, best.units, best.prefetch_bytes)
     base_sim = simulate(costs, _solver.singles(["keep"] * len(named)), 0)
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
