@@ -212,7 +212,8 @@ def _markdown(r):
               "|---:|---|---:|---:|---|---:|---:|---|"]
     for row in r["rows"]:
         fits = "yes" if row["fits_measured"] else "NO"
-        lines.append(f"| {row['budget_bytes'] / mib:.2f} | {row['strategy']} | {row['predicted_peak_bytes'] / mib:.2f} | "
+        lines.append(f"| {row['budget_bytes'] / mib:.2f} | {row['strategy']} | "
+                     f"{row['predicted_peak_bytes'] / mib:.2f} | "
                      f"{row['measured_peak_bytes'] / mib:.2f} | {fits} | {row['predicted_step_s'] * 1e3:.1f} | "
                      f"{row['measured_step_s'] * 1e3:.1f} | {row['choices']} |")
     if r["skipped_rows"]:
@@ -222,7 +223,8 @@ def _markdown(r):
     for h in r["headline"]:
         err = "-" if h["plan_peak_error"] is None else f"{h['plan_peak_error'] * 100:+.1f}%"
         ratio = "-" if h["plan_vs_best_baseline_time"] is None else f"{h['plan_vs_best_baseline_time']:.2f}"
-        lines.append(f"| {h['budget_bytes'] / mib:.2f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} | {ratio} |")
+        lines.append(f"| {h['budget_bytes'] / mib:.2f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} "
+                     f"| {ratio} |")
     return "\n".join(lines)
 
 

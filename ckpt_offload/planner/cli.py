@@ -50,7 +50,8 @@ def add_plan_parser(sub, configs, default_min_bytes):
     p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
                        description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", required=True, help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
-    p.add_argument("--size", choices=tuple(configs), default="small", help=f"built-in model preset (default: small). {sizes}")
+    p.add_argument("--size", choices=tuple(configs), default="small",
+                   help=f"built-in model preset (default: small). {sizes}")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)")
     p.add_argument("--script", metavar="FILE.py:FUNCTION", default=None,
@@ -176,7 +177,8 @@ def run_plan(args, parser) -> int:
     ok = plan_mem.peak_bytes <= budget
     print(f"measured with the plan: peak {plan_mem.peak_bytes / 2**20:.2f} MiB (predicted "
           f"{plan.predicted_peak_bytes / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB: "
-          f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms (predicted {plan.predicted_step_seconds * 1e3:.2f} ms)")
+          f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms "
+          f"(predicted {plan.predicted_step_seconds * 1e3:.2f} ms)")
     print(f"measured without: peak {base_mem.peak_bytes / 2**20:.2f} MiB, step {base_s * 1e3:.2f} ms")
     os.makedirs(args.out, exist_ok=True)
     result = {

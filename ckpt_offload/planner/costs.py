@@ -54,11 +54,13 @@ class BlockCost:
     ``storages``: the saved storages the block owns (saved here first); ``packs``: for every tensor
     the block saved, in order, the index of its storage in ``storages`` (-1: not an activation, or
     owned elsewhere); ``nodes``: for every saved tensor, when backward unpacked it (a count of ops;
-    equal counts: one autograd node, which unpacks its saved tensors together; -1: never unpacked); ``input_bytes``: bytes of the block's own inputs (what a checkpoint keeps);
+    equal counts: one autograd node, which unpacks its saved tensors together; -1: never unpacked);
+    ``input_bytes``: bytes of the block's own inputs (what a checkpoint keeps);
     ``input_sizes``: those inputs one by one; ``selective``: sizes of the storages selective recompute
     keeps besides the input, and ``selective_saved``: which of them are also saved storages (their
     index), -1 if not, and ``selective_last_use``: how many tensors the block had saved when the last op
-    reading them ran (a recompute frees them there); ``forward_s`` / ``backward_s``: compute seconds; ``selective_recompute_s``:
+    reading them ran (a recompute frees them there); ``forward_s`` / ``backward_s``: compute seconds;
+    ``selective_recompute_s``:
     seconds to recompute what selective drops.
     """
 
@@ -459,6 +461,8 @@ def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth 
         c.forward_s, c.backward_s = f, b
         c.selective_recompute_s = f * r._fraction_dropped
         blocks.append(c)
-    bw = bandwidth if bandwidth is not None else measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
+    if bandwidth is None:
+        bandwidth = measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
+    bw = bandwidth
     return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
                      pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device)

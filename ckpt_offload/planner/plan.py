@@ -11,7 +11,7 @@ import torch
 
 from ckpt_offload._args import check_int, device_types
 from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
-from ckpt_offload.planner.simulator import KINDS, SimResult, simulate
+from ckpt_offload.planner.simulator import KINDS, SimResult, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
 __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
@@ -136,11 +136,12 @@ class Plan:
             lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
                          f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms")
         b = self.baseline
-        slow = (self.predicted_step_seconds / b["predicted_step_seconds"] - 1) * 100 if b["predicted_step_seconds"] else 0
+        base_s = b["predicted_step_seconds"]
+        slow = (self.predicted_step_seconds / base_s - 1) * 100 if base_s else 0
         lines.append(f"peak of saved activations: {_fmt(self.predicted_peak_bytes)} predicted "
                      f"(no plan: {_fmt(b['peak_bytes'])}, {self.predicted_peak_bytes / max(b['peak_bytes'], 1):.0%})")
         lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
-                     f"{b['predicted_step_seconds'] * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
+                     f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
                      f"{slow:+.1f}%)")
         return "\n".join(lines)
 
@@ -222,8 +223,6 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     costs.min_bytes = min_bytes
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
-    from ckpt_offload.planner import solver as _solver
-
     try:
         best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
     except InfeasibleBudget as e:
@@ -240,7 +239,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
             "training (as gradient_checkpointing_enable does)", stacklevel=2)
     sim = simulate(costs, best.units, best.prefetch_bytes)
-    base_sim = simulate(costs, _solver.singles(["keep"] * len(named)), 0)
+    base_sim = simulate(costs, singles(["keep"] * len(named)), 0)
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
                 "predicted_step_seconds": base_sim.step_s}
     options = {"devices": dev_types, "min_bytes": min_bytes}

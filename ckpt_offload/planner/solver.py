@@ -19,7 +19,6 @@ never predicted slower than any of them at the same budget.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -186,6 +185,11 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
     return None if best is None else best[1]
 
 
+#: Largest Pareto front kept per block (the fastest states): the DP is exact while fronts stay
+#: smaller, which they do for chains of tens of blocks with measured costs.
+MAX_FRONT = 4000
+
+
 def _pareto(front):
     """Drops states another state beats in every coordinate (monotone costs: exactness kept)."""
     items = sorted(front.items(), key=lambda kv: (kv[0][6], kv[0][5]))
@@ -199,6 +203,8 @@ def _pareto(front):
                 break
         if not dominated:
             kept.append((s, units))
+            if len(kept) >= MAX_FRONT:
+                break
     return kept
 
 
@@ -244,11 +250,11 @@ def rotor(cm, budget, max_segment=None):
 
 
 def baselines(cm, budget=None):
-    """The strategies a plan is compared with, as ``{name: units}``: ``chen_sqrt`` (sqrt(n)
+    """The strategies a plan is compared with, as ``{name: units}``: ``chen_sqrt`` (about sqrt(n)
     segments), ``every_layer_offload`` (Hugging Face: every block checkpointed, inputs offloaded),
-    ``first_k_offload`` (Transformer Engine: the first k blocks offloaded, the smallest k that fits
-    ``budget`` when given, else all) and ``recompute_only`` (rotor's optimum for ``budget``, or every
-    block recomputed without one)."""
+    ``first_k_offload`` (Transformer Engine's, here with k = n; :func:`first_k_units` gives any k,
+    and the solver tries them all) and ``recompute_only`` (every block checkpointed; :func:`rotor`
+    gives the best recompute-only schedule for a budget). ``budget`` is unused (kept for callers)."""
     n = len(cm.blocks)
     out = {
         "chen_sqrt": chen_units(n),
@@ -321,11 +327,7 @@ def _replace(units, i, kind):
                     out.append(Unit(j, j, u.kind))
         else:
             out.append(u)
-    return _merge_none(out)
-
-
-def _merge_none(units):
-    return units
+    return out
 
 
 def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True):
