@@ -435,3 +435,26 @@ def test_warns_when_hf_cache_keeps_recomputed_tensors(gpt2):
                     kinds=("keep", "recompute"))
     finally:
         gpt2.model.config.use_cache = False
+
+
+def test_cli_plan_script(tmp_path, capsys):
+    from ckpt_offload.__main__ import main
+
+    script = tmp_path / "mine.py"
+    script.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())\n"
+        "                                  for _ in range(3)])\n"
+        "    x = torch.randn(64, 32)\n"
+        "    return model, lambda: model(x).sum().backward()\n"
+        "def wrong():\n"
+        "    return 3\n"
+    )
+    assert main(["plan", "--script", f"{script}:build", "--budget", "1MiB", "--steps", "1", "--out",
+                 str(tmp_path / "o")]) == 0
+    assert "measured with the plan" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--script", f"{script}:wrong", "--budget", "1MiB"])
+    assert info.value.code == 2
+    assert "must return (model, step)" in capsys.readouterr().err

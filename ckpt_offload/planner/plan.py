@@ -165,8 +165,8 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     Args:
         model: the ``nn.Module`` whose blocks are planned (its parameters' device is the device).
         step: a function of no arguments running one forward and backward of the training step (no
-            optimizer step needed). It is called four times (warm-up, bytes, times, bandwidth
-            warm-up) with the model in its current mode; gradients accumulate, zero them after.
+            optimizer step needed). It is called three times (warm-up, bytes, times) with the
+            model in its current mode; gradients accumulate, zero them after.
         budget: bytes (int) or a string such as ``"2GiB"``: the device memory saved activations
             may take at peak. Too small: :class:`~ckpt_offload.planner.solver.InfeasibleBudget`
             (a ``ValueError``) naming the smallest feasible budget.
