@@ -19,7 +19,10 @@ import functools
 import torch
 import torch.utils.checkpoint
 from torch.profiler import record_function
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+try:  # torch's selective checkpoint (2.4+); without it plans have no "selective"
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # pragma: no cover - older torch
+    CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from ckpt_offload.checkpoint import CheckpointHandle, _context_for, checkpoint
 from ckpt_offload.planner.costs import SELECTIVE_SAVE_OPS

@@ -223,6 +223,10 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     costs.min_bytes = min_bytes
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
+    from ckpt_offload.planner.apply import create_selective_checkpoint_contexts
+
+    if create_selective_checkpoint_contexts is None:
+        kinds = tuple(k for k in kinds if k != "selective")
     try:
         best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
     except InfeasibleBudget as e:
