@@ -127,9 +127,10 @@ def test_simulated_peak_matches_measured_tiny_transformer(tiny, name):
     _check_prediction(tiny, name)
 
 
-@pytest.mark.parametrize("name", ["hf_mixed", "recompute"])
+@pytest.mark.parametrize("name", ["hf_mixed", "recompute", "segments"])
 def test_simulated_peak_matches_measured_hf_gpt2(gpt2, name):
-    # hf_mixed: offload, recompute_offload, selective (with a prefetch window); GPT-2's blocks
+    # hf_mixed: offload, recompute_offload, selective (with a prefetch window); segments: one
+    # checkpoint around blocks 0-1 and one around block 2. GPT-2's blocks
     # return tuples and take keyword arguments.
     _check_prediction(gpt2, name)
 
