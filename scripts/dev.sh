@@ -17,7 +17,7 @@ setup() {
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
   if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=64" "$TORCH_SPEC" numpy ninja pytest matplotlib tqdm \
-      transformers accelerate > pip.log 2>&1; then
+      transformers accelerate hypothesis > pip.log 2>&1; then
     tail -n 40 pip.log
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
     exit 1

@@ -13,8 +13,12 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:  # a machine without hypothesis (the GPU machine): that one test skips
+    given = None
 
 import ckpt_offload as co
 from ckpt_offload.planner import (
@@ -267,10 +271,7 @@ def _random_costs(rng, n, bw=1e9, latency=1e-5):
                      pre_s=1e-3, mid_s=1e-3, post_s=1e-3)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**31), n=st.integers(1, 8), fraction=st.floats(0.05, 1.2),
-       prefetch=st.sampled_from([0, 30_000, 10**9]), bw=st.sampled_from([1e7, 1e9, math.inf]))
-def test_dp_equals_exhaustive_search(seed, n, fraction, prefetch, bw):
+def _dp_equals_exhaustive_search(seed, n, fraction, prefetch, bw):
     rng = random.Random(seed)
     cm = _random_costs(rng, n, bw)
     kinds = KINDS if n <= 5 else ("keep", "offload", "recompute")
@@ -281,6 +282,19 @@ def test_dp_equals_exhaustive_search(seed, n, fraction, prefetch, bw):
     assert (dp is None) == (ex is None)
     if dp is not None:
         assert chain_cost(cm, dp, prefetch) == pytest.approx(chain_cost(cm, ex, prefetch), rel=1e-12)
+
+
+if given is not None:
+    test_dp_equals_exhaustive_search = settings(
+        max_examples=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow])(
+        given(seed=st.integers(0, 2**31), n=st.integers(1, 8), fraction=st.floats(0.05, 1.2),
+              prefetch=st.sampled_from([0, 30_000, 10**9]), bw=st.sampled_from([1e7, 1e9, math.inf]))(
+            _dp_equals_exhaustive_search))
+else:
+    @pytest.mark.skip(reason="needs hypothesis (pip install hypothesis)")
+    def test_dp_equals_exhaustive_search():
+        pass
 
 
 def test_dp_time_never_increases_with_budget():
