@@ -473,3 +473,22 @@ def test_cli_plan_script(tmp_path, capsys):
         main(["plan", "--script", f"{script}:wrong", "--budget", "1MiB"])
     assert info.value.code == 2
     assert "must return (model, step)" in capsys.readouterr().err
+
+
+def test_recompute_range_holds_only_recomputed_saved_tensors(tiny):
+    # What a recompute leaves alive when its range ends is exactly the block's saved storages less
+    # its input: torch's early stop raises through the block, and the frames of that exception
+    # (holding the last op's output) are dropped before the range ends.
+    from ckpt_offload.checkpoint import _select_blocks
+
+    units = singles(["recompute"] * len(tiny.named))
+    handle = apply_units(tiny.model, _select_blocks(tiny.model, None), units, None)
+    try:
+        tiny.drained_step()
+        timeline = saved_activation_peak(tiny.drained_step)
+    finally:
+        handle.remove()
+        tiny.model.zero_grad(set_to_none=True)
+    recomputed = sum(a[2] for a in timeline.allocations if a[3] == "recompute")
+    expected = sum(s.nbytes for b in tiny.costs.blocks for s in b.storages if not s.is_input)
+    assert recomputed == expected
