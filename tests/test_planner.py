@@ -404,8 +404,20 @@ def test_apply_segments_sqrt_bit_identical(tiny):
     finally:
         handle.remove()
     assert_bit_identical(reference, got)
+    # two segments with their inputs in the pool
+    handle = co.apply(tiny.model, segments=2, offload={"devices": ["cpu"], "min_bytes": 0})
+    try:
+        assert handle.kinds == ["recompute_offload_segment"] * 2 + ["recompute_offload"]
+        got = _grads(tiny)
+    finally:
+        handle.remove()
+    assert_bit_identical(reference, got)
     with pytest.raises(ValueError, match="segments must be 'sqrt'"):
         co.apply(tiny.model, segments="cube")
+    with pytest.raises(ValueError, match="cannot be combined with every_n_layers"):
+        co.apply(tiny.model, segments="sqrt", every_n_layers=2)
+    with pytest.raises(ValueError, match=r"segments \(4\) cannot exceed the number of blocks \(3\)"):
+        co.apply(tiny.model, segments=4)
 
 
 def test_checkpoint_sequential_sqrt():
