@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite: one command that builds ckpt_offload on the GPU machine, runs the GPU tests,
-# the CPU test suite, the bandwidth benchmark, the overlap benchmark and (when present) the demo,
+# the CPU test suite, the bandwidth benchmark, the overlap benchmark, the planner sweep and (when present) the demo,
 # and writes the results into OUT_DIR.
 #
 #   bash benchmarks/gpu_suite.sh OUT_DIR
@@ -15,6 +15,7 @@
 #   bandwidth.json / bandwidth.md   benchmarks/bandwidth.py --out OUT_DIR
 #   overlap.json / overlap.md / overlap.png   benchmarks/overlap.py --out OUT_DIR
 #   extras.tar.gz  the rest, packed: extras/build.log (setup.py build_ext --inplace),
+#                  extras/planner/planner_sweep.{json,md,png} (benchmarks/planner_sweep.py),
 #                  extras/gpu_tests.xml (junit XML of `pytest -m gpu -v tests/`),
 #                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`) and
 #                  extras/demo/* (the output of `python3 -m ckpt_offload demo`, if it exists)
@@ -35,7 +36,8 @@
 #
 # Environment: PYTHON (default python3; falls back to ./.venv/bin/python when python3 has no
 # torch), MAX_JOBS (default 16), SUITE_BUDGET_S (default 450), REQUIRE_GPU (default 0),
-# OVERLAP_BUDGET_S (default 130), SKIP_BUILD=1 (use the extension already built in place: for
+# OVERLAP_BUDGET_S (default 130), PLANNER_BUDGET_S (default 60: the planner sweep's rows stop
+# there; skipped when less than that is left after a 100 s reserve for the demo), SKIP_BUILD=1 (use the extension already built in place: for
 # trying the suite on a dev machine; the step table says the build was skipped).
 
 set -u
@@ -64,6 +66,8 @@ STEPS="$WORK/steps.tsv"        # name <TAB> status <TAB> seconds <TAB> note
 EXTRAS="$WORK/extras"          # packed into OUT_DIR/extras.tar.gz at the end
 mkdir -p "$EXTRAS"
 OVERLAP_BUDGET=${OVERLAP_BUDGET_S:-130}
+PLANNER_BUDGET=${PLANNER_BUDGET_S:-60}
+DEMO_RESERVE=100               # what the planner sweep leaves of the budget for the demo and summary
 SKIP_BUILD=${SKIP_BUILD:-0}
 : >"$STEPS"
 FAILED=0
@@ -228,6 +232,23 @@ EOF
   fi
   step overlap 200 - "$PY" benchmarks/overlap.py "${OVERLAP_ARGS[@]}" --no-progress --out "$OUT"
 
+  # ---- planner sweep: co.plan vs Chen / HF / TE / recompute-only, budgets down to the minimum ----
+  # Its files go into extras/planner/ (OUT_DIR keeps its 8 files); summary.md gets its headline.
+  mkdir -p "$EXTRAS/planner"
+  left=$((BUDGET - ($(date +%s) - START) - DEMO_RESERVE))
+  pb=$((left < PLANNER_BUDGET ? left : PLANNER_BUDGET))
+  if [ "$pb" -lt 20 ]; then
+    record planner "SKIPPED" 0 "not enough of the suite budget left (${left}s after the demo's reserve)"
+  else
+    if [ "$TORCH_GPU" = "1" ]; then
+      PLANNER_ARGS=(--size medium --points 5 --steps 3)
+    else
+      PLANNER_ARGS=(--quick)   # CPU: the tiny model, CPU numbers (the files say so)
+    fi
+    step planner $((pb + 30)) - "$PY" benchmarks/planner_sweep.py "${PLANNER_ARGS[@]}" --budget-s "$pb" \
+      --out "$EXTRAS/planner"
+  fi
+
   # ---- demo (only if someone has written it) ------------------------------------------------
   if "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('ckpt_offload.__main__') else 1)" \
     >/dev/null 2>&1 && timeout 60 "$PY" -m ckpt_offload demo --help >/dev/null 2>&1; then
@@ -386,6 +407,32 @@ if os.path.exists(ov):
         lines.append(f"could not read overlap.json: {e}")
 else:
     lines.append("no overlap.json (the step failed or did not run)")
+
+pl = os.path.join(extras, "planner", "planner_sweep.json")
+lines.append("")
+lines.append("## Planner sweep (extras/planner/: planner_sweep.md has every row, planner_sweep.png the plot)")
+lines.append("")
+if os.path.exists(pl):
+    try:
+        r = json.load(open(pl))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        m = r["model"]
+        lines.append(f"TinyTransformer {m['name']} ({m['layers']} layers) · smallest budget "
+                     f"{r['smallest_budget_bytes'] / 2**20:.1f} MiB · no plan {r['no_plan']['measured_peak_bytes'] / 2**20:.1f} MiB "
+                     f"· {r.get('elapsed_s', 0):.0f} s" + (f" · {r['skipped_rows']} rows skipped (budget)" if r.get("skipped_rows") else ""))
+        lines.append("")
+        lines.append("| budget MiB | plan fits (measured) | plan peak vs predicted | best fitting baseline | plan time / its time |")
+        lines.append("|---:|---|---:|---|---:|")
+        for h in r["headline"]:
+            err = "-" if h["plan_peak_error"] is None else f"{h['plan_peak_error'] * 100:+.1f}%"
+            ratio = "-" if h["plan_vs_best_baseline_time"] is None else f"{h['plan_vs_best_baseline_time']:.2f}"
+            lines.append(f"| {h['budget_bytes'] / 2**20:.1f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} | {ratio} |")
+    except Exception as e:
+        lines.append(f"could not read planner_sweep.json: {e}")
+else:
+    lines.append("no planner_sweep.json (the step failed, was skipped or did not run)")
 
 lines.append("")
 lines.append("Files: " + ", ".join(sorted(set(os.listdir(out)) | {"summary.md", "extras.tar.gz"})) + " (extras.tar.gz: "

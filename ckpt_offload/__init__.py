@@ -32,6 +32,7 @@ from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpo
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 from ckpt_offload.profiling import Profile, ProfileReport, profile
+from ckpt_offload.planner import Plan, plan
 
 __all__ = [
     "offload",
@@ -49,6 +50,8 @@ __all__ = [
     "profile",
     "ProfileReport",
     "Profile",  # deprecated alias of ProfileReport
+    "plan",
+    "Plan",
 ]
 
 

@@ -1,4 +1,4 @@
-"""``python -m ckpt_offload {demo,profile,info}``: the command line lives in :mod:`ckpt_offload.demo.cli`.
+"""``python -m ckpt_offload {demo,profile,plan,info}``: the command line lives in :mod:`ckpt_offload.demo.cli`.
 
 Example::
 

@@ -8,6 +8,7 @@ device -- wait in the host pool instead.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -58,16 +59,18 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
 
 
-def checkpoint_sequential(functions, segments: int, input, offload=False, use_reentrant: bool | None = None,
+def checkpoint_sequential(functions, segments, input, offload=False, use_reentrant: bool | None = None,
                           **kwargs):
     """Like ``torch.utils.checkpoint.checkpoint_sequential``: splits ``functions`` (an
     ``nn.Sequential`` or a list of modules/functions run one after another) into ``segments``
-    chunks, checkpoints every chunk but the last, and returns the output. ``offload`` and the
-    checkpoint keywords are as in :func:`checkpoint`.
+    chunks, checkpoints every chunk but the last, and returns the output. ``segments="sqrt"`` is
+    Chen et al.'s rule: round(sqrt(n)) chunks for n functions. ``offload`` and the checkpoint
+    keywords are as in :func:`checkpoint`.
 
     Example::
 
         out = co.checkpoint_sequential(model.layers, 4, x, offload=True)
+        out = co.checkpoint_sequential(model.layers, "sqrt", x)
     """
     if isinstance(functions, torch.nn.Sequential):
         functions = list(functions.children())
@@ -81,6 +84,10 @@ def checkpoint_sequential(functions, segments: int, input, offload=False, use_re
     for i, f in enumerate(functions):
         if not callable(f):
             raise TypeError(f"functions[{i}] is not callable ({type(f).__name__})")
+    if segments == "sqrt":
+        segments = max(1, round(math.sqrt(len(functions))))
+    elif isinstance(segments, str):
+        raise ValueError(f"segments must be an int >= 1 or 'sqrt', got {segments!r}")
     check_int("segments", segments, minimum=1)
     if segments > len(functions):
         raise ValueError(f"segments ({segments}) cannot exceed the number of functions ({len(functions)})")
@@ -244,7 +251,8 @@ def _select_blocks(model: torch.nn.Module, layers):
     return outer
 
 
-def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=False, **checkpoint_kwargs):
+def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=False, segments=None,
+          **checkpoint_kwargs):
     """Checkpoints the repeated blocks of ``model``: block ``i`` recomputes in backward when
     ``i % every_n_layers == 0`` (Hugging Face's rule), optionally with its inputs offloaded.
 
@@ -255,6 +263,11 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
             ``layers(name, module) -> bool`` selects what it accepts (outermost matches only).
         every_n_layers: checkpoint one block in ``every_n_layers`` (>= 1), starting with the first.
         offload: as in :func:`checkpoint`.
+        segments: ``None`` (default) checkpoints blocks one by one; ``"sqrt"`` (Chen et al.) or an
+            int k groups the n blocks into about sqrt(n) (or k) runs of consecutive blocks, each
+            checkpointed as one (only its first input is kept), through the planner's segments
+            (blocks must be chained through their first argument). Not with ``every_n_layers`` or
+            checkpoint keywords.
         **checkpoint_kwargs: ``use_reentrant``, ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``.
 
@@ -289,6 +302,12 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
             "co.apply or co.hf.enable was already applied to this model; call .remove() on the handle "
             "it returned (model._ckpt_offload_handle.remove()) before applying again"
         )
+    if segments is not None:
+        if every_n_layers != 1 or checkpoint_kwargs or use_reentrant:
+            raise ValueError("segments= cannot be combined with every_n_layers, use_reentrant or checkpoint keywords")
+        from ckpt_offload.planner.apply import apply_segments
+
+        return apply_segments(model, _select_blocks(model, layers), segments, options)
     candidates = _select_blocks(model, layers)
     for name, block in candidates:
         if "_ckpt_offload_wrapped" in block.__dict__:

@@ -85,3 +85,7 @@ class Transformer(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         return self.head(self.ln(x))
+
+
+# The built-in TinyTransformer (ckpt_offload/demo/model.py), imported here for the tests.
+from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config  # noqa: E402,F401

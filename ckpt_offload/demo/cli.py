@@ -1,4 +1,4 @@
-"""Command line: ``python -m ckpt_offload {demo,profile,info}``.
+"""Command line: ``python -m ckpt_offload {demo,profile,plan,info}``.
 
 Examples::
 
@@ -7,6 +7,7 @@ Examples::
     python -m ckpt_offload profile --script train.py:step             # profile your own step
     python -m ckpt_offload demo                          # small model, GPU if usable, else CPU
     python -m ckpt_offload demo --steps 4 --device cpu --out results/
+    python -m ckpt_offload plan --size small --budget 20MiB          # plan, apply, measure, plot
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ckpt_offload",
         description="ckpt_offload: offload saved activations to a host-memory pool.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{demo,profile,info}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,profile,plan,info}")
     sub.required = True
 
     demo = sub.add_parser(
@@ -160,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
     prof.add_argument("--top", type=_positive_int, default=None, help="summary: show the N heaviest modules only")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    from ckpt_offload.planner.cli import add_plan_parser
+
+    add_plan_parser(sub, CONFIGS, DEFAULT_MIN_BYTES)
 
     sub.add_parser(
         "info",
@@ -347,6 +352,10 @@ def main(argv=None) -> int:
         return _info()
     if args.command == "profile":
         return _profile(args, parser)
+    if args.command == "plan":
+        from ckpt_offload.planner.cli import run_plan
+
+        return run_plan(args, parser)
     return _demo(args, parser)
 
 

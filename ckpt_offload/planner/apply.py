@@ -1,0 +1,236 @@
+"""Installing a plan on a model: each block's ``forward`` is wrapped with the public pieces of
+ckpt_offload -- ``co.offload`` for "offload", ``co.checkpoint`` for "recompute",
+``co.checkpoint(offload=...)`` for "recompute_offload", ``co.checkpoint`` with torch's selective
+checkpoint policy for "selective" -- and a segment of blocks is one checkpoint around all of them.
+
+Offloaded blocks and checkpoints with offloaded inputs share one ``co.offload`` context (the one
+``co.checkpoint`` caches per option set), so the engine's prefetcher sees their saved tensors in one
+pack order and brings back the next block's while backward works on this one.
+
+A recompute (of a checkpoint or a segment) runs inside a ``ckpt_offload::recompute`` profiler range,
+which is how :func:`ckpt_offload.planner.measure.saved_activation_peak` tells recomputed activations
+from temporaries.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils.checkpoint
+from torch.profiler import record_function
+try:  # torch's selective checkpoint (2.4+); without it plans have no "selective"
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError:  # pragma: no cover - older torch
+    CheckpointPolicy = create_selective_checkpoint_contexts = None
+
+from ckpt_offload._checkpoint_core import context_for as _context_for
+from ckpt_offload.checkpoint import CheckpointHandle, checkpoint
+from ckpt_offload.planner.costs import SELECTIVE_SAVE_OPS
+
+__all__ = ["apply_units", "PlanHandle", "selective_policy"]
+
+_SAVE = set(SELECTIVE_SAVE_OPS)
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Torch's selective-checkpoint policy of the planner's "selective": keep the outputs of matmuls,
+    convolutions and fused attention, recompute everything else."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+# record_function is a torch op: inside a selective checkpoint's recompute it would be dispatched
+# to the policy's cache and fail. RecordFunctionFast opens the same profiler range without an op.
+_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+_FastRange = getattr(torch._C._profiler, "_RecordFunctionFast", None)
+
+
+def _range(name):
+    return _FastRange(name) if _FastRange is not None else record_function(name)
+
+
+def _ranged(fn):
+    """``fn`` that, when run by a recompute in backward, runs inside a named profiler range."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not _in_backward():
+            return fn(*args, **kwargs)
+        with _range("ckpt_offload::recompute"):
+            try:
+                return fn(*args, **kwargs)
+            except _StopRecomputation as e:
+                # torch's early stop ends a recompute by raising through the block; the traceback's
+                # frames hold the last op's output. Dropped here, so that when the range ends only
+                # what the recompute keeps for backward is left.
+                e.__traceback__ = None
+                raise
+
+    return run
+
+
+class PlanHandle(CheckpointHandle):
+    """Returned by :meth:`Plan.apply` (and ``co.apply(segments=...)``): which blocks are wrapped;
+    :meth:`remove` restores them."""
+
+    def __init__(self, model, blocks, names, kinds):
+        super().__init__(model, blocks, names, every_n_layers=1)
+        self.kinds = kinds  #: per wrapped block, what it does
+
+    def remove(self) -> None:
+        if self.removed:
+            return
+        for block in self._blocks:
+            block.__dict__.pop("forward", None)
+            block.__dict__.pop("_ckpt_offload_wrapped", None)
+        if getattr(self._model, "_ckpt_offload_handle", None) is self:
+            del self._model._ckpt_offload_handle
+        self.removed = True
+
+    def __repr__(self) -> str:
+        return f"PlanHandle({len(self.names)} blocks, removed={self.removed})"
+
+
+def _hidden(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class _Segment:
+    """Blocks ``a..b`` as one checkpoint. The model calls them one after another; the first block's
+    wrapper runs all of them inside the checkpoint (each next block gets the previous one's hidden
+    state as its first argument, the other arguments unchanged) and the others hand back that
+    result. Needs blocks chained through their first argument, as in a transformer's layer loop."""
+
+    def __init__(self, originals, names, offload):
+        self.originals, self.names, self.offload = originals, names, offload
+        self.stash = None
+
+    def first(self, args, kwargs):
+        originals = self.originals
+
+        def chain(*a, **kw):
+            out = originals[0](*a, **kw)
+            for f in originals[1:]:
+                h = _hidden(out)
+                if a:
+                    out = f(h, *a[1:], **kw)
+                else:
+                    kw = dict(kw)
+                    kw["hidden_states"] = h
+                    out = f(**kw)
+            return out
+
+        out = checkpoint(_ranged(chain), *args, offload=self.offload, **kwargs)
+        self.stash = [out, 1]
+        return out
+
+    def later(self, j, original, args, kwargs):
+        if self.stash is None:
+            return original(*args, **kwargs)
+        out, _ = self.stash
+        given = args[0] if args else kwargs.get("hidden_states")
+        if given is not _hidden(out):
+            self.stash = None
+            raise RuntimeError(
+                f"a plan segment ({self.names[0]} .. {self.names[-1]}) expects its blocks to be called one after "
+                f"another, each with the previous one's output; {self.names[j]} got another input. Plan without "
+                "segments (co.plan(..., segments=False)) for this model")
+        if j == len(self.originals) - 1:
+            self.stash = None
+        return out
+
+
+def apply_units(model, named_blocks, units, offload_options):
+    """Wraps the blocks of ``named_blocks`` as ``units`` say; returns a :class:`PlanHandle`.
+
+    ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input.
+    """
+    existing = getattr(model, "_ckpt_offload_handle", None)
+    if existing is not None and not existing.removed:
+        raise RuntimeError(
+            "co.apply, co.hf.enable or a plan was already applied to this model; call .remove() on the handle "
+            "it returned (model._ckpt_offload_handle.remove()) before applying again")
+    for name, block in named_blocks:
+        if "_ckpt_offload_wrapped" in block.__dict__:
+            raise RuntimeError(f"block {name!r} is already wrapped by co.apply or a plan; remove that one first")
+    wrapped, names, kinds = [], [], []
+
+    def install(block, name, kind, forward):
+        block.forward = forward
+        block._ckpt_offload_wrapped = True
+        wrapped.append(block)
+        names.append(name)
+        kinds.append(kind)
+
+    for u in units:
+        if u.kind == "keep":
+            continue
+        if u.end > u.start:
+            members = named_blocks[u.start:u.end + 1]
+            seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
+                           offload_options if u.kind == "recompute_offload" else False)
+            for j, (name, block) in enumerate(members):
+                original = block.forward
+                if j == 0:
+                    def forward(*args, _seg=seg, _block=block, _orig=original, **kwargs):
+                        if _block.training and torch.is_grad_enabled():
+                            return _seg.first(args, kwargs)
+                        return _orig(*args, **kwargs)
+                else:
+                    def forward(*args, _seg=seg, _j=j, _orig=original, **kwargs):
+                        return _seg.later(_j, _orig, args, kwargs)
+                install(block, name, f"{u.kind}_segment", forward)
+            continue
+        name, block = named_blocks[u.start]
+        original = block.forward
+        kind = u.kind
+
+        def forward(*args, _orig=original, _block=block, _kind=kind, **kwargs):
+            if not (_block.training and torch.is_grad_enabled()):
+                return _orig(*args, **kwargs)
+            if _kind == "offload":
+                with _context_for(offload_options):
+                    return _orig(*args, **kwargs)
+            if _kind == "recompute":
+                return checkpoint(_ranged(_orig), *args, **kwargs)
+            if _kind == "recompute_offload":
+                return checkpoint(_ranged(_orig), *args, offload=offload_options, **kwargs)
+            return checkpoint(_ranged(_orig), *args, context_fn=_selective_context, **kwargs)
+
+        install(block, name, kind, forward)
+    handle = PlanHandle(model, wrapped, names, kinds)
+    model._ckpt_offload_handle = handle
+    return handle
+
+
+def apply_segments(model, named_blocks, segments, offload_options):
+    """``co.apply(model, segments=...)``: ``"sqrt"`` -> round(sqrt(n)) segments (Chen et al.), an int
+    k -> k segments of consecutive blocks, each checkpointed as one (inputs offloaded when
+    ``offload_options`` is not None)."""
+    import math
+
+    from ckpt_offload._args import check_int
+    from ckpt_offload.planner.simulator import Unit
+
+    n = len(named_blocks)
+    if segments == "sqrt":
+        k = max(1, round(math.sqrt(n)))
+    elif isinstance(segments, str):
+        raise ValueError(f"segments must be 'sqrt', an int >= 1 or None, got {segments!r}")
+    else:
+        k = check_int("segments", segments, minimum=1)
+        if k > n:
+            raise ValueError(f"segments ({k}) cannot exceed the number of blocks ({n})")
+    size = math.ceil(n / k)
+    kind = "recompute" if offload_options is None else "recompute_offload"
+    units = [Unit(s, min(n, s + size) - 1, kind) for s in range(0, n, size)]
+    return apply_units(model, named_blocks, units, offload_options)

@@ -1,0 +1,200 @@
+"""``python -m ckpt_offload plan``: plan the built-in model (or your own) for a budget, print the
+summary, apply the plan, measure it, and plot predicted vs measured memory over the step."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+__all__ = ["builtin_model", "add_plan_parser", "run_plan", "plot_memory"]
+
+PLAN_DESCRIPTION = """\
+Measure one training step of a model, plan keep / offload / recompute per block so that saved
+activations fit --budget with the least predicted step time, print the plan's summary, then apply
+it and measure: the peak of saved activations (torch.profiler's allocator events) and the step time,
+next to the prediction. Writes OUT/plan.json and OUT/plan_memory.png (predicted vs measured device
+memory of saved activations over the step; needs matplotlib).
+
+Without --script: the built-in TinyTransformer (--size) on --device. With --script FILE.py:FUNCTION,
+FUNCTION() is called once and must return (model, step): the model whose blocks are planned and a
+function of no arguments running one forward and backward.
+
+Exit status: 0 when the measured peak is within the budget, 1 when it is not, 2 for bad arguments
+(an impossible budget included: the message names the smallest feasible one)."""
+
+
+def builtin_model(size: str = "small", device: str = "cpu", seed: int = 0, **overrides):
+    """The built-in TinyTransformer preset ``size`` and a step (forward + backward of the LM loss)
+    on ``device``: ``(model, step, config)``. The one place the planner's CLI and benchmark import
+    the built-in model from."""
+    import torch
+
+    from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
+
+    cfg = make_config(size, **overrides)
+    model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device).train()
+    tokens = make_batch(cfg, seed=seed, device=device)
+
+    def step():
+        torch.manual_seed(seed)
+        lm_loss(model, tokens).backward()
+
+    return model, step, cfg
+
+
+def add_plan_parser(sub, configs, default_min_bytes):
+    sizes = "; ".join(f"{n}: dim {c.dim}, {c.layers} layers, seq {c.seq}, batch {c.batch}" for n, c in configs.items())
+    import argparse
+
+    p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
+                       description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--budget", required=True, help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
+    p.add_argument("--size", choices=tuple(configs), default="small",
+                   help=f"built-in model preset (default: small). {sizes}")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)")
+    p.add_argument("--script", metavar="FILE.py:FUNCTION", default=None,
+                   help="plan your own model: FUNCTION() returns (model, step)")
+    p.add_argument("--bandwidth", default=None,
+                   help="host link bytes/s both ways (e.g. 25GB/s, inf, 0) instead of measuring it")
+    p.add_argument("--min-bytes", type=int, default=None,
+                   help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)")
+    p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
+    p.add_argument("--out", metavar="DIR", default="ckpt_offload_plan", help="folder for plan.json and plan_memory.png")
+    p.add_argument("--seed", type=int, default=0, help="built-in model: seed (default: 0)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement (default: 3)")
+    return p
+
+
+def _measure(step, device, repeats=3):
+    """Median step seconds and the saved-activation timeline of ``step``."""
+    import time
+
+    import torch
+
+    import ckpt_offload as co
+    from ckpt_offload.planner.measure import saved_activation_peak
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        co.synchronize()
+
+    step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2], saved_activation_peak(step, device)
+
+
+def plot_memory(path, predicted, measured, baseline=None, budget=None, title=""):
+    """Predicted and measured saved-activation memory over the step (time as a fraction of each
+    step, since predicted and measured step times differ). Returns False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+
+    def norm(tl):
+        end = max(t for t, _ in tl) or 1.0
+        return [t / end for t, _ in tl], [b / 2**20 for _, b in tl]
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for tl, label, style in ((baseline, "measured, no plan", ":"), (predicted, "predicted (simulator)", "--"),
+                             (measured, "measured with the plan", "-")):
+        if tl:
+            x, y = norm(tl)
+            ax.step(x, y, where="post", linestyle=style, label=label)
+    if budget is not None:
+        ax.axhline(budget / 2**20, color="red", linewidth=0.8, label="budget")
+    ax.set_xlabel("fraction of the step")
+    ax.set_ylabel("saved activations on the device (MiB)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def run_plan(args, parser) -> int:
+    import torch
+
+    import ckpt_offload as co
+    from ckpt_offload.planner import InfeasibleBudget, parse_bytes
+
+    if args.script is not None:
+        from ckpt_offload.__main__ import _load_script
+
+        fn = _load_script(args.script, parser)
+        got = fn()
+        if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.nn.Module) and callable(got[1])):
+            parser.error(f"--script: {args.script} must return (model, step), got {type(got).__name__}")
+        model, step = got
+        device = next(model.parameters()).device.type
+        what = args.script
+    else:
+        from ckpt_offload import demo
+
+        device = args.device or demo.default_device()
+        if device == "cuda" and not demo.gpu_usable():
+            parser.error("--device cuda: no usable CUDA GPU here; use --device cpu")
+        model, step, _ = builtin_model(args.size, device, args.seed)
+        what = f"TinyTransformer {args.size} on {device}"
+    try:
+        budget = parse_bytes("--budget", args.budget)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    min_bytes = args.min_bytes if args.min_bytes is not None else (0 if device == "cpu" else None)
+    print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
+    try:
+        plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth, min_bytes=min_bytes,
+                       segments=not args.no_segments)
+    except InfeasibleBudget as e:
+        parser.error(str(e))
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    print(plan.summary())
+    model.zero_grad(set_to_none=True)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    base_s, base_mem = _measure(step, device, args.steps)
+    handle = plan.apply()
+    try:
+        plan_s, plan_mem = _measure(step, device, args.steps)
+    finally:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+    ok = plan_mem.peak_bytes <= budget
+    print(f"measured with the plan: peak {plan_mem.peak_bytes / 2**20:.2f} MiB (predicted "
+          f"{plan.predicted_peak_bytes / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB: "
+          f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms "
+          f"(predicted {plan.predicted_step_seconds * 1e3:.2f} ms)")
+    print(f"measured without: peak {base_mem.peak_bytes / 2**20:.2f} MiB, step {base_s * 1e3:.2f} ms")
+    os.makedirs(args.out, exist_ok=True)
+    result = {
+        "model": what, "device": device, "budget_bytes": budget, "choices": plan.choices,
+        "prefetch_bytes": plan.prefetch_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_step_seconds": plan.predicted_step_seconds, "measured_peak_bytes": plan_mem.peak_bytes,
+        "measured_step_seconds": plan_s, "baseline": dict(plan.baseline, measured_peak_bytes=base_mem.peak_bytes,
+                                                            measured_step_seconds=base_s),
+        "bandwidth": vars(plan.costs.bandwidth), "within_budget": ok,
+    }
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        json.dump(result, f, indent=1, default=float)
+    png = os.path.join(args.out, "plan_memory.png")
+    if plot_memory(png, plan.simulation.timeline, plan_mem.timeline, base_mem.timeline, budget,
+                   f"{what}: budget {budget / 2**20:.1f} MiB"):
+        print(f"wrote {os.path.join(args.out, 'plan.json')}, {png}")
+    else:
+        print(f"wrote {os.path.join(args.out, 'plan.json')} (plan_memory.png needs matplotlib)")
+    return 0 if ok else 1

@@ -1,0 +1,468 @@
+"""The planner's cost model: what each block saves for backward and how long it computes, measured
+from one instrumented run of the user's step, plus the host link's bandwidth and per-copy latency.
+
+What is counted (see docs/planner.md, "What the bytes mean"): a *saved activation* is a storage that
+autograd saves for backward and that was allocated during the step (an op's fresh output). Not
+counted: parameters, buffers and views of them, inputs created before the step (token ids), and
+temporaries that die before backward. A storage saved several times (a view saved by two ops, the
+block input saved by a LayerNorm and a Linear) counts once, for the block that saved it first.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
+           "SELECTIVE_SAVE_OPS"]
+
+# What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
+# whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
+# recompute attention's cheap pointwise ops).
+SELECTIVE_SAVE_OPS = tuple(
+    op for op in (
+        getattr(torch.ops.aten, name, None)
+        for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu")
+    ) if op is not None
+)
+_SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
+_NO_COMPUTE = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
+
+
+@dataclass
+class Storage:
+    """One saved storage of a block: ``nbytes``, the first and last pack position (index in the
+    block's list of saved tensors, forward order) and whether it is the block's input."""
+
+    nbytes: int
+    first: int
+    last: int
+    is_input: bool = False
+
+
+@dataclass
+class BlockCost:
+    """Measured costs of one block.
+
+    ``storages``: the saved storages the block owns (saved here first); ``packs``: for every tensor
+    the block saved, in order, the index of its storage in ``storages`` (-1: not an activation, or
+    owned elsewhere); ``nodes``: for every saved tensor, when backward unpacked it (a count of ops;
+    equal counts: one autograd node, which unpacks its saved tensors together; -1: never unpacked);
+    ``input_bytes``: bytes of the block's own inputs (what a checkpoint keeps);
+    ``input_sizes``: those inputs one by one; ``selective``: sizes of the storages selective recompute
+    keeps besides the input, and ``selective_saved``: which of them are also saved storages (their
+    index), -1 if not, and ``selective_last_use``: how many tensors the block had saved when the last op
+    reading them ran (a recompute frees them there); ``forward_s`` / ``backward_s``: compute seconds;
+    ``selective_recompute_s``:
+    seconds to recompute what selective drops.
+    """
+
+    name: str
+    storages: list = field(default_factory=list)
+    packs: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)
+    input_sizes: list = field(default_factory=list)
+    selective: list = field(default_factory=list)
+    selective_saved: list = field(default_factory=list)
+    selective_last_use: list = field(default_factory=list)
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    selective_recompute_s: float = 0.0
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(s.nbytes for s in self.storages)
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(self.input_sizes)
+
+
+@dataclass
+class Bandwidth:
+    """The host link: bytes per second each way and seconds of fixed cost per copy. ``0`` bytes/s
+    means no link (nothing can be offloaded); ``math.inf`` a free one."""
+
+    d2h: float
+    h2d: float
+    latency: float = 0.0
+
+    def copy_seconds(self, nbytes: int, copies: int, direction: str) -> float:
+        bw = self.d2h if direction == "d2h" else self.h2d
+        if nbytes <= 0 and copies <= 0:
+            return 0.0
+        if bw <= 0:
+            return math.inf
+        return copies * self.latency + (0.0 if math.isinf(bw) else nbytes / bw)
+
+
+@dataclass
+class CostModel:
+    """Everything the simulator needs: per-block costs, what is saved outside the blocks (kept on
+    the device whatever the plan: ``pre_bytes`` from before the first block until the end,
+    ``post_bytes`` from the last block's forward until backward reaches it), the compute outside
+    the blocks (``pre_s``, ``mid_s``, ``post_s``), the link, and ``min_bytes`` (smaller saved tensors
+    stay on the device when offloading, as in co.offload)."""
+
+    blocks: list
+    bandwidth: Bandwidth
+    min_bytes: int = 0
+    pre_bytes: int = 0
+    post_bytes: int = 0
+    pre_s: float = 0.0
+    mid_s: float = 0.0
+    post_s: float = 0.0
+    baseline_step_s: float = 0.0
+    device: str = "cpu"
+
+    @property
+    def names(self) -> list:
+        return [b.name for b in self.blocks]
+
+    @property
+    def compute_s(self) -> float:
+        """Seconds of compute of a step without any plan (what the simulator predicts for it)."""
+        return self.pre_s + self.mid_s + self.post_s + sum(b.forward_s + b.backward_s for b in self.blocks)
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        s = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, some subclasses
+        return None
+    if s.nbytes() == 0 or s.device.type == "meta":
+        return None
+    return (s.device.type, s.data_ptr(), s.nbytes())
+
+
+class _Recorder(TorchDispatchMode):
+    """Sees every op of the step: which storages ops freshly allocate (activations, as opposed to
+    views of parameters or of inputs made before the step), and, per block, the outputs of the ops
+    selective recompute keeps and how long each op takes."""
+
+    def __init__(self, sync):
+        super().__init__()
+        self.fresh = set()
+        self.block = None  # the _BlockRecord of the block running, or None
+        self.sync = sync
+        self.count = 0  # ops completed
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        in_keys = {_storage_key(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        block = self.block
+        if block is not None:
+            for k in in_keys:
+                if k in block.selective_refs:
+                    block.selective_uses[k] = len(block.cost.packs)
+            self.sync()
+            t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        if not getattr(func, "is_view", False) and func.overloadpacket not in _NO_COMPUTE:
+            self.count += 1  # views: unpacking a saved view re-creates it; not a node's work
+        if block is not None:
+            self.sync()
+            dt = time.perf_counter() - t0
+            keep = func.overloadpacket in _SAVE_PACKETS or func in _SAVE_PACKETS
+            if keep:
+                block.saved_op_s += dt
+            block.op_s += dt
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor):
+                k = _storage_key(o)
+                if k is not None and k not in in_keys:
+                    self.fresh.add(k)
+                    if block is not None and keep:
+                        block.selective_refs[k] = o  # held, as selective recompute would
+        return out
+
+
+class _Packed:
+    __slots__ = ("t", "block", "pos")
+
+    def __init__(self, t, block, pos):
+        self.t, self.block, self.pos = t, block, pos
+
+
+class _BlockRecord:
+    def __init__(self, name):
+        self.cost = BlockCost(name)
+        self.keys = {}  # storage key -> index in cost.storages
+        self.input_keys = []
+        self.selective_refs = {}
+        self.selective_uses = {}
+        self.saved_op_s = 0.0
+        self.op_s = 0.0
+
+
+def _sync_for(device: str):
+    if device == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _tensors(obj):
+    return [x for x in tree_flatten(obj)[0] if isinstance(x, torch.Tensor)]
+
+
+def _measure_bytes(step, named_blocks, device, min_bytes):
+    """Run 1: saved tensors per block (saved_tensors_hooks), fresh storages and selective outputs
+    (a dispatch mode)."""
+    sync = _sync_for(device)
+    recs = [_BlockRecord(n) for n, _ in named_blocks]
+    owner = {}  # storage key -> ("block", i) | ("pre",) | ("post",)
+    outside = {"pre": {}, "post": {}}
+    state = {"current": None, "done": set(), "started": False}
+    rec_mode = _Recorder(sync)
+
+    def pre_hook(i):
+        def hook(module, args, kwargs):
+            if state["current"] is not None:
+                return  # a block inside a block: attributed to the outer one
+            state["current"] = i
+            state["started"] = True
+            r = recs[i]
+            for t in _tensors((args, kwargs)):
+                k = _storage_key(t)
+                if k is not None and k in rec_mode.fresh and k not in owner and k not in r.input_keys:
+                    r.input_keys.append(k)
+                    owner[k] = ("block", i)
+                    r.cost.input_sizes.append(k[2])
+            rec_mode.block = r
+        return hook
+
+    def post_hook(i):
+        def hook(module, args, kwargs, output):
+            if state["current"] != i:
+                return
+            r = recs[i]
+            for k, _ in r.selective_refs.items():
+                r.cost.selective.append(k[2])
+                r.cost.selective_saved.append(r.keys.get(k, -1))
+                r.cost.selective_last_use.append(r.selective_uses.get(k, len(r.cost.packs)))
+            r.selective_refs = {}
+            state["current"] = None
+            state["done"].add(i)
+            rec_mode.block = None
+        return hook
+
+    def pack(t):
+        k = _storage_key(t)
+        i = state["current"]
+        if i is not None:
+            recs[i].cost.nodes.append(-1)
+            pack_block(t, k, i)
+            return _Packed(t, i, len(recs[i].cost.nodes) - 1)
+        return _pack_outside(t, k)
+
+    def _pack_outside(t, k):
+        if k is None or k not in rec_mode.fresh:
+            return t
+        where = "post" if state["done"] else "pre"
+        if k not in owner:
+            owner[k] = (where,)
+            outside[where][k] = k[2]
+        return t
+
+    def unpack(p):
+        if isinstance(p, _Packed):
+            # A node unpacks all its saved tensors before running any op of its backward: tensors
+            # unpacked with no op between them belong to one node (and are freed together).
+            recs[p.block].cost.nodes[p.pos] = rec_mode.count
+            return p.t
+        return p
+
+    def pack_block(t, k, i):
+        if k is None or k not in rec_mode.fresh:
+            recs[i].cost.packs.append(-1)
+            return
+        r = recs[i]
+        pos = len(r.cost.packs)
+        if k in r.keys:
+            idx = r.keys[k]
+            r.cost.storages[idx].last = pos
+        elif k not in owner or owner[k] == ("block", i):
+            owner[k] = ("block", i)
+            idx = r.keys[k] = len(r.cost.storages)
+            r.cost.storages.append(Storage(k[2], pos, pos, is_input=k in r.input_keys))
+        else:
+            idx = -1  # owned by an earlier block or saved before the blocks
+        r.cost.packs.append(idx)
+
+    handles = []
+    for i, (_, m) in enumerate(named_blocks):
+        handles.append(m.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook(i), with_kwargs=True))
+    try:
+        with rec_mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            step()
+        sync()
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [named_blocks[i][0] for i in range(len(recs)) if i not in state["done"]]
+    if missing:
+        raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
+                         "that step() calls, or a step that runs the model's forward and backward")
+    for r in recs:
+        r.cost.selective_recompute_s = 0.0
+        r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
+    pre = sum(outside["pre"].values())
+    post = sum(outside["post"].values())
+    return recs, pre, post
+
+
+def _measure_times(step, named_blocks, device):
+    """Run 2: compute seconds per block, forward (hooks) and backward (hooks on the gradients of the
+    block's output and input), and the step's total."""
+    sync = _sync_for(device)
+    n = len(named_blocks)
+    fwd_start, fwd_end = [None] * n, [None] * n
+    bwd_start, bwd_end = [None] * n, [None] * n
+    active = {"i": None}
+
+    def stamp(arr, i):
+        def hook(*_):
+            if arr[i] is None:
+                sync()
+                arr[i] = time.perf_counter()
+        return hook
+
+    def pre_hook(i):
+        def hook(module, args, kwargs):
+            if active["i"] is not None:
+                return
+            active["i"] = i
+            for t in _tensors((args, kwargs)):
+                if t.requires_grad:
+                    t.register_hook(stamp(bwd_end, i))
+                    break
+            sync()
+            fwd_start[i] = time.perf_counter()
+        return hook
+
+    def post_hook(i):
+        def hook(module, args, kwargs, output):
+            if active["i"] != i:
+                return
+            active["i"] = None
+            sync()
+            fwd_end[i] = time.perf_counter()
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(stamp(bwd_start, i))
+                    break
+        return hook
+
+    handles = []
+    for i, (_, m) in enumerate(named_blocks):
+        handles.append(m.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(m.register_forward_hook(post_hook(i), with_kwargs=True))
+    try:
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        t1 = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    fwd = [max(0.0, (e or 0) - (s or 0)) for s, e in zip(fwd_start, fwd_end)]
+    bwd = []
+    for i in range(n):
+        s, e = bwd_start[i], bwd_end[i]
+        if s is None or e is None or e < s:
+            bwd.append(None)
+        else:
+            bwd.append(e - s)
+    known = [b for b in bwd if b is not None]
+    ratio = (sum(known) / sum(f for f, b in zip(fwd, bwd) if b is not None)) if known and sum(fwd) > 0 else 2.0
+    bwd = [b if b is not None else ratio * f for f, b in zip(fwd, bwd)]
+    total = t1 - t0
+    pre = (fwd_start[0] - t0) if fwd_start[0] else 0.0
+    last_fwd = fwd_end[n - 1] or t0
+    first_bwd = bwd_start[n - 1] or last_fwd
+    mid = max(0.0, first_bwd - last_fwd)
+    post = max(0.0, total - pre - mid - sum(fwd) - sum(bwd))
+    return fwd, bwd, pre, mid, post, total
+
+
+def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
+    """Times copies through a fresh host pool with ckpt_offload's engine (side stream): one small and
+    one ``nbytes`` tensor each way; the small one gives the per-copy latency, the difference the
+    bandwidth.
+
+    Example::
+
+        bw = measure_bandwidth("cuda")      # Bandwidth(d2h=..., h2d=..., latency=...)
+    """
+    from ckpt_offload import synchronize
+    from ckpt_offload.offload import offload_tensor
+    from ckpt_offload.pool import HostPool
+
+    pool = HostPool(pinned=None if device == "cuda" else False)
+    sync = _sync_for(device)
+    small, big = 4096, max(int(nbytes), 1 << 20)
+
+    def timed(n, reps=3):
+        x = torch.empty(n // 4, dtype=torch.float32, device=device).fill_(1.0)
+        d2h, h2d = [], []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            h = offload_tensor(x, pool=pool)
+            synchronize()
+            sync()
+            t1 = time.perf_counter()
+            y = h.reload()
+            sync()
+            synchronize()
+            t2 = time.perf_counter()
+            d2h.append(t1 - t0)
+            h2d.append(t2 - t1)
+            del y, h
+        return min(d2h), min(h2d)
+
+    timed(small, 1)  # warm-up: the pool's first segment, the copy threads
+    s_d, s_h = timed(small)
+    b_d, b_h = timed(big)
+    latency = max(0.0, min(s_d, s_h))
+    d2h = (big - small) / max(b_d - s_d, 1e-9)
+    h2d = (big - small) / max(b_h - s_h, 1e-9)
+    return Bandwidth(d2h=d2h, h2d=h2d, latency=latency)
+
+
+def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth | None = None,
+                  min_bytes: int = 0) -> CostModel:
+    """Measures a :class:`CostModel` for ``step`` (one forward + backward) over ``named_blocks``
+    (``[(name, module), ...]`` in execution order). Runs the step three times: a warm-up, one
+    instrumented for bytes, one timed; the last also gives the baseline step time.
+
+    Example::
+
+        cm = measure_costs(lambda: model(x).sum().backward(), list(model.layers.named_children()))
+    """
+    step()  # warm-up: gradients exist, lazy initialisation done, allocator warm
+    recs, pre_b, post_b = _measure_bytes(step, named_blocks, device, min_bytes)
+    fwd, bwd, pre_s, mid_s, post_s, total = _measure_times(step, named_blocks, device)
+    blocks = []
+    for r, f, b in zip(recs, fwd, bwd):
+        c = r.cost
+        c.forward_s, c.backward_s = f, b
+        c.selective_recompute_s = f * r._fraction_dropped
+        blocks.append(c)
+    if bandwidth is None:
+        bandwidth = measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
+    bw = bandwidth
+    return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
+                     pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device)

@@ -1,0 +1,254 @@
+"""``co.plan``: from "my saved activations must fit in B bytes" to the fastest mix of keep / offload /
+recompute per block, predicted by the simulator from measured costs."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import torch
+
+from ckpt_offload._args import check_int, device_types
+from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
+from ckpt_offload.planner.simulator import KINDS, SimResult, simulate, singles
+from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
+
+__all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
+
+#: Plans leave this many bytes of the budget free: autograd keeps a few scalar buffers alive through
+#: backward that the cost model does not see (16 bytes a step on the built-in model).
+SLACK_BYTES = 256
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(name: str, value) -> int:
+    """``1 << 30``, ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"`` -> bytes (int). Raises naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"{name}: cannot read {value!r} as bytes; write e.g. '2GiB', '512MiB', '1.5GB' or an int")
+    raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {type(value).__name__}")
+
+
+def parse_bandwidth(value) -> Bandwidth | None:
+    """``None`` (measure it), a number or string of bytes per second for both ways (``"25GB/s"``,
+    ``math.inf``, ``0``), or a dict ``{"d2h": ..., "h2d": ..., "latency": seconds}``."""
+    if value is None or isinstance(value, Bandwidth):
+        return value
+
+    def one(key, v):
+        if isinstance(v, float) and math.isinf(v) and v > 0:
+            return math.inf
+        if isinstance(v, str):
+            v = v.strip()
+            if v.lower() in ("inf", "infinite"):
+                return math.inf
+            v = v[:-2] if v.lower().endswith("/s") else v
+        return float(parse_bytes(f"bandwidth{key}", v))
+
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"d2h", "h2d", "latency"})
+        if unknown:
+            raise TypeError(f"bandwidth: unknown key(s) {unknown}; allowed: d2h, h2d, latency")
+        if "d2h" not in value or "h2d" not in value:
+            raise ValueError("bandwidth as a dict needs both 'd2h' and 'h2d' (bytes per second)")
+        lat = float(value.get("latency", 0.0))
+        if not lat >= 0:
+            raise ValueError(f"bandwidth['latency'] must be seconds >= 0, got {value.get('latency')!r}")
+        return Bandwidth(one("['d2h']", value["d2h"]), one("['h2d']", value["h2d"]), lat)
+    bw = one("", value)
+    return Bandwidth(bw, bw, 0.0)
+
+
+class Plan:
+    """What :func:`plan` chose and what it predicts.
+
+    Attributes:
+        choices: ``{block name: kind}``, kind in ``keep``, ``offload``, ``recompute``,
+            ``recompute_offload``, ``selective``, or ``recompute_segment`` /
+            ``recompute_offload_segment`` for the blocks of a segment checkpointed as one.
+        predicted_peak_bytes: device peak of saved activations the simulator predicts.
+        predicted_step_seconds: step time it predicts.
+        baseline: the step without a plan, measured: ``step_seconds``, ``peak_bytes`` (saved
+            activations at the end of forward, all kept) and the simulator's ``predicted_step_seconds``.
+        budget: the budget in bytes; prefetch_bytes: the prefetch window the plan's offload uses;
+        costs: the :class:`~ckpt_offload.planner.costs.CostModel`; units: the chosen units;
+        simulation: the :class:`~ckpt_offload.planner.simulator.SimResult` of the plan.
+    """
+
+    def __init__(self, model, named_blocks, costs: CostModel, units, prefetch_bytes, budget, offload_options,
+                 sim: SimResult, baseline: dict, source: str):
+        self.model = model
+        self._named_blocks = named_blocks
+        self.costs = costs
+        self.units = list(units)
+        self.prefetch_bytes = prefetch_bytes
+        self.budget = budget
+        self.offload_options = dict(offload_options, prefetch_bytes=prefetch_bytes)
+        self.simulation = sim
+        self.baseline = baseline
+        self.source = source
+        self.choices = {}
+        for u in self.units:
+            for i in range(u.start, u.end + 1):
+                kind = u.kind if u.start == u.end else f"{u.kind}_segment"
+                self.choices[named_blocks[i][0]] = kind
+        self.predicted_peak_bytes = sim.peak_bytes
+        self.predicted_step_seconds = sim.step_s
+
+    def apply(self):
+        """Installs the plan on the model (like ``co.apply``); returns a handle whose ``remove()``
+        restores it. The plan holds in training mode with gradients enabled; in ``eval()`` or under
+        ``torch.no_grad()`` the blocks run unchanged.
+
+        Example::
+
+            handle = plan.apply()
+            step()
+            handle.remove()
+        """
+        from ckpt_offload.planner.apply import apply_units
+
+        return apply_units(self.model, self._named_blocks, self.units, self.offload_options)
+
+    def summary(self) -> str:
+        """A table: per block its choice, device bytes kept through forward, bytes sent to the pool,
+        extra compute, copy time; then totals against no plan."""
+        cm = self.costs
+        lines = [f"plan for {len(cm.blocks)} blocks, budget {_fmt(self.budget)} of saved activations "
+                 f"(prefetch window {_fmt(self.prefetch_bytes)}, chosen by {self.source})",
+                 f"{'block':<28} {'choice':<26} {'device':>11} {'pool':>11} {'recompute':>10} {'copies':>10}"]
+        for u, info in zip(self.units, self.simulation.units):
+            label = self._named_blocks[u.start][0]
+            if u.end > u.start:
+                label = f"{label}..{self._named_blocks[u.end][0].rsplit('.', 1)[-1]}"
+            kind = u.kind if u.start == u.end else f"{u.kind} (segment)"
+            lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
+                         f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms")
+        b = self.baseline
+        base_s = b["predicted_step_seconds"]
+        slow = (self.predicted_step_seconds / base_s - 1) * 100 if base_s else 0
+        lines.append(f"peak of saved activations: {_fmt(self.predicted_peak_bytes)} predicted "
+                     f"(no plan: {_fmt(b['peak_bytes'])}, {self.predicted_peak_bytes / max(b['peak_bytes'], 1):.0%})")
+        lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
+                     f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
+                     f"{slow:+.1f}%)")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (f"Plan(peak={_fmt(self.predicted_peak_bytes)}, step={self.predicted_step_seconds * 1e3:.2f} ms, "
+                f"choices={self.choices})")
+
+
+def _model_device(model) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
+         min_bytes=None, kinds=KINDS, segments: bool = True, prefetch_bytes=None, costs: CostModel | None = None):
+    """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
+    recompute_offload / selective (and segments of blocks recomputed as one) so that the device
+    peak of saved activations fits ``budget`` with the least predicted step time.
+
+    Args:
+        model: the ``nn.Module`` whose blocks are planned (its parameters' device is the device).
+        step: a function of no arguments running one forward and backward of the training step (no
+            optimizer step needed). It is called three times (warm-up, bytes, times) with the
+            model in its current mode; gradients accumulate, zero them after.
+        budget: bytes (int) or a string such as ``"2GiB"``: the device memory saved activations
+            may take at peak. Too small: :class:`~ckpt_offload.planner.solver.InfeasibleBudget`
+            (a ``ValueError``) naming the smallest feasible budget.
+        devices: as in ``co.offload`` (``["cpu"]`` to offload CPU tensors); default: the model's
+            device type.
+        layers: which blocks, as in ``co.apply`` (default: the longest list of identical blocks).
+        bandwidth: ``None`` measures the host link through the pool; or bytes/s for both ways
+            (``"25GB/s"``, ``math.inf``, ``0`` = no offload), or ``{"d2h", "h2d", "latency"}``, e.g.
+            to plan for a GPU from a CPU machine.
+        min_bytes: saved tensors smaller than this stay on the device when offloading (default
+            co.offload's, 256 KiB; ``0`` offloads everything).
+        kinds: the choices allowed (a subset of ``("keep", "offload", "recompute",
+            "recompute_offload", "selective")``).
+        segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
+            through their first argument).
+        prefetch_bytes: the prefetch window of the plan's offload; ``None`` lets the planner choose.
+        costs: a :class:`~ckpt_offload.planner.costs.CostModel` measured before (skips measuring).
+
+    Returns:
+        a :class:`Plan`.
+
+    Example::
+
+        plan = co.plan(model, lambda: loss_fn(model(x)).backward(), budget="2GiB")
+        print(plan.summary())
+        handle = plan.apply()
+    """
+    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.offload import DEFAULT_MIN_BYTES
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not callable(step):
+        raise TypeError(f"step must be a function of no arguments running forward and backward, got "
+                        f"{type(step).__name__}")
+    budget_bytes = parse_bytes("budget", budget)
+    kinds = tuple(kinds)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
+    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else check_int("min_bytes", min_bytes, minimum=0)
+    if prefetch_bytes is not None:
+        prefetch_bytes = parse_bytes("prefetch_bytes", prefetch_bytes)
+    bw = parse_bandwidth(bandwidth)
+    device = _model_device(model)
+    dev_types = [device] if devices is None else device_types("devices", devices)
+    named = _select_blocks(model, layers)
+    if costs is None:
+        costs = measure_costs(step, named, device=device, bandwidth=bw, min_bytes=min_bytes)
+    elif len(costs.blocks) != len(named):
+        raise ValueError(f"costs has {len(costs.blocks)} blocks, the model {len(named)}; measure them again")
+    if bw is not None:
+        costs.bandwidth = bw
+    costs.min_bytes = min_bytes
+    if device not in dev_types:
+        kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
+    from ckpt_offload.planner.apply import create_selective_checkpoint_contexts
+
+    if create_selective_checkpoint_contexts is None:
+        kinds = tuple(k for k in kinds if k != "selective")
+    try:
+        best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
+    except InfeasibleBudget as e:
+        smallest = e.minimum + SLACK_BYTES
+        raise InfeasibleBudget(
+            budget_bytes, smallest,
+            f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here, "
+            f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
+            "lowers it)") from None
+    if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
+            u.kind in ("recompute", "recompute_offload", "selective") for u in best.units):
+        warnings.warn(
+            "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
+            "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
+            "training (as gradient_checkpointing_enable does)", stacklevel=2)
+    sim = simulate(costs, best.units, best.prefetch_bytes)
+    base_sim = simulate(costs, singles(["keep"] * len(named)), 0)
+    baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
+                "predicted_step_seconds": base_sim.step_s}
+    options = {"devices": dev_types, "min_bytes": min_bytes}
+    return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
+                best.source)
+
+
+__all__ += ["InfeasibleBudget"]

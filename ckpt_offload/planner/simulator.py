@@ -1,0 +1,314 @@
+"""An event simulator of one training step under a plan.
+
+Three queues: the compute stream, a device-to-host (D2H) and a host-to-device (H2D) copy queue, each
+copy costing ``latency + bytes / bandwidth``. Forward: offloaded storages are copied after their
+block's forward and leave the device when their copy is done (the copy *backlog* is device memory).
+Backward walks the blocks in reverse, saved tensor by saved tensor (the pack order the cost model
+recorded), and reproduces the engine's prefetcher: every unpack of an offloaded storage starts the
+reloads of the storages packed just before it while fewer than ``prefetch_bytes`` prefetched bytes
+wait unused; an unpack whose storage is not on the device reloads it on demand and the compute
+stream waits. A storage leaves the device after the backward of the first tensor that saved it (what
+autograd does), a checkpoint's input at the end of its segment's backward.
+
+The memory it predicts is the device memory of saved activations (kept, recomputed, reloaded or
+prefetched, and offloaded ones whose copy has not finished), the quantity
+:func:`ckpt_offload.planner.measure.saved_activation_peak` measures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS"]
+
+#: What a unit of the plan does with its blocks' saved activations.
+KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
+#: Kinds a unit of several consecutive blocks can have (one checkpoint around them: Chen's segments).
+SEGMENT_KINDS = ("recompute", "recompute_offload")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Blocks ``start..end`` (inclusive) handled as one: ``kind`` in :data:`KINDS`; several blocks
+    only for :data:`SEGMENT_KINDS`."""
+
+    start: int
+    end: int
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown kind {self.kind!r}; allowed: {KINDS}")
+        if self.end < self.start:
+            raise ValueError(f"unit end {self.end} < start {self.start}")
+        if self.end > self.start and self.kind not in SEGMENT_KINDS:
+            raise ValueError(f"a unit of several blocks must be one of {SEGMENT_KINDS}, got {self.kind!r}")
+
+
+def singles(kinds) -> list:
+    """``["keep", "offload", ...]`` -> one :class:`Unit` per block."""
+    return [Unit(i, i, k) for i, k in enumerate(kinds)]
+
+
+@dataclass
+class SimResult:
+    """``peak_bytes``: device peak of saved activations; ``step_s``: step time; ``timeline``: (time,
+    bytes) after every change; ``units``: per unit ``dict(device_bytes, pool_bytes, recompute_s,
+    copy_s, stall_s)``; ``forward_end_s``; ``feasible``: False when a copy would never end (no link)."""
+
+    peak_bytes: int
+    step_s: float
+    timeline: list = field(default_factory=list)
+    units: list = field(default_factory=list)
+    forward_end_s: float = 0.0
+    feasible: bool = True
+
+
+class _Queue:
+    def __init__(self, bw, direction):
+        self.bw, self.dir, self.free = bw, direction, 0.0
+
+    def copy(self, t, nbytes, copies=1):
+        start = max(t, self.free)
+        self.free = start + self.bw.copy_seconds(nbytes, copies, self.dir)
+        return self.free
+
+
+class _Handle:
+    """An offloaded storage as the engine's Prefetcher sees it."""
+
+    __slots__ = ("nbytes", "pending", "staged", "ready", "resident", "seq")
+
+    def __init__(self, nbytes, pending, seq):
+        self.nbytes, self.pending, self.seq = nbytes, pending, seq
+        self.staged = False  # prefetched, not yet unpacked
+        self.ready = 0.0
+        self.resident = False  # reloaded and still on the device
+
+
+def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
+    """Simulates one step of ``costs`` (a :class:`~ckpt_offload.planner.costs.CostModel`) under
+    ``units`` (a list of :class:`Unit` covering every block once, in order).
+
+    Example::
+
+        r = simulate(cm, singles(["offload"] * len(cm.blocks)), prefetch_bytes=64 << 20)
+        r.peak_bytes, r.step_s
+    """
+    blocks, bw, min_bytes = costs.blocks, costs.bandwidth, costs.min_bytes
+    _check_units(units, len(blocks))
+    events = []  # (time, order, delta)
+    order = [0]
+
+    def mem(t, delta):
+        if delta:
+            events.append((t, order[0], delta))
+            order[0] += 1
+
+    d2h, h2d = _Queue(bw, "d2h"), _Queue(bw, "h2d")
+    infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0) for _ in units]
+    feasible = True
+    handles = []  # global pack order of offloaded storages
+    unit_handles = {}  # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle
+
+    def offloadable(n):
+        return n >= min_bytes and n > 0
+
+    t = 0.0
+    mem(t, costs.pre_bytes)
+    t += costs.pre_s
+    for ui, u in enumerate(units):
+        info = infos[ui]
+        first = blocks[u.start]
+        if u.kind in ("recompute", "recompute_offload"):
+            held = 0
+            for j, n in enumerate(first.input_sizes):
+                mem(t, n)
+                if u.kind == "recompute_offload" and offloadable(n):
+                    h = _Handle(n, 1, len(handles))
+                    handles.append(h)
+                    unit_handles[(ui, "input", j)] = h
+                    done = d2h.copy(t, n)
+                    info["copy_s"] += bw.copy_seconds(n, 1, "d2h")
+                    mem(done, -n)
+                    info["pool_bytes"] += n
+                    feasible &= math.isfinite(done)
+                else:
+                    held += n
+            info["device_bytes"] = held
+        for bi in range(u.start, u.end + 1):
+            b = blocks[bi]
+            t0 = t
+            t += b.forward_s
+            if u.kind == "keep":
+                mem(t, b.saved_bytes)
+                info["device_bytes"] += b.saved_bytes
+            elif u.kind == "offload":
+                # Each storage is packed (and its copy queued) when the op that saves it first runs:
+                # at its first pack position, spread evenly over the block's forward.
+                pending = [0] * len(b.storages)
+                for p in b.packs:
+                    if p >= 0:
+                        pending[p] += 1
+                k = max(1, len(b.packs))
+                for si, s in enumerate(b.storages):
+                    tp = t0 + b.forward_s * (s.first + 1) / k
+                    mem(tp, s.nbytes)
+                    if offloadable(s.nbytes):
+                        h = _Handle(s.nbytes, pending[si], len(handles))
+                        handles.append(h)
+                        unit_handles[(ui, bi, si)] = h
+                        done = d2h.copy(tp, s.nbytes)
+                        info["copy_s"] += bw.copy_seconds(s.nbytes, 1, "d2h")
+                        feasible &= math.isfinite(done)
+                        mem(done, -s.nbytes)
+                        info["pool_bytes"] += s.nbytes
+                    else:
+                        info["device_bytes"] += s.nbytes
+            elif u.kind == "selective":
+                extra = sum(n for n, si in zip(b.selective, b.selective_saved))
+                mem(t, extra + b.input_bytes)
+                info["device_bytes"] += extra + b.input_bytes
+    forward_end = t
+    mem(t, costs.post_bytes)
+    t += costs.mid_s
+    mem(t, -costs.post_bytes)
+
+    outstanding = [0]
+    P = max(0, int(prefetch_bytes))
+
+    def after_unpack(h):
+        # Prefetcher::after_unpack: walk down from this handle, prefetch while the budget allows.
+        i, scanned = h.seq, 0
+        while i > 0 and scanned < 64:
+            i -= 1
+            scanned += 1
+            r = handles[i]
+            if r.pending <= 0 or r.staged or r.resident:
+                continue
+            if outstanding[0] + r.nbytes > P:
+                break
+            outstanding[0] += r.nbytes
+            r.staged = True
+            mem(now[0], r.nbytes)
+            r.ready = h2d.copy(now[0], r.nbytes)
+
+    now = [t]
+
+    def unpack(h, info):
+        """One saved tensor of an offloaded storage is unpacked: returns nothing, advances time."""
+        if h.staged:
+            h.staged = False
+            outstanding[0] -= h.nbytes
+            h.resident = True
+            if h.ready > now[0]:
+                info["stall_s"] += h.ready - now[0]
+                now[0] = h.ready
+        elif not h.resident:
+            mem(now[0], h.nbytes)
+            done = h2d.copy(now[0], h.nbytes)
+            info["copy_s"] += bw.copy_seconds(h.nbytes, 1, "h2d")
+            if not math.isfinite(done):
+                return False
+            info["stall_s"] += done - now[0]
+            now[0] = done
+            h.resident = True
+        h.pending -= 1
+        after_unpack(h)
+        return True
+
+    for ui in range(len(units) - 1, -1, -1):
+        u, info = units[ui], infos[ui]
+        first = blocks[u.start]
+        recompute = u.kind in ("recompute", "recompute_offload", "selective")
+        if u.kind in ("recompute", "recompute_offload"):
+            for j, n in enumerate(first.input_sizes):
+                h = unit_handles.get((ui, "input", j))
+                if h is not None and not unpack(h, info):
+                    feasible = False
+            rs = sum(blocks[bi].forward_s for bi in range(u.start, u.end + 1))
+            now[0] += rs
+            info["recompute_s"] = rs
+            for bi in range(u.start, u.end + 1):
+                b = blocks[bi]
+                mem(now[0], sum(s.nbytes for s in b.storages if not (bi == u.start and s.is_input)))
+        elif u.kind == "selective":
+            b = blocks[u.start]
+            now[0] += b.selective_recompute_s
+            info["recompute_s"] = b.selective_recompute_s
+            # The recompute allocates the dropped saved tensors in pack order and frees each kept
+            # output nothing saved once the last op reading it has run again.
+            kept = {si for si in b.selective_saved if si >= 0}
+            only = [(use, n) for n, si, use in zip(b.selective, b.selective_saved,
+                                                  b.selective_last_use or [0] * len(b.selective)) if si < 0]
+            for pos in range(len(b.packs) + 1):
+                mem(now[0], -sum(n for use, n in only if use == pos))
+                mem(now[0], sum(s.nbytes for si, s in enumerate(b.storages)
+                                if s.first == pos and si not in kept and not s.is_input))
+            mem(now[0], -sum(n for use, n in only if use > len(b.packs)))
+        for bi in range(u.end, u.start - 1, -1):
+            b = blocks[bi]
+            k = len(b.packs)
+            if k == 0:
+                now[0] += b.backward_s
+                continue
+            for group in _node_groups(b):
+                # a node unpacks all its saved tensors, computes, then autograd frees them
+                for pos in group:
+                    si = b.packs[pos]
+                    if si >= 0 and u.kind == "offload":
+                        h = unit_handles.get((ui, bi, si))
+                        if h is not None and not unpack(h, info):
+                            feasible = False
+                now[0] += b.backward_s * len(group) / k
+                for pos in group:
+                    si = b.packs[pos]
+                    if si >= 0 and b.storages[si].first == pos:
+                        s = b.storages[si]
+                        if recompute and bi == u.start and s.is_input:
+                            continue  # the checkpoint's input leaves at the end of the unit
+                        mem(now[0], -s.nbytes)
+        if u.kind in ("recompute", "recompute_offload", "selective"):
+            mem(now[0], -first.input_bytes)
+    t = now[0] + costs.post_s
+    mem(t, -costs.pre_bytes)
+
+    events.sort()
+    live, peak, timeline = 0, 0, [(0.0, 0)]
+    for et, _, d in events:
+        live += d
+        peak = max(peak, live)
+        timeline.append((et, live))
+    if not feasible:
+        return SimResult(peak, math.inf, timeline, infos, forward_end, feasible=False)
+    return SimResult(int(peak), t, timeline, infos, forward_end)
+
+
+def _node_groups(b):
+    """Pack positions grouped by the autograd node that unpacks them, in backward order (measured;
+    positions never unpacked come last, one by one, in reverse pack order)."""
+    nodes = b.nodes if len(b.nodes) == len(b.packs) else [-1] * len(b.packs)
+    seen = sorted((nid, -pos) for pos, nid in enumerate(nodes) if nid >= 0)
+    groups, last = [], None
+    for nid, neg in seen:
+        if groups and nid == last:
+            groups[-1].append(-neg)
+        else:
+            groups.append([-neg])
+        last = nid
+    groups += [[pos] for pos in range(len(nodes) - 1, -1, -1) if nodes[pos] < 0]
+    return groups
+
+
+def _check_units(units, n):
+    expect = 0
+    for u in units:
+        if not isinstance(u, Unit):
+            raise TypeError(f"units must be Unit objects, got {type(u).__name__}")
+        if u.start != expect:
+            raise ValueError(f"units must cover blocks 0..{n - 1} in order; expected a unit starting at {expect}, "
+                             f"got {u}")
+        expect = u.end + 1
+    if expect != n:
+        raise ValueError(f"units cover {expect} blocks, the model has {n}")

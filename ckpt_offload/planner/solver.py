@@ -1,0 +1,405 @@
+"""Choosing a plan: the cheapest assignment of keep / offload / recompute / ... to the blocks whose
+predicted peak of saved activations fits a budget.
+
+Three searches, all judged by the event simulator (:func:`~ckpt_offload.planner.simulator.simulate`):
+
+* a dynamic program over the blocks (rotor / POFO style) on a block-level *chain model* of the
+  simulator -- per unit a forward-held size, a backward working size, extra compute, copies -- whose
+  state carries the bytes held so far, the D2H copy backlog (seconds of copies still queued), the
+  previous unit's reload (hidden behind this unit's backward, or not) and how much was offloaded
+  (the prefetch window it may occupy). Dominated states are pruned, so it is exact for that model
+  (:func:`chain_exhaustive` checks it);
+* local search with the full simulator from the best candidates (one block changed at a time);
+* exact enumeration with the full simulator when there are few blocks.
+
+The known strategies (Chen's sqrt(n) segments, every block recomputed with its input offloaded,
+the first k blocks offloaded, rotor's recompute-only optimum) are candidates too, so a plan is
+never predicted slower than any of them at the same budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ckpt_offload.planner.simulator import KINDS, SEGMENT_KINDS, Unit, simulate, singles
+
+__all__ = ["Candidate", "solve", "chain_dp", "chain_exhaustive", "chain_cost", "baselines", "rotor",
+           "chen_units", "InfeasibleBudget"]
+
+
+class InfeasibleBudget(ValueError):
+    """The budget is below the smallest predicted peak any plan reaches; ``minimum`` is that peak."""
+
+    def __init__(self, budget, minimum, message):
+        super().__init__(message)
+        self.budget, self.minimum = budget, minimum
+
+
+@dataclass
+class Candidate:
+    units: list
+    prefetch_bytes: int
+    peak_bytes: int
+    step_s: float
+    source: str = ""
+
+    def key(self):
+        return (self.step_s, self.peak_bytes)
+
+
+# ---- the chain model (block level) -------------------------------------------------------------
+
+
+def _unit_terms(cm, u, prefetch):
+    """(held, work, extra_s, bwd_s, d2h_bytes, d2h_copies) of unit ``u`` in the chain model.
+
+    held: bytes it keeps on the device from its forward until its backward; work: bytes it has
+    on the device at the start of its backward (a bound of its backward peak without prefetch);
+    extra_s: recompute seconds; bwd_s: its backward compute (what a reload of the unit before it
+    hides behind); d2h: what it copies to the host (and reloads)."""
+    bs = cm.blocks[u.start:u.end + 1]
+    first = bs[0]
+    mb = cm.min_bytes
+
+    def off(n):
+        return n >= mb and n > 0
+
+    saved = sum(b.saved_bytes for b in bs)
+    bwd = sum(b.backward_s for b in bs)
+    if u.kind == "keep":
+        return saved, saved, 0.0, bwd, 0, 0
+    if u.kind == "offload":
+        b = first
+        o = [s.nbytes for s in b.storages if off(s.nbytes)]
+        return b.saved_bytes - sum(o), b.saved_bytes, 0.0, bwd, sum(o), len(o)
+    fwd = sum(b.forward_s for b in bs)
+    inp = first.input_bytes
+    not_input = saved - sum(s.nbytes for s in first.storages if s.is_input)
+    if u.kind == "recompute":
+        return inp, inp + not_input, fwd, bwd + fwd, 0, 0
+    if u.kind == "recompute_offload":
+        o = [n for n in first.input_sizes if off(n)]
+        return inp - sum(o), inp + not_input, fwd, bwd + fwd, sum(o), len(o)
+    # selective
+    b = first
+    sel = sum(b.selective)
+    sel_only = sum(n for n, si in zip(b.selective, b.selective_saved) if si < 0)
+    return inp + sel, inp + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s, 0, 0
+
+
+def _unit_options(n, kinds, max_segment):
+    """Units starting at each block: singles of every kind, segments (of at most ``max_segment``
+    blocks) of SEGMENT_KINDS."""
+    out = []
+    for i in range(n):
+        opts = [Unit(i, i, k) for k in kinds]
+        for j in range(i + 1, min(n, i + max_segment)):
+            opts += [Unit(i, j, k) for k in SEGMENT_KINDS if k in kinds]
+        out.append(opts)
+    return out
+
+
+def chain_cost(cm, units, prefetch):
+    """The chain model's (peak bound, time) of ``units``: what :func:`chain_dp` minimises."""
+    state = _initial(cm)
+    for u in units:
+        state = _advance(cm, state, u, prefetch, _unit_terms(cm, u, prefetch))
+        if state is None:
+            return math.inf, math.inf
+    return _finish(cm, state)
+
+
+def _initial(cm):
+    # held, backlog_s, prev reload bytes, prev reload copies, offloaded so far (capped), peak, time
+    return (0, 0.0, 0, 0, 0, cm.pre_bytes, cm.pre_s)
+
+
+def _advance(cm, state, u, prefetch, terms):
+    held, backlog, r_prev, c_prev, offl, peak, time = state
+    h, work, extra, bwd, d_bytes, d_copies = terms
+    bw = cm.bandwidth
+    if d_copies and bw.d2h <= 0:
+        return None
+    fwd = sum(b.forward_s for b in cm.blocks[u.start:u.end + 1])
+    # backward of the previous (earlier) unit's reload hides behind this unit's backward
+    time += fwd + bwd
+    if c_prev:
+        hidden = min(r_prev, prefetch)
+        stall = max(0.0, bw.copy_seconds(hidden, c_prev, "h2d") - bwd) + bw.copy_seconds(r_prev - hidden, 0, "h2d")
+        time += stall
+    time += extra
+    # forward: the copy backlog (bytes not yet on the host) is device memory
+    backlog = max(0.0, backlog - fwd) + (bw.copy_seconds(d_bytes, d_copies, "d2h") if d_copies else 0.0)
+    in_flight = 0 if backlog <= 0 or math.isinf(bw.d2h) else backlog * bw.d2h
+    base = cm.pre_bytes
+    peak = max(peak, base + held + h + in_flight)                 # end of this unit's forward
+    peak = max(peak, base + held + work + min(prefetch, offl))    # start of this unit's backward
+    offl = min(prefetch, offl + d_bytes)
+    return (held + h, backlog, d_bytes, d_copies, offl, peak, time)
+
+
+def _finish(cm, state):
+    held, backlog, r_prev, c_prev, offl, peak, time = state
+    bw = cm.bandwidth
+    if c_prev:
+        time += bw.copy_seconds(r_prev, c_prev, "h2d")  # nothing before it to hide behind... the first unit
+    peak = max(peak, cm.pre_bytes + held + cm.post_bytes)
+    return peak, time + cm.mid_s + cm.post_s
+
+
+def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
+    """The dynamic program: the units with the least chain-model time whose chain-model peak is at
+    most ``budget``, or None. States after each block are pruned to the Pareto front of (held,
+    backlog, previous reload, offloaded, peak, time); ties keep the smaller peak.
+
+    Example::
+
+        units = chain_dp(cm, budget=64 << 20, prefetch=8 << 20)
+    """
+    n = len(cm.blocks)
+    max_segment = n if max_segment is None else max_segment
+    options = _unit_options(n, kinds, max_segment)
+    terms = {}
+    fronts = [dict() for _ in range(n + 1)]  # position -> {state: (units)}
+    fronts[0][_initial(cm)] = ()
+    for i in range(n):
+        if not fronts[i]:
+            continue
+        for state, units in _pareto(fronts[i]):
+            for u in options[i]:
+                t = terms.get(u)
+                if t is None:
+                    t = terms[u] = _unit_terms(cm, u, prefetch)
+                s = _advance(cm, state, u, prefetch, t)
+                if s is None or s[5] > budget or not math.isfinite(s[6]):
+                    continue
+                old = fronts[u.end + 1].get(s)
+                if old is None:
+                    fronts[u.end + 1][s] = units + (u,)
+    best = None
+    for state, units in fronts[n].items():
+        peak, time = _finish(cm, state)
+        if peak <= budget and (best is None or (time, peak) < best[0]):
+            best = ((time, peak), list(units))
+    return None if best is None else best[1]
+
+
+#: Largest Pareto front kept per block (the fastest states): the DP is exact while fronts stay
+#: smaller, which they do for chains of tens of blocks with measured costs.
+MAX_FRONT = 4000
+
+
+def _pareto(front):
+    """Drops states another state beats in every coordinate (monotone costs: exactness kept)."""
+    items = sorted(front.items(), key=lambda kv: (kv[0][6], kv[0][5]))
+    kept = []
+    for s, units in items:
+        dominated = False
+        for k, _ in kept:
+            if (k[0] <= s[0] and k[1] <= s[1] and k[2] <= s[2] and k[3] <= s[3] and k[4] <= s[4]
+                    and k[5] <= s[5] and k[6] <= s[6]):
+                dominated = True
+                break
+        if not dominated:
+            kept.append((s, units))
+            if len(kept) >= MAX_FRONT:
+                break
+    return kept
+
+
+def _all_unit_lists(n, kinds, max_segment=None):
+    options = _unit_options(n, kinds, n if max_segment is None else max_segment)
+
+    def rec(i):
+        if i == n:
+            yield ()
+            return
+        for u in options[i]:
+            for rest in rec(u.end + 1):
+                yield (u,) + rest
+
+    return rec(0)
+
+
+def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
+    """Every assignment, judged by :func:`chain_cost`: what :func:`chain_dp` must equal (tests)."""
+    best = None
+    for units in _all_unit_lists(len(cm.blocks), kinds, max_segment):
+        peak, time = chain_cost(cm, units, prefetch)
+        if peak <= budget and math.isfinite(time) and (best is None or (time, peak) < best[0]):
+            best = ((time, peak), list(units))
+    return None if best is None else best[1]
+
+
+# ---- known strategies ----------------------------------------------------------------------------
+
+
+def chen_units(n, kind="recompute"):
+    """Chen et al.'s rule: about sqrt(n) segments of consecutive blocks, each one checkpoint."""
+    k = max(1, round(math.sqrt(n)))
+    size = math.ceil(n / k)
+    return [Unit(s, min(n, s + size) - 1, kind) for s in range(0, n, size)]
+
+
+def rotor(cm, budget, max_segment=None):
+    """Rotor's problem (Beaumont et al.): the fastest recompute-only schedule (keep or checkpoint,
+    blocks grouped in segments) within ``budget``; the same DP restricted to those kinds. (Rotor also
+    nests segments -- multi-level schedules -- which this does not.)"""
+    return chain_dp(cm, budget, 0, kinds=("keep", "recompute"), max_segment=max_segment)
+
+
+def baselines(cm, budget=None):
+    """The strategies a plan is compared with, as ``{name: units}``: ``chen_sqrt`` (about sqrt(n)
+    segments), ``every_layer_offload`` (Hugging Face: every block checkpointed, inputs offloaded),
+    ``first_k_offload`` (Transformer Engine's, here with k = n; :func:`first_k_units` gives any k,
+    and the solver tries them all) and ``recompute_only`` (every block checkpointed; :func:`rotor`
+    gives the best recompute-only schedule for a budget). ``budget`` is unused (kept for callers)."""
+    n = len(cm.blocks)
+    out = {
+        "chen_sqrt": chen_units(n),
+        "every_layer_offload": singles(["recompute_offload"] * n),
+    }
+    out["first_k_offload"] = singles(["offload"] * n)
+    out["recompute_only"] = singles(["recompute"] * n)
+    return out
+
+
+def first_k_units(n, k):
+    return singles(["offload"] * k + ["keep"] * (n - k))
+
+
+# ---- the solver ------------------------------------------------------------------------------------
+
+
+def _prefetch_options(cm, units_hint=None):
+    mb = cm.min_bytes
+    sizes = [sum(s.nbytes for s in b.storages if s.nbytes >= mb) for b in cm.blocks]
+    biggest = max(sizes + [0])
+    biggest_tensor = max([s.nbytes for b in cm.blocks for s in b.storages] + [0])
+    opts = {0, biggest_tensor, biggest, 2 * biggest}
+    return sorted(o for o in opts if o >= 0)
+
+
+def evaluate(cm, units, prefetch, source=""):
+    r = simulate(cm, list(units), prefetch)
+    return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if r.feasible else math.inf, source)
+
+
+def _local_search(cm, cand, budget, kinds, rounds=3):
+    """Changes one block's kind at a time (splitting a segment into singles around it) while that
+    lowers the predicted time (then the peak) and keeps the peak within the budget."""
+    best = cand
+    n = len(cm.blocks)
+    for _ in range(rounds):
+        improved = False
+        kinds_now = _per_block(best.units)
+        for i in range(n):
+            for k in kinds:
+                if k == kinds_now[i]:
+                    continue
+                units = _replace(best.units, i, k)
+                c = evaluate(cm, units, best.prefetch_bytes, best.source + "+ls")
+                if c.peak_bytes <= budget and c.key() < best.key():
+                    best, improved = c, True
+        if not improved:
+            break
+    return best
+
+
+def _per_block(units):
+    out = []
+    for u in units:
+        out += [u.kind] * (u.end - u.start + 1)
+    return out
+
+
+def _replace(units, i, kind):
+    out = []
+    for u in units:
+        if u.start <= i <= u.end:
+            for j in range(u.start, u.end + 1):
+                if j == i:
+                    out.append(Unit(j, j, kind))
+                elif u.start == u.end:
+                    out.append(u)
+                else:
+                    out.append(Unit(j, j, u.kind))
+        else:
+            out.append(u)
+    return out
+
+
+def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True):
+    """The plan with the least predicted step time whose predicted peak fits ``budget``.
+
+    Candidates: the DP's optimum for each prefetch window tried, the baselines (every first-k),
+    exact enumeration when the model has at most ``exhaustive_max_blocks`` blocks, then local search
+    from the best of them. Raises :class:`InfeasibleBudget` (with the smallest feasible budget) when
+    nothing fits.
+
+    Example::
+
+        best = solve(cm, 32 << 20)      # Candidate(units, prefetch_bytes, peak_bytes, step_s)
+    """
+    n = len(cm.blocks)
+    max_segment = n if segments else 1
+    windows = _prefetch_options(cm) if prefetch_bytes is None else [prefetch_bytes]
+    cands = []
+    for p in windows:
+        units = chain_dp(cm, budget, p, kinds=kinds, max_segment=max_segment)
+        if units:
+            cands.append(evaluate(cm, units, p, "dp"))
+    r = rotor(cm, budget, max_segment) if "recompute" in kinds else None
+    for p in windows:
+        for name, units in baselines(cm).items():
+            if all(u.kind in kinds and (segments or u.start == u.end) for u in units):
+                cands.append(evaluate(cm, units, p, name))
+        for k in range(n + 1):
+            if "offload" in kinds or k == 0:
+                cands.append(evaluate(cm, first_k_units(n, k), p, f"first_{k}_offload"))
+        if r:
+            cands.append(evaluate(cm, r, p, "rotor"))
+    if n <= exhaustive_max_blocks:
+        for units in _all_unit_lists(n, kinds, max_segment):
+            for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
+                cands.append(evaluate(cm, units, p, "exhaustive"))
+    fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
+    if fits:
+        fits.sort(key=Candidate.key)
+        best = fits[0]
+        if n > exhaustive_max_blocks:
+            for c in fits[:3]:
+                c = _local_search(cm, c, budget, kinds)
+                if c.key() < best.key():
+                    best = c
+        return best
+    smallest = minimum_peak(cm, kinds, windows, cands, segments)
+    raise InfeasibleBudget(
+        budget, smallest,
+        f"budget={_fmt(budget)} is below the smallest peak of saved activations any plan reaches here, "
+        f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)")
+
+
+def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True):
+    """The smallest predicted peak over the candidates (every block offloaded or recomputed with its
+    input offloaded, for each prefetch window, and the DP at an unlimited budget)."""
+    windows = windows if windows is not None else _prefetch_options(cm)
+    n = len(cm.blocks)
+    pool = list(cands)
+    for p in windows:
+        for kind in kinds:
+            pool.append(evaluate(cm, singles([kind] * n), p))
+        if segments:
+            for kind in SEGMENT_KINDS:
+                if kind in kinds:
+                    pool.append(evaluate(cm, chen_units(n, kind), p))
+    finite = [c for c in pool if math.isfinite(c.step_s)]
+    return min(c.peak_bytes for c in finite)
+
+
+def _fmt(n):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
