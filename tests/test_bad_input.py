@@ -117,7 +117,7 @@ CASES = [
     C("sequential-functions-entry", "co.checkpoint_sequential([model.layers[0], 3], 1, x)", TypeError,
       "functions[1]", "callable"),
     C("sequential-segments-zero", "co.checkpoint_sequential(model.layers, 0, x)", ValueError, "segments", ">= 1"),
-    C("sequential-segments-str", "co.checkpoint_sequential(model.layers, '2', x)", TypeError, "segments", "an int"),
+    C("sequential-segments-str", "co.checkpoint_sequential(model.layers, '2', x)", ValueError, "segments", "an int", "'sqrt'"),
     C("sequential-segments-too-many", "co.checkpoint_sequential(model.layers, 3, x)", ValueError,
       "segments", "number of functions"),
     C("sequential-offload-stream", "co.checkpoint_sequential(model.layers, 2, x, offload={'stream': 'gpu'})",

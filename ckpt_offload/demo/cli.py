@@ -196,7 +196,7 @@ def _info() -> int:
     return 0
 
 
-def _load_script(spec: str, parser):
+def load_script(spec: str, parser):
     """``path/to/file.py:function`` -> the function, or a parser error saying what is wrong."""
     import importlib.util
     import os
@@ -265,7 +265,7 @@ def _profile(args, parser) -> int:
     from ckpt_offload.pool import HostPool
     from ckpt_offload.profiling import profile
 
-    step_fn = _load_script(args.script, parser) if args.script is not None else None
+    step_fn = load_script(args.script, parser) if args.script is not None else None
     model, pools = None, None  # a script's steps use their own pools: the default one is reported
     if step_fn is None:
         from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config

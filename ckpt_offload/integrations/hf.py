@@ -457,11 +457,11 @@ class OffloadCheckpointCallback(TrainerCallback):
         self.checkpoint_kwargs = checkpoint_kwargs
         # Bad options and keywords fail here, not when Trainer starts.
         options = offload_options(offload)
-        _check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
-        unknown = sorted(set(checkpoint_kwargs) - {"use_reentrant", *_TORCH_KEYWORDS})
+        check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
+        unknown = sorted(set(checkpoint_kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
         if unknown:
             raise TypeError(
-                f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *_TORCH_KEYWORDS]}"
+                f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}"
             )
         self.handle: HFCheckpointHandle | None = None
 

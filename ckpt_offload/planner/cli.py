@@ -133,7 +133,7 @@ def run_plan(args, parser) -> int:
     from ckpt_offload.planner import InfeasibleBudget, parse_bytes
 
     if args.script is not None:
-        from ckpt_offload.__main__ import _load_script
+        from ckpt_offload.demo.cli import load_script as _load_script
 
         fn = _load_script(args.script, parser)
         got = fn()
