@@ -25,9 +25,9 @@ __all__ = [
 #: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
 #: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
 DEFAULT_MIN_BYTES = 256 * 1024
-#: Backward keeps at most this many bytes of prefetched (reloaded ahead of need, not yet used)
-#: tensors on the device. A few layers' worth of boundary activations of a large model at long
-#: sequence length; the extra device memory in backward is bounded by it.
+#: The most bytes of prefetched (reloaded ahead of need, not yet used) tensors the default,
+#: automatic window may hold on the device: by default the window is about one block of the
+#: model (see ``prefetch_bytes`` in :class:`offload`), and never more than this.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
@@ -131,10 +131,15 @@ class offload:
             :class:`~ckpt_offload.PoolFullError`.
         prefetch_bytes: with ``stream="side"``, each reload in backward starts the reloads of
             the tensors packed just before it (the ones backward needs next) on the copy stream,
-            while fewer than this many bytes of such prefetched tensors wait unused on the
-            device. Default :data:`DEFAULT_PREFETCH_BYTES` (256 MiB); ``0`` turns it off.
-            Correct for any unpack order: a prefetched tensor is used by whichever unpack asks
-            first and, if none does, released once its copy has finished.
+            while fewer than a window of bytes of such prefetched tensors wait unused on the
+            device. ``None`` (default): the window follows the model -- about one block (a
+            checkpointed block, or one of the repeated layers the forward packed), as many
+            blocks ahead as copies need to start to hide behind compute (measured as backward
+            runs), at most :data:`DEFAULT_PREFETCH_BYTES`; so backward holds about the block it
+            differentiates, one block prefetched and what is kept, not the whole step. An int
+            fixes the window at that many bytes; ``0`` turns prefetch off. Correct for any
+            unpack order: a prefetched tensor is used by whichever unpack asks first and, if
+            none does, released once its copy has finished.
         batch_below: saved tensors spanning fewer bytes than this (and at least ``min_bytes``)
             are gathered into shared blocks of ``batch_bytes`` and copied once (a gather kernel
             on a GPU), then scattered back into tensors of their own on reload. ``0`` (default)
@@ -177,7 +182,7 @@ class offload:
         devices=None,
         pool: HostPool | None = None,
         on_full: str = "keep",
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        prefetch_bytes: int | None = None,
         batch_below: int = 0,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         *,
@@ -186,7 +191,8 @@ class offload:
         check_int("min_bytes", min_bytes, minimum=0)
         check_choice("stream", stream, STREAM_MODES)
         check_choice("on_full", on_full, ON_FULL_POLICIES)
-        check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        if prefetch_bytes is not None:
+            check_int("prefetch_bytes", prefetch_bytes, minimum=0)
         check_int("batch_below", batch_below, minimum=0)
         check_int("batch_bytes", batch_bytes, minimum=1)
         if batch_below > batch_bytes:
@@ -220,9 +226,10 @@ class offload:
             offload_cuda="cuda" in types,
             side_stream=stream == "side",
             raise_on_full=on_full == "raise",
-            prefetch_bytes=prefetch_bytes,
+            prefetch_bytes=DEFAULT_PREFETCH_BYTES if prefetch_bytes is None else prefetch_bytes,
             batch_below=batch_below,
             batch_bytes=batch_bytes,
+            prefetch_auto=prefetch_bytes is None,
         )
         self.keep_dedup = keep_dedup
         # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
