@@ -18,10 +18,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckpt_offload.offload import hooks_disabled_reason, offload as offload_context
+from ckpt_offload.offload import _quiet, hooks_disabled_reason, offload as offload_context
 from ckpt_offload.pool import HostPool
 
-__all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
+__all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "check_checkpoint_keywords", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
 
 OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
 _CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
@@ -54,6 +54,22 @@ def offload_options(offload, *, name: str = "offload") -> dict | None:
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}); "
         f"got {type(offload).__name__}"
     )
+
+
+def check_checkpoint_keywords(kwargs, route: str) -> None:
+    """Raises TypeError for a keyword of ``route`` that is neither ``use_reentrant`` nor one of
+    torch's checkpoint keywords; a co.offload option there gets told to go inside ``offload={...}``."""
+    unknown = sorted(set(kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
+    misplaced = [k for k in unknown if k in OFFLOAD_KEYS]
+    if misplaced:
+        one = len(misplaced) == 1
+        raise TypeError(
+            f"{route}: {misplaced} {'is a co.offload option' if one else 'are co.offload options'}; pass "
+            f"{'it' if one else 'them'} inside offload={{...}}, e.g. offload={{{misplaced[0]!r}: ...}}"
+        )
+    if unknown:
+        raise TypeError(f"{route}: unknown checkpoint keyword(s) {unknown}; allowed: "
+                        f"{['use_reentrant', *TORCH_KEYWORDS]}")
 
 
 def check_reentrant(use_reentrant, options) -> bool:
@@ -112,10 +128,16 @@ def context_for(options: dict) -> offload_context:
         return offload_context(**options)  # same
     table = _table_for(pool)
     ctx = table.get(key)
-    if ctx is None:
-        ctx = table[key] = offload_context(**options, keep_dedup=True)
-    if ctx.active:
-        ctx = offload_context(**options)
+    # The routes that get here (co.checkpoint, co.apply, co.hf) checked at the user's own line
+    # that these options offload something; the context must not warn again from inside forward.
+    _quiet.on = True
+    try:
+        if ctx is None:
+            ctx = table[key] = offload_context(**options, keep_dedup=True)
+        if ctx.active:
+            ctx = offload_context(**options)
+    finally:
+        _quiet.on = False
     return ctx
 
 

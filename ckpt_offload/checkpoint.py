@@ -15,10 +15,12 @@ import torch
 from ckpt_offload._args import check_int
 from ckpt_offload._checkpoint_core import (
     TORCH_KEYWORDS,
+    check_checkpoint_keywords,
     check_reentrant,
     offload_options,
     run_checkpoint,
 )
+from ckpt_offload.offload import check_offloads_something
 
 __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
 
@@ -54,6 +56,8 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     options = offload_options(offload)
+    if options is not None:
+        check_offloads_something(options.get("devices"), "co.checkpoint(offload=...)")
     torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
     return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
 
@@ -271,12 +275,10 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
+    check_checkpoint_keywords(checkpoint_kwargs, "co.apply")
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}"
-        )
+    if options is not None:
+        check_offloads_something(options.get("devices"), "co.apply(offload=...)")
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
         raise RuntimeError(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import warnings
 
@@ -34,9 +37,80 @@ DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
 ON_FULL_POLICIES = ("keep", "raise")
 
-_warned_no_accelerator = False
 _warned_hooks_disabled: set = set()
 _warn_lock = threading.Lock()
+_warned_sites: set = set()  # (route, filename, lineno) warned that they offload nothing
+_quiet = threading.local()  # .on: contexts built by a route that checked its options itself
+
+#: The library's logger: what ckpt_offload decided (windows, blocks chosen, stats) at INFO/DEBUG.
+logger = logging.getLogger("ckpt_offload")
+
+# Frames in these folders are not "the user's line": a warning about what the user asked for
+# points past them (nn.Module's __call__, Trainer's loop, our own wrappers).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["ckpt_offload"], torch, sys.modules["contextlib"])
+    if getattr(m, "__file__", None)
+)
+
+
+def _user_frame():
+    """The innermost frame outside ckpt_offload, torch, transformers, accelerate and contextlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_LIBRARY_DIRS) or "/transformers/" in name or "/accelerate/" in name
+                or name.startswith("<frozen")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_at_user_line(message: str, key: str, category=UserWarning) -> None:
+    """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
+    on the way), once per ``key`` and call site."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    site = (key, frame.f_code.co_filename, frame.f_lineno)
+    with _warn_lock:
+        if site in _warned_sites:
+            return
+        _warned_sites.add(site)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _usable_types() -> set:
+    """Device types with tensors to offload here: ``cpu`` always, ``cuda`` with a usable GPU
+    and a CUDA build."""
+    return {"cpu", "cuda"} if (_C.cuda_compiled() and torch.cuda.is_available()) else {"cpu"}
+
+
+def check_offloads_something(devices, route: str) -> None:
+    """Warns at the user's line (once per call site) when ``devices`` (a co.offload ``devices``
+    argument; None: the default) selects no device that has tensors here. ``route`` names the
+    API the user called, e.g. ``"co.apply(offload=...)"``."""
+    if devices is None:
+        types = ["cuda"] if "cuda" in _usable_types() else []
+    else:
+        try:
+            types = device_types("devices", devices)
+        except (TypeError, ValueError):
+            return  # the context raises its own clear error
+    if any(t in _usable_types() for t in types):
+        return
+    asked = "devices=None (the default: the GPU)" if devices is None else f"devices={list(types)}"
+    warn_at_user_line(
+        f"{route}: {asked} selects no device with tensors here (no usable CUDA GPU: "
+        f"torch.cuda.is_available()={torch.cuda.is_available()}, ckpt_offload cuda_compiled={_C.cuda_compiled()}), "
+        "so nothing is offloaded: every saved tensor stays where it is (kept_by_reason['device']). "
+        "To offload CPU tensors into the host pool pass devices=['cpu'] "
+        "(co.offload(devices=['cpu']), or offload={'devices': ['cpu']}).",
+        key=route,
+    )
 
 
 def hooks_disabled_reason() -> str | None:
@@ -97,18 +171,7 @@ _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
 
 
 def _default_devices() -> list[str]:
-    global _warned_no_accelerator
-    if _C.cuda_compiled() and torch.cuda.is_available():
-        return ["cuda"]
-    if not _warned_no_accelerator:
-        _warned_no_accelerator = True
-        warnings.warn(
-            "ckpt_offload.offload(): no CUDA device is usable, so by default nothing is offloaded "
-            "(saved tensors stay where they are and are counted as kept_by_reason['device']). "
-            "Pass devices=['cpu'] to offload CPU tensors into the pool.",
-            stacklevel=3,
-        )
-    return []
+    return ["cuda"] if (_C.cuda_compiled() and torch.cuda.is_available()) else []
 
 
 class offload:
@@ -205,6 +268,8 @@ class offload:
         if not isinstance(keep_dedup, bool):
             raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
         types = _default_devices() if devices is None else device_types("devices", devices)
+        if not getattr(_quiet, "on", False):
+            check_offloads_something(devices, "co.offload()")
         if "cuda" in types and not _C.cuda_compiled():
             raise ValueError(
                 "devices includes 'cuda' but this ckpt_offload build has no CUDA "
@@ -237,6 +302,7 @@ class offload:
         # one context at once cannot both start it.
         self._state = None
         self._lock = threading.Lock()
+        self._warned_full = False  # the pool-cap warning is given once per context
 
     @property
     def active(self) -> bool:
@@ -335,6 +401,25 @@ class offload:
         # were kept on the device either way, so backward still works.
         if flush_error is not None and exc_type is None:
             raise flush_error
+        if not self._warned_full and self.on_full == "keep":
+            self._warn_if_pool_was_full()
+
+    def _warn_if_pool_was_full(self) -> None:
+        s = self._packer.stats()
+        kept = s["kept_bytes_by_reason"].get("pool_full", 0)
+        if not s["kept_by_reason"].get("pool_full", 0):
+            return
+        self._warned_full = True
+        cap = self.pool.max_bytes
+        message = (
+            f"co.offload(): the host pool is at its cap ({'none' if cap is None else f'{cap} bytes'}), so "
+            f"{s['kept_by_reason']['pool_full']} saved tensors ({kept} bytes) stayed on the device "
+            "(kept_by_reason['pool_full']). Raise the cap (co.HostPool(max_bytes=...), or "
+            "pool.set_max_bytes(...)), offload fewer tensors (a larger min_bytes), or pass on_full='raise' "
+            "to fail instead. (Warned once per context.)"
+        )
+        logger.warning(message)
+        warn_at_user_line(message, key=f"pool_full:{id(self)}")
 
     def stats(self) -> dict:
         """What this context did, accumulated over every time it was entered.

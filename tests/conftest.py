@@ -111,3 +111,8 @@ def step_peak_bytes(step, warmup: int = 1) -> int:
             events = json.load(f)["traceEvents"]
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
     return max(totals) - totals[0] if totals else 0
+
+
+def nonzero(counts: dict) -> dict:
+    """The entries of a stats dict (kept_by_reason lists every reason, zeros included) that are not 0."""
+    return {k: v for k, v in counts.items() if v}

@@ -62,7 +62,14 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload._checkpoint_core import TORCH_KEYWORDS, check_reentrant, offload_options, run_checkpoint
+from ckpt_offload._checkpoint_core import (
+    TORCH_KEYWORDS,
+    check_checkpoint_keywords,
+    check_reentrant,
+    offload_options,
+    run_checkpoint,
+)
+from ckpt_offload.offload import _quiet, check_offloads_something
 
 __all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback"]
 
@@ -361,10 +368,10 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
+    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable")
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
-    if unknown:
-        raise TypeError(f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}")
+    if options is not None and not getattr(_quiet, "on", False):
+        check_offloads_something(options.get("devices"), "co.hf.enable(offload=...)")
     if getattr(model, "supports_gradient_checkpointing", True) is False:
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing in transformers "
@@ -455,7 +462,11 @@ class OffloadCheckpointCallback(TrainerCallback):
         self.every_n_layers = every_n_layers
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
-        offload_options(offload)  # bad options fail here, not at the first step
+        # Bad or misplaced options fail here, not at the first step.
+        check_checkpoint_keywords(checkpoint_kwargs, "OffloadCheckpointCallback")
+        options = offload_options(offload)
+        if options is not None:
+            check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
         self.handle: HFCheckpointHandle | None = None
 
     def _settings(self, args):
@@ -480,7 +491,11 @@ class OffloadCheckpointCallback(TrainerCallback):
                     "(model._ckpt_offload_handle.remove()) or drop the callback"
                 )
             handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
-        self.handle = enable(model, every_n_layers=every_n, offload=self.offload, **kwargs)
+        _quiet.on = True  # checked at the callback's construction, the user's line
+        try:
+            self.handle = enable(model, every_n_layers=every_n, offload=self.offload, **kwargs)
+        finally:
+            _quiet.on = False
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
