@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -16,6 +17,7 @@ from ckpt_offload.pool import HostPool, default_pool
 
 __all__ = [
     "offload",
+    "keep",
     "offload_tensor",
     "DEFAULT_MIN_BYTES",
     "DEFAULT_PREFETCH_BYTES",
@@ -309,6 +311,26 @@ class offload:
         """True between ``__enter__`` and ``__exit__``."""
         return self._state is not None
 
+    def __call__(self, fn):
+        """Used as a decorator: every call of ``fn`` runs inside this context (one call at a
+        time: a recursive or concurrent call raises, as entering an active context does).
+
+        Example::
+
+            @co.offload(devices=["cpu"])
+            def forward(x):
+                return model(x)
+        """
+        if not callable(fn):
+            raise TypeError(f"co.offload(...) decorates a function; got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
     def _note_module(self, module, args):
         self._packer.note_module_state(module._parameters, module._buffers)
 
@@ -438,11 +460,77 @@ class offload:
         """
         return self._packer.stats()
 
+    def reset_stats(self) -> None:
+        """Sets every counter of :meth:`stats` back to zero (tensors already offloaded stay
+        where they are; their reloads count from now on).
+
+        Example::
+
+            ctx.reset_stats()
+            with ctx:
+                loss = model(x).sum()
+            print(ctx.stats()["bytes_offloaded"])   # this step only
+        """
+        self._packer.reset_stats()
+        self._warned_full = False
+
     def __repr__(self) -> str:
         return (
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
             f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below})"
         )
+
+
+def _keep_pack(t):
+    # A detached alias (same storage and version counter, no grad_fn): an output saved by its
+    # own node would otherwise form a reference cycle that keeps the graph alive.
+    return t.detach()
+
+
+def _keep_unpack(t):
+    return t
+
+
+class keep:
+    """Context manager (or decorator): tensors autograd saves inside it stay where they are, also
+    inside :class:`offload` or an offloading checkpoint -- for the parts not worth a copy, such as
+    the LM head and the loss (their activations are needed first in backward), as torchtune's
+    ``NoOpManager``. Its saved-tensor hooks are the innermost, so they win over the outer ones;
+    gradients are unchanged.
+
+    Example::
+
+        with co.offload():
+            h = model.body(x)
+            with co.keep():
+                loss = loss_fn(model.lm_head(h), y)
+        loss.backward()
+    """
+
+    def __init__(self):
+        self._hooks = []  # a stack: one object may be entered again inside itself
+
+    def __enter__(self) -> "keep":
+        if hooks_disabled_reason() is not None:
+            self._hooks.append(None)  # torch.func: no hooks at all, nothing is offloaded anyway
+            return self
+        hooks = torch.autograd.graph.saved_tensors_hooks(_keep_pack, _keep_unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        hooks = self._hooks.pop() if self._hooks else None
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with keep():
+                return fn(*args, **kwargs)
+
+        return wrapper
 
 
 def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: str = "side"):

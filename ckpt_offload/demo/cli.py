@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ckpt_offload",
         description="ckpt_offload: offload saved activations to a host-memory pool.",
     )
+    from ckpt_offload import __version__
+
+    parser.add_argument("--version", action="version", version=f"ckpt_offload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,profile,info}")
     sub.required = True
 
@@ -184,8 +187,15 @@ def _info() -> int:
     from ckpt_offload.pool import default_pool
 
     print("build_info:")
-    for key, value in build_info().items():
+    info = build_info()
+    for key, value in info.items():
         print(f"  {key}: {value}")
+    if info["cuda_compiled"] and info["gpu_available"]:
+        print("co.offload() with defaults here: offloads CUDA tensors (devices=['cuda'])")
+    else:
+        print("co.offload() with defaults here: offloads NOTHING (no usable CUDA GPU"
+              + ("" if info["cuda_compiled"] else "; this build has no CUDA")
+              + "); pass devices=['cpu'] to offload CPU tensors into the host pool")
 
     pool = default_pool()
     stats = pool.stats()

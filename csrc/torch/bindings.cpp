@@ -95,7 +95,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("begin", &Packer::begin)
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
-      .def("stats", &Packer::stats);
+      .def("stats", &Packer::stats)
+      .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cuda_device_count", &cuda_device_count);

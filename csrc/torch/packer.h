@@ -76,6 +76,7 @@ class Packer {
   // Copies the open batches to the host (context exit, or before a batch member is unpacked).
   void flush_batches();
   pybind11::dict stats() const;
+  void reset_stats() { counters_->reset(); }
   const PackerOptions& options() const { return options_; }
   // What ends each backward that unpacked from this packer (an autograd final callback,
   // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
