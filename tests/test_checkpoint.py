@@ -326,3 +326,10 @@ def test_apply_handle_stats_count_offloaded_inputs_and_reset():
     handle.reset_stats()
     assert handle.stats()["bytes_offloaded"] == 0
     handle.remove()
+
+
+def test_apply_logs_its_choice_through_the_library_logger(caplog):
+    with caplog.at_level("INFO", logger="ckpt_offload"):
+        handle = co.apply(nn.Sequential(*[_Layer() for _ in range(2)]))
+    handle.remove()
+    assert any(r.name == "ckpt_offload" and "2 x _Layer" in r.getMessage() for r in caplog.records)
