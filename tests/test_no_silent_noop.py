@@ -102,3 +102,11 @@ def test_callback_that_offloads_nothing_warns_at_construction():
     ours = _ours(record)
     assert len(ours) == 1 and ours[0].filename == __file__
     assert "OffloadCheckpointCallback(offload=...)" in str(ours[0].message)
+
+
+def test_callback_with_offload_from_training_arguments_does_not_warn_at_construction():
+    pytest.importorskip("transformers")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        co.hf.OffloadCheckpointCallback()  # offload comes from TrainingArguments, checked at on_init_end
+    assert not _ours(record)

@@ -518,7 +518,7 @@ class OffloadCheckpointCallback(TrainerCallback):
         self.checkpoint_kwargs = checkpoint_kwargs
         # Bad or misplaced options fail here, not at the first step.
         check_checkpoint_keywords(checkpoint_kwargs, "OffloadCheckpointCallback")
-        options = offload_options(True if offload is None else offload)
+        options = offload_options(offload)
         if options is not None:
             check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
         self.handle: HFCheckpointHandle | None = None
@@ -530,10 +530,14 @@ class OffloadCheckpointCallback(TrainerCallback):
         offload = from_args.pop("offload", None)
         if self.offload is not None:
             offload = self.offload
-        elif offload is None:
-            offload = True
         else:
-            offload_options(offload, name="activation_checkpointing_kwargs['offload']")
+            # From TrainingArguments (or the default, True): checked now, where it is known.
+            options = offload_options(True if offload is None else offload,
+                                      name="activation_checkpointing_kwargs['offload']")
+            offload = True if offload is None else offload
+            if options is not None:
+                check_offloads_something(options.get("devices"), "OffloadCheckpointCallback (offload from "
+                                         "TrainingArguments' checkpointing kwargs, or the default True)")
         return every_n, offload, {**from_args, **self.checkpoint_kwargs}
 
     def _ensure(self, args, model) -> None:
