@@ -244,7 +244,7 @@ class offload:
         self,
         min_bytes: int = DEFAULT_MIN_BYTES,
         stream: str = "side",
-        devices=None,
+        devices: str | list[str] | tuple[str, ...] | None = None,
         pool: HostPool | None = None,
         on_full: str = "keep",
         prefetch_bytes: int | None = None,
@@ -456,7 +456,11 @@ class offload:
         ``prefetch_hits`` (unpacks served by one), ``prefetches_unused`` (dropped unused),
         ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``),
         ``prefetch_failures`` (prefetches that raised, e.g. out of device memory: backward goes
-        on and reloads those tensors when asked).
+        on and reloads those tensors when asked), ``prefetch_window_bytes`` /
+        ``prefetch_block_bytes`` / ``prefetch_lead`` (the window the last backward used, the
+        block it was sized from, and how many blocks ahead the next backward starts copies).
+        ``kept_by_reason`` and ``kept_bytes_by_reason`` list every reason, zeros included.
+        :meth:`reset_stats` starts them over.
         """
         return self._packer.stats()
 
