@@ -110,3 +110,15 @@ def test_callback_with_offload_from_training_arguments_does_not_warn_at_construc
         warnings.simplefilter("always")
         co.hf.OffloadCheckpointCallback()  # offload comes from TrainingArguments, checked at on_init_end
     assert not _ours(record)
+
+
+def test_one_default_for_offload_across_routes():
+    pytest.importorskip("transformers")
+    defaults = {
+        f.__qualname__: inspect.signature(f).parameters["offload"].default
+        for f in (co.checkpoint, co.checkpoint_sequential, co.apply, co.hf.enable)
+    }
+    assert set(defaults.values()) == {False}, defaults
+    # The callback's None means "TrainingArguments' offload entry, else that same default".
+    cb = co.hf.OffloadCheckpointCallback()
+    assert cb._settings(None)[1] is False

@@ -350,7 +350,8 @@ def _snapshot(model) -> list:
             if hasattr(m, "gradient_checkpointing")]
 
 
-def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) -> HFCheckpointHandle:
+def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
+           **checkpoint_kwargs) -> HFCheckpointHandle:
     """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
 
     Calls the model's own ``activation_checkpointing_enable`` (or, where that does not exist,
@@ -365,8 +366,8 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
         model: a ``transformers.PreTrainedModel`` (or anything with Hugging Face's enable method)
             whose class supports gradient checkpointing through ``_gradient_checkpointing_func``.
         every_n_layers: checkpoint one layer in ``every_n_layers`` (>= 1), starting with the first.
-        offload: ``True`` (default), ``False``, or a dict of :class:`ckpt_offload.offload`
-            options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
+        offload: ``False`` (default, as everywhere in ckpt_offload: offload is opt-in),
+            ``True``, or a dict of :class:`ckpt_offload.offload` options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
             checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
             ids Hugging Face passes by keyword -- wait in the host pool until backward.
         **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs
@@ -496,7 +497,8 @@ class OffloadCheckpointCallback(TrainerCallback):
     ``TrainingArguments.activation_checkpointing_kwargs`` (``gradient_checkpointing_kwargs`` in
     releases without the new name) when ``activation_checkpointing`` is on, else 1; torch's checkpoint keywords
     there (``use_reentrant``, ...) are used too, unless given here, and so is its ``offload`` key
-    (a bool or a dict of co.offload options) when ``offload`` is not given here (default: True).
+    (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
+    as everywhere in ckpt_offload).
     The handle is
     ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
 
@@ -513,7 +515,7 @@ class OffloadCheckpointCallback(TrainerCallback):
         if every_n_layers is not None:
             check_int("every_n_layers", every_n_layers, minimum=1)
         self.every_n_layers = every_n_layers
-        # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else True.
+        # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else False.
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
         # Bad or misplaced options fail here, not at the first step.
@@ -532,12 +534,12 @@ class OffloadCheckpointCallback(TrainerCallback):
             offload = self.offload
         else:
             # From TrainingArguments (or the default, True): checked now, where it is known.
-            options = offload_options(True if offload is None else offload,
+            options = offload_options(False if offload is None else offload,
                                       name="activation_checkpointing_kwargs['offload']")
-            offload = True if offload is None else offload
+            offload = False if offload is None else offload
             if options is not None:
                 check_offloads_something(options.get("devices"), "OffloadCheckpointCallback (offload from "
-                                         "TrainingArguments' checkpointing kwargs, or the default True)")
+                                         "TrainingArguments' checkpointing kwargs)")
         return every_n, offload, {**from_args, **self.checkpoint_kwargs}
 
     def _ensure(self, args, model) -> None:
