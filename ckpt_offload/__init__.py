@@ -29,13 +29,14 @@ except ImportError as e:  # pragma: no cover - explained to the user
         "from elsewhere, or build in place with `python setup.py build_ext --inplace`."
     ) from e
 from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
-from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload, offload_tensor
+from ckpt_offload.offload import DEFAULT_MIN_BYTES, keep, offload, offload_tensor
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
 from ckpt_offload.profiling import Profile, ProfileReport, profile
 from ckpt_offload.planner import Plan, plan
 
 __all__ = [
     "offload",
+    "keep",
     "offload_tensor",
     "checkpoint",
     "checkpoint_sequential",

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload.offload import check_options as check_offload_options
-from ckpt_offload.offload import hooks_disabled_reason, offload as offload_context
+from ckpt_offload.offload import _quiet, hooks_disabled_reason, offload as offload_context
 from ckpt_offload.pool import HostPool
 
-__all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
+__all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "check_checkpoint_keywords", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
 
 OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
 _CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
@@ -63,6 +64,22 @@ def offload_options(offload, *, name: str = "offload") -> dict | None:
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}); "
         f"got {type(offload).__name__}"
     )
+
+
+def check_checkpoint_keywords(kwargs, route: str) -> None:
+    """Raises TypeError for a keyword of ``route`` that is neither ``use_reentrant`` nor one of
+    torch's checkpoint keywords; a co.offload option there gets told to go inside ``offload={...}``."""
+    unknown = sorted(set(kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
+    misplaced = [k for k in unknown if k in OFFLOAD_KEYS]
+    if misplaced:
+        one = len(misplaced) == 1
+        raise TypeError(
+            f"{route}: {misplaced} {'is a co.offload option' if one else 'are co.offload options'}; pass "
+            f"{'it' if one else 'them'} inside offload={{...}}, e.g. offload={{{misplaced[0]!r}: ...}}"
+        )
+    if unknown:
+        raise TypeError(f"{route}: unknown checkpoint keyword(s) {unknown}; allowed: "
+                        f"{['use_reentrant', *TORCH_KEYWORDS]}")
 
 
 def check_reentrant(use_reentrant, options) -> bool:
@@ -121,14 +138,73 @@ def context_for(options: dict) -> offload_context:
         return offload_context(**options)  # same
     table = _table_for(pool)
     ctx = table.get(key)
-    if ctx is None:
-        ctx = table[key] = offload_context(**options, keep_dedup=True)
-    if ctx.active:
-        ctx = offload_context(**options)
+    # The routes that get here (co.checkpoint, co.apply, co.hf) checked at the user's own line
+    # that these options offload something; the context must not warn again from inside forward.
+    _quiet.on = True
+    try:
+        if ctx is None:
+            ctx = table[key] = offload_context(**options, keep_dedup=True)
+        if ctx.active:
+            ctx = offload_context(**options)
+    finally:
+        _quiet.on = False
     return ctx
 
 
-def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict):
+_MAX_KEYS = ("peak_prefetch_bytes", "prefetch_window_bytes", "prefetch_block_bytes", "prefetch_lead")
+
+
+def merge_stats(stats: list) -> dict:
+    """Several co.offload contexts' :meth:`~ckpt_offload.offload.stats` as one: counts and
+    bytes add up (per reason in the nested dicts), peaks and the window take the largest."""
+    out: dict = {}
+    for s in stats:
+        for k, v in s.items():
+            if isinstance(v, dict):
+                d = out.setdefault(k, {})
+                for r, n in v.items():
+                    d[r] = d.get(r, 0) + n
+            elif k in _MAX_KEYS:
+                out[k] = max(out.get(k, 0), v)
+            else:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+class StatsCollector:
+    """The co.offload contexts a handle's checkpoints used (weakly), for ``handle.stats()``.
+    Copied or pickled with a model, it starts empty: the copy's counts are its own."""
+
+    def __init__(self):
+        self._contexts = weakref.WeakSet()
+        self._retired: dict = {}  # stats of contexts that died, so counts never go backwards
+
+    def add(self, ctx: offload_context) -> None:
+        if ctx not in self._contexts:
+            self._contexts.add(ctx)
+            weakref.finalize(ctx, self._retire, ctx._packer.stats)  # the packer outlives ctx here
+
+    def _retire(self, stats) -> None:
+        self._retired = merge_stats([self._retired, stats()])
+
+    def stats(self) -> dict:
+        contexts = list(self._contexts)
+        out = merge_stats([self._retired, *[c.stats() for c in contexts]])
+        # The pools' own peak (all their users, since their last reset_peak()).
+        out["pool_peak_bytes"] = max((c.pool.stats()["peak_bytes_in_use"] for c in contexts), default=0)
+        return out
+
+    def reset(self) -> None:
+        self._retired = {}
+        for c in list(self._contexts):
+            c.reset_stats()
+
+    def __reduce__(self):
+        return (StatsCollector, ())
+
+
+def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
+                   collector: StatsCollector | None = None):
     """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
     options, already normalized by :func:`offload_options`) the tensors the checkpoint keeps
     wait in the host pool -- also those inside ``kwargs`` and containers."""
@@ -158,5 +234,8 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
         a, kw = tree_unflatten(filled, spec)
         return function(*a, **kw)
 
-    with context_for(options):
+    ctx = context_for(options)
+    if collector is not None:
+        collector.add(ctx)
+    with ctx:
         return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)

@@ -16,10 +16,13 @@ import torch
 from ckpt_offload._args import check_int
 from ckpt_offload._checkpoint_core import (
     TORCH_KEYWORDS,
+    check_checkpoint_keywords,
     check_reentrant,
     offload_options,
+    StatsCollector,
     run_checkpoint,
 )
+from ckpt_offload.offload import check_offloads_something, logger, warn_at_user_line
 
 __all__ = ["checkpoint", "checkpoint_sequential", "apply", "CheckpointHandle", "offload_options"]
 
@@ -55,6 +58,8 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     options = offload_options(offload)
+    if options is not None:
+        check_offloads_something(options.get("devices"), "co.checkpoint(offload=...)")
     torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
     return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
 
@@ -122,6 +127,24 @@ class CheckpointHandle:
         self.names = names  #: qualified names of the checkpointed blocks
         self.every_n_layers = every_n_layers
         self.removed = False
+        self._collector = StatsCollector()
+
+    def stats(self) -> dict:
+        """What offload did in this handle's checkpoints: the keys of
+        :meth:`ckpt_offload.offload.stats` summed over the contexts they used (peaks: the
+        largest). All zeros without ``offload``.
+
+        Example::
+
+            handle = co.apply(model, offload=True)
+            model(x).sum().backward()
+            print(handle.stats()["bytes_offloaded"], handle.stats()["kept_by_reason"])
+        """
+        return self._collector.stats()
+
+    def reset_stats(self) -> None:
+        """Counts from zero again (see :meth:`stats`)."""
+        self._collector.reset()
 
     def remove(self) -> None:
         """Restores every wrapped block's own ``forward``. Calling it twice is harmless."""
@@ -153,6 +176,7 @@ class _CheckpointedForward:
         self.options = options
         self.use_reentrant = use_reentrant
         self.torch_kwargs = torch_kwargs
+        self.collector = None  # the handle's StatsCollector, set by apply()
 
     def install(self) -> None:
         block = self.block
@@ -180,7 +204,8 @@ class _CheckpointedForward:
     def __call__(self, *args, **kwargs):
         forward = self._forward()
         if self.block.training and torch.is_grad_enabled():
-            return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, self.torch_kwargs)
+            return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, self.torch_kwargs,
+                                  self.collector)
         return forward(*args, **kwargs)
 
     def __repr__(self) -> str:
@@ -201,20 +226,44 @@ class _ReplicateWithForward:
         return replica
 
 
+def _is_expert_list(name: str) -> bool:
+    """A mixture-of-experts list: its members run for some tokens each, not one after another,
+    so they are never "the blocks" (checkpointing them would recompute per expert)."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return "expert" in last
+
+
 def _largest_block_list(model: torch.nn.Module):
-    best, best_key = None, None
+    """The list of same-class blocks (2 or more) holding the most of the model's parameters;
+    warns when another list holds nearly as many (say which, and how to pass layers=)."""
+    candidates = []  # (params, count, name, blocks)
     for name, mod in model.named_modules():
-        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)):
+        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or _is_expert_list(name):
             continue
         children = list(mod.named_children())
         if len(children) < 2 or len({type(c) for _, c in children}) != 1:
             continue
         size = sum(p.numel() for p in mod.parameters())
-        key = (len(children), size)
-        if best_key is None or key > best_key:
-            prefix = f"{name}." if name else ""
-            best, best_key = [(prefix + n, c) for n, c in children], key
-    return best or []
+        prefix = f"{name}." if name else ""
+        candidates.append((size, len(children), name, [(prefix + n, c) for n, c in children]))
+    if not candidates:
+        return []
+    candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+    best = candidates[0]
+    for other in candidates[1:]:
+        nested = best[2] == "" or other[2].startswith(best[2] + ".") or best[2].startswith(other[2] + ".")
+        if not nested and best[0] > 0 and other[0] >= 0.8 * best[0]:
+            block = type(best[3][0][1]).__name__
+            warn_at_user_line(
+                f"co.apply: two lists of blocks hold a similar share of the parameters: {best[2] or '<model>'!r} "
+                f"({best[1]} x {block}, {best[0]} parameters, chosen) and {other[2]!r} ({other[1]} x "
+                f"{type(other[3][0][1]).__name__}, {other[0]} parameters). Pass layers= to choose, e.g. "
+                f"co.apply(model, layers={block}) or layers=lambda name, m: name.startswith({best[2] + '.'!r}).",
+                key="co.apply-ambiguous",
+            )
+            break
+    logger.info("co.apply: checkpointing %d x %s in %r", best[1], type(best[3][0][1]).__name__, best[2])
+    return best[3]
 
 
 def _select_blocks(model: torch.nn.Module, layers):
@@ -258,8 +307,9 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
 
     Args:
         model: any ``nn.Module``.
-        layers: which blocks: ``None`` finds the longest ``nn.ModuleList``/``nn.Sequential`` of
-            blocks of one class; a module class selects every submodule of it; a predicate
+        layers: which blocks: ``None`` finds the ``nn.ModuleList``/``nn.Sequential`` of blocks
+            of one class (2 or more) holding the most parameters -- never a mixture-of-experts
+            list (a name with "expert") -- and warns when another list holds nearly as many; a module class selects every submodule of it; a predicate
             ``layers(name, module) -> bool`` selects what it accepts (outermost matches only).
         every_n_layers: checkpoint one block in ``every_n_layers`` (>= 1), starting with the first.
         offload: as in :func:`checkpoint`.
@@ -290,12 +340,10 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
+    check_checkpoint_keywords(checkpoint_kwargs, "co.apply")
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
-    if unknown:
-        raise TypeError(
-            f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}"
-        )
+    if options is not None:
+        check_offloads_something(options.get("devices"), "co.apply(offload=...)")
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
         raise RuntimeError(
@@ -314,8 +362,10 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
             raise RuntimeError(f"block {name!r} is already wrapped by another co.apply; remove that one first")
     chosen = [(n, b) for i, (n, b) in enumerate(candidates) if i % every_n_layers == 0]
 
-    for _, block in chosen:
-        _CheckpointedForward(block, options, use_reentrant, checkpoint_kwargs).install()
     handle = CheckpointHandle(model, [b for _, b in chosen], [n for n, _ in chosen], every_n_layers)
+    for _, block in chosen:
+        wrapper = _CheckpointedForward(block, options, use_reentrant, checkpoint_kwargs)
+        wrapper.collector = handle._collector
+        wrapper.install()
     model._ckpt_offload_handle = handle
     return handle

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import sys
 import threading
 import warnings
 
@@ -13,6 +17,7 @@ from ckpt_offload.pool import HostPool, default_pool
 
 __all__ = [
     "offload",
+    "keep",
     "offload_tensor",
     "DEFAULT_MIN_BYTES",
     "DEFAULT_PREFETCH_BYTES",
@@ -25,18 +30,89 @@ __all__ = [
 #: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
 #: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
 DEFAULT_MIN_BYTES = 256 * 1024
-#: Backward keeps at most this many bytes of prefetched (reloaded ahead of need, not yet used)
-#: tensors on the device. A few layers' worth of boundary activations of a large model at long
-#: sequence length; the extra device memory in backward is bounded by it.
+#: The most bytes of prefetched (reloaded ahead of need, not yet used) tensors the default,
+#: automatic window may hold on the device: by default the window is about one block of the
+#: model (see ``prefetch_bytes`` in :class:`offload`), and never more than this.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
 ON_FULL_POLICIES = ("keep", "raise")
 
-_warned_no_accelerator = False
 _warned_hooks_disabled: set = set()
 _warn_lock = threading.Lock()
+_warned_sites: set = set()  # (route, filename, lineno) warned that they offload nothing
+_quiet = threading.local()  # .on: contexts built by a route that checked its options itself
+
+#: The library's logger: what ckpt_offload decided (windows, blocks chosen, stats) at INFO/DEBUG.
+logger = logging.getLogger("ckpt_offload")
+
+# Frames in these folders are not "the user's line": a warning about what the user asked for
+# points past them (nn.Module's __call__, Trainer's loop, our own wrappers).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["ckpt_offload"], torch, sys.modules["contextlib"])
+    if getattr(m, "__file__", None)
+)
+
+
+def _user_frame():
+    """The innermost frame outside ckpt_offload, torch, transformers, accelerate and contextlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_LIBRARY_DIRS) or "/transformers/" in name or "/accelerate/" in name
+                or name.startswith("<frozen")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_at_user_line(message: str, key: str, category=UserWarning) -> None:
+    """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
+    on the way), once per ``key`` and call site."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    site = (key, frame.f_code.co_filename, frame.f_lineno)
+    with _warn_lock:
+        if site in _warned_sites:
+            return
+        _warned_sites.add(site)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _usable_types() -> set:
+    """Device types with tensors to offload here: ``cpu`` always, ``cuda`` with a usable GPU
+    and a CUDA build."""
+    return {"cpu", "cuda"} if (_C.cuda_compiled() and torch.cuda.is_available()) else {"cpu"}
+
+
+def check_offloads_something(devices, route: str) -> None:
+    """Warns at the user's line (once per call site) when ``devices`` (a co.offload ``devices``
+    argument; None: the default) selects no device that has tensors here. ``route`` names the
+    API the user called, e.g. ``"co.apply(offload=...)"``."""
+    if devices is None:
+        types = ["cuda"] if "cuda" in _usable_types() else []
+    else:
+        try:
+            types = device_types("devices", devices)
+        except (TypeError, ValueError):
+            return  # the context raises its own clear error
+    if any(t in _usable_types() for t in types):
+        return
+    asked = "devices=None (the default: the GPU)" if devices is None else f"devices={list(types)}"
+    warn_at_user_line(
+        f"{route}: {asked} selects no device with tensors here (no usable CUDA GPU: "
+        f"torch.cuda.is_available()={torch.cuda.is_available()}, ckpt_offload cuda_compiled={_C.cuda_compiled()}), "
+        "so nothing is offloaded: every saved tensor stays where it is (kept_by_reason['device']). "
+        "To offload CPU tensors into the host pool pass devices=['cpu'] "
+        "(co.offload(devices=['cpu']), or offload={'devices': ['cpu']}).",
+        key=route,
+    )
 
 
 def hooks_disabled_reason() -> str | None:
@@ -97,18 +173,7 @@ _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
 
 
 def _default_devices() -> list[str]:
-    global _warned_no_accelerator
-    if _C.cuda_compiled() and torch.cuda.is_available():
-        return ["cuda"]
-    if not _warned_no_accelerator:
-        _warned_no_accelerator = True
-        warnings.warn(
-            "ckpt_offload.offload(): no CUDA device is usable, so by default nothing is offloaded "
-            "(saved tensors stay where they are and are counted as kept_by_reason['device']). "
-            "Pass devices=['cpu'] to offload CPU tensors into the pool.",
-            stacklevel=3,
-        )
-    return []
+    return ["cuda"] if (_C.cuda_compiled() and torch.cuda.is_available()) else []
 
 
 def check_options(
@@ -117,7 +182,7 @@ def check_options(
     devices=None,
     pool: HostPool | None = None,
     on_full: str = "keep",
-    prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+    prefetch_bytes: int | None = None,
     batch_below: int = 0,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
 ) -> list[str] | None:
@@ -136,7 +201,8 @@ def check_options(
     check_native_int("min_bytes", min_bytes)
     check_choice("stream", stream, STREAM_MODES)
     check_choice("on_full", on_full, ON_FULL_POLICIES)
-    check_native_int("prefetch_bytes", prefetch_bytes)
+    if prefetch_bytes is not None:  # None: the window follows the model (Note [Prefetch window])
+        check_native_int("prefetch_bytes", prefetch_bytes)
     check_native_int("batch_below", batch_below)
     check_native_int("batch_bytes", batch_bytes, minimum=1)
     if batch_below > batch_bytes:
@@ -178,10 +244,15 @@ class offload:
             :class:`~ckpt_offload.PoolFullError`.
         prefetch_bytes: with ``stream="side"``, each reload in backward starts the reloads of
             the tensors packed just before it (the ones backward needs next) on the copy stream,
-            while fewer than this many bytes of such prefetched tensors wait unused on the
-            device. Default :data:`DEFAULT_PREFETCH_BYTES` (256 MiB); ``0`` turns it off.
-            Correct for any unpack order: a prefetched tensor is used by whichever unpack asks
-            first and, if none does, released once its copy has finished.
+            while fewer than a window of bytes of such prefetched tensors wait unused on the
+            device. ``None`` (default): the window follows the model -- about one block (a
+            checkpointed block, or one of the repeated layers the forward packed), as many
+            blocks ahead as copies need to start to hide behind compute (measured as backward
+            runs), at most :data:`DEFAULT_PREFETCH_BYTES`; so backward holds about the block it
+            differentiates, one block prefetched and what is kept, not the whole step. An int
+            fixes the window at that many bytes; ``0`` turns prefetch off. Correct for any
+            unpack order: a prefetched tensor is used by whichever unpack asks first and, if
+            none does, released once its copy has finished.
         batch_below: saved tensors spanning fewer bytes than this (and at least ``min_bytes``)
             are gathered into shared blocks of ``batch_bytes`` and copied once (a gather kernel
             on a GPU), then scattered back into tensors of their own on reload. ``0`` (default)
@@ -221,10 +292,10 @@ class offload:
         self,
         min_bytes: int = DEFAULT_MIN_BYTES,
         stream: str = "side",
-        devices=None,
+        devices: str | list[str] | tuple[str, ...] | None = None,
         pool: HostPool | None = None,
         on_full: str = "keep",
-        prefetch_bytes: int = DEFAULT_PREFETCH_BYTES,
+        prefetch_bytes: int | None = None,
         batch_below: int = 0,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         *,
@@ -234,6 +305,8 @@ class offload:
                               prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes)
         if types is None:
             types = _default_devices()
+        if not getattr(_quiet, "on", False):
+            check_offloads_something(devices, "co.offload()")
         if not isinstance(keep_dedup, bool):
             raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
         self.min_bytes = min_bytes
@@ -251,9 +324,10 @@ class offload:
             offload_cuda="cuda" in types,
             side_stream=stream == "side",
             raise_on_full=on_full == "raise",
-            prefetch_bytes=prefetch_bytes,
+            prefetch_bytes=DEFAULT_PREFETCH_BYTES if prefetch_bytes is None else prefetch_bytes,
             batch_below=batch_below,
             batch_bytes=batch_bytes,
+            prefetch_auto=prefetch_bytes is None,
         )
         self.keep_dedup = keep_dedup
         # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
@@ -261,11 +335,32 @@ class offload:
         # one context at once cannot both start it.
         self._state = None
         self._lock = threading.Lock()
+        self._warned_full = False  # the pool-cap warning is given once per context
 
     @property
     def active(self) -> bool:
         """True between ``__enter__`` and ``__exit__``."""
         return self._state is not None
+
+    def __call__(self, fn):
+        """Used as a decorator: every call of ``fn`` runs inside this context (one call at a
+        time: a recursive or concurrent call raises, as entering an active context does).
+
+        Example::
+
+            @co.offload(devices=["cpu"])
+            def forward(x):
+                return model(x)
+        """
+        if not callable(fn):
+            raise TypeError(f"co.offload(...) decorates a function; got {type(fn).__name__}")
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper
 
     def _note_module(self, module, args):
         self._packer.note_module_state(module._parameters, module._buffers)
@@ -359,6 +454,25 @@ class offload:
         # were kept on the device either way, so backward still works.
         if flush_error is not None and exc_type is None:
             raise flush_error
+        if not self._warned_full and self.on_full == "keep":
+            self._warn_if_pool_was_full()
+
+    def _warn_if_pool_was_full(self) -> None:
+        s = self._packer.stats()
+        kept = s["kept_bytes_by_reason"].get("pool_full", 0)
+        if not s["kept_by_reason"].get("pool_full", 0):
+            return
+        self._warned_full = True
+        cap = self.pool.max_bytes
+        message = (
+            f"co.offload(): the host pool is at its cap ({'none' if cap is None else f'{cap} bytes'}), so "
+            f"{s['kept_by_reason']['pool_full']} saved tensors ({kept} bytes) stayed on the device "
+            "(kept_by_reason['pool_full']). Raise the cap (co.HostPool(max_bytes=...), or "
+            "pool.set_max_bytes(...)), offload fewer tensors (a larger min_bytes), or pass on_full='raise' "
+            "to fail instead. (Warned once per context.)"
+        )
+        logger.warning(message)
+        warn_at_user_line(message, key=f"pool_full:{id(self)}")
 
     def stats(self) -> dict:
         """What this context did, accumulated over every time it was entered.
@@ -373,15 +487,85 @@ class offload:
         ``prefetch_hits`` (unpacks served by one), ``prefetches_unused`` (dropped unused),
         ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``),
         ``prefetch_failures`` (prefetches that raised, e.g. out of device memory: backward goes
-        on and reloads those tensors when asked).
+        on and reloads those tensors when asked), ``prefetch_window_bytes`` /
+        ``prefetch_block_bytes`` / ``prefetch_lead`` (the window the last backward used, the
+        block it was sized from, and how many blocks ahead the next backward starts copies).
+        ``kept_by_reason`` and ``kept_bytes_by_reason`` list every reason, zeros included.
+        :meth:`reset_stats` starts them over.
         """
         return self._packer.stats()
+
+    def reset_stats(self) -> None:
+        """Sets every counter of :meth:`stats` back to zero (tensors already offloaded stay
+        where they are; their reloads count from now on).
+
+        Example::
+
+            ctx.reset_stats()
+            with ctx:
+                loss = model(x).sum()
+            print(ctx.stats()["bytes_offloaded"])   # this step only
+        """
+        self._packer.reset_stats()
+        self._warned_full = False
 
     def __repr__(self) -> str:
         return (
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
             f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below})"
         )
+
+
+def _keep_pack(t):
+    # A detached alias (same storage and version counter, no grad_fn): an output saved by its
+    # own node would otherwise form a reference cycle that keeps the graph alive.
+    return t.detach()
+
+
+def _keep_unpack(t):
+    return t
+
+
+class keep:
+    """Context manager (or decorator): tensors autograd saves inside it stay where they are, also
+    inside :class:`offload` or an offloading checkpoint -- for the parts not worth a copy, such as
+    the LM head and the loss (their activations are needed first in backward), as torchtune's
+    ``NoOpManager``. Its saved-tensor hooks are the innermost, so they win over the outer ones;
+    gradients are unchanged.
+
+    Example::
+
+        with co.offload():
+            h = model.body(x)
+            with co.keep():
+                loss = loss_fn(model.lm_head(h), y)
+        loss.backward()
+    """
+
+    def __init__(self):
+        self._hooks = []  # a stack: one object may be entered again inside itself
+
+    def __enter__(self) -> "keep":
+        if hooks_disabled_reason() is not None:
+            self._hooks.append(None)  # torch.func: no hooks at all, nothing is offloaded anyway
+            return self
+        hooks = torch.autograd.graph.saved_tensors_hooks(_keep_pack, _keep_unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        hooks = self._hooks.pop() if self._hooks else None
+        if hooks is not None:
+            hooks.__exit__(exc_type, exc, tb)
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with keep():
+                return fn(*args, **kwargs)
+
+        return wrapper
 
 
 def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: str = "side"):

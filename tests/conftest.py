@@ -126,3 +126,31 @@ def assert_same_params(expected: dict, got: dict, what: str):
     assert expected.keys() == got.keys()
     differing = [n for n in expected if not torch.equal(expected[n], got[n])]
     assert not differing, f"{what}: parameters differ: {differing}"
+
+
+def step_peak_bytes(step, warmup: int = 1) -> int:
+    """Peak of torch-allocated CPU memory during ``step()`` above what was allocated when it
+    started, read from torch.profiler's memory events: a measure independent of ckpt_offload's
+    own counters (the host pool allocates its own memory, so it is not counted; reloads are).
+    ``warmup`` calls first, so gradients exist and the figure is activations plus temporaries."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max(totals) - totals[0] if totals else 0
+
+
+def nonzero(counts: dict) -> dict:
+    """The entries of a stats dict (kept_by_reason lists every reason, zeros included) that are not 0."""
+    return {k: v for k, v in counts.items() if v}

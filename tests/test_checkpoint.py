@@ -256,3 +256,80 @@ def test_apply_layers_argument_and_errors():
         co.apply(model, speed=3)
     with pytest.raises(ValueError, match="offload needs use_reentrant=False"):
         co.apply(model, offload=True, use_reentrant=True)
+
+
+# ---------------------------------------------------------------- issue 11: which blocks co.apply picks
+
+
+class _Layer(nn.Module):
+    def __init__(self, d=32, experts=0):
+        super().__init__()
+        self.attn = nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.experts = nn.ModuleList([nn.Linear(d, d) for _ in range(experts)])
+
+    def forward(self, x):
+        x = x + self.attn(x)
+        for e in self.experts:
+            x = x + e(x)
+        return x + self.mlp(x)
+
+
+def test_apply_prefers_the_blocks_holding_the_parameters_over_a_longer_list():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.adapters = nn.ModuleList([nn.Linear(4, 4) for _ in range(8)])  # longer, tiny
+            self.layers = nn.ModuleList([_Layer() for _ in range(4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    handle = co.apply(Model())
+    assert handle.names == [f"layers.{i}" for i in range(4)]
+    handle.remove()
+
+
+def test_apply_never_picks_expert_lists():
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([_Layer(experts=16) for _ in range(2)])
+
+    handle = co.apply(MoE())
+    assert handle.names == ["layers.0", "layers.1"]
+    handle.remove()
+
+
+def test_apply_warns_when_two_candidates_are_close():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.ModuleList([_Layer() for _ in range(3)])
+            self.decoder = nn.ModuleList([_Layer() for _ in range(3)])
+
+    with pytest.warns(UserWarning, match=r"'encoder'.*'decoder'.*Pass layers=") as record:
+        handle = co.apply(Two())
+    assert record[0].filename == __file__
+    handle.remove()
+
+
+def test_apply_handle_stats_count_offloaded_inputs_and_reset():
+    model = nn.Sequential(*[_Layer() for _ in range(3)])
+    handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)})
+    model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+    s = handle.stats()
+    assert s["tensors_offloaded"] >= 3 and s["bytes_offloaded"] > 0 and s["pool_peak_bytes"] > 0
+    assert set(s["kept_by_reason"]) >= {"parameter", "buffer", "too_small", "device", "pool_full"}
+    handle.reset_stats()
+    assert handle.stats()["bytes_offloaded"] == 0
+    handle.remove()
+
+
+def test_apply_logs_its_choice_through_the_library_logger(caplog):
+    with caplog.at_level("INFO", logger="ckpt_offload"):
+        handle = co.apply(nn.Sequential(*[_Layer() for _ in range(2)]))
+    handle.remove()
+    assert any(r.name == "ckpt_offload" and "2 x _Layer" in r.getMessage() for r in caplog.records)

@@ -245,3 +245,32 @@ def test_tiny_transformer_under_offload_matches():
         grads.append([p.grad for p in model.parameters()])
     assert ctx.stats()["tensors_offloaded"] > 0
     assert all(torch.equal(x, y) for x, y in zip(*grads))
+
+
+def test_demo_reports_device_peak_against_total_and_time_spread(tmp_path, capsys):
+    rc = main(["demo", "--size", "small", "--steps", "3", "--device", "cpu", "--no-progress",
+               "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    r = json.loads((tmp_path / "demo.json").read_text())
+    peak, total = r["device_saved_peak_bytes"], r["saved_bytes_total"]
+    assert 0 < peak <= 0.6 * total, (peak, total)
+    from ckpt_offload.profiling.summary import saved_line
+
+    assert f"saved activations on the device at their peak (step 1, co.profile): {saved_line(peak, total)}" in out
+    assert r["time_ratio_min"] <= r["time_ratio"] <= r["time_ratio_max"]
+    assert f"(min {r['time_ratio_min']:.2f}x, max {r['time_ratio_max']:.2f}x over steps)" in out
+    assert r["config"]["prefetch_bytes"] is None
+
+
+def test_demo_prefetch_bytes_option_reaches_the_context(monkeypatch):
+    seen = {}
+    real = demo.offload
+
+    def spy(**kwargs):
+        seen.update(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(demo, "offload", spy)
+    assert main(TINY_DEMO + ["--prefetch-bytes", "1234", "--no-progress"]) == 0
+    assert seen["prefetch_bytes"] == 1234

@@ -366,3 +366,61 @@ def test_trainer_callback_with_reentrant_args_raises_clearly(tmp_path):
     cb = co.hf.OffloadCheckpointCallback(offload=False)
     losses, _ = train(tmp_path, trainer_model(), [cb], **args)
     assert cb.handle.use_reentrant and cb.handle.function.calls == 12
+
+
+# ---------------------------------------------------------------- issue 11: offload entry, disable, stats
+
+
+def test_callback_honours_offload_entry_of_training_arguments_and_logs_stats(tmp_path):
+    pool = co.HostPool(pinned=False)
+    cb = co.hf.OffloadCheckpointCallback()
+    model = gpt2()
+    train(tmp_path, model, [cb], **checkpointing_args(offload={"devices": ["cpu"], "min_bytes": 0, "pool": pool}))
+    s = cb.handle.stats()
+    assert s["bytes_offloaded"] > 0 and s["tensors_offloaded"] > 0  # the dict was used, not ignored
+    assert s["pool_peak_bytes"] > 0
+    assert set(co.offload(devices=["cpu"]).stats()["kept_by_reason"]) <= set(s["kept_by_reason"])
+    cb.handle.reset_stats()
+    assert cb.handle.stats()["bytes_offloaded"] == 0
+
+
+def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path):
+    cb = co.hf.OffloadCheckpointCallback()
+    train(tmp_path, gpt2(), [cb], **checkpointing_args(offload=False))
+    assert cb.handle.function.options is None
+
+
+def test_callback_adds_stats_to_trainer_logs(tmp_path):
+    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0})
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(model=gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=[cb])
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "ckpt_offload/bytes_offloaded" in e]
+    assert logged and logged[-1]["ckpt_offload/bytes_offloaded"] > 0
+
+
+def test_hf_disable_method_removes_the_handle_and_enable_works_again():
+    model = gpt2()
+    handle = co.hf.enable(model, offload={"devices": ["cpu"]})
+    disable = "activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable") \
+        else "gradient_checkpointing_disable"
+    getattr(model, disable)()
+    assert handle.removed
+    assert "_ckpt_offload_handle" not in model.__dict__ and disable not in model.__dict__
+    again = co.hf.enable(model, offload={"devices": ["cpu"]})
+    assert not again.removed
+    again.remove()
+
+
+def test_offload_callback_offloads_without_recompute_and_matches(tmp_path, baseline):
+    ref_losses, ref_params = baseline
+    cb = co.hf.OffloadCallback(devices=["cpu"], min_bytes=0, pool=co.HostPool(pinned=False))
+    model = trainer_model()
+    losses, params = train(tmp_path, model, [cb])
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
+    assert cb.stats()["tensors_offloaded"] > 0
+    assert "forward" not in model.__dict__  # removed at the end of training

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
-from conftest import cpu_offload
+from conftest import cpu_offload, nonzero
 from test_offload_grads import Probe
 
 
@@ -25,7 +25,7 @@ def test_linear_weight_view_is_not_offloaded(pool):
         y = lin(x)
     s = ctx.stats()
     # Linear saves x and weight.t(); the latter is a plain-Tensor view of the Parameter
-    assert s["kept_by_reason"] == {"parameter": 1}
+    assert nonzero(s["kept_by_reason"]) == {"parameter": 1}
     assert s["tensors_offloaded"] == 1 and s["bytes_offloaded"] == x.numel() * 4
     assert saved_bytes_in_pool(pool) == x.numel() * 4
     y.sum().backward()
@@ -63,14 +63,11 @@ def test_functional_parameter_use_is_not_offloaded(pool):
 def test_cpu_tensors_not_offloaded_unless_asked(pool):
     x = torch.randn(64, 64, requires_grad=True)
     with pytest.warns(UserWarning, match="devices=\\['cpu'\\]") if not torch.cuda.is_available() else warnings.catch_warnings():
-        import ckpt_offload.offload as off
-
-        off._warned_no_accelerator = False
         ctx = co.offload(pool=pool, min_bytes=0)
     with ctx:
         y = x.sin()
     s = ctx.stats()
-    assert s["tensors_offloaded"] == 0 and s["kept_by_reason"] == {"device": 1}
+    assert s["tensors_offloaded"] == 0 and nonzero(s["kept_by_reason"]) == {"device": 1}
     assert pool.stats()["bytes_in_use"] == 0
     y.sum().backward()
 
@@ -121,7 +118,7 @@ def test_min_bytes_threshold(pool):
         y = Probe.apply(x, small, exact)
     s = ctx.stats()
     assert s["tensors_offloaded"] == 1
-    assert s["kept_by_reason"] == {"too_small": 2}  # x (12 bytes) and small
+    assert nonzero(s["kept_by_reason"]) == {"too_small": 2}  # x (12 bytes) and small
     assert s["kept_bytes_by_reason"]["too_small"] == 12 + 1020
     y.sum().backward()
 

@@ -7,6 +7,7 @@ asynchronous, so copy records have real durations and reloads can really stall.
 
 import csv
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -685,3 +686,52 @@ def test_gpu_record_timings(stream):
     assert "GPU copies" in prof.summary()
     _, _, _, xs = _check_trace(prof.chrome_trace())
     _check_nesting([e for e in xs if e["cat"] in ("d2h", "h2d")])
+
+
+@needs_profiler
+def test_cli_profile_small_default_window_saves_device_memory(tmp_path, capsys):
+    """The issue's bar: with defaults, the device peak of saved activations is at most 60% of
+    the pool's peak (the whole step), and the summary says so as "X of Y, Z% less"."""
+    out = tmp_path / "prof"
+    rc = main(["profile", "--size", "small", "--device", "cpu", "--steps", "1", "--out", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    totals = json.loads((out / "profile.json").read_text())["totals"]
+    device, pool, total = totals["device_saved_peak_bytes"], totals["pool_peak_bytes"], totals["saved_total_bytes"]
+    assert 0 < device <= 0.6 * pool, (device, pool)
+    assert total >= pool
+    from ckpt_offload.profiling.summary import saved_line
+
+    line = saved_line(device, total)
+    assert re.search(r"[\d.]+ [KMG]iB of [\d.]+ [KMG]iB, \d+% less", line)
+    assert f"saved activations held on the device peaked at {line}" in text
+
+
+@needs_profiler
+def test_cli_profile_fixed_whole_step_window_shows_no_saving(tmp_path, capsys):
+    """The same run with a window larger than the step brings everything back at once: the
+    measurement above can fail."""
+    out = tmp_path / "prof"
+    rc = main(["profile", "--size", "small", "--device", "cpu", "--steps", "1", "--out", str(out), "--no-progress",
+               "--prefetch-bytes", str(256 * 2**20)])
+    assert rc == 0
+    totals = json.loads((out / "profile.json").read_text())["totals"]
+    assert totals["device_saved_peak_bytes"] > 0.9 * totals["pool_peak_bytes"]
+
+
+def test_cli_profile_out_checked_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--size", "tiny", "--device", "cpu", "--out", str(blocker)])
+    assert e.value.code == 2
+    err = capsys.readouterr()
+    assert "--out" in err.err and "not a folder" in err.err
+    assert "profiling" not in err.err  # nothing ran
+
+
+def test_saved_line_format():
+    from ckpt_offload.profiling.summary import saved_line
+
+    assert saved_line(25 * 2**20, 100 * 2**20) == "25.0 MiB of 100.0 MiB, 75% less"
+    assert saved_line(0, 0) == "0 B of 0 B"

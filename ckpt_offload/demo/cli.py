@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -70,6 +71,12 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+_PREFETCH_HELP = (
+    "co.offload(prefetch_bytes=...): a fixed window of prefetched bytes in backward, 0 for none "
+    "(default: the automatic window, about one block of the model)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ckpt_offload.demo.model import CONFIGS
     from ckpt_offload.offload import DEFAULT_MIN_BYTES, STREAM_MODES
@@ -78,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ckpt_offload",
         description="ckpt_offload: offload saved activations to a host-memory pool.",
     )
+    from ckpt_offload import __version__
+
+    parser.add_argument("--version", action="version", version=f"ckpt_offload {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,profile,plan,info}")
     sub.required = True
 
@@ -116,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="seed for weights, data and dropout (default: 0)"
     )
+    demo.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help=_PREFETCH_HELP)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     prof = sub.add_parser(
         "profile",
@@ -159,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream", choices=STREAM_MODES, default="side", help="built-in model: co.offload(stream=...) (default: side)"
     )
     prof.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
+    prof.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help="built-in model: " + _PREFETCH_HELP)
     prof.add_argument("--top", type=_positive_int, default=None, help="summary: show the N heaviest modules only")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -179,8 +192,15 @@ def _info() -> int:
     from ckpt_offload.pool import default_pool
 
     print("build_info:")
-    for key, value in build_info().items():
+    info = build_info()
+    for key, value in info.items():
         print(f"  {key}: {value}")
+    if info["cuda_compiled"] and info["gpu_available"]:
+        print("co.offload() with defaults here: offloads CUDA tensors (devices=['cuda'])")
+    else:
+        print("co.offload() with defaults here: offloads NOTHING (no usable CUDA GPU"
+              + ("" if info["cuda_compiled"] else "; this build has no CUDA")
+              + "); pass devices=['cpu'] to offload CPU tensors into the host pool")
 
     pool = default_pool()
     stats = pool.stats()
@@ -232,14 +252,21 @@ def load_script(spec: str, parser):
 
 def _progress(steps: int, enabled: bool):
     """range(steps) with a tqdm progress bar when tqdm is installed (stderr), plain otherwise."""
-    if enabled:
-        try:
-            from tqdm import tqdm
+    from ckpt_offload.demo.runner import progress_range
 
-            return tqdm(range(steps), desc="profiling", unit="step", file=sys.stderr)
-        except ImportError:
-            pass
-    return range(steps)
+    return progress_range(steps, "profiling", enabled)
+
+
+def _check_out(out: str, parser) -> None:
+    """A parser error before any step runs when ``out`` cannot be the output folder: minutes of
+    profiling would otherwise be lost at the end."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        parser.error(f"--out: {out!r} exists and is not a folder; pass a folder path")
+    parent = out if os.path.isdir(out) else (os.path.dirname(os.path.abspath(out)) or ".")
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        parser.error(f"--out: {out!r} is not writable here; pass a folder you can write to")
 
 
 def _gpu_or_error(device: str, parser) -> None:
@@ -265,6 +292,7 @@ def _profile(args, parser) -> int:
     from ckpt_offload.pool import HostPool
     from ckpt_offload.profiling import profile
 
+    _check_out(args.out, parser)
     step_fn = load_script(args.script, parser) if args.script is not None else None
     model, pools = None, None  # a script's steps use their own pools: the default one is reported
     if step_fn is None:
@@ -285,6 +313,7 @@ def _profile(args, parser) -> int:
             stream=args.stream,
             devices=None if device == "cuda" else ["cpu"],
             pool=pools[0],
+            prefetch_bytes=args.prefetch_bytes,
         )
         print(
             f"profiling {args.steps} step(s) of TinyTransformer {args.size} on {device} under {ctx!r}",
@@ -329,6 +358,8 @@ def _demo(args, parser) -> int:
         min_bytes=args.min_bytes,
         stream=args.stream,
         seed=args.seed,
+        prefetch_bytes=args.prefetch_bytes,
+        progress=not args.no_progress,
     )
     print(demo.format_report(result))
     if args.out is not None:

@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import textwrap
 import time
 
@@ -41,6 +42,7 @@ from ckpt_offload import build_info, synchronize
 from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload
 from ckpt_offload.pool import HostPool
+from ckpt_offload.profiling.summary import saved_line
 
 __all__ = ["run_demo", "format_report", "write_json", "default_device", "gpu_usable", "DEMO_JSON"]
 
@@ -152,9 +154,25 @@ class SimpleAdam:
             p.addcdiv_(m, (v / c2).sqrt_().add_(self.eps), value=-self.lr / c1)
 
 
-def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0) -> dict:
-    """One training run. With ``offload_ctx`` every forward runs inside it; without, the first
-    step's forward runs under a counting hook. Returns losses, times, first-step grads, counts."""
+def progress_range(n: int, label: str, progress: bool):
+    """range(n) with a tqdm progress bar on stderr when asked and tqdm is installed, plain otherwise."""
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(range(n), desc=label, unit="step", file=sys.stderr)
+        except ImportError:
+            pass
+    return range(n)
+
+
+def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0, progress: bool = False,
+           pool=None) -> dict:
+    """One training run. With ``offload_ctx`` every forward runs inside it, and the first step
+    (left out of the step-time figures) runs under co.profile for the device peak of saved
+    activations; without, the first step's forward runs under a counting hook. Returns losses,
+    times, first-step grads, counts."""
+    from ckpt_offload.profiling import profile
     torch.manual_seed(seed)  # dropout draws: identical sequence in both runs
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)
     model.train()
@@ -163,8 +181,11 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    losses, times, first_grads, first_stats = [], [], None, None
-    for step, tokens in enumerate(batches):
+    losses, times, first_grads, first_stats, first_totals = [], [], None, None, None
+    label = "baseline" if offload_ctx is None else "co.offload"
+    for step in progress_range(len(batches), label, progress):
+        tokens = batches[step]
+        prof = profile(pools=[pool]) if (offload_ctx is not None and step == 0) else contextlib.nullcontext()
         if offload_ctx is not None:
             ctx = offload_ctx
         elif step == 0:
@@ -174,9 +195,12 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
         _sync(device)
         t0 = time.perf_counter()
         opt.zero_grad()
-        with ctx:
-            loss = lm_loss(model, tokens)
-        loss.backward()
+        with prof as report:
+            with ctx:
+                loss = lm_loss(model, tokens)
+            loss.backward()
+        if report is not None:
+            first_totals = report.totals()
         if step == 0:
             first_grads = {
                 name: (None if p.grad is None else p.grad.detach().clone()) for name, p in model.named_parameters()
@@ -199,6 +223,9 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
         out["saved_per_step"] = counter.result()
     else:
         out["stats_first_step"] = first_stats
+        out["device_saved_peak_bytes"] = first_totals["device_saved_peak_bytes"]
+        out["pool_peak_bytes"] = first_totals["pool_peak_bytes"]
+        out["saved_total_bytes"] = first_totals["saved_total_bytes"]
         out["stats_total"] = offload_ctx.stats()
     return out
 
@@ -229,6 +256,8 @@ def run_demo(
     min_bytes: int = DEFAULT_MIN_BYTES,
     stream: str = "side",
     seed: int = 0,
+    prefetch_bytes: int | None = None,
+    progress: bool = False,
 ) -> dict:
     """Runs the baseline and the offloaded training, returns every number as a JSON-able dict.
 
@@ -241,7 +270,13 @@ def run_demo(
     ``losses_match`` (every step, exact), ``activation_bytes_on_device_baseline``,
     ``activation_bytes_on_device_offload``, ``bytes_offloaded_to_pool``, ``pool``,
     ``time_ratio`` (median offload / baseline step time, steps after the first; None for one
-    step), ``baseline``, ``offload``, ``config``, ``cpu_only`` and ``note``.
+    step), ``time_ratio_min`` / ``time_ratio_max`` (its spread over those steps),
+    ``device_saved_peak_bytes`` (the most saved-activation bytes the offload run held on the device
+    at once, first step, measured by co.profile), ``saved_bytes_total`` (what autograd saved in a
+    step, counted the same way: the pool's bytes plus the device's at the end of forward, the
+    device peak without offload), ``baseline``, ``offload``, ``config``, ``cpu_only``
+    and ``note``. ``prefetch_bytes`` is co.offload's (None: the automatic window); ``progress``
+    shows a progress bar on stderr.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -257,12 +292,12 @@ def run_demo(
     cfg = make_config(size)
     batches = [make_batch(cfg, seed=seed * 100_003 + i, device=device) for i in range(steps)]
 
-    base = _train(cfg, batches, device, seed, min_bytes=min_bytes)
+    base = _train(cfg, batches, device, seed, min_bytes=min_bytes, progress=progress)
 
     pool = HostPool()
     devices = None if device == "cuda" else ["cpu"]
-    ctx = offload(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool)
-    off = _train(cfg, batches, device, seed, offload_ctx=ctx)
+    ctx = offload(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, prefetch_bytes=prefetch_bytes)
+    off = _train(cfg, batches, device, seed, offload_ctx=ctx, progress=progress, pool=pool)
     synchronize()
     pool.synchronize()
     pool_stats = pool.stats()
@@ -280,9 +315,12 @@ def run_demo(
     kept_activation_tensors = (
         s1["tensors_kept"] - s1["kept_by_reason"].get("parameter", 0) - s1["kept_by_reason"].get("buffer", 0)
     )
-    ratio = None
+    ratio = ratio_min = ratio_max = None
     if base["median_step_s"] and off["median_step_s"] is not None:
         ratio = off["median_step_s"] / base["median_step_s"]
+        per_step = [o / b for o, b in zip(off["step_times_s"][1:], base["step_times_s"][1:]) if b > 0]
+        if per_step:
+            ratio_min, ratio_max = min(per_step), max(per_step)
 
     cpu_only = device == "cpu"
     if cpu_only:
@@ -309,6 +347,7 @@ def run_demo(
             "seed": seed,
             "min_bytes": min_bytes,
             "stream": stream,
+            "prefetch_bytes": prefetch_bytes,
             "offload_devices": devices,
             "num_parameters": base["num_parameters"],
             "torch_threads": torch.get_num_threads(),
@@ -327,6 +366,10 @@ def run_demo(
         "bytes_offloaded_to_pool": s1["bytes_offloaded"],
         "bytes_deduplicated": s1["bytes_deduplicated"],
         "time_ratio": ratio,
+        "time_ratio_min": ratio_min,
+        "time_ratio_max": ratio_max,
+        "device_saved_peak_bytes": off["device_saved_peak_bytes"],
+        "saved_bytes_total": off["saved_total_bytes"],
         "pool": pool_stats,
         "baseline": base,
         "offload": off,
@@ -436,12 +479,15 @@ def format_report(r: dict) -> str:
             )
         )
     ratio = r["time_ratio"]
+    spread = ""
+    if r.get("time_ratio_min") is not None:
+        spread = f" (min {r['time_ratio_min']:.2f}x, max {r['time_ratio_max']:.2f}x over steps)"
     rows += [
         (
             "median step time" + _timed_steps(c["steps"]),
             _ms(base["median_step_s"]),
             _ms(off["median_step_s"]),
-            "n/a (one step)" if ratio is None else f"ratio offload/baseline {ratio:.2f}x",
+            "n/a (one step)" if ratio is None else f"ratio offload/baseline median {ratio:.2f}x{spread}",
         ),
         (
             "loss (first -> last step)",
@@ -456,6 +502,11 @@ def format_report(r: dict) -> str:
     for a, b, cc, d in rows:
         lines.append(f"{a:<{w0}}  {b:>{w1}}  {cc:>{w2}}  {d}".rstrip())
     lines.append("")
+    lines.append(
+        "saved activations on the device at their peak (step 1, co.profile): "
+        + saved_line(r["device_saved_peak_bytes"], r["saved_bytes_total"])
+        + " (what autograd saved in a step, all on the device without offload)"
+    )
     if r["grads_match"]:
         lines.append(f"gradients on step 1: bit-identical (torch.equal on all {r['num_grads_compared']} parameters)")
     else:

@@ -62,12 +62,22 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload._checkpoint_core import TORCH_KEYWORDS, check_reentrant, offload_options, run_checkpoint
+from ckpt_offload._checkpoint_core import (
+    TORCH_KEYWORDS,
+    StatsCollector,
+    check_checkpoint_keywords,
+    check_reentrant,
+    offload_options,
+    run_checkpoint,
+)
+from ckpt_offload.offload import _quiet, check_offloads_something
 
-__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback"]
+__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback",
+           "OffloadCallback"]
 
 # New name first: it is the one that does not warn. Feature-detected on each model, not by version.
 _ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+_DISABLE_NAMES = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
 _HANDLE_ATTR = "_ckpt_offload_handle"  # shared with co.apply, so neither stacks on the other
 
 
@@ -90,6 +100,7 @@ class HFCheckpointFunction:
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs)
         self.calls = 0
+        self.collector = StatsCollector()  # the contexts its checkpoints used, for handle.stats()
 
     def __call__(self, function, *args, **kwargs):
         self.calls += 1
@@ -108,7 +119,7 @@ class HFCheckpointFunction:
                 pkw = {**function.keywords, **pkw}
                 function = function.func
             args, kwargs = pargs + args, {**pkw, **kwargs}
-        return run_checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs)
+        return run_checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs, self.collector)
 
     def __deepcopy__(self, memo):
         # A copied model shares the function: its options may hold a HostPool, which is not copyable.
@@ -131,6 +142,19 @@ class _KeepOurs:
         self.handle._install()
 
 
+class _RemoveOnDisable:
+    """Set on the model instance over its disable methods while a handle is active: Hugging
+    Face's own disable removes the handle too (``handle.removed``), then runs as usual."""
+
+    def __init__(self, handle: "HFCheckpointHandle", name: str):
+        self.handle = handle
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        self.handle.remove()  # unwraps this method too
+        return getattr(self.handle._model, self.name)(*args, **kwargs)
+
+
 class HFCheckpointHandle:
     """Returned by :func:`enable`: what is checkpointed, and :meth:`remove` to undo it.
 
@@ -150,6 +174,22 @@ class HFCheckpointHandle:
         self.removed = False
         self._saved_state = None  # per-module flags/functions before enable, restored by remove()
         self._input_grads_added = False
+
+    def stats(self) -> dict:
+        """What offload did in this model's checkpointed layers: the keys of
+        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest).
+
+        Example::
+
+            handle = co.hf.enable(model, offload={"devices": ["cpu"]})
+            model(**batch).loss.backward()
+            print(handle.stats()["bytes_offloaded"])
+        """
+        return self.function.collector.stats()
+
+    def reset_stats(self) -> None:
+        """Counts from zero again (see :meth:`stats`)."""
+        self.function.collector.reset()
 
     @property
     def offload(self) -> dict | None:
@@ -253,8 +293,8 @@ class HFCheckpointHandle:
         if self.removed:
             return
         model = self._model
-        for n in _ENABLE_NAMES:
-            if isinstance(model.__dict__.get(n), _KeepOurs):
+        for n in _ENABLE_NAMES + _DISABLE_NAMES:
+            if isinstance(model.__dict__.get(n), (_KeepOurs, _RemoveOnDisable)):
                 del model.__dict__[n]
         for m, state in self._saved_state:
             for key, value in state.items():
@@ -310,7 +350,8 @@ def _snapshot(model) -> list:
             if hasattr(m, "gradient_checkpointing")]
 
 
-def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) -> HFCheckpointHandle:
+def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
+           **checkpoint_kwargs) -> HFCheckpointHandle:
     """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
 
     Calls the model's own ``activation_checkpointing_enable`` (or, where that does not exist,
@@ -325,8 +366,8 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
         model: a ``transformers.PreTrainedModel`` (or anything with Hugging Face's enable method)
             whose class supports gradient checkpointing through ``_gradient_checkpointing_func``.
         every_n_layers: checkpoint one layer in ``every_n_layers`` (>= 1), starting with the first.
-        offload: ``True`` (default), ``False``, or a dict of :class:`ckpt_offload.offload`
-            options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
+        offload: ``False`` (default, as everywhere in ckpt_offload: offload is opt-in),
+            ``True``, or a dict of :class:`ckpt_offload.offload` options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
             checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
             ids Hugging Face passes by keyword -- wait in the host pool until backward.
         **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs
@@ -361,10 +402,10 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = offload_options(offload)
+    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable")
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    unknown = sorted(set(checkpoint_kwargs) - set(TORCH_KEYWORDS))
-    if unknown:
-        raise TypeError(f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}")
+    if options is not None and not getattr(_quiet, "on", False):
+        check_offloads_something(options.get("devices"), "co.hf.enable(offload=...)")
     if getattr(model, "supports_gradient_checkpointing", True) is False:
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing in transformers "
@@ -396,6 +437,9 @@ def enable(model, every_n_layers: int = 1, offload=True, **checkpoint_kwargs) ->
     for n in _ENABLE_NAMES:
         if hasattr(model, n):
             model.__dict__[n] = _KeepOurs(handle, n)
+    for n in _DISABLE_NAMES:
+        if hasattr(model, n):
+            model.__dict__[n] = _RemoveOnDisable(handle, n)
     model.__dict__[_HANDLE_ATTR] = handle
     return handle
 
@@ -427,6 +471,22 @@ def _args_checkpoint_kwargs(args) -> dict:
     return {}
 
 
+#: The keys of a handle's ``stats()`` the callbacks add to the Trainer's logs, as ``ckpt_offload/<key>``.
+LOG_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded", "pool_peak_bytes",
+            "peak_prefetch_bytes")
+
+
+def _add_to_logs(logs: dict, state, stats: dict) -> None:
+    """Adds ``stats`` to the log entry being made: to ``logs`` (what the callbacks after ours
+    see) and to the entry Trainer already put in ``state.log_history`` (it copies ``logs``
+    before calling on_log)."""
+    extra = {f"ckpt_offload/{k}": stats[k] for k in LOG_KEYS if k in stats}
+    logs.update(extra)
+    history = getattr(state, "log_history", None)
+    if history and all(history[-1].get(k) == v for k, v in logs.items() if k not in extra):
+        history[-1].update(extra)
+
+
 class OffloadCheckpointCallback(TrainerCallback):
     """Trainer callback: the model trains with ckpt_offload's checkpoint (and offload).
 
@@ -436,8 +496,10 @@ class OffloadCheckpointCallback(TrainerCallback):
     ``model_init``). ``every_n_layers=None`` takes ``every_n_layers`` from
     ``TrainingArguments.activation_checkpointing_kwargs`` (``gradient_checkpointing_kwargs`` in
     releases without the new name) when ``activation_checkpointing`` is on, else 1; torch's checkpoint keywords
-    there (``use_reentrant``, ...) are used too, unless given here. Its ``offload`` key (Hugging
-    Face's own offload) is ignored: this callback's ``offload`` decides. The handle is
+    there (``use_reentrant``, ...) are used too, unless given here, and so is its ``offload`` key
+    (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
+    as everywhere in ckpt_offload).
+    The handle is
     ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
 
     Example::
@@ -449,33 +511,42 @@ class OffloadCheckpointCallback(TrainerCallback):
         trainer.train()
     """
 
-    def __init__(self, every_n_layers: int | None = None, offload=True, **checkpoint_kwargs):
+    def __init__(self, every_n_layers: int | None = None, offload=None, **checkpoint_kwargs):
         if every_n_layers is not None:
             check_int("every_n_layers", every_n_layers, minimum=1)
         self.every_n_layers = every_n_layers
+        # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else False.
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
-        # Bad options and keywords fail here, not when Trainer starts.
+        # Bad or misplaced options fail here, not at the first step.
+        check_checkpoint_keywords(checkpoint_kwargs, "OffloadCheckpointCallback")
         options = offload_options(offload)
         check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
-        unknown = sorted(set(checkpoint_kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
-        if unknown:
-            raise TypeError(
-                f"unknown checkpoint keyword(s) {unknown}; allowed: {['use_reentrant', *TORCH_KEYWORDS]}"
-            )
+        if options is not None:
+            check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
         self.handle: HFCheckpointHandle | None = None
 
     def _settings(self, args):
         from_args = _args_checkpoint_kwargs(args)
         every_n = self.every_n_layers if self.every_n_layers is not None else from_args.pop("every_n_layers", 1)
         from_args.pop("every_n_layers", None)
-        from_args.pop("offload", None)
-        return every_n, {**from_args, **self.checkpoint_kwargs}
+        offload = from_args.pop("offload", None)
+        if self.offload is not None:
+            offload = self.offload
+        else:
+            # From TrainingArguments (or the default, True): checked now, where it is known.
+            options = offload_options(False if offload is None else offload,
+                                      name="activation_checkpointing_kwargs['offload']")
+            offload = False if offload is None else offload
+            if options is not None:
+                check_offloads_something(options.get("devices"), "OffloadCheckpointCallback (offload from "
+                                         "TrainingArguments' checkpointing kwargs)")
+        return every_n, offload, {**from_args, **self.checkpoint_kwargs}
 
     def _ensure(self, args, model) -> None:
         if model is None:
             return
-        every_n, kwargs = self._settings(args)
+        every_n, offload, kwargs = self._settings(args)
         handle = model.__dict__.get(_HANDLE_ATTR)
         if handle is not None and not handle.removed:
             if handle is self.handle:
@@ -487,10 +558,104 @@ class OffloadCheckpointCallback(TrainerCallback):
                     "(model._ckpt_offload_handle.remove()) or drop the callback"
                 )
             handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
-        self.handle = enable(model, every_n_layers=every_n, offload=self.offload, **kwargs)
+        _quiet.on = True  # checked at the callback's construction, the user's line
+        try:
+            self.handle = enable(model, every_n_layers=every_n, offload=offload, **kwargs)
+        finally:
+            _quiet.on = False
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Adds this run's offload statistics to what the Trainer logs (``ckpt_offload/...``)."""
+        if logs is None or self.handle is None or self.handle.removed or self.handle.function.options is None:
+            return
+        _add_to_logs(logs, state, self.handle.stats())
+
+
+class _OffloadedForward:
+    """Set as the model instance's ``forward`` by :class:`OffloadCallback`: a training forward
+    runs inside the callback's co.offload context."""
+
+    def __init__(self, callback: "OffloadCallback", model, original):
+        self.callback = callback
+        self.model = model
+        self.original = original  # the instance-level forward before, or None (the class's)
+        # Trainer reads model.forward's signature to drop unused dataset columns.
+        self.__signature__ = inspect.signature(original if original is not None else type(model).forward.__get__(model))
+
+    def __call__(self, *args, **kwargs):
+        forward = self.original if self.original is not None else type(self.model).forward.__get__(self.model)
+        if not (self.model.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        with self.callback.context:
+            return forward(*args, **kwargs)
+
+
+class OffloadCallback(TrainerCallback):
+    """Trainer callback: offload without recompute. Every training forward of the Trainer's
+    model runs inside ``co.offload(**options)``, so the activations it saves wait in the host
+    pool until backward (no checkpointing: nothing is computed twice). ``callback.stats()`` is
+    the context's statistics; they are added to the Trainer's logs as ``ckpt_offload/...``.
+    Wrap the LM head and the loss in :func:`ckpt_offload.keep` inside your model to keep them.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=ds,
+                          callbacks=[co.hf.OffloadCallback(devices=["cpu"])])
+        trainer.train()
+        print(trainer.callback_handler.callbacks[-1].stats()["bytes_offloaded"])
+    """
+
+    def __init__(self, **options):
+        from ckpt_offload.offload import offload as offload_context
+
+        check_offloads_something(options.get("devices"), "OffloadCallback")
+        _quiet.on = True  # warned just above, at the user's line
+        try:
+            self.context = offload_context(**options)  # bad options fail here
+        finally:
+            _quiet.on = False
+        self._model = None
+
+    def _install(self, model) -> None:
+        if model is None or isinstance(model.__dict__.get("forward"), _OffloadedForward):
+            return
+        model.__dict__["forward"] = _OffloadedForward(self, model, model.__dict__.get("forward"))
+        self._model = model
+
+    def remove(self) -> None:
+        """Gives the model its own forward back. Calling it twice is harmless."""
+        model, self._model = self._model, None
+        if model is not None:
+            wrapper = model.__dict__.get("forward")
+            if isinstance(wrapper, _OffloadedForward):
+                if wrapper.original is not None:
+                    model.__dict__["forward"] = wrapper.original
+                else:
+                    del model.__dict__["forward"]
+
+    def stats(self) -> dict:
+        """The co.offload context's :meth:`~ckpt_offload.offload.stats`."""
+        return self.context.stats()
+
+    def reset_stats(self) -> None:
+        self.context.reset_stats()
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._install(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._install(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.remove()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        _add_to_logs(logs, state, self.stats())

@@ -79,6 +79,27 @@ def export_json(report: ProfileReport, path) -> str:
     return path
 
 
+def stream_names(copies) -> dict:
+    """``(device, stream pointer) -> name`` for the copy records: ``"compute"`` for a stream that
+    carried copies of both directions (``stream="compute"`` copies on the compute stream),
+    ``"d2h"`` / ``"h2d"`` for a side stream of one direction, numbered from the second one on a
+    device (``"h2d.2"``: the demand-reload stream next to the prefetch one).
+
+    Example::
+
+        stream_names([{"device": 0, "stream": 7, "kind": "d2h"}])   # {(0, 7): 'd2h'}
+    """
+    kinds: dict = {}
+    for c in sorted(copies, key=lambda c: c["id"]):
+        kinds.setdefault((c["device"], c["stream"]), set()).add(c["kind"])
+    names, used = {}, {}
+    for key, ks in kinds.items():
+        base = "compute" if len(ks) > 1 else next(iter(ks))
+        n = used[(key[0], base)] = used.get((key[0], base), 0) + 1
+        names[key] = base if n == 1 else f"{base}.{n}"
+    return names
+
+
 def export_csv(report: ProfileReport, path) -> str:
     """Writes one row per copy record, joined with its storage's shape, dtype and module;
     returns the path. Columns: :data:`CSV_COLUMNS` (shape as JSON, ``"[4, 64, 64]"``; ``"[]"`` for a 0-d tensor).
@@ -89,6 +110,7 @@ def export_csv(report: ProfileReport, path) -> str:
     """
     report.check_ready()
     path = os.fspath(path)
+    names = stream_names(report.records["copies"])
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
@@ -107,7 +129,7 @@ def export_csv(report: ProfileReport, path) -> str:
                     json.dumps(shape) if shape is not None else "",
                     h.get("dtype", ""),
                     c["device"],
-                    c["stream"],
+                    names[(c["device"], c["stream"])],
                     f"{span[0]:.3f}" if span else "",
                     f"{span[1]:.3f}" if span else "",
                     f"{dur:.3f}" if span else "",

@@ -141,7 +141,11 @@ class ProfileReport:
         ``tensors_kept``, ``kept_by_reason``, ``kept_bytes_by_reason``, ``pool_peak_bytes``
         (highest pool bytes in use sampled during the profile), ``pool_reserved_bytes`` (at
         exit), ``backend_allocs``, ``backend_alloc_seconds``, ``cap_hits``, ``prefetched_copies``,
-        ``device_saved_peak_bytes``, ``device_allocated_peak_bytes`` (None on CPU),
+        ``device_saved_peak_bytes`` (most bytes of saved activations held on the device at once:
+        kept, reloaded, prefetched), ``saved_total_bytes`` (what autograd saved in all, the
+        device peak without offload: the pool's bytes plus the device's at the pool's peak, the
+        end of a forward), ``device_saved_fraction`` (``device_saved_peak_bytes /
+        saved_total_bytes``; None when nothing was saved), ``device_allocated_peak_bytes`` (None on CPU),
         ``wall_seconds`` (first to last record), ``copies``, ``dropped_records``, ``untimed_records``
         (copies and waits whose events had no time: counted in bytes, not in times), ``cpu_only``.
 
@@ -166,6 +170,10 @@ class ProfileReport:
         times = [x for key in ("copies", "compute", "pool") for rec in r[key] for x in (time_span(rec) or ())]
         times += [m["t_us"] for m in mem]
         copy_s = t.copy_us / 1e6
+        device_peak = max((m["device_bytes_saved"] for m in mem), default=0)
+        at_pool_peak = max(mem, key=lambda m: m["pool_bytes_in_use"], default=None)
+        saved_total = (at_pool_peak["pool_bytes_in_use"] + at_pool_peak["device_bytes_saved"]) if at_pool_peak else 0
+        saved_total = max(saved_total, device_peak)
         return {
             "d2h_bytes": t.d2h_bytes,
             "d2h_seconds": t.d2h_us / 1e6,
@@ -187,7 +195,9 @@ class ProfileReport:
             "backend_alloc_seconds": sum(max(0.0, p["end_us"] - p["start_us"]) for p in allocs) / 1e6,
             "cap_hits": sum(1 for p in r["pool"] if p["kind"] == "cap_hit"),
             "prefetched_copies": t.prefetched,
-            "device_saved_peak_bytes": max((m["device_bytes_saved"] for m in mem), default=0),
+            "device_saved_peak_bytes": device_peak,
+            "saved_total_bytes": saved_total,
+            "device_saved_fraction": device_peak / saved_total if saved_total else None,
             "device_allocated_peak_bytes": max(allocated) if allocated else None,
             "wall_seconds": (max(times) - min(times)) / 1e6 if times else 0.0,
             "copies": len(r["copies"]),

@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from ckpt_offload.profiling.report import ProfileReport
 
 
+def saved_line(peak: int, total: int) -> str:
+    """``"X of Y, Z% less"``: a device peak against what it would have been without offload.
+
+    Example::
+
+        saved_line(18 * 2**20, 64 * 2**20)   # '18.0 MiB of 64.0 MiB, 72% less'
+    """
+    if total <= 0:
+        return f"{fmt_bytes(peak)} of {fmt_bytes(total)}"
+    return f"{fmt_bytes(peak)} of {fmt_bytes(total)}, {1 - peak / total:.0%} less"
+
+
 def format_summary(report: ProfileReport, by: str = "module", top: int | None = None) -> str:
     """The text of :meth:`ProfileReport.summary <ckpt_offload.profiling.report.ProfileReport.summary>`
     (see there for the columns, ``by`` and ``top``).
@@ -133,7 +145,9 @@ def format_summary(report: ProfileReport, by: str = "module", top: int | None = 
     )
     alloc = t["device_allocated_peak_bytes"]
     lines.append(
-        f"device: saved activations held on the device peaked at {fmt_bytes(t['device_saved_peak_bytes'])}"
+        "device: saved activations held on the device peaked at "
+        + saved_line(t["device_saved_peak_bytes"], t["saved_total_bytes"])
+        + " (what autograd saved in all: the peak without offload)"
         + (f"; allocator peak {fmt_bytes(alloc)}" if alloc is not None else "")
     )
     kept = [(k, n, t["kept_bytes_by_reason"].get(k, 0)) for k, n in t["kept_by_reason"].items() if n]

@@ -72,8 +72,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       .def(py::init([](std::shared_ptr<HostPool> pool, int64_t min_bytes, bool offload_cpu, bool offload_cuda,
                        bool side_stream, bool raise_on_full, int64_t prefetch_bytes, int64_t batch_below,
-                       int64_t batch_bytes) {
+                       int64_t batch_bytes, bool prefetch_auto) {
              PackerOptions o;
+             o.prefetch_auto = prefetch_auto;
              o.prefetch_bytes = prefetch_bytes;
              o.batch_below = batch_below;
              o.batch_bytes = batch_bytes;
@@ -87,14 +88,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
            py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes") = 0,
-           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20)
+           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20, py::arg("prefetch_auto") = false)
       .def("pack", &Packer::pack)
       .def("unpack", &Packer::unpack)
       .def("note_module_state", &Packer::note_module_state)
       .def("begin", &Packer::begin)
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
-      .def("stats", &Packer::stats);
+      .def("stats", &Packer::stats)
+      .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cuda_device_count", &cuda_device_count);

@@ -29,6 +29,17 @@ struct PackerCounters {
   std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
+
+  // Back to zero (co.offload().reset_stats()); counts racing with it land on either side.
+  void reset() {
+    for (auto* c : {&tensors_offloaded, &bytes_offloaded, &tensors_deduplicated, &bytes_deduplicated,
+                    &tensors_reloaded, &bytes_reloaded, &tensors_reload_shared, &tensors_batched, &batches,
+                    &prefetches, &bytes_prefetched, &prefetch_hits, &prefetches_unused, &peak_prefetch_bytes,
+                    &prefetch_failures})
+      c->store(0);
+    for (auto& c : kept_tensors) c.store(0);
+    for (auto& c : kept_bytes) c.store(0);
+  }
 };
 
 }  // namespace ckpt_offload

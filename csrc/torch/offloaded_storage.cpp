@@ -136,6 +136,9 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
   c10::Storage out;
   std::shared_ptr<Prefetcher> prefetcher;
   uint64_t seq = 0;
+  // For the prefetch window's lead (Note [Prefetch window]): this unpack consumed a fresh
+  // reload (consumed), and backward had to wait for it (waited).
+  bool consumed = false, waited = false;
   DeviceScope scope(device_);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -161,6 +164,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
         // Asked for now: the whole wait for this reload is a stall of the compute stream.
         if (profiler::enabled()) request = StreamPair(device_, side_stream_, false).compute().record_timed();
         batch_->reload(/*prefetch=*/false);
+        waited = true;
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
@@ -180,6 +184,8 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       if (profiler::enabled() && st.ready)
         profiler::add(profiler::WaitRecord{handle_, device_index(device_),
                                            request ? request : streams.compute().record_timed(), st.ready});
+      consumed = true;
+      if (st.ready && st.prefetch && st.ready->state() != EventState::Done) waited = true;
       if (st.ready) streams.compute().wait(st.ready);
       if (st.prefetch) {
         if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
@@ -203,6 +209,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       if (attempt < 3) continue;
       throw std::logic_error("ckpt_offload: a batched saved tensor could not be reloaded");
     } else {
+      consumed = waited = true;
       CopyRange range("ckpt_offload::reload", device_);
       auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
       // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
@@ -227,7 +234,10 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     seq = seq_;
     break;
   }
-  if (prefetcher) prefetcher->after_unpack(seq, device_);
+  if (prefetcher) {
+    if (consumed) prefetcher->note_unpack(waited);
+    prefetcher->after_unpack(seq, device_);
+  }
   return out;
 }
 

@@ -26,7 +26,7 @@ Packer::Packer(PackerOptions options) : options_(std::move(options)), counters_(
   if (!options_.pool) throw std::invalid_argument("ckpt_offload: Packer needs a pool");
   // Prefetching on the compute stream would only move the same stall earlier.
   if (options_.prefetch_bytes > 0 && options_.side_stream)
-    prefetcher_ = std::make_shared<Prefetcher>(options_.prefetch_bytes, counters_);
+    prefetcher_ = std::make_shared<Prefetcher>(options_.prefetch_bytes, counters_, options_.prefetch_auto);
 }
 
 void Packer::flush_batches() {
@@ -49,6 +49,7 @@ void Packer::flush_batches() {
 }
 
 void Packer::begin() {
+  if (prefetcher_) prefetcher_->mark_block();  // each activation is a block (Note [Prefetch window])
   std::lock_guard<std::mutex> lock(mu_);
   parameter_storages_.clear();
   buffer_storages_.clear();
@@ -287,7 +288,7 @@ py::dict Packer::stats() const {
     const int64_t b = c.kept_bytes[r].load();
     kept += n;
     kept_bytes += b;
-    if (n) {
+    {  // every reason, zeros included: callers index it without .get()
       kept_by_reason[keep_reason_name(static_cast<KeepReason>(r))] = n;
       kept_bytes_by_reason[keep_reason_name(static_cast<KeepReason>(r))] = b;
     }
@@ -312,6 +313,10 @@ py::dict Packer::stats() const {
   d["prefetches_unused"] = c.prefetches_unused.load();
   d["peak_prefetch_bytes"] = c.peak_prefetch_bytes.load();
   d["prefetch_failures"] = c.prefetch_failures.load();
+  // The window backward used last (Note [Prefetch window]); 0 without prefetch.
+  d["prefetch_window_bytes"] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
+  d["prefetch_block_bytes"] = prefetcher_ ? prefetcher_->block_bytes() : 0;
+  d["prefetch_lead"] = prefetcher_ ? prefetcher_->lead() : 0;
   return d;
 }
 

@@ -51,6 +51,8 @@ struct PackerOptions {
   // Backward reloads the next handles (reverse pack order) while this many bytes of reloads
   // wait unconsumed; 0 turns prefetch off. Only with side streams.
   int64_t prefetch_bytes = 0;
+  // prefetch_bytes is the cap of a window that follows the model (Note [Prefetch window]).
+  bool prefetch_auto = false;
   // Tensors spanning fewer bytes than this (and at least min_bytes) are gathered into shared
   // blocks of about batch_bytes, copied once; 0 turns batching off.
   int64_t batch_below = 0;
@@ -74,6 +76,7 @@ class Packer {
   // Copies the open batches to the host (context exit, or before a batch member is unpacked).
   void flush_batches();
   pybind11::dict stats() const;
+  void reset_stats() { counters_->reset(); }
   const PackerOptions& options() const { return options_; }
   // What ends each backward that unpacked from this packer (an autograd final callback,
   // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
