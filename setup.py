@@ -54,6 +54,8 @@ CORE = [
     "csrc/core/cpu_stream.cpp",
     "csrc/core/copy_engine.cpp",
     "csrc/core/profiler.cpp",
+    "csrc/core/crc32c.cpp",
+    "csrc/core/file_tier.cpp",
 ]
 TORCH_LAYER = [
     "csrc/torch/runtime.cpp",
