@@ -378,7 +378,9 @@ void test_disk_full() {
     tier->synchronize();
     tier->empty_cache();
     // All the space is back: a fresh block fits again.
-    CHECK(tier->write(data.data(), data.size(), nullptr) != nullptr);
+    auto again = tier->write(data.data(), data.size(), nullptr);
+    CHECK(again != nullptr);
+    again->written()->wait();  // `data` must outlive the write
   }
   ::umount(g_small_fs_dir.c_str());
   ::rmdir(g_small_fs_dir.c_str());
