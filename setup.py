@@ -56,6 +56,7 @@ CORE = [
     "csrc/core/profiler.cpp",
     "csrc/core/crc32c.cpp",
     "csrc/core/file_tier.cpp",
+    "csrc/core/spill.cpp",
 ]
 TORCH_LAYER = [
     "csrc/torch/runtime.cpp",
