@@ -63,6 +63,7 @@ TORCH_LAYER = [
     "csrc/torch/saved_tensor.cpp",
     "csrc/torch/profiling.cpp",
     "csrc/torch/bindings.cpp",
+    "csrc/torch/spill_bindings.cpp",
 ]
 CUDA_SOURCES = ["csrc/core/cuda_stream.cu"]
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"

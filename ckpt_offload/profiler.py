@@ -374,7 +374,7 @@ class Profile:
     # ---------------------------------------------------------------- loading
 
     def _load(self, records: dict, pool_stats: list, record_shapes: bool = True) -> None:
-        r = {k: records.get(k, []) for k in ("copies", "handles", "waits", "keeps", "pool", "compute", "memory")}
+        r = {k: records.get(k, []) for k in ("copies", "handles", "waits", "keeps", "pool", "compute", "memory", "disk")}
         r = {k: [dict(x) for x in v] for k, v in r.items()}
         r["dropped"] = int(records.get("dropped", 0) or 0)
         if not record_shapes:
@@ -616,6 +616,22 @@ class Profile:
             f"{t['copies']} copies ({t['tensors_offloaded']} offloaded, {t['tensors_reloaded']} reloaded, "
             f"{t['prefetched_copies']} prefetched) over {t['wall_seconds'] * 1e3:.1f} ms"
         )
+        disk = self.records.get("disk") or []
+        if disk:
+            # Bandwidth over the time at least one block was moving, as the pool's disk stats count it.
+            for kind, verb in (("disk_write", "written to"), ("disk_read", "read from")):
+                recs = [d for d in disk if d["kind"] == kind]
+                spans = sorted((d["start_us"], d["end_us"]) for d in recs)
+                busy, end = 0.0, -math.inf
+                for a, b in spans:
+                    busy += max(0.0, b - max(a, end))
+                    end = max(end, b)
+                nbytes = sum(d["bytes"] for d in recs)
+                pre = sum(1 for d in recs if d.get("prefetch"))
+                lines.append(
+                    f"disk: {len(recs)} blocks ({_fmt_bytes(nbytes)}) {verb} the spill files at "
+                    f"{_gbps(nbytes, busy / 1e6):.2f} GB/s" + (f", {pre} started by prefetch" if pre else "")
+                )
         if t["untimed_records"]:
             lines.append(
                 f"note: {t['untimed_records']} copy/wait records have no timestamp (their event was not timed); "
@@ -938,6 +954,17 @@ class Profile:
         events.append({"name": "thread_name", "ph": "M", "pid": pool_pid, "tid": 4, "args": {"name": "pool"}})
         for p in r["pool"]:
             x(p["kind"], "pool", pool_pid, 4, p["start_us"], p["end_us"], {"bytes": p["bytes"]})
+        # The disk tier (a pool's spill_dir): one track per direction, a slice per spilled block.
+        for tid, kind, name in ((5, "disk_write", "disk write"), (6, "disk_read", "disk read")):
+            recs = [d for d in r["disk"] if d["kind"] == kind]
+            if recs:
+                events.append({"name": "thread_name", "ph": "M", "pid": pool_pid, "tid": tid, "args": {"name": name}})
+            for d in recs:
+                dur = max(0.0, d["end_us"] - d["start_us"])
+                label = ("prefetch " if d.get("prefetch") else "") + f"{name} " + (
+                    self._handles.get(d["handle"], {}).get("module") or f"#{d['handle']}")
+                x(label, kind, pool_pid, tid, d["start_us"], d["end_us"],
+                  {"bytes": d["bytes"], "handle": d["handle"], "GB/s": round(_gbps(d["bytes"], dur / 1e6), 4)})
         for m in r["memory"]:
             events.append(
                 {
@@ -949,6 +976,7 @@ class Profile:
                     "args": {
                         "pool_bytes_in_use": m["pool_bytes_in_use"],
                         "device_bytes_saved": m["device_bytes_saved"],
+                        "disk_bytes_in_use": m.get("disk_bytes_in_use", 0),
                     },
                 }
             )
@@ -1002,6 +1030,9 @@ class Profile:
         if any(a is not None for a in allocated):
             ax.step(ts, [(a or 0) * mib for a in allocated], where="post", label="device allocator total")
         ax.step(ts, [m["pool_bytes_in_use"] * mib for m in mem], where="post", label="host pool in use", linestyle="--")
+        if any(m.get("disk_bytes_in_use") for m in mem):
+            ax.step(ts, [m.get("disk_bytes_in_use", 0) * mib for m in mem], where="post", label="spilled to disk",
+                    linestyle=":")
         ax.set_xlabel("time since profile start (ms)")
         ax.set_ylabel("MiB")
         title = "ckpt_offload memory timeline"

@@ -88,6 +88,7 @@ struct MemorySample {
   int64_t pool_bytes_in_use = 0;
   int64_t device_bytes_saved = 0;
   int64_t device_bytes_allocated = -1;  // -1: unknown (CPU)
+  int64_t disk_bytes_in_use = 0;        // spilled to the pool's disk tier
 };
 
 void add(CopyRecord r);

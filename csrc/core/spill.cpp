@@ -58,13 +58,14 @@ struct Registry {
   std::mutex mu;
   struct Entry {
     std::weak_ptr<HostPool> pool;
-    std::shared_ptr<SpillTarget> target;
+    std::weak_ptr<SpillTarget> target;
   };
   std::unordered_map<const HostPool*, Entry> entries;
 
   void prune_locked() {
     // A dead pool's entry would hand its tier to a new pool allocated at the same address.
-    for (auto it = entries.begin(); it != entries.end();) it = it->second.pool.expired() ? entries.erase(it) : std::next(it);
+    for (auto it = entries.begin(); it != entries.end();)
+      it = it->second.pool.expired() || it->second.target.expired() ? entries.erase(it) : std::next(it);
   }
 };
 
@@ -91,11 +92,12 @@ std::shared_ptr<SpillTarget> spill_target(const HostPool* pool) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.entries.find(pool);
   if (it == r.entries.end()) return nullptr;
-  if (it->second.pool.expired()) {
+  auto target = it->second.target.lock();
+  if (it->second.pool.expired() || !target) {
     r.entries.erase(it);
     return nullptr;
   }
-  return it->second.target;
+  return target;
 }
 
 TieredBuffer::TieredBuffer(std::shared_ptr<HostBuffer> resident)

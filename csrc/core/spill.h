@@ -54,7 +54,8 @@ class SpillTarget : public std::enable_shared_from_this<SpillTarget> {
 };
 
 // Attaches `target` to `pool`: offloads the pool refuses spill through it. One per pool; null
-// detaches. The registry holds the target only while the pool is alive.
+// detaches. The registry holds neither: the caller owns the target (co.HostPool does), and a
+// spilled block holds the target it went through, so blocks still on disk outlive both.
 void attach_spill(const std::shared_ptr<HostPool>& pool, std::shared_ptr<SpillTarget> target);
 std::shared_ptr<SpillTarget> spill_target(const HostPool* pool);
 

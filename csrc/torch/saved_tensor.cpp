@@ -25,6 +25,7 @@ const char* keep_reason_name(KeepReason r) {
     case KeepReason::Subclass: return "subclass";
     case KeepReason::PoolFull: return "pool_full";
     case KeepReason::GraphCapture: return "cuda_graph_capture";
+    case KeepReason::DiskFull: return "disk_full";
     default: return "unknown";
   }
 }
@@ -122,6 +123,8 @@ void sample_memory(HostPool* pool, const c10::Device& device) {
   profiler::MemorySample m;
   m.t_ns = profiler::now_ns();
   m.pool_bytes_in_use = pool ? static_cast<int64_t>(pool->stats().bytes_in_use) : 0;
+  if (auto target = pool ? spill_target(pool) : nullptr)
+    m.disk_bytes_in_use = static_cast<int64_t>(target->tier()->stats().bytes_requested);
   m.device_bytes_saved = profiler::g_device_bytes_saved.load();
   m.device_bytes_allocated = device_allocated_bytes(device);
   profiler::add(m);
@@ -209,7 +212,7 @@ void Prefetcher::after_unpack(uint64_t seq) {
 
 // ---- OffloadedStorage -------------------------------------------------------------------------
 
-OffloadedStorage::OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad,
+OffloadedStorage::OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad,
                                    bool side_stream, std::shared_ptr<PackerCounters> counters)
     : buffer_(std::move(buffer)),
       device_(device),
@@ -229,11 +232,15 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device dev
       handle_(batch_->handle()),
       counters_(std::move(counters)) {}
 
-HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool().get() : batch_->pool(); }
+HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool() : batch_->pool(); }
 
 OffloadedStorage::~OffloadedStorage() {
   std::lock_guard<std::mutex> lock(mu_);
   drop_staged_locked();
+  if (disk_prefetch_) {
+    if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+    if (counters_) counters_->prefetches_unused++;
+  }
 }
 
 void OffloadedStorage::set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq) {
@@ -286,14 +293,22 @@ void OffloadedStorage::drop_staged_locked() {
 
 int64_t OffloadedStorage::prefetchable_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
   return static_cast<int64_t>(nbytes_);
 }
 
 int64_t OffloadedStorage::start_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
   maybe_fail_prefetch();
+  if (buffer_->spilled()) {
+    // Note [Spilling offloaded blocks]: the disk is the slow leg, so a prefetch starts the read
+    // back into host memory (I/O threads, nothing waits); the H2D copy follows on demand.
+    buffer_->start_read(/*prefetch=*/true);
+    disk_prefetch_ = true;
+    counters_->disk_prefetches++;
+    return static_cast<int64_t>(nbytes_);
+  }
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
   CopyRange range("ckpt_offload::prefetch", device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
@@ -301,7 +316,7 @@ int64_t OffloadedStorage::start_prefetch() {
   c10::Storage storage = bytes.storage();
   char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
   CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
-  auto done = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
+  auto done = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
   stage_locked(Staged{std::move(storage), done, &streams.copy(), true});
   counters_->prefetches++;
   counters_->bytes_prefetched += static_cast<int64_t>(nbytes_);
@@ -370,7 +385,16 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       c10::Storage storage = bytes.storage();
       char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
       CopyTag tag{handle_, device_index(device_), false, 1};
-      reloaded_ready_ = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), true, tag);
+      // A spilled buffer is read back first (waiting for the disk; SpillError on a bad checksum).
+      reloaded_ready_ = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), true, tag);
+      if (buffer_->spilled()) {
+        buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
+        if (disk_prefetch_) {
+          disk_prefetch_ = false;
+          if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+          counters_->prefetch_hits++;
+        }
+      }
       if (request_ev) profiler::add(profiler::WaitRecord{handle_, device_index(device_), request_ev, reloaded_ready_});
       reloaded_ = storage.getWeakStorageImpl();
       *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
@@ -401,6 +425,13 @@ Batch::Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> poo
       counters_(std::move(counters)),
       handle_(profiler::next_handle_id()),
       prefetcher_(std::move(prefetcher)) {}
+
+Batch::~Batch() {
+  if (disk_prefetch_bytes_) {
+    if (prefetcher_) prefetcher_->release(disk_prefetch_bytes_);
+    counters_->prefetches_unused++;
+  }
+}
 
 std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, int64_t span) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -452,10 +483,17 @@ bool Batch::flush() {
     });
     sources.reset();
     CopyTag tag{handle_, device_index(device_), false, static_cast<int>(members_.size())};
-    buffer_ = engine().offload_gather(pool_, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
-                                      streams.compute(), streams.copy(), std::move(keepalive), tag);
+    buffer_ = offload_tiered(pool_, handle_, [&](const std::shared_ptr<HostPool>& into) {
+      return engine().offload_gather(into, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
+                                     streams.compute(), streams.copy(), keepalive, tag);
+    }, &refusal_);
+    keepalive.reset();
     if (buffer_) {
       counters_->batches++;
+      if (buffer_->spilled()) {
+        counters_->tensors_spilled += static_cast<int64_t>(members_.size());
+        counters_->bytes_spilled += static_cast<int64_t>(block_bytes_);
+      }
       if (profiler::enabled()) {
         profiler::HandleRecord h;
         h.handle = handle_;
@@ -486,8 +524,9 @@ bool Batch::flush() {
         counters_->tensors_offloaded--;
         counters_->bytes_offloaded -= static_cast<int64_t>(m.bytes);
         counters_->tensors_batched--;
-        counters_->kept_tensors[static_cast<int>(KeepReason::PoolFull)]++;
-        counters_->kept_bytes[static_cast<int>(KeepReason::PoolFull)] += static_cast<int64_t>(m.bytes);
+        const int why = static_cast<int>(refusal_ == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull);
+        counters_->kept_tensors[why]++;
+        counters_->kept_bytes[why] += static_cast<int64_t>(m.bytes);
         m.source.reset();
       }
     }
@@ -505,7 +544,7 @@ bool Batch::flush() {
 
 int64_t Batch::prefetchable_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!buffer_ || !side_stream_) return 0;
+  if (!buffer_ || !side_stream_ || disk_prefetch_bytes_) return 0;
   int64_t total = 0;
   for (Member& m : members_) {
     auto member = m.storage.lock();
@@ -520,6 +559,23 @@ int64_t Batch::reload(bool prefetch) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!buffer_) return 0;
   if (prefetch && !side_stream_) return 0;
+  if (buffer_->spilled() && prefetch) {
+    // As OffloadedStorage::start_prefetch: only the disk read starts now, no device memory.
+    if (disk_prefetch_bytes_) return 0;
+    int64_t want = 0;
+    for (Member& m : members_) {
+      auto member = m.storage.lock();
+      if (!member) continue;
+      std::lock_guard<std::mutex> mlock(member->mu_);
+      if (!member->resident_locked() && member->pending_ > 0) want += static_cast<int64_t>(m.bytes);
+    }
+    if (want == 0) return 0;
+    maybe_fail_prefetch();
+    buffer_->start_read(/*prefetch=*/true);
+    disk_prefetch_bytes_ = want;
+    counters_->disk_prefetches++;
+    return want;
+  }
   struct Target {
     std::shared_ptr<OffloadedStorage> member;
     c10::Storage storage;
@@ -540,13 +596,24 @@ int64_t Batch::reload(bool prefetch) {
   }
   if (targets.empty()) return 0;
   if (prefetch) maybe_fail_prefetch();
+  // A spilled batch is read back first (waiting for the disk; SpillError on a bad checksum).
+  std::shared_ptr<HostBuffer> host = buffer_->host();
   StreamPair streams(device_, side_stream_, /*to_host=*/false);
   CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
   at::Tensor staging = staging_block(device_, block_bytes_);
   CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
-  auto done = engine().reload_scatter(*buffer_, spans, staging.defined() ? staging.data_ptr() : nullptr,
+  auto done = engine().reload_scatter(*host, spans, staging.defined() ? staging.data_ptr() : nullptr,
                                       streams.compute(), streams.copy(), std::make_shared<at::Tensor>(staging),
                                       /*consumer_waits=*/!prefetch, tag);
+  if (buffer_->spilled()) {
+    host.reset();
+    buffer_->release_host();
+    if (disk_prefetch_bytes_) {
+      if (prefetcher_) prefetcher_->release(disk_prefetch_bytes_);
+      disk_prefetch_bytes_ = 0;
+      counters_->prefetch_hits++;
+    }
+  }
   int64_t staged = 0, count = 0;
   for (Target& t : targets) {
     std::lock_guard<std::mutex> mlock(t.member->mu_);
@@ -622,15 +689,17 @@ void Packer::flush_batches() {
     open.swap(open_batches_);
   }
   size_t refused = 0, refused_bytes = 0;
+  TieredRefusal why = TieredRefusal::PoolFull;
   for (auto& kv : open) {
     if (!kv.second->flush()) {
       refused += kv.second->size();
       refused_bytes += kv.second->block_bytes();
+      why = kv.second->refusal();
     }
   }
   if (refused && options_.raise_on_full)
-    throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
-                                     static_cast<int64_t>(refused_bytes)) +
+    throw PoolFull(full_message(why, *options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
+                                static_cast<int64_t>(refused_bytes)) +
                    " (The batch's tensors were kept on the device, so backward still works.)");
 }
 
@@ -778,8 +847,8 @@ py::object Packer::pack(py::handle obj) {
         batch = open;
       }
       if (full && !full->flush() && options_.raise_on_full)
-        throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(full->size()) +
-                                         " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
+        throw PoolFull(full_message(full->refusal(), *options_.pool, "a batch of " + std::to_string(full->size()) +
+                                    " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
                        " (The batch's tensors were kept on the device, so backward still works.)");
       // Null when an unpack flushed the batch meanwhile: take a new one.
       saved->storage_ = batch->add(t, lo, span);
@@ -791,10 +860,13 @@ py::object Packer::pack(py::handle obj) {
     saved->offset_ = static_cast<int64_t>(saved->storage_->pad()) / itemsize;
     counters_->tensors_batched++;
   } else {
-    saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_);
+    TieredRefusal why = TieredRefusal::None;
+    saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, &why);
     if (!saved) {
-      if (options_.raise_on_full) throw PoolFull(pool_full_message(*options_.pool, t, span));
-      return keep(t, KeepReason::PoolFull, span);
+      if (options_.raise_on_full)
+        throw PoolFull(full_message(why, *options_.pool,
+                                    "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span));
+      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span);
     }
     if (prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
   }
@@ -824,6 +896,26 @@ py::object Packer::pack(py::handle obj) {
 
 std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
   return pool_full_message(pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+}
+
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
+  auto target = spill_target(&pool);
+  std::ostringstream msg;
+  msg << "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " << human_bytes(span) << " ("
+      << span << " bytes) for " << what;
+  if (target) {
+    const FileTierStats ds = target->tier()->stats();
+    msg << "; spill_dir " << target->tier()->options().dir << ": " << human_bytes(ds.bytes_in_use) << " in use, "
+        << human_bytes(ds.bytes_reserved) << " preallocated, cap "
+        << (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+  }
+  msg << ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
+      << "tensors on the device.";
+  return msg.str();
+}
+
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
+  return why == TieredRefusal::DiskFull ? disk_full_message(pool, what, span) : pool_full_message(pool, what, span);
 }
 
 std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
@@ -857,7 +949,8 @@ std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
 }
 
 std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                                  bool side_stream, std::shared_ptr<PackerCounters> counters) {
+                                                  bool side_stream, std::shared_ptr<PackerCounters> counters,
+                                                  TieredRefusal* why) {
   auto saved = describe_layout(t, counters);
   saved->side_stream_ = side_stream;
   const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
@@ -868,9 +961,19 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
   const char* src = static_cast<const char*>(t.storage().data()) + lo;
   const uint64_t handle = profiler::next_handle_id();
   CopyTag tag{handle, device_index(t.device()), false, 1};
-  auto buffer = engine().offload(pool, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
-                                 std::move(keepalive), tag);
+  // Into the pool; when it is at its cap, through staging memory to its disk tier, if any.
+  TieredRefusal refusal = TieredRefusal::None;
+  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
+    return engine().offload(into, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
+                            keepalive, tag);
+  }, &refusal);
+  keepalive.reset();
+  if (why) *why = refusal;
   if (!buffer) return nullptr;
+  if (buffer->spilled() && counters) {
+    counters->tensors_spilled++;
+    counters->bytes_spilled += saved->nbytes_;
+  }
   const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
   saved->storage_ = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad, side_stream, counters);
   saved->storage_->link();
@@ -901,8 +1004,11 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
                                 t.device().str());
   if (t.device().is_cuda() && !cuda_compiled())
     throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
-  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>());
-  if (!saved) throw PoolFull(pool_full_message(*pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
+  TieredRefusal why = TieredRefusal::None;
+  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>(), &why);
+  if (!saved)
+    throw PoolFull(full_message(why, *pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()),
+                                SavedTensor::describe_layout(t, nullptr)->nbytes()));
   return saved;
 }
 
@@ -948,6 +1054,9 @@ py::dict Packer::stats() const {
   d["prefetches_unused"] = c.prefetches_unused.load();
   d["peak_prefetch_bytes"] = c.peak_prefetch_bytes.load();
   d["prefetch_failures"] = c.prefetch_failures.load();
+  d["tensors_spilled"] = c.tensors_spilled.load();
+  d["bytes_spilled"] = c.bytes_spilled.load();
+  d["disk_prefetches"] = c.disk_prefetches.load();
   return d;
 }
 

@@ -19,6 +19,7 @@
 #include "../core/copy_engine.h"
 #include "../core/host_pool.h"
 #include "../core/profiler.h"
+#include "../core/spill.h"
 
 namespace ckpt_offload {
 
@@ -29,7 +30,7 @@ class PoolFull : public std::runtime_error {
 };
 
 // Why a saved tensor stayed where it was.
-enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, kCount };
+enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, DiskFull, kCount };
 const char* keep_reason_name(KeepReason r);
 
 struct PackerOptions {
@@ -57,6 +58,8 @@ struct PackerCounters {
   std::atomic<int64_t> prefetches{0}, bytes_prefetched{0}, prefetch_hits{0}, prefetches_unused{0};
   std::atomic<int64_t> peak_prefetch_bytes{0};
   std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
+  // Offloads the pool refused that went to its disk tier; reads started by prefetch.
+  std::atomic<int64_t> tensors_spilled{0}, bytes_spilled{0}, disk_prefetches{0};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
 };
@@ -109,7 +112,7 @@ class OffloadedStorage : public Reloadable {
   // `pad` bytes precede the span in a reloaded storage, so the data pointer keeps its original
   // alignment (mod kReloadAlignment): kernels choose code paths by alignment, and a different
   // path could change the result's bits.
-  OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
+  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
                    std::shared_ptr<PackerCounters> counters);
   OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes, bool side_stream,
                    std::shared_ptr<PackerCounters> counters);
@@ -154,8 +157,11 @@ void set_batch_staging(bool on);
   bool stage_locked(Staged staged);
   void drop_staged_locked();
 
-  std::shared_ptr<HostBuffer> buffer_;  // a storage of its own
-  std::shared_ptr<Batch> batch_;        // or a member of a batch
+  std::shared_ptr<TieredBuffer> buffer_;  // a storage of its own (in the pool or spilled)
+  std::shared_ptr<Batch> batch_;          // or a member of a batch
+  // A prefetch that only started the disk read of a spilled buffer: counted in the prefetch
+  // budget until an unpack consumes it (the H2D copy then runs on demand).
+  bool disk_prefetch_ = false;
   c10::Device device_;
   size_t pad_, nbytes_;
   bool side_stream_;
@@ -176,13 +182,16 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
  public:
   Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> pool, std::shared_ptr<PackerCounters> counters,
         std::shared_ptr<Prefetcher> prefetcher);
+  ~Batch() override;
   // Adds t's span [lo, lo + span) of its storage; the batch holds the storage until flush.
   std::shared_ptr<OffloadedStorage> add(const at::Tensor& t, int64_t lo, int64_t span);
   size_t block_bytes() const { return block_bytes_; }
   size_t size() const { return members_.size(); }
-  // Copies the members to the host (once). When the pool is full, every member instead gets
-  // a device copy of its own, counted as kept for pool_full; returns false then.
+  // Copies the members to the host (once). When the pool (and its disk tier) is full, every
+  // member instead gets a device copy of its own, counted as kept for pool_full (disk_full);
+  // returns false then.
   bool flush();
+  TieredRefusal refusal() const { return refusal_; }
   bool flushed();
   // Reloads every member that is alive and not on the device; prefetch: without making the
   // compute stream wait. Returns the bytes staged.
@@ -208,7 +217,9 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
   std::vector<Member> members_;
   size_t block_bytes_ = 0;
   bool flushed_ = false;
-  std::shared_ptr<HostBuffer> buffer_;
+  TieredRefusal refusal_ = TieredRefusal::None;
+  std::shared_ptr<TieredBuffer> buffer_;
+  int64_t disk_prefetch_bytes_ = 0;  // as OffloadedStorage::disk_prefetch_, for the whole batch
   std::shared_ptr<Prefetcher> prefetcher_;
   uint64_t seq_ = 0;
 };
@@ -219,8 +230,10 @@ class SavedTensor {
  public:
   // Copies t's bytes (the span of its storage it reaches) into `pool`, keeping its layout.
   // Returns nullptr when the pool cannot provide the memory.
+  // `why` (optional) says whether the pool or its disk tier refused.
   static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                              bool side_stream, std::shared_ptr<PackerCounters> counters);
+                                              bool side_stream, std::shared_ptr<PackerCounters> counters,
+                                              TieredRefusal* why = nullptr);
   ~SavedTensor();
   // A SavedTensor with t's layout and version filled in, holding nothing yet.
   static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
@@ -253,6 +266,9 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
                                             bool side_stream);
 std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span);
 std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span);
+// The pool is full and its disk tier refused too (spill_max_bytes, or a full disk).
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span);
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
 
 class Packer {
  public:

@@ -200,22 +200,24 @@ void test_disk_full() {
 }
 
 void test_registry() {
-  auto tier_dir = std::make_unique<TempDir>();
+  TempDir tier_dir;
   FileTierOptions o;
-  o.dir = tier_dir->path;
+  o.dir = tier_dir.path;
   auto target = std::make_shared<SpillTarget>(FileTier::create(o), make_pool(0), 1 * MiB);
   std::weak_ptr<SpillTarget> weak = target;
-  {
-    auto pool = make_pool(0);
-    attach_spill(pool, target);
-    CHECK(spill_target(pool.get()) == target);
-  }
+  auto pool = make_pool(0);
+  attach_spill(pool, target);
+  CHECK(spill_target(pool.get()) == target);
+  // The registry does not own the target: its owner dropping it detaches the tier.
   target.reset();
-  // The next registry call forgets the dead pool's entry (and so its target).
-  auto other = make_pool(0);
-  CHECK(spill_target(other.get()) == nullptr);
-  attach_spill(other, nullptr);
   CHECK(weak.expired());
+  CHECK(spill_target(pool.get()) == nullptr);
+  // Nor the pool: a dead pool's entry is never handed to another pool.
+  target = std::make_shared<SpillTarget>(FileTier::create(o), make_pool(0), 1 * MiB);
+  attach_spill(pool, target);
+  const HostPool* dead = pool.get();
+  pool.reset();
+  CHECK(spill_target(dead) == nullptr);
 }
 
 }  // namespace
