@@ -7,35 +7,18 @@ done); CKPT_OFFLOAD_CUDA=0 forces the C++-only build.
 
 import glob
 import os
-import shutil
-import site
 import sys
 
 from setuptools import find_packages, setup
 
-
-
-def _is_toolkit(path):
-    return bool(path) and os.path.exists(os.path.join(path, "bin", "nvcc")) and os.path.exists(
-        os.path.join(path, "include", "cuda_runtime.h")
-    )
-
-
-def _locate_cuda_home():
-    """Find the CUDA toolkit before torch does: torch takes dirname(dirname(which nvcc)), which is
-    wrong when nvcc on PATH is a wrapper script (here /usr/local/bin/nvcc -> /usr/local)."""
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
-        return
-    candidates = []
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates += [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
-    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True) + ["/opt/cuda"]
-    for c in candidates:
-        if _is_toolkit(c):
-            os.environ["CUDA_HOME"] = c
-            return
-
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The toolkit and include-dir discovery is shared with scripts/check_torch_headers.sh.
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+from build_env import (  # noqa: E402
+    extra_cuda_include_flags,
+    is_toolkit as _is_toolkit,
+    locate_cuda_home as _locate_cuda_home,
+)
 
 _locate_cuda_home()
 
@@ -48,30 +31,17 @@ except ImportError:  # pragma: no cover - explained to the user
         "pip install --no-build-isolation . so that the build sees it."
     )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = [
-    "csrc/core/host_pool.cpp",
-    "csrc/core/cpu_stream.cpp",
-    "csrc/core/copy_engine.cpp",
-    "csrc/core/profiler.cpp",
-    "csrc/core/crc32c.cpp",
-    "csrc/core/file_tier.cpp",
-    "csrc/core/spill.cpp",
-]
-TORCH_LAYER = [
-    "csrc/torch/runtime.cpp",
-    "csrc/torch/saved_tensor.cpp",
-    "csrc/torch/profiling.cpp",
-    "csrc/torch/bindings.cpp",
-    "csrc/torch/spill_bindings.cpp",
-]
-CUDA_SOURCES = ["csrc/core/cuda_stream.cu"]
+
+def _sources(pattern):
+    # Every source of a folder, so a new file cannot be in the wheel but missing from
+    # CMakeLists.txt's sanitizer build (which globs the same folders), or the reverse.
+    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
+
+
+CORE = _sources("csrc/core/*.cpp")
+TORCH_LAYER = _sources("csrc/torch/*.cpp")
+CUDA_SOURCES = _sources("csrc/core/*.cu")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
-# Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)
-# may lack; pip's nvidia-* packages ship them.
-LIBRARY_HEADERS = ["cusparse.h", "cublas_v2.h", "cusolverDn.h", "curand.h", "cufft.h"]
-
-
 def _fail(msg):
     sys.exit("ckpt_offload: CUDA build impossible: " + msg)
 
@@ -98,46 +68,12 @@ def want_cuda():
     return True
 
 
-def pip_nvidia_include_dirs():
-    """include/ folders of pip's nvidia packages (nvidia/cu13/include, nvidia/*/include)."""
-    roots = list(site.getsitepackages()) + [site.getusersitepackages()]
-    roots.append(os.path.dirname(os.path.dirname(torch.__file__)))
-    found = []
-    for root in roots:
-        for d in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include"))):
-            if d not in found:
-                found.append(d)
-    return found
-
-
-def extra_cuda_include_flags():
-    """-idirafter flags for library headers the toolkit lacks (the toolkit's own headers win)."""
-    toolkit_inc = os.path.join(cpp_extension.CUDA_HOME, "include")
-    missing = [h for h in LIBRARY_HEADERS if not os.path.exists(os.path.join(toolkit_inc, h))]
-    if not missing:
-        return []
-    flags, still_missing = [], set(missing)
-    for d in pip_nvidia_include_dirs():
-        has = [h for h in missing if os.path.exists(os.path.join(d, h))]
-        if has:
-            flags += ["-idirafter", d]
-            still_missing -= set(has)
-    if still_missing:
-        print(
-            "ckpt_offload: warning: the CUDA toolkit at %s lacks %s and no pip nvidia package provides them; "
-            "if the build fails on a missing header, pip install the matching nvidia-* package (or a full "
-            "toolkit)." % (cpp_extension.CUDA_HOME, ", ".join(sorted(still_missing))),
-            file=sys.stderr,
-        )
-    return flags
-
-
 def extension():
     # No -std flag: torch's cpp_extension picks the standard its headers need (C++20 for 2.10+).
     cxx = ["-O2", "-fvisibility=hidden"]
     if want_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-        cxx += ["-DCKPT_OFFLOAD_WITH_CUDA"] + extra_cuda_include_flags()
+        cxx += ["-DCKPT_OFFLOAD_WITH_CUDA"] + extra_cuda_include_flags(cpp_extension.CUDA_HOME, torch)
         return cpp_extension.CUDAExtension(
             "ckpt_offload._C",
             CORE + TORCH_LAYER + CUDA_SOURCES,

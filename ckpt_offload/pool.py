@@ -240,8 +240,12 @@ class HostPool:
         return got
 
     def synchronize(self) -> None:
-        """Waits for the copies that freed blocks still wait on, making those blocks reusable."""
+        """Waits for the copies that freed blocks still wait on, making those blocks reusable;
+        with ``spill_dir``, also for the disk reads and writes queued so far."""
         self._impl.synchronize()
+        if self._tier is not None:
+            self._tier.synchronize()
+            self._staging.synchronize()
 
     def __repr__(self) -> str:
         s = self.stats()

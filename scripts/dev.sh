@@ -40,6 +40,8 @@ case "${1:-}" in
     setup
     echo "== native tests (C++ core under AddressSanitizer + UndefinedBehaviorSanitizer)"
     bash scripts/native_tests.sh
+    echo "== torch-layer sources against torch 2.11.0's and the installed torch's headers (syntax only)"
+    PYTHON="$VENV/bin/python" JOBS="$MAX_JOBS" bash scripts/check_torch_headers.sh
     echo "== Python tests"
     # The pytest script (not python -m pytest) keeps ./ off sys.path, so the tests import the
     # installed package.

@@ -389,3 +389,34 @@ def test_bad_spill_arguments(tmp_path):
     assert pool.spill_dir == str(tmp_path)
     assert "spill_dir=" in repr(pool)
     assert "disk" not in co.HostPool(pinned=False).stats()
+
+
+# ---- GPU: pinned staging, CUDA events as the writes' `after`, H2D from read-back blocks ----
+
+try:
+    from test_gpu import HAS_GPU, _sleep, device  # noqa: F401 - device is a fixture
+except ImportError:  # pragma: no cover
+    HAS_GPU = False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and a CUDA build of ckpt_offload")
+@pytest.mark.parametrize("prefetch", [0, 64 * MiB], ids=["no_prefetch", "prefetch"])
+def test_gpu_spilled_gradients_bit_identical(spill_dir, device, stream, prefetch):
+    torch.manual_seed(0)
+    model = Chain(n=8).to(device)
+    x = torch.randn(512, 512, device=device)
+    ref = _run(model, x)
+    pool = co.HostPool(max_bytes=2 * MiB, spill_dir=spill_dir, spill_file_bytes=16 * MiB)
+    assert pool.pinned
+    ctx = co.offload(pool=pool, min_bytes=0, stream=stream, prefetch_bytes=prefetch)
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        y = model(x)
+        _sleep()  # the D2H copies are still running when the I/O threads would start writing
+    (y * y).sum().backward()
+    assert_bit_identical(ref, grads_of(model))
+    assert ctx.stats()["tensors_spilled"] >= 4
+    assert pool.stats()["disk"]["bytes_read"] >= pool.stats()["disk"]["bytes_written"] > 0
+    del y
+    _assert_all_back(pool)

@@ -5,7 +5,7 @@ ckpt_offload was built without CUDA), so ``pytest tests/`` stays green on CPU-on
 On a GPU machine run them with ``python3 -m pytest -m gpu -v tests/`` (benchmarks/gpu_suite.sh
 does). The whole file is meant to take well under a minute on an H200.
 
-What they guard (DESIGN.md invariants, PITFALLS.md traps):
+What they guard (Note [Stream ordering] in csrc/torch/runtime.h, and the layout and pool rules):
 
 * gradients are bit-identical with and without ``co.offload`` (both stream modes, fp32, bf16,
   autocast), also when the forward runs on a non-default ``torch.cuda.Stream``;
@@ -266,7 +266,7 @@ def test_training_steps_bit_identical(device, pool, stream):
 
 @pytest.mark.parametrize("stream", STREAMS)
 def test_forward_backward_on_non_default_stream(device, pool, stream):
-    """The current stream is read at every call (PITFALLS: TRL #7195): a forward and backward
+    """The current stream is read at every call (Note [Stream ordering]; TRL #7195): a forward and backward
     run under ``with torch.cuda.stream(s)`` must order the copies after *s*, not stream 0."""
     torch.manual_seed(0)
     model = make_transformer().to(device)
@@ -509,7 +509,7 @@ def test_reload_consumer_waits_for_h2d(device, pool, stream):
 
 @pytest.mark.parametrize("stream", STREAMS)
 def test_h2d_copy_waits_for_destination_to_be_free(device, pool, stream):
-    """PITFALLS (pytorch #106360 mirror): the reload buffer is allocated in compute-stream
+    """Note [Stream ordering] rule 2 (pytorch #106360 mirror): the reload buffer is allocated in compute-stream
     order. Its memory may still be the target of a kernel queued on the compute stream (here a
     fill of a freed tensor, held back by a spin kernel). A side-stream H2D copy that does not
     wait would land first and then be overwritten by the fill."""

@@ -106,19 +106,23 @@ def test_gather_scatter_matches_plain_copies(device, staging):
     rng = random.Random(0)
     pool = co.HostPool()
     ctx = co.offload(pool=pool, min_bytes=0, batch_below=64 * 1024, batch_bytes=512 * 1024)
-    tensors = []
+    tensors, expect_batched = [], 0
     for i in range(300):
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64])
         n = rng.randrange(1, 20000)
         base = torch.randint(-100, 100, (n + 64,), device=device).to(dtype)
         off = rng.randrange(0, 64)
         tensors.append(base[off:off + n])
+        # Only spans under batch_below are batched; the larger ones are offloaded one by one.
+        expect_batched += n * tensors[-1].element_size() < 64 * 1024
+    assert 0 < expect_batched < 300
     with ctx:
         _sleep()
         produced = [t * 1 for t in tensors]  # written after the spin: the gather must wait
         handles = [ctx._packer.pack(t) for t in produced]
     s = ctx.stats()
-    assert s["tensors_batched"] == 300 and s["batches"] > 1
+    assert s["tensors_batched"] == expect_batched and s["batches"] > 1
+    assert s["tensors_offloaded"] == 300
     for h, t in zip(handles, produced):
         _sleep(1_000_000)
         got = ctx._packer.unpack(h)

@@ -1,4 +1,4 @@
-"""Gradients with co.offload are bit-identical to gradients without it (DESIGN invariant 1)."""
+"""Gradients with co.offload are bit-identical to gradients without it."""
 
 import pytest
 import torch

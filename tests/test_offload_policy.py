@@ -1,4 +1,5 @@
-"""What co.offload offloads, keeps, deduplicates and refuses (DESIGN invariants 4-7)."""
+"""What co.offload offloads, keeps, deduplicates and refuses: no leaks, parameters and odd layouts kept, a bounded
+pool, clear errors."""
 
 import gc
 import re

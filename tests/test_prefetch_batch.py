@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_bit_identical, cpu_offload, grads_of
+from conftest import TEST_DELAY_US, assert_bit_identical, cpu_offload, grads_of
 from models_for_tests import Chain  # 512 x 512 float32: 1 MiB per saved activation
 
 import ckpt_offload as co
@@ -341,3 +341,140 @@ def test_a_failing_prefetch_does_not_fail_backward(pool, batch_below):
     assert (s["batches"] > 0) == bool(batch_below)
     co.synchronize()
     assert pool.stats()["bytes_in_use"] == 0
+
+
+# ---- what a backward leaves behind, and demand reloads (issue 9, items 6-8) ----------------------
+
+
+def test_unused_prefetches_are_released_when_their_backward_ends(pool):
+    """A backward prefetches the handles packed before the ones it unpacks, also those of another
+    graph it never uses. They are let go when that backward ends, not when the other graph dies."""
+    torch.manual_seed(0)
+    a, b = Chain(n=2), Chain(n=3)
+    x = _inputs()
+    ref_a = {}
+    for m in (a, b):
+        m.zero_grad(set_to_none=True)
+    (a(x) * a(x)).sum().backward()
+    ref_a = grads_of(a)
+    a.zero_grad(set_to_none=True)
+    ref_b_out = b(x).sum()
+    ref_b_out.backward()
+    ref_b = grads_of(b)
+    b.zero_grad(set_to_none=True)
+
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB)
+    with ctx:
+        yb = b(x)  # packed first: a's backward walks down into b's handles
+        ya = a(x)
+    before = co._C.device_bytes_saved()
+    (ya * ya).sum().backward()
+    s = ctx.stats()
+    unused = s["prefetches"] - s["prefetch_hits"]
+    assert unused > 0  # b's handles were prefetched and a's backward did not take them
+    # Dropped at the end of a's backward, while b's graph is still alive.
+    assert s["prefetches_unused"] == unused
+    assert co._C.device_bytes_saved() < before
+    assert_bit_identical(ref_a, grads_of(a))
+    yb.sum().backward()  # b's tensors come back on demand (or prefetched again)
+    assert_bit_identical(ref_b, grads_of(b))
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_a_batched_small_view_does_not_hold_its_whole_activation(pool):
+    """A batch member is copied out of a storage much larger than itself, so the batch does not
+    keep the whole activation alive until it flushes."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    w = torch.randn(16, requires_grad=True)
+    ctx = cpu_offload(pool, batch_below=64 * 1024)
+    with ctx:
+        big = torch.randn(1 << 20)  # 4 MiB
+        view = big[100:116]
+        expected = view.clone()
+        y = view * w  # saves `view` (for w's gradient): 64 bytes, batched
+        watch = StorageWeakRef(big.untyped_storage())
+        del big, view
+        assert watch.expired()  # the batch is still open here: it holds 64 bytes, not 4 MiB
+    assert ctx.stats()["tensors_batched"] == 1
+    y.sum().backward()
+    assert torch.equal(w.grad, expected)
+
+
+def test_batched_tensors_kept_on_a_full_pool_unpack_twice():
+    """Issue 12: with batching and a full pool, the members' device copies are their only copy:
+    retain_graph=True and a second backward must find them again."""
+    torch.manual_seed(0)
+    model, x = Small(), torch.randn(32, 64)
+
+    def twice(ctx=None):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else torch.enable_grad():
+            y = model(x)
+        loss = (y * y).sum()
+        loss.backward(retain_graph=True)
+        first = grads_of(model)
+        loss.backward()
+        return first, grads_of(model)
+
+    ref = twice()
+    tiny = co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096)
+    ctx = cpu_offload(tiny, batch_below=16 * 1024, batch_bytes=32 * 1024)
+    got = twice(ctx)
+    assert ctx.stats()["kept_by_reason"].get("pool_full", 0) > 0
+    assert_bit_identical(ref[0], got[0])
+    assert_bit_identical(ref[1], got[1])
+
+
+def test_pool_releases_at_the_cap_wait_for_the_end_of_backward():
+    """Growing a capped pool takes its wholly free segments off the pool without releasing them
+    in forward (cudaFreeHost synchronizes the device, under the pool lock); the end of backward
+    gives them back."""
+    pool = co.HostPool(pinned=False, max_bytes=4 * MiB, segment_bytes=1 * MiB)
+    ctx = cpu_offload(pool)
+    with ctx:
+        handles = [ctx._packer.pack(torch.randn(256, 1024)) for _ in range(4)]  # 4 segments of 1 MiB
+    del handles
+    co.synchronize()
+    s = pool.stats()
+    assert s["bytes_reserved"] == 4 * MiB and s["bytes_in_use"] == 0
+    frees = s["num_backend_frees"]
+    x = torch.randn(512, 1024, requires_grad=True)
+    with ctx:
+        y = x.sin()  # saves x: 2 MiB, which no free 1 MiB segment holds
+    s = pool.stats()
+    assert ctx.stats()["tensors_offloaded"] == 5
+    assert s["num_backend_frees"] == frees  # nothing released in forward
+    assert s["bytes_retired"] == 4 * MiB
+    y.sum().backward()
+    s = pool.stats()
+    assert s["bytes_retired"] == 0
+    assert s["num_backend_frees"] == frees + 4
+    assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_demand_reload_does_not_wait_behind_prefetches(pool):
+    """An unpack that was not prefetched reloads on a stream of its own: it does not queue behind
+    the prefetches in flight (order of completion, from the profiler's copy records)."""
+    ctx = cpu_offload(pool, prefetch_bytes=3 * MiB)
+    tensors = [torch.randn(256, 1024) for _ in range(6)]  # 1 MiB each
+    with ctx:
+        handles = [ctx._packer.pack(t) for t in tensors]
+    co.synchronize()
+    co._C.set_cpu_copy_delay_us(20_000)  # every copy waits 20 ms on its worker stream
+    co._C.profiler_start()
+    try:
+        assert torch.equal(ctx._packer.unpack(handles[5]), tensors[5])  # prefetches 4, 3, 2
+        assert torch.equal(ctx._packer.unpack(handles[0]), tensors[0])  # not prefetched: on demand
+        records = co._C.profiler_records()
+    finally:
+        co._C.profiler_stop()
+        co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
+    h2d = [c for c in records["copies"] if c["kind"] == "h2d"]
+    prefetches = [c for c in h2d if c["prefetch"]]
+    demand = [c for c in h2d if not c["prefetch"]]
+    assert len(prefetches) == 3 and len(demand) == 2
+    last_demand = max(demand, key=lambda c: c["start_us"])
+    assert last_demand["end_us"] < max(c["end_us"] for c in prefetches)
+    assert {c["stream"] for c in demand}.isdisjoint({c["stream"] for c in prefetches})

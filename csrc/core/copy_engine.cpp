@@ -1,8 +1,20 @@
 #include "copy_engine.h"
 
 #include <algorithm>
+#include <atomic>
 
 namespace ckpt_offload {
+
+namespace {
+std::atomic<CaptureProbe> g_capture_probe{nullptr};
+}  // namespace
+
+void set_capture_probe(CaptureProbe probe) { g_capture_probe.store(probe); }
+
+bool capture_active() {
+  CaptureProbe p = g_capture_probe.load(std::memory_order_relaxed);
+  return p && p();
+}
 
 HostBuffer::HostBuffer(std::shared_ptr<HostPool> pool, HostPool::Block* block, size_t nbytes)
     : pool_(std::move(pool)), block_(block), nbytes_(nbytes) {}
@@ -26,8 +38,11 @@ void HostBuffer::set_ready(std::shared_ptr<Event> ev) {
 void HostBuffer::add_reader(std::shared_ptr<Event> ev) {
   std::lock_guard<std::mutex> lock(mu_);
   // Drop finished readers so a buffer reloaded many times (retain_graph) stays small.
-  readers_.erase(std::remove_if(readers_.begin(), readers_.end(),
-                                [](const std::shared_ptr<Event>& e) { return e->query(); }),
+  // A failed reader stays: HostPool::free then leaks the block. Note [No throw on teardown].
+  // No queries under graph capture (Note [Graph capture]): the list is pruned next time.
+  if (!capture_active())
+    readers_.erase(std::remove_if(readers_.begin(), readers_.end(),
+                                [](const std::shared_ptr<Event>& e) { return e->state() == EventState::Done; }),
                  readers_.end());
   readers_.push_back(std::move(ev));
 }
@@ -101,12 +116,14 @@ std::shared_ptr<Event> CopyEngine::reload(HostBuffer& buf, void* dst, Stream& co
 std::shared_ptr<HostBuffer> CopyEngine::offload_gather(const std::shared_ptr<HostPool>& pool,
                                                        const std::vector<BatchSpan>& spans, size_t block_bytes,
                                                        void* staging, Stream& compute, Stream& copy,
-                                                       std::shared_ptr<void> keepalive, const CopyTag& tag) {
+                                                       std::shared_ptr<void> keepalive, const CopyTag& tag,
+                                                       const std::vector<std::shared_ptr<Event>>& producers) {
   poll();
   HostPool::Block* block = pool->allocate(block_bytes);
   if (!block) return nullptr;
   auto buf = std::make_shared<HostBuffer>(pool, block, block_bytes);
   if (&copy != &compute) copy.wait(compute.record());  // the sources (and staging) are ready in compute order
+  for (const auto& ev : producers) copy.wait(ev);      // and in the order of the streams that wrote them
   char* into = staging ? static_cast<char*>(staging) : static_cast<char*>(buf->data());
   std::vector<CopySegment> segments;
   segments.reserve(spans.size());
@@ -139,13 +156,17 @@ std::shared_ptr<Event> CopyEngine::reload_scatter(HostBuffer& buf, const std::ve
   copy.memcpy_batch(segments, staging ? CopyKind::DeviceToDevice : CopyKind::HostToDevice);
   auto done = copy_end(copy, CopyKind::HostToDevice, buf.nbytes(), tag, std::move(start));
   buf.add_reader(done);
-  if (!done->query()) hold(copy.id(), done, std::move(keepalive));
+  if (keepalive && !done->query()) hold(copy.id(), done, std::move(keepalive));
   if (consumer_waits && &copy != &compute) compute.wait(done);
   return done;
 }
 
 void CopyEngine::keep_until(Stream& copy, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive) {
-  if (done && !done->query()) hold(copy.id(), std::move(done), std::move(keepalive));
+  // Called from destructors (~OffloadedStorage): never throws. A failed event means the device
+  // is lost (a sticky error): nothing runs on it again, so the memory is let go now, by whoever
+  // drops `keepalive`. See Note [No throw on teardown].
+  if (!done) return;
+  if (capture_active() || done->state() == EventState::Pending) hold(copy.id(), std::move(done), std::move(keepalive));
 }
 
 void CopyEngine::hold(uintptr_t stream_id, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive) {
@@ -155,6 +176,7 @@ void CopyEngine::hold(uintptr_t stream_id, std::shared_ptr<Event> done, std::sha
 }
 
 void CopyEngine::poll() {
+  if (capture_active()) return;  // Note [Graph capture]: no event query, no release
   std::vector<std::shared_ptr<void>> release;  // destroyed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -1,8 +1,8 @@
 // CopyEngine: moves bytes between tensors' memory and HostPool blocks, in stream order.
 //
 // The engine knows nothing of tensors; the torch layer hands it pointers, streams and an
-// opaque `keepalive` that owns the source memory. The orderings it enforces (DESIGN.md,
-// invariant 2):
+// opaque `keepalive` that owns the source memory. The orderings it enforces (the core's half
+// of Note [Stream ordering], csrc/torch/runtime.h):
 //   offload: the copy starts after the compute stream has produced the source; the source
 //            is kept alive until the copy has finished; the block is not reused before then.
 //   reload:  the copy starts after the destination is free in compute order and the
@@ -89,10 +89,13 @@ class CopyEngine {
   // Batched offload of many small spans into one block of `block_bytes`: a gather (one kernel
   // launch per kBatchMaxSegments spans) into `staging` (device memory of block_bytes allocated
   // in compute order, kept alive by `keepalive` too), then one copy to the host. With
-  // `staging` null (CPU tensors) the spans are gathered straight into the block.
+  // `staging` null (CPU tensors) the spans are gathered straight into the block. The gather
+  // also waits for every event of `producers`: the spans may have been written on other
+  // streams than `compute` (see Note [Stream ordering] in csrc/torch/runtime.h).
   std::shared_ptr<HostBuffer> offload_gather(const std::shared_ptr<HostPool>& pool, const std::vector<BatchSpan>& spans,
                                              size_t block_bytes, void* staging, Stream& compute, Stream& copy,
-                                             std::shared_ptr<void> keepalive, const CopyTag& tag = {});
+                                             std::shared_ptr<void> keepalive, const CopyTag& tag = {},
+                                             const std::vector<std::shared_ptr<Event>>& producers = {});
   // The mirror: one copy of `buf` into `staging` (kept alive by `keepalive` until the copy
   // stream is done with it), then a scatter into each span's destination.
   std::shared_ptr<Event> reload_scatter(HostBuffer& buf, const std::vector<BatchSpan>& spans, void* staging,

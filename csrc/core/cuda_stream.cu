@@ -55,6 +55,18 @@ struct TimingEpoch {
 std::mutex epoch_mu;
 TimingEpoch epochs[64];
 
+// Needs epoch_mu.
+void make_epoch_locked(int device) {
+  TimingEpoch& e = epochs[device];
+  DeviceGuard guard(device);
+  check(cudaEventCreate(&e.event), "cudaEventCreate");
+  // Recorded on the legacy stream with nothing queued after it: its completion is within
+  // microseconds of the host time taken after the synchronize.
+  check(cudaEventRecord(e.event, nullptr), "cudaEventRecord");
+  check(cudaEventSynchronize(e.event), "cudaEventSynchronize");
+  e.host_ns = steady_ns();
+}
+
 // Every copy records an event or two: reuse them instead of a cudaEventCreate/Destroy pair per
 // copy. Safe because a stream that waited on an event captured its state at the wait; the event
 // is handed out again only after its last owner (and so every query of it) is gone.
@@ -117,15 +129,7 @@ class CudaEvent final : public Event {
     synchronize();
     std::lock_guard<std::mutex> lock(epoch_mu);
     TimingEpoch& e = epochs[device_];
-    if (!e.event) {
-      DeviceGuard guard(device_);
-      check(cudaEventCreate(&e.event), "cudaEventCreate");
-      // Recorded on the legacy stream with nothing queued after it: its completion is within
-      // microseconds of the host time taken after the synchronize.
-      check(cudaEventRecord(e.event, nullptr), "cudaEventRecord");
-      check(cudaEventSynchronize(e.event), "cudaEventSynchronize");
-      e.host_ns = steady_ns();
-    }
+    if (!e.event) make_epoch_locked(device_);
     float ms = 0.f;
     check(cudaEventElapsedTime(&ms, e.event, event_), "cudaEventElapsedTime");
     return e.host_ns + static_cast<int64_t>(static_cast<double>(ms) * 1e6);
@@ -207,23 +211,30 @@ void CudaStream::wait(const std::shared_ptr<Event>& event) {
 void CudaStream::memcpy(void* dst, const void* src, size_t bytes, CopyKind kind) {
   if (!bytes) return;
   DeviceGuard guard(device_);
-  cudaMemcpyKind k = kind == CopyKind::DeviceToHost ? cudaMemcpyDeviceToHost
-                     : kind == CopyKind::HostToDevice ? cudaMemcpyHostToDevice
-                                                      : cudaMemcpyHostToHost;
+  cudaMemcpyKind k = kind == CopyKind::DeviceToHost     ? cudaMemcpyDeviceToHost
+                     : kind == CopyKind::HostToDevice   ? cudaMemcpyHostToDevice
+                     : kind == CopyKind::DeviceToDevice ? cudaMemcpyDeviceToDevice
+                                                        : cudaMemcpyHostToHost;
   check(cudaMemcpyAsync(dst, src, bytes, k, stream_), "cudaMemcpyAsync");
 }
 
 namespace {
 constexpr int kMaxDevices = 64;
 std::mutex side_mu;
-CudaStream* side_streams[kMaxDevices][2] = {};  // leaked on purpose: no teardown-order hazards at exit
+CudaStream* side_streams[kMaxDevices][static_cast<int>(SideStream::kCount)] = {};  // leaked on purpose: no teardown-order hazards at exit
 }  // namespace
 
 void synchronize_side_streams() {
-  std::lock_guard<std::mutex> lock(side_mu);
-  for (auto& per_device : side_streams)
-    for (CudaStream* s : per_device)
-      if (s) check(cudaStreamSynchronize(s->handle()), "cudaStreamSynchronize");
+  // The streams are looked up under the lock, waited for outside it: side_stream() takes the
+  // lock on every pack, which must not wait for this synchronize (co.synchronize()).
+  std::vector<CudaStream*> all;
+  {
+    std::lock_guard<std::mutex> lock(side_mu);
+    for (auto& per_device : side_streams)
+      for (CudaStream* s : per_device)
+        if (s) all.push_back(s);  // never destroyed: safe to use after the lock
+  }
+  for (CudaStream* s : all) check(cudaStreamSynchronize(s->handle()), "cudaStreamSynchronize");
 }
 
 CudaStream& side_stream(int device, SideStream which) {
@@ -234,8 +245,12 @@ CudaStream& side_stream(int device, SideStream which) {
   if (!s) {
     DeviceGuard guard(device);
     cudaStream_t raw;
-    // Non-blocking: the copy stream must not serialize with the legacy default stream.
-    check(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    int least = 0, greatest = 0;
+    check(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    // Non-blocking: the copy stream must not serialize with the legacy default stream. Demand
+    // reloads get the highest priority: backward is stalled on them.
+    check(cudaStreamCreateWithPriority(&raw, cudaStreamNonBlocking, which == SideStream::H2DDemand ? greatest : least),
+          "cudaStreamCreateWithPriority");
     s = new CudaStream(raw, device);
   }
   return *s;
@@ -279,12 +294,34 @@ void RegisteredBackend::release(void* ptr, size_t) {
 void nvtx_push(const char* name) { nvtxRangePushA(name); }
 void nvtx_pop() { nvtxRangePop(); }
 
-void reset_timing_epochs() {
+void start_timing_epochs() {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    current = -1;
+  }
+  std::vector<int> devices;
+  {
+    std::lock_guard<std::mutex> lock(side_mu);
+    for (int d = 0; d < kMaxDevices; ++d)
+      if (d == current || side_streams[d][0] || side_streams[d][1] || side_streams[d][2]) devices.push_back(d);
+  }
   std::lock_guard<std::mutex> lock(epoch_mu);
   for (auto& e : epochs) {
     if (e.event) cudaEventDestroy(e.event);
     e.event = nullptr;
   }
+  // The reference is taken now, at the profile's start, for the devices already in use (the
+  // current one and those with copy streams), not at the first read: elapsed times are floats
+  // of milliseconds, and every copy of the profile then lies a short time after its epoch.
+  // Other devices (first used later in the profile) still get theirs at their first read.
+  for (int d : devices) make_epoch_locked(d);
+}
+
+int64_t timing_epoch_ns(int device) {
+  std::lock_guard<std::mutex> lock(epoch_mu);
+  if (device < 0 || device >= kMaxDevices || !epochs[device].event) return -1;
+  return epochs[device].host_ns;
 }
 
 int device_count() {

@@ -35,11 +35,15 @@ class CudaStream final : public Stream {
   int device_;
 };
 
-enum class SideStream { D2H = 0, H2D = 1 };
+// D2H: offloads. H2D: prefetches. H2DDemand: reloads that backward waits for now, on a
+// stream of their own with the device's highest priority, so that they never queue behind
+// prefetches (see Note [Stream ordering], csrc/torch/runtime.h).
+enum class SideStream { D2H = 0, H2D = 1, H2DDemand = 2, kCount = 3 };
 // The dedicated copy stream of `device` for one direction, created on first use and kept for
 // the life of the process.
 CudaStream& side_stream(int device, SideStream which);
-// Blocks until every side stream created so far has run all its work.
+// Blocks until every side stream created so far has run all its work. Holds no lock while it
+// waits: packs on other threads (which look their side stream up) do not stall behind it.
 void synchronize_side_streams();
 
 class PinnedBackend final : public Backend {
@@ -61,9 +65,11 @@ class RegisteredBackend final : public Backend {
 // NVTX ranges (Nsight Systems); no-ops unless a tool is attached.
 void nvtx_push(const char* name);
 void nvtx_pop();
-// Forgets the per-device timing epochs (profiler start): timed events convert to host time
-// against a fresh epoch.
-void reset_timing_epochs();
+// Profiler start: takes fresh per-device timing epochs (the reference event a timed event's
+// completion is converted to host time against) for the devices in use now.
+void start_timing_epochs();
+// The host time (steady clock ns) of `device`'s timing epoch; -1 when it has none. Test hook.
+int64_t timing_epoch_ns(int device);
 
 // Number of usable devices; 0 when no driver or device is present (never throws).
 int device_count();

@@ -3,6 +3,7 @@
 #include "profiler.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <sstream>
@@ -46,19 +47,38 @@ HostPool::HostPool(std::unique_ptr<Backend> backend, size_t max_bytes, size_t se
 }
 
 HostPool::~HostPool() {
+  release_retired();
   // Owners keep the pool alive (shared_ptr), so no block is in use here; pending copies may
   // still be running, so wait for them before the memory goes back to the backend.
   std::lock_guard<std::mutex> lock(mu_);
   reclaim_locked(/*wait=*/true);
   for (Segment* s : segments_) {
+    bool poisoned = false;
     for (Block* b = s->first; b;) {
       Block* next = b->next;
+      poisoned = poisoned || std::find(poisoned_.begin(), poisoned_.end(), b) != poisoned_.end();
       delete b;
       b = next;
     }
-    release_segment_locked(s);
+    // A segment a failed copy may still touch is leaked, not released. Note [No throw on teardown].
+    if (!poisoned) release_segment(s->base, s->size);
     delete s;
   }
+}
+
+void HostPool::poison_locked(Block* b) {
+  static bool warned = false;
+  if (!warned) {
+    warned = true;
+    std::fprintf(stderr,
+                 "ckpt_offload: warning: a copy's event failed (an earlier CUDA error); its host-pool block is "
+                 "leaked instead of reused\n");
+  }
+  if (b->state != Block::Pending) {
+    b->state = Block::Pending;
+    stats_.bytes_pending += b->size;
+  }
+  poisoned_.push_back(b);
 }
 
 void* HostPool::data(const Block* block) { return block->ptr; }
@@ -89,21 +109,24 @@ void HostPool::insert_free_locked(Block* b) {
 }
 
 void HostPool::reclaim_locked(bool wait) {
+  if (!wait && capture_active()) return;  // Note [Graph capture]: no event query under capture
   // Each pending block is checked on its own: a slow copy holds back only its own block.
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending& p = pending_[i];
-    bool done = true;
+    bool done = true, failed = false;
     for (auto& ev : p.events) {
       if (!ev) continue;
-      if (wait) {
-        ev->synchronize();
-      } else if (!ev->query()) {
-        done = false;
-        break;
-      }
+      // Never throws: this runs from ~HostPool too. See Note [No throw on teardown].
+      const EventState st = wait ? (ev->try_synchronize() ? EventState::Done : EventState::Failed) : ev->state();
+      if (st == EventState::Done) continue;
+      done = false;
+      failed = st == EventState::Failed;
+      break;
     }
-    if (done) {
+    if (failed) {
+      poison_locked(p.block);
+    } else if (done) {
       stats_.bytes_pending -= p.block->size;
       insert_free_locked(p.block);
     } else {
@@ -121,8 +144,9 @@ bool HostPool::grow_locked(size_t bytes) {
   size_t seg = bytes >= segment_bytes_ / 2 ? need : segment_bytes_;
   if (max_bytes_) {
     if (stats_.bytes_reserved + need > max_bytes_) {
-      size_t released = 0;
-      release_free_segments_locked(&released);
+      // Room under the cap from wholly free segments: retired, not released here (this runs
+      // in forward, under mu_, and a pinned release synchronizes the device).
+      retire_free_segments_locked();
       if (stats_.bytes_reserved + need > max_bytes_) return false;
     }
     const size_t room = (max_bytes_ - stats_.bytes_reserved) / kSegmentAlignment * kSegmentAlignment;
@@ -210,10 +234,21 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   stats_.num_blocks_in_use--;
   stats_.bytes_in_use -= b->size;
   stats_.bytes_requested -= b->requested;
-  pending.erase(std::remove_if(pending.begin(), pending.end(),
-                               [](const std::shared_ptr<Event>& e) { return !e || e->query(); }),
+  // state(), not query(): free runs from ~HostBuffer. See Note [No throw on teardown].
+  bool failed = false;
+  // Under graph capture nothing is queried: the block waits as pending (Note [Graph capture]).
+  if (!capture_active())
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                               [&failed](const std::shared_ptr<Event>& e) {
+                                 if (!e) return true;
+                                 const EventState st = e->state();
+                                 failed = failed || st == EventState::Failed;
+                                 return st == EventState::Done;
+                               }),
                 pending.end());
-  if (pending.empty()) {
+  if (failed) {
+    poison_locked(b);
+  } else if (pending.empty()) {
     insert_free_locked(b);
   } else {
     b->state = Block::Pending;
@@ -222,26 +257,26 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   }
 }
 
-void HostPool::release_segment_locked(Segment* s) {
+void HostPool::release_segment(void* base, size_t size) {
   const bool profiling = profiler::enabled();
   const int64_t t0 = profiling ? profiler::now_ns() : 0;
-  backend_->release(s->base, s->size);
-  if (profiling)
-    profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendFree, s->size, t0, profiler::now_ns()});
+  backend_->release(base, size);
+  if (profiling) profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendFree, size, t0, profiler::now_ns()});
 }
 
-void HostPool::release_free_segments_locked(size_t* released) {
+size_t HostPool::retire_free_segments_locked() {
   reclaim_locked(/*wait=*/false);
+  size_t moved = 0;
   std::vector<Segment*> keep;
   for (Segment* s : segments_) {
     Block* whole = s->first;
     if (whole->state == Block::Free && whole->size == s->size) {
       free_blocks_.erase(whole);
       delete whole;
-      release_segment_locked(s);
+      retired_.emplace_back(s->base, s->size);
       stats_.bytes_reserved -= s->size;
-      stats_.num_backend_frees++;
-      *released += s->size;
+      stats_.bytes_retired += s->size;
+      moved += s->size;
       delete s;
     } else {
       keep.push_back(s);
@@ -249,13 +284,35 @@ void HostPool::release_free_segments_locked(size_t* released) {
   }
   segments_ = std::move(keep);
   stats_.num_segments = segments_.size();
+  return moved;
+}
+
+size_t HostPool::release_retired() {
+  if (capture_active()) return 0;  // a pinned release would invalidate the capture (Note [Graph capture])
+  std::vector<std::pair<void*, size_t>> retired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    retired.swap(retired_);
+  }
+  size_t released = 0;
+  for (auto& r : retired) {
+    release_segment(r.first, r.second);
+    released += r.second;
+  }
+  if (!retired.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_retired -= released;
+    stats_.num_backend_frees += retired.size();
+  }
+  return released;
 }
 
 size_t HostPool::empty_cache() {
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t released = 0;
-  release_free_segments_locked(&released);
-  return released;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    retire_free_segments_locked();
+  }
+  return release_retired();
 }
 
 size_t HostPool::reserve(size_t bytes) {
@@ -282,8 +339,11 @@ void HostPool::synchronize() {
   }
   for (const auto& ev : events)
     if (ev) ev->synchronize();
-  std::lock_guard<std::mutex> lock(mu_);
-  reclaim_locked(/*wait=*/false);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reclaim_locked(/*wait=*/false);
+  }
+  release_retired();
 }
 
 PoolStats HostPool::stats() {
@@ -299,14 +359,14 @@ void HostPool::reset_peak() {
 }
 
 void HostPool::set_max_bytes(size_t max_bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
-  max_bytes_ = max_bytes;
-  stats_.max_bytes = max_bytes;
-  // A lowered cap gives back what it can at once; segments with live blocks stay until freed.
-  if (max_bytes_ && stats_.bytes_reserved > max_bytes_) {
-    size_t released = 0;
-    release_free_segments_locked(&released);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    max_bytes_ = max_bytes;
+    stats_.max_bytes = max_bytes;
+    // A lowered cap gives back what it can at once; segments with live blocks stay until freed.
+    if (max_bytes_ && stats_.bytes_reserved > max_bytes_) retire_free_segments_locked();
   }
+  release_retired();
 }
 
 bool HostPool::check_invariants(std::string* why) {

@@ -49,7 +49,8 @@ struct PoolStats {
   size_t bytes_in_use = 0;         // blocks held by live owners (aligned sizes)
   size_t bytes_requested = 0;      // what those owners asked for (unaligned)
   size_t bytes_pending = 0;        // freed blocks still waiting for their copies to finish
-  size_t bytes_reserved = 0;       // all segments taken from the backend
+  size_t bytes_reserved = 0;       // all segments taken from the backend (and not retired)
+  size_t bytes_retired = 0;        // free segments taken off the pool, not yet given back (see release_retired)
   size_t peak_bytes_in_use = 0;
   size_t peak_bytes_reserved = 0;
   size_t max_bytes = 0;            // 0: no cap
@@ -76,7 +77,9 @@ class HostPool {
   // Returns a block of at least `bytes` bytes aligned to kAlignment, or nullptr when the cap
   // (or the backend) does not allow it. Never blocks on a copy.
   Block* allocate(size_t bytes);
-  // Returns a block. It becomes reusable once every event in `pending` has completed.
+  // Returns a block. It becomes reusable once every event in `pending` has completed. Never
+  // throws on a failed event query (the block is leaked instead): called from destructors.
+  // See Note [No throw on teardown].
   void free(Block* block, std::vector<std::shared_ptr<Event>> pending = {});
 
   static void* data(const Block* block);
@@ -84,8 +87,16 @@ class HostPool {
 
   PoolStats stats();
   void reset_peak();
-  // Releases every segment with no live or pending block. Returns the bytes released.
+  // Releases every segment with no live or pending block (and the retired ones). Returns the
+  // bytes released.
   size_t empty_cache();
+  // Gives the retired segments back to the backend, outside the pool's lock. Segments are
+  // retired (taken off the pool, but not released) when growth at the cap needs room:
+  // cudaFreeHost / cudaHostUnregister synchronize the whole device, which must not happen in
+  // forward, under the pool lock. The torch layer calls this at the end of each backward;
+  // empty_cache(), synchronize(), set_max_bytes() and the destructor call it too. Until then
+  // the host holds up to bytes_retired beyond the cap. Returns the bytes released.
+  size_t release_retired();
   // Takes at least `bytes` more from the backend now (one segment, within the cap), so that the
   // first training step does not pay for backend allocations (cudaHostAlloc takes a driver lock
   // and milliseconds). Returns the bytes reserved, 0 when the cap or the backend refused.
@@ -111,9 +122,12 @@ class HostPool {
   bool grow_locked(size_t bytes);
   void reclaim_locked(bool wait);
   void insert_free_locked(Block* block);
-  void release_free_segments_locked(size_t* released);
-  void release_segment_locked(Segment* s);
+  // Moves every wholly free segment to retired_; returns the bytes moved.
+  size_t retire_free_segments_locked();
+  void release_segment(void* base, size_t size);
 
+  // Note [Lock order] (core): mu_ is a leaf. The backend is called under it only to allocate;
+  // releases happen outside it (release_retired). Every `_locked` helper assumes mu_ is held.
   std::unique_ptr<Backend> backend_;
   size_t max_bytes_;
   size_t segment_bytes_;
@@ -124,7 +138,12 @@ class HostPool {
     std::vector<std::shared_ptr<Event>> events;
   };
   std::vector<Pending> pending_;
+  // Blocks whose copies' events failed (a sticky CUDA error): never reused, and their segments
+  // are never given back to the backend. Counted in bytes_pending.
+  std::vector<Block*> poisoned_;
+  void poison_locked(Block* block);
   std::vector<Segment*> segments_;
+  std::vector<std::pair<void*, size_t>> retired_;  // released by release_retired(), outside mu_
   PoolStats stats_;
 };
 

@@ -15,10 +15,39 @@
 
 namespace ckpt_offload {
 
+// Note [No throw on teardown]
+// After a sticky CUDA error (a device-side assert) every event query and synchronize fails, and
+// the CUDA implementations throw. Destructors reach event queries (~HostBuffer -> HostPool::free,
+// ~OffloadedStorage -> CopyEngine::keep_until, ~HostPool): a throw there is std::terminate, and
+// the user loses the Python error that caused it. Destructor paths therefore use state() and
+// try_synchronize(), which never throw; a copy whose event failed is treated as never finishing:
+// its host block is leaked (never reused, its segment never released) and a warning is printed,
+// rather than reusing memory a copy might still touch.
+
+// What a non-throwing query found.
+enum class EventState { Done, Pending, Failed };
+
 // Marks a point in a stream's queue. Complete once all work enqueued before it ran.
 class Event {
  public:
   virtual ~Event() = default;
+  // query() that never throws: Failed when the query itself failed. See Note [No throw on teardown].
+  EventState state() noexcept {
+    try {
+      return query() ? EventState::Done : EventState::Pending;
+    } catch (...) {
+      return EventState::Failed;
+    }
+  }
+  // synchronize() that never throws: false when the wait failed.
+  bool try_synchronize() noexcept {
+    try {
+      synchronize();
+      return true;
+    } catch (...) {
+      return false;
+    }
+  }
   // Non-blocking: true once the marked work has finished.
   virtual bool query() = 0;
   // Blocks the calling host thread until the marked work has finished.
@@ -27,6 +56,14 @@ class Event {
   // made by Stream::record_timed(); -1 for others. Blocks until the work has finished.
   virtual int64_t completion_ns() { return -1; }
 };
+
+// Whether a CUDA graph is being captured on the calling thread's current stream, as told by a
+// probe the torch layer installs (none: never). While it says so, the core queries no event:
+// HostPool::free parks blocks as pending, reclaiming and CopyEngine::poll wait for a later call.
+// See Note [Graph capture] (csrc/torch/runtime.h).
+using CaptureProbe = bool (*)();
+void set_capture_probe(CaptureProbe probe);
+bool capture_active();
 
 enum class CopyKind { DeviceToHost, HostToDevice, HostToHost, DeviceToDevice };
 

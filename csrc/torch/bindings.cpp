@@ -5,6 +5,8 @@
 #include "../core/profiler.h"
 #include "profiling.h"
 #include "runtime.h"
+#include "device_memory.h"
+#include "packer.h"
 #include "saved_tensor.h"
 
 namespace py = pybind11;
@@ -22,6 +24,7 @@ py::dict pool_stats(HostPool& pool) {
   d["bytes_in_use"] = s.bytes_in_use;
   d["bytes_requested"] = s.bytes_requested;
   d["bytes_pending"] = s.bytes_pending;
+  d["bytes_retired"] = s.bytes_retired;
   d["bytes_reserved"] = s.bytes_reserved;
   d["peak_bytes_in_use"] = s.peak_bytes_in_use;
   d["peak_bytes_reserved"] = s.peak_bytes_reserved;
@@ -43,12 +46,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_offload native core (see the ckpt_offload package for the API)";
 
   py::register_exception<PoolFull>(m, "PoolFullError", PyExc_MemoryError);
+  install_capture_probe();  // Note [Graph capture]
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
       .def(py::init(&make_pool), py::arg("backend"), py::arg("max_bytes"), py::arg("segment_bytes"))
       .def("stats", &pool_stats)
       .def("reset_peak", &HostPool::reset_peak)
       .def("empty_cache", &HostPool::empty_cache, py::call_guard<py::gil_scoped_release>())
+      .def("release_retired", &HostPool::release_retired, py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &HostPool::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("reserve", &HostPool::reserve, py::call_guard<py::gil_scoped_release>())
       .def("set_max_bytes", &HostPool::set_max_bytes)
@@ -119,6 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("_fail_next_prefetches", &fail_next_prefetches, py::arg("n"));
   m.def("_set_batch_staging", &set_batch_staging, py::arg("on"));
+  m.def("_timing_epoch_ns", &timing_epoch_ns, py::arg("device"));
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;

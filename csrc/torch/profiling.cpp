@@ -45,10 +45,19 @@ const char* pool_kind(profiler::PoolEventKind k) {
 
 void profiler_start() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_device_count() > 0) cuda::reset_timing_epochs();
+  if (cuda_device_count() > 0) cuda::start_timing_epochs();
 #endif
   t_ranges.clear();
   profiler::start();
+}
+
+int64_t timing_epoch_ns(int device) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  return cuda::timing_epoch_ns(device);
+#else
+  (void)device;
+  return -1;
+#endif
 }
 
 void profiler_range(const std::string& name, const std::string& device, bool begin) {

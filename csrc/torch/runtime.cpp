@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include "../core/cuda_stream.h"
 #endif
@@ -26,6 +27,7 @@ struct CpuStreams {
   InlineStream compute;
   WorkerStream d2h{initial_delay()};
   WorkerStream h2d{initial_delay()};
+  WorkerStream h2d_demand{initial_delay()};  // Note [Stream ordering] rule 4
 };
 
 CpuStreams& cpu_streams() {
@@ -41,11 +43,32 @@ CopyEngine& engine() {
   return *e;
 }
 
-StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host) {
+DeviceScope::DeviceScope(const c10::Device& device) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda() && device.has_index()) {
+    previous_ = c10::cuda::current_device();
+    if (previous_ == device.index()) {
+      previous_ = -1;
+    } else {
+      c10::cuda::set_device(device.index());
+    }
+  }
+#else
+  (void)device;
+#endif
+}
+
+DeviceScope::~DeviceScope() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (previous_ >= 0) c10::cuda::set_device(static_cast<c10::DeviceIndex>(previous_));
+#endif
+}
+
+StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host, bool demand) {
   if (device.is_cpu()) {
     CpuStreams& s = cpu_streams();
     compute_ = &s.compute;
-    copy_ = side ? static_cast<Stream*>(to_host ? &s.d2h : &s.h2d) : compute_;
+    copy_ = !side ? static_cast<Stream*>(compute_) : to_host ? &s.d2h : demand ? &s.h2d_demand : &s.h2d;
     return;
   }
 #ifdef CKPT_OFFLOAD_WITH_CUDA
@@ -55,7 +78,8 @@ StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host) {
     auto current = c10::cuda::getCurrentCUDAStream(index);
     owned_compute_ = std::make_unique<cuda::CudaStream>(current.stream(), index);
     compute_ = owned_compute_.get();
-    copy_ = side ? &cuda::side_stream(index, to_host ? cuda::SideStream::D2H : cuda::SideStream::H2D) : compute_;
+    const auto which = to_host ? cuda::SideStream::D2H : demand ? cuda::SideStream::H2DDemand : cuda::SideStream::H2D;
+    copy_ = side ? &cuda::side_stream(index, which) : compute_;
     return;
   }
 #endif
@@ -90,6 +114,7 @@ int64_t device_allocated_bytes(const c10::Device& device) {
 void set_cpu_copy_delay_us(int64_t us) {
   cpu_streams().d2h.set_delay_us(us);
   cpu_streams().h2d.set_delay_us(us);
+  cpu_streams().h2d_demand.set_delay_us(us);
 }
 
 int64_t cpu_copy_delay_us() { return cpu_streams().d2h.delay_us(); }
@@ -97,10 +122,42 @@ int64_t cpu_copy_delay_us() { return cpu_streams().d2h.delay_us(); }
 void synchronize_side_streams() {
   cpu_streams().d2h.drain();
   cpu_streams().h2d.drain();
+  cpu_streams().h2d_demand.drain();
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   cuda::synchronize_side_streams();
 #endif
   engine().synchronize();
+}
+
+bool current_stream_capturing(const c10::Device& device) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (!device.is_cuda()) return false;
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  // cudaStreamIsCapturing, not a c10 helper: the c10 capture-status helpers differ between
+  // the torch releases we support (2.11 - 2.14), the runtime call does not.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status);
+  if (err != cudaSuccess) {
+    // Asking about the legacy stream while another thread captures fails
+    // (cudaErrorStreamCaptureImplicit): a capture is under way, so answer as if capturing.
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+#else
+  (void)device;
+  return false;
+#endif
+}
+
+void install_capture_probe() {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  set_capture_probe([]() -> bool {
+    // No device, no capture; and no CUDA context is created just to ask.
+    static const bool has_device = cuda::device_count() > 0;
+    return has_device && current_stream_capturing(c10::Device(c10::kCUDA, c10::cuda::current_device()));
+  });
+#endif
 }
 
 bool cuda_compiled() {

@@ -16,12 +16,49 @@ namespace ckpt_offload {
 
 CopyEngine& engine();
 
+// Note [Stream ordering]
+// Every copy runs between a `compute` stream (the current stream of the tensor's device, read
+// at every call: FSDP, recompute and user code switch streams) and a `copy` stream (`compute`
+// itself for stream="compute", else the device's side stream for the direction). The rules,
+// each enforced where it is cited:
+//  1. Offload: the copy starts after everything that produced the source (copy.wait(compute
+//     event); for a batch, an event of every stream that produced a member, recorded at
+//     Batch::add), and the source is kept alive until the copy has read it (CopyEngine::hold).
+//  2. Reload: the destination is allocated in compute order and the copy stream waits for the
+//     compute stream before writing it; the consumer waits for the copy's event before use.
+//  3. A reload buffer consumed on another stream than the one that allocated it (a prefetch
+//     made under one stream and unpacked under another, a shared reload) gets record_stream
+//     on the consumer (record_consumer), so the caching allocator does not reuse it while the
+//     consumer's kernels are queued.
+//  4. Demand reloads (backward waits for them now) run on their own highest-priority stream,
+//     never behind queued prefetches (SideStream::H2DDemand; a third worker on CPU).
+//  5. A host block is reused only after every copy that touched it has finished (HostPool's
+//     per-block events, queried, never waited on).
+//  6. Device memory (prefetch buffers, staging blocks) and work for a handle of device A are
+//     allocated and enqueued with A current (DeviceScope), never on device B's streams.
+//  7. Nothing queries an event, polls or releases pool memory while the current stream
+//     captures a CUDA graph: see Note [Graph capture].
+
+// Makes `device` current for the scope when it is a CUDA device (a no-op for CPU), so that
+// allocations and kernel launches for its tensors land on it. Note [Stream ordering] rule 6.
+class DeviceScope {
+ public:
+  explicit DeviceScope(const c10::Device& device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // Where the copies of one tensor run. `compute` is the stream that produced (or will
 // consume) the tensor, captured at every call; `copy` is `compute` itself for
-// stream="compute", or the device's side copy stream for the direction.
+// stream="compute", or the device's side copy stream for the direction (for a reload that
+// backward waits for now, `demand`: the demand stream). See Note [Stream ordering].
 class StreamPair {
  public:
-  StreamPair(const c10::Device& device, bool side, bool to_host);
+  StreamPair(const c10::Device& device, bool side, bool to_host, bool demand = false);
   Stream& compute() { return *compute_; }
   Stream& copy() { return *copy_; }
 
@@ -54,6 +91,22 @@ void set_cpu_copy_delay_us(int64_t us);
 int64_t cpu_copy_delay_us();
 // Waits until every copy enqueued on the side streams has finished.
 void synchronize_side_streams();
+
+// Note [Graph capture]
+// While a stream captures a CUDA graph, an event query, a stream synchronize or a pinned
+// memory release (cudaFreeHost / cudaHostUnregister synchronize the device) invalidates the
+// capture. So: pack keeps tensors made under capture on the device (KeepReason::GraphCapture);
+// unpacking a tensor held in the pool under capture raises (a reload copy must not be baked
+// into a graph); and the core's event queries (HostPool::free/reclaim, CopyEngine::poll and
+// keep_until, HostBuffer::add_reader) defer themselves while capture_active() (stream.h) says
+// so — the torch layer installs the probe (install_capture_probe).
+
+// True while `device`'s current stream is capturing a CUDA graph: nothing that queries an
+// event, synchronizes, or frees pinned memory may run then (each invalidates the capture).
+// See Note [Graph capture]. Never true for CPU.
+bool current_stream_capturing(const c10::Device& device);
+// Installs the core's capture probe (stream.h): the current device's current stream captures.
+void install_capture_probe();
 
 bool cuda_compiled();
 int cuda_device_count();

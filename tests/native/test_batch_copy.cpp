@@ -108,6 +108,43 @@ void test_gather_scatter_roundtrip() {
   CHECK_POOL_EMPTY(*pool);
 }
 
+// A batch's members may be written on other streams than the one current at the flush (a
+// layer run under torch.cuda.stream(s)): the gather waits for every producer's event. Here the
+// producer is a slow worker stream writing the sources; without the wait the gather reads
+// them before they are written. Note [Stream ordering] rule 1 (csrc/torch/runtime.h).
+void test_gather_waits_for_producers() {
+  auto pool = std::make_shared<HostPool>(std::make_unique<PageableBackend>(), 0, 4 * MiB);
+  CopyEngine engine;
+  InlineStream compute;
+  WorkerStream producer(20000), other_producer(5000), d2h(0);
+  const std::vector<size_t> sizes = {4096, 333, 70000};
+  std::vector<std::vector<unsigned char>> sources, expected;
+  std::vector<BatchSpan> spans;
+  size_t block = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    sources.emplace_back(sizes[i], 0);
+    expected.push_back(random_bytes(sizes[i], 40 + i));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    block = (block + 15) / 16 * 16;
+    spans.push_back({sources[i].data(), block, sizes[i]});
+    // Members 0 and 2 are written on `producer`, member 1 on `other_producer`.
+    WorkerStream& by = i == 1 ? other_producer : producer;
+    by.memcpy(sources[i].data(), expected[i].data(), sizes[i], CopyKind::HostToHost);
+    block += sizes[i];
+  }
+  std::vector<std::shared_ptr<Event>> producers = {producer.record(), other_producer.record()};
+  auto buf = engine.offload_gather(pool, spans, block, nullptr, compute, d2h, nullptr, {}, producers);
+  CHECK(buf);
+  buf->ready()->synchronize();
+  for (size_t i = 0; i < sizes.size(); ++i)
+    CHECK_MSG(std::memcmp(static_cast<char*>(buf->data()) + spans[i].offset, expected[i].data(), sizes[i]) == 0,
+              "member " << i << " was gathered before its producer wrote it");
+  buf.reset();
+  pool->synchronize();
+  CHECK_POOL_EMPTY(*pool);
+}
+
 void test_timed_fences_and_records() {
   WorkerStream s(200);
   auto a = s.record_timed();
@@ -152,6 +189,7 @@ void test_timed_fences_and_records() {
 int main() {
   check::run("plan_matches_memcpy", test_plan_matches_memcpy);
   check::run("gather_scatter_roundtrip", test_gather_scatter_roundtrip);
+  check::run("gather_waits_for_producers", test_gather_waits_for_producers);
   check::run("timed_fences_and_records", test_timed_fences_and_records);
   return 0;
 }

@@ -120,7 +120,8 @@ void test_worker_delay_and_drain() {
   CHECK_EQ(dst, 43u);
 }
 
-// The DESIGN's side-stream pattern: the consumer stream waits on an event of the producer.
+// The side-stream pattern of Note [Stream ordering] (csrc/torch/runtime.h): the consumer
+// stream waits on an event of the producer.
 void test_record_wait_across_workers() {
   WorkerStream producer(50000);  // 50 ms before each copy
   WorkerStream consumer(0);

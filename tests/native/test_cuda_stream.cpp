@@ -93,6 +93,29 @@ void test_side_stream_roundtrip() {
   CUDA_OK(cudaStreamDestroy(raw_compute));
 }
 
+// CopyKind::DeviceToDevice is a device-to-device cudaMemcpyAsync (it was mapped to
+// cudaMemcpyHostToHost, which fails or copies wrongly for device pointers).
+void test_device_to_device_copy() {
+  const size_t n = 1 * MiB + 7;
+  auto expected = pattern(n, 11);
+  void *a = nullptr, *b = nullptr;
+  CUDA_OK(cudaMalloc(&a, n));
+  CUDA_OK(cudaMalloc(&b, n));
+  CUDA_OK(cudaMemcpy(a, expected.data(), n, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(b, 0, n));
+  cudaStream_t raw = nullptr;
+  CUDA_OK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+  cuda::CudaStream s(raw, 0);
+  s.memcpy(b, a, n, CopyKind::DeviceToDevice);
+  s.record()->synchronize();
+  std::vector<char> got(n);
+  CUDA_OK(cudaMemcpy(got.data(), b, n, cudaMemcpyDeviceToHost));
+  CHECK(std::memcmp(got.data(), expected.data(), n) == 0);
+  CUDA_OK(cudaStreamDestroy(raw));
+  CUDA_OK(cudaFree(a));
+  CUDA_OK(cudaFree(b));
+}
+
 }  // namespace
 
 int main() {
@@ -104,6 +127,7 @@ int main() {
   }
   check::run("pinned_pool", test_pinned_pool);
   check::run("side_stream_roundtrip", test_side_stream_roundtrip);
+  check::run("device_to_device_copy", test_device_to_device_copy);
   std::printf("all CUDA stream tests passed\n");
   return 0;
 }

@@ -339,9 +339,17 @@ void test_byte_cap() {
   CHECK(big != nullptr);
   s = pool->stats();
   CHECK_EQ(s.bytes_reserved, cap);
-  CHECK_EQ(s.num_backend_frees, 2u);
+  // Retired, not released: allocate runs in forward under the pool lock, and a pinned release
+  // (cudaFreeHost) synchronizes the device. They go back at release_retired (end of backward).
+  CHECK_EQ(s.num_backend_frees, 0u);
+  CHECK_EQ(s.bytes_retired, 2 * MiB);
   CHECK_EQ(s.num_segments, 3u);
   CHECK_POOL(*pool);
+  CHECK_EQ(pool->release_retired(), 2 * MiB);
+  s = pool->stats();
+  CHECK_EQ(s.num_backend_frees, 2u);
+  CHECK_EQ(s.bytes_retired, 0u);
+  CHECK_EQ(pool->release_retired(), 0u);
 
   // empty_cache() returns wholly free segments only, and reports how much it released.
   pool->free(blocks[0]);

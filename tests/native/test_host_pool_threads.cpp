@@ -166,10 +166,12 @@ void run_threads(const Options& opt, const char* label) {
     CHECK_LE(s.bytes_reserved, opt.max_bytes);
     CHECK_LE(s.peak_bytes_reserved, opt.max_bytes);
   }
-  // Everything is free: every segment must have coalesced back into one block.
-  CHECK_EQ(pool.empty_cache(), s.bytes_reserved);
+  // Everything is free: every segment must have coalesced back into one block. Segments retired
+  // by growth at the cap (HostPool::release_retired) are given back here too.
+  CHECK_EQ(pool.empty_cache(), s.bytes_reserved + s.bytes_retired);
   s = pool.stats();
   CHECK_EQ(s.bytes_reserved, 0u);
+  CHECK_EQ(s.bytes_retired, 0u);
   CHECK_EQ(s.num_segments, 0u);
   std::printf("  %s: %llu allocs, %llu refused by the cap, %llu pending frees, %llu segments allocated\n", label,
               (unsigned long long)s.num_allocs, (unsigned long long)refused.load(),

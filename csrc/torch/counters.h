@@ -1,0 +1,36 @@
+// What the saved-tensor hooks did, counted for Packer::stats(), and why tensors were kept.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+
+namespace ckpt_offload {
+
+// Raised by pack when the pool is at its cap and on_full="raise".
+class PoolFull : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Why a saved tensor stayed where it was.
+enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, DiskFull, kCount };
+const char* keep_reason_name(KeepReason r);
+
+struct PackerCounters {
+  std::atomic<int64_t> tensors_offloaded{0}, bytes_offloaded{0};
+  std::atomic<int64_t> tensors_deduplicated{0}, bytes_deduplicated{0};
+  std::atomic<int64_t> tensors_reloaded{0}, bytes_reloaded{0};
+  std::atomic<int64_t> tensors_reload_shared{0};
+  std::atomic<int64_t> tensors_batched{0}, batches{0};
+  std::atomic<int64_t> prefetches{0}, bytes_prefetched{0}, prefetch_hits{0}, prefetches_unused{0};
+  std::atomic<int64_t> peak_prefetch_bytes{0};
+  std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
+  // Offloads the pool refused that went to its disk tier; reads started by prefetch.
+  std::atomic<int64_t> tensors_spilled{0}, bytes_spilled{0}, disk_prefetches{0};
+  std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
+  std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
+};
+
+}  // namespace ckpt_offload

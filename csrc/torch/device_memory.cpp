@@ -1,0 +1,100 @@
+#include "device_memory.h"
+
+#include <atomic>
+#include <stdexcept>
+
+#include "../core/profiler.h"
+#include "../core/spill.h"
+#include "runtime.h"
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "../core/cuda_stream.h"
+#endif
+
+namespace ckpt_offload {
+
+at::Tensor device_bytes(const c10::Device& device, size_t n) {
+  return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+void record_consumer(const c10::Storage& storage, const c10::Device& device) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (!device.is_cuda() || !storage || !storage.data()) return;
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  c10::cuda::CUDACachingAllocator::recordStream(storage.data_ptr(), c10::cuda::getCurrentCUDAStream(index));
+#else
+  (void)storage;
+  (void)device;
+#endif
+}
+
+void release_after_copy(c10::Storage storage, Stream* copy, std::shared_ptr<Event> done) noexcept {
+  if (!storage || !copy || !done) return;  // dropping `storage` is enough
+  try {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    if (auto* cs = dynamic_cast<cuda::CudaStream*>(copy)) {
+      if (storage.device().is_cuda() && storage.data()) {
+        c10::cuda::CUDACachingAllocator::recordStream(
+            storage.data_ptr(), c10::cuda::getStreamFromExternal(cs->handle(), static_cast<c10::DeviceIndex>(cs->device())));
+        return;
+      }
+    }
+#endif
+    engine().keep_until(*copy, std::move(done), std::make_shared<c10::Storage>(std::move(storage)));
+  } catch (...) {
+    // After a CUDA error: the device runs nothing again; the memory is let go with `storage`.
+  }
+}
+
+// Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
+std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes) {
+  profiler::g_device_bytes_saved += bytes;
+  return std::shared_ptr<void>(new c10::Storage(st), [bytes](void* p) {
+    profiler::g_device_bytes_saved -= bytes;
+    delete static_cast<c10::Storage*>(p);
+  });
+}
+
+void sample_memory(HostPool* pool, const c10::Device& device) {
+  if (!profiler::enabled()) return;
+  profiler::MemorySample m;
+  m.t_ns = profiler::now_ns();
+  m.pool_bytes_in_use = pool ? static_cast<int64_t>(pool->stats().bytes_in_use) : 0;
+  if (auto target = pool ? spill_target(pool) : nullptr)
+    m.disk_bytes_in_use = static_cast<int64_t>(target->tier()->stats().bytes_requested);
+  m.device_bytes_saved = profiler::g_device_bytes_saved.load();
+  m.device_bytes_allocated = device_allocated_bytes(device);
+  profiler::add(m);
+}
+
+namespace {
+std::atomic<int> g_failing_prefetches{0};
+std::atomic<bool> g_batch_staging{true};
+}  // namespace
+
+void fail_next_prefetches(int n) { g_failing_prefetches.store(n); }
+
+void set_batch_staging(bool on) { g_batch_staging.store(on); }
+
+// Test hook: makes the next prefetches raise, as an out-of-memory would.
+void maybe_fail_prefetch() {
+  if (g_failing_prefetches.load(std::memory_order_relaxed) > 0 && g_failing_prefetches.fetch_sub(1) > 0)
+    throw std::runtime_error("ckpt_offload: injected prefetch failure (test hook)");
+}
+
+// A device block for a batch's gather or scatter. Undefined when device memory is short (or
+// the test hook turned staging off): the batch then copies each member on its own, between
+// its device memory and the host block, which needs no extra device memory.
+at::Tensor staging_block(const c10::Device& device, size_t bytes) {
+  if (!device.is_cuda() || !g_batch_staging.load()) return at::Tensor();
+  try {
+    return device_bytes(device, bytes);
+  } catch (const c10::OutOfMemoryError&) {
+    return at::Tensor();
+  }
+}
+
+}  // namespace ckpt_offload

@@ -1,0 +1,46 @@
+// Device memory the saved-tensor hooks allocate or hold, and the test hooks that make its
+// allocation fail.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "../core/host_pool.h"
+#include "../core/stream.h"
+
+namespace ckpt_offload {
+
+// `n` uninitialized bytes on `device`, from torch's allocator, in the current stream's order.
+at::Tensor device_bytes(const c10::Device& device, size_t n);
+// Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
+std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes);
+// Adds a memory sample (pool bytes, device bytes saved/allocated) to the profiler, when on.
+void sample_memory(HostPool* pool, const c10::Device& device);
+// A device block for a batch's gather or scatter. Undefined when device memory is short (or
+// the test hook turned staging off): the batch then copies each member on its own, between
+// its device memory and the host block, which needs no extra device memory.
+at::Tensor staging_block(const c10::Device& device, size_t bytes);
+
+// A reload buffer handed to the current stream of its device, which may not be the stream
+// that allocated it (a prefetch made under another stream, a reload shared between unpacks):
+// record_stream on the consumer, so the caching allocator does not reuse the memory while the
+// consumer's kernels are queued. A no-op for CPU, and (in the allocator) for the allocating
+// stream itself. Note [Stream ordering] rule 3.
+void record_consumer(const c10::Storage& storage, const c10::Device& device);
+// Lets go of `storage`, which the copy ending at `done` on `copy` may still write or read:
+// CUDA memory is released now with record_stream on `copy` (the allocator defers its reuse
+// until the copy stream's work is done, so nothing waits for a later poll); other memory is
+// held by the engine until `done` completes. Never throws (destructor paths; Note [No throw
+// on teardown] in core/stream.h).
+void release_after_copy(c10::Storage storage, Stream* copy, std::shared_ptr<Event> done) noexcept;
+
+// Test hook: the next `n` prefetches raise (as running out of device memory would).
+void fail_next_prefetches(int n);
+// Test hook: batches gather through a device staging block (default) or copy member by member.
+void set_batch_staging(bool on);
+// Raises when fail_next_prefetches asked for it.
+void maybe_fail_prefetch();
+
+}  // namespace ckpt_offload

@@ -1,0 +1,261 @@
+#include "offloaded_storage.h"
+
+#include "../core/profiler.h"
+#include "batch.h"
+#include "device_memory.h"
+#include "runtime.h"
+#include "tensor_layout.h"
+
+namespace ckpt_offload {
+
+OffloadedStorage::OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad,
+                                   bool side_stream, uint64_t handle, std::shared_ptr<PackerCounters> counters)
+    : buffer_(std::move(buffer)),
+      device_(device),
+      pad_(pad),
+      nbytes_(buffer_->nbytes()),
+      side_stream_(side_stream),
+      handle_(handle),
+      counters_(std::move(counters)) {}
+
+OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes,
+                                   bool side_stream, std::shared_ptr<PackerCounters> counters)
+    : batch_(std::move(batch)),
+      device_(device),
+      pad_(pad),
+      nbytes_(nbytes),
+      side_stream_(side_stream),
+      handle_(batch_->handle()),
+      counters_(std::move(counters)) {}
+
+HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool() : batch_->pool(); }
+
+OffloadedStorage::~OffloadedStorage() {
+  std::lock_guard<std::mutex> lock(mu_);
+  drop_staged_locked();
+  drop_disk_prefetch_locked();
+  if (on_device_) profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+}
+
+void OffloadedStorage::drop_disk_prefetch_locked() {
+  if (!disk_prefetch_) return;
+  disk_prefetch_ = false;
+  buffer_->release_host();  // a read still running keeps its host block until it ends
+  if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+  if (counters_) counters_->prefetches_unused++;
+}
+
+void OffloadedStorage::keep_on_device(c10::Storage storage) {
+  std::lock_guard<std::mutex> lock(mu_);
+  on_device_ = std::move(storage);
+  profiler::g_device_bytes_saved += static_cast<int64_t>(pad_ + nbytes_);
+}
+
+void OffloadedStorage::drop_prefetch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (static_cast<bool>(staged_.storage) && staged_.prefetch && !staged_.held) drop_staged_locked();
+  drop_disk_prefetch_locked();
+}
+
+void OffloadedStorage::set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  prefetcher_ = std::move(prefetcher);
+  seq_ = seq;
+}
+
+bool OffloadedStorage::resident_locked() {
+  return static_cast<bool>(on_device_) || static_cast<bool>(staged_.storage) || !reloaded_.expired();
+}
+
+void OffloadedStorage::link() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++pending_;
+}
+
+void OffloadedStorage::unlink() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (--pending_ == 0 && staged_.held) drop_staged_locked();
+}
+
+bool OffloadedStorage::wants_reload(bool prefetch) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !resident_locked() && !(prefetch && pending_ <= 0);
+}
+
+bool OffloadedStorage::stage(Staged staged) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stage_locked(std::move(staged));
+}
+
+bool OffloadedStorage::stage_locked(Staged staged) {
+  if (resident_locked()) {
+    // Another unpack got here first: give the copy back once it has finished.
+    release_after_copy(std::move(staged.storage), staged.copy, staged.ready);
+    return false;
+  }
+  staged_ = std::move(staged);
+  profiler::g_device_bytes_saved += static_cast<int64_t>(pad_ + nbytes_);
+  return true;
+}
+
+void OffloadedStorage::drop_staged_locked() {
+  if (!static_cast<bool>(staged_.storage)) return;
+  if (staged_.held) {
+    staged_ = Staged{};
+    return;
+  }
+  profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+  if (staged_.prefetch) {
+    if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+    if (counters_) counters_->prefetches_unused++;
+  }
+  // Nobody waited for this copy on the compute stream: the memory must not go back to the
+  // allocator (in compute order) before the copy stream is done writing it.
+  release_after_copy(std::move(staged_.storage), staged_.copy, staged_.ready);
+  staged_ = Staged{};
+}
+
+int64_t OffloadedStorage::prefetchable_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
+  return static_cast<int64_t>(nbytes_);
+}
+
+int64_t OffloadedStorage::start_prefetch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
+  maybe_fail_prefetch();
+  if (buffer_->spilled()) {
+    // Note [Spilling offloaded blocks]: the disk is the slow leg, so a prefetch starts the read
+    // back into host memory (I/O threads, nothing waits); the H2D copy follows on demand.
+    buffer_->start_read(/*prefetch=*/true);
+    disk_prefetch_ = true;
+    counters_->disk_prefetches++;
+    return static_cast<int64_t>(nbytes_);
+  }
+  DeviceScope scope(device_);  // Note [Stream ordering] rule 6: device A's streams and memory
+  StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
+  CopyRange range("ckpt_offload::prefetch", device_);
+  // Allocated on the compute stream, which will consume it; the copy stream waits for it.
+  at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
+  c10::Storage storage = bytes.storage();
+  char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
+  CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
+  auto done = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
+  stage_locked(Staged{std::move(storage), done, &streams.copy(), true});
+  counters_->prefetches++;
+  counters_->bytes_prefetched += static_cast<int64_t>(nbytes_);
+  return static_cast<int64_t>(nbytes_);
+}
+
+c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fresh_bytes) {
+  *shared = false;
+  *fresh_bytes = 0;
+  c10::Storage out;
+  std::shared_ptr<Prefetcher> prefetcher;
+  uint64_t seq = 0;
+  DeviceScope scope(device_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (on_device_) {
+      // Kept on the device when its batch found the pool full: the same copy, for every unpack
+      // (retain_graph, double backward); it has no host bytes to reload from.
+      if (first) --pending_;
+      *shared = true;
+      record_consumer(on_device_, device_);
+      return on_device_;
+    }
+  }
+  for (int attempt = 0;; ++attempt) {
+    std::shared_ptr<Event> request;
+    if (batch_) {
+      if (!batch_->flushed()) batch_->flush();
+      bool need;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        need = !resident_locked();
+      }
+      if (need) {
+        // Asked for now: the whole wait for this reload is a stall of the compute stream.
+        if (profiler::enabled()) request = StreamPair(device_, side_stream_, false).compute().record_timed();
+        batch_->reload(/*prefetch=*/false);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    // Asked for now: a reload started here runs on the demand stream, never behind queued
+    // prefetches (Note [Stream ordering] rule 4).
+    StreamPair streams(device_, side_stream_, /*to_host=*/false, /*demand=*/true);
+    if (static_cast<bool>(staged_.storage) && staged_.held) {
+      // Kept from an earlier unpack for the saved tensors still to come.
+      streams.compute().wait(staged_.ready);
+      *shared = true;
+      out = staged_.storage;
+      record_consumer(out, device_);  // rule 3: the consumer may be another stream
+    } else if (static_cast<bool>(staged_.storage)) {
+      Staged st = std::move(staged_);
+      staged_ = Staged{};
+      profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+      if (profiler::enabled() && st.ready)
+        profiler::add(profiler::WaitRecord{handle_, device_index(device_),
+                                           request ? request : streams.compute().record_timed(), st.ready});
+      if (st.ready) streams.compute().wait(st.ready);
+      if (st.prefetch) {
+        if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+        counters_->prefetch_hits++;
+      }
+      reloaded_ = st.storage.getWeakStorageImpl();
+      reloaded_ready_ = st.ready;
+      *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
+      out = std::move(st.storage);
+      // A prefetch was allocated under the stream current when it started (rule 3).
+      record_consumer(out, device_);
+    } else if (auto alive = reloaded_.lock()) {
+      // Another view (or an earlier unpack) already brought these bytes back. The copy may
+      // have been ordered on another stream: order this one after it too.
+      streams.compute().wait(reloaded_ready_);
+      *shared = true;
+      out = c10::Storage(std::move(alive));
+      record_consumer(out, device_);  // rule 3
+    } else if (batch_) {
+      // A concurrent unpack took the batch's reload of this member and already let it go.
+      if (attempt < 3) continue;
+      throw std::logic_error("ckpt_offload: a batched saved tensor could not be reloaded");
+    } else {
+      CopyRange range("ckpt_offload::reload", device_);
+      auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
+      // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
+      at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
+      c10::Storage storage = bytes.storage();
+      char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
+      CopyTag tag{handle_, device_index(device_), false, 1};
+      // A spilled buffer is read back first (waiting for the disk; SpillError on a bad checksum).
+      reloaded_ready_ = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), true, tag);
+      if (buffer_->spilled()) {
+        buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
+        if (disk_prefetch_) {
+          disk_prefetch_ = false;
+          if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+          counters_->prefetch_hits++;
+        }
+      }
+      if (request_ev) profiler::add(profiler::WaitRecord{handle_, device_index(device_), request_ev, reloaded_ready_});
+      reloaded_ = storage.getWeakStorageImpl();
+      *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
+      out = std::move(storage);
+    }
+    if (first) --pending_;
+    if (pending_ > 0 && !static_cast<bool>(staged_.storage)) {
+      // Other saved tensors of this storage are still to unpack: keep the bytes for them.
+      staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
+    } else if (pending_ <= 0 && staged_.held) {
+      drop_staged_locked();
+    }
+    prefetcher = prefetcher_;
+    seq = seq_;
+    break;
+  }
+  if (prefetcher) prefetcher->after_unpack(seq);
+  return out;
+}
+
+}  // namespace ckpt_offload

@@ -1,0 +1,105 @@
+// The host copy of one span of a storage, and how it comes back to the device.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "../core/copy_engine.h"
+#include "../core/host_pool.h"
+#include "../core/spill.h"
+#include "counters.h"
+#include "prefetcher.h"
+
+namespace ckpt_offload {
+
+class Batch;
+
+// The host copy of one span of a storage, shared by every saved tensor that views it. Its
+// bytes live in a buffer of its own (a pool block, or spilled to the pool's disk tier), or at an
+// offset of a Batch's.
+class OffloadedStorage : public Reloadable {
+ public:
+  // `pad` bytes precede the span in a reloaded storage, so the data pointer keeps its original
+  // alignment (mod kReloadAlignment): kernels choose code paths by alignment, and a different
+  // path could change the result's bits.
+  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
+                   uint64_t handle, std::shared_ptr<PackerCounters> counters);
+  OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes, bool side_stream,
+                   std::shared_ptr<PackerCounters> counters);
+  ~OffloadedStorage() override;
+  static constexpr size_t kReloadAlignment = 512;
+
+  // A reload (or a device copy) that no unpack has consumed yet.
+  struct Staged {
+    c10::Storage storage;
+    std::shared_ptr<Event> ready;
+    Stream* copy = nullptr;  // the side stream of a prefetch, which the consumer has not waited on
+    bool prefetch = false;
+    // A reload kept for the saved tensors that have not unpacked yet (tanh's output is also
+    // the next Linear's input): they share it instead of copying the same bytes again.
+    bool held = false;
+  };
+
+  // A device storage holding the bytes again. While one reloaded storage is alive, later
+  // unpacks (other views, retain_graph, double backward) share it instead of copying again.
+  // `*fresh_bytes`: device bytes this call brought back (0 when shared).
+  // `first`: the first unpack of one of the saved tensors that view this storage.
+  c10::Storage materialize(bool first, bool* shared, int64_t* fresh_bytes);
+  // A saved tensor that views this storage was made / died before it was ever unpacked.
+  void link();
+  void unlink();
+  size_t nbytes() const { return nbytes_; }
+  size_t pad() const { return pad_; }
+  uint64_t handle() const { return handle_; }
+  HostPool* pool() const;
+  void set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq);
+  int64_t prefetchable_bytes() override;
+  int64_t start_prefetch() override;
+
+  // For the batch this is a member of (each takes this storage's lock; see Note [Lock order]).
+  // Whether a batch reload should bring this member back: not on the device already, and for
+  // a prefetch, some saved tensor still to unpack it.
+  bool wants_reload(bool prefetch);
+  // Takes a staged reload; false (and the copy is let go once finished) when the bytes are
+  // already on the device.
+  bool stage(Staged staged);
+  // The pool was full when the batch flushed: `storage` (in the reload layout) is this member's
+  // device copy for as long as it lives, returned by every unpack.
+  void keep_on_device(c10::Storage storage);
+  // End of a backward: a prefetched reload no unpack has taken is let go (after its copy).
+  void drop_prefetch() override;
+
+ private:
+  // The `_locked` helpers assume mu_ is held by the caller (Note [Lock order], packer.h).
+  bool resident_locked();
+  bool stage_locked(Staged staged);
+  void drop_staged_locked();
+
+  // Lets a disk prefetch go that no unpack consumed (budget and counters).
+  void drop_disk_prefetch_locked();
+
+  std::shared_ptr<TieredBuffer> buffer_;  // a storage of its own (in the pool or spilled)
+  std::shared_ptr<Batch> batch_;          // or a member of a batch
+  // A prefetch that only started the disk read of a spilled buffer: counted in the prefetch
+  // budget until an unpack consumes it (the H2D copy then runs on demand).
+  bool disk_prefetch_ = false;
+  c10::Device device_;
+  size_t pad_, nbytes_;
+  bool side_stream_;
+  uint64_t handle_;
+  std::shared_ptr<PackerCounters> counters_;
+  std::mutex mu_;
+  c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
+  std::shared_ptr<Event> reloaded_ready_;
+  Staged staged_;
+  c10::Storage on_device_;  // see keep_on_device
+  int pending_ = 0;  // saved tensors viewing this storage that have not unpacked yet
+  std::shared_ptr<Prefetcher> prefetcher_;
+  uint64_t seq_ = 0;
+};
+
+}  // namespace ckpt_offload

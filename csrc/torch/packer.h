@@ -1,0 +1,121 @@
+// The saved-tensor hooks: pack decides keep / offload / deduplicate for each tensor autograd
+// saves, unpack brings it back. This is the per-tensor hot path, hence C++.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "../core/host_pool.h"
+#include "batch.h"
+#include "counters.h"
+#include "offloaded_storage.h"
+#include "prefetcher.h"
+#include "saved_tensor.h"
+
+namespace ckpt_offload {
+
+// Note [Lock order]
+// The torch layer's mutexes are taken in this order, never the reverse (a thread holding one
+// may take only those after it):
+//   Packer::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
+//     -> the core's leaf locks: HostBuffer::mu_, CopyEngine::mu_, HostPool::mu_
+//        (and in cuda_stream.cu side_mu, epoch_mu, the event pool's lock, none nested).
+// Where this bites:
+//  - Prefetcher::after_unpack holds its lock while it asks batches and storages for bytes and
+//    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
+//    only after releasing the batch's lock, and Prefetcher::drop_unused calls into storages
+//    after releasing its own.
+//  - OffloadedStorage::materialize flushes and reloads its batch before taking its own lock.
+//  - Batch reaches its members only through their methods (wants_reload, stage,
+//    keep_on_device, drop_prefetch), each of which takes the member's lock itself.
+//  - A `_locked` helper assumes the caller holds that object's own mutex and nothing after it
+//    in the order; it may take only the leaf locks (the engine, the pool).
+// Nothing waits for a copy while holding any of these (event waits happen on streams, or after
+// the locks are released), and the GIL is never taken under them.
+
+struct PackerOptions {
+  int64_t min_bytes = 0;
+  bool offload_cpu = false;
+  bool offload_cuda = true;
+  bool side_stream = true;
+  bool raise_on_full = false;
+  // Backward reloads the next handles (reverse pack order) while this many bytes of reloads
+  // wait unconsumed; 0 turns prefetch off. Only with side streams.
+  int64_t prefetch_bytes = 0;
+  // Tensors spanning fewer bytes than this (and at least min_bytes) are gathered into shared
+  // blocks of about batch_bytes, copied once; 0 turns batching off.
+  int64_t batch_below = 0;
+  int64_t batch_bytes = 4 << 20;
+  std::shared_ptr<HostPool> pool;
+};
+
+class Packer {
+ public:
+  explicit Packer(PackerOptions options);
+  pybind11::object pack(pybind11::handle obj);
+  at::Tensor unpack(pybind11::handle obj);
+  // Records the storages of a module's own parameters and buffers (called from a forward
+  // pre-hook), so views of them are never offloaded.
+  void note_module_state(pybind11::handle parameters, pybind11::handle buffers);
+  // Starts / ends an activation of the context. The deduplication table lives in between, or
+  // across activations with keep_dedup (co.checkpoint: an input shared by every layer, such
+  // as a rotary table or a mask, is stored once); its entries are weak either way.
+  void begin();
+  void end(bool keep_dedup);
+  // Copies the open batches to the host (context exit, or before a batch member is unpacked).
+  void flush_batches();
+  pybind11::dict stats() const;
+  const PackerOptions& options() const { return options_; }
+  // What ends each backward that unpacked from this packer (an autograd final callback,
+  // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
+  // engine release finished copies' memory, and gives the pool's retired segments back (the
+  // device-synchronizing releases deferred out of forward; see HostPool::release_retired).
+  static void end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, const std::shared_ptr<HostPool>& pool);
+
+ private:
+  // The byte span of its storage a tensor to offload reaches.
+  struct Span {
+    int64_t lo = 0, hi = 0, itemsize = 1;
+    uint32_t version = 0;
+    int64_t bytes() const { return hi - lo; }
+  };
+  // pack's steps, in order. classify: the reason to keep t where it is (then `*keep_bytes` is
+  // what to count), or none and t's span.
+  std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes);
+  // A saved tensor viewing an already offloaded span of the same storage, or null.
+  std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
+  std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span);
+  // Null when the pool is full.
+  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, TieredRefusal* why);
+  void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved);
+  pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
+
+  struct DedupEntry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    std::weak_ptr<OffloadedStorage> offloaded;
+    uint32_t version = 0;
+    int64_t lo = 0, hi = 0;  // byte range of the storage held on the host
+  };
+
+  PackerOptions options_;
+  std::shared_ptr<PackerCounters> counters_;
+  std::mutex mu_;
+  std::unordered_map<const void*, DedupEntry> dedup_;
+  size_t prune_at_ = 1024;  // drop expired dedup entries when the table grows past this
+  std::unordered_set<const void*> parameter_storages_, buffer_storages_;
+  std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
+  std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
+  std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued
+
+};
+
+}  // namespace ckpt_offload

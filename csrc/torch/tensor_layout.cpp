@@ -1,0 +1,120 @@
+#include "tensor_layout.h"
+
+#include <sstream>
+
+namespace ckpt_offload {
+
+std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device) {
+  std::ostringstream s;
+  s << "[" << c10::toString(dtype) << " on " << device << ", shape [";
+  for (size_t i = 0; i < sizes.size(); ++i) s << (i ? ", " : "") << sizes[i];
+  s << "]]";
+  return s.str();
+}
+
+std::string human_bytes(size_t bytes) {
+  static const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::ostringstream s;
+  if (u == 0) {
+    s << bytes << " bytes";
+  } else {
+    s.precision(1);
+    s << std::fixed << v << " " << units[u];
+  }
+  return s.str();
+}
+
+bool unsupported_layout(const at::Tensor& t) {
+  return t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_mkldnn() || t.is_meta() ||
+         t.is_conj() || t.is_neg() || !t.has_storage();
+}
+
+// Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
+// storage that is not theirs to copy.
+bool wrapped_tensor(const at::Tensor& t) {
+  static const c10::DispatchKeySet wrappers({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                             c10::DispatchKey::Functionalize, c10::DispatchKey::Python,
+                                             c10::DispatchKey::BatchedNestedTensor});
+  return t.key_set().has_any(wrappers);
+}
+
+// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
+// reaches only its source's elements, so it does not grow on the host.
+int64_t extent_elements(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return extent;
+}
+
+
+int device_index(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }
+
+// torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return "float32";
+    case c10::kDouble: return "float64";
+    case c10::kHalf: return "float16";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kByte: return "uint8";
+    case c10::kChar: return "int8";
+    case c10::kShort: return "int16";
+    case c10::kInt: return "int32";
+    case c10::kLong: return "int64";
+    case c10::kBool: return "bool";
+    case c10::kComplexFloat: return "complex64";
+    case c10::kComplexDouble: return "complex128";
+    default: return c10::toString(t);
+  }
+}
+
+
+std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
+  return pool_full_message(pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+}
+
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
+  auto target = spill_target(&pool);
+  std::ostringstream msg;
+  msg << "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " << human_bytes(span) << " ("
+      << span << " bytes) for " << what;
+  if (target) {
+    const FileTierStats ds = target->tier()->stats();
+    msg << "; spill_dir " << target->tier()->options().dir << ": " << human_bytes(ds.bytes_in_use) << " in use, "
+        << human_bytes(ds.bytes_reserved) << " preallocated, cap "
+        << (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+  }
+  msg << ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
+      << "tensors on the device.";
+  return msg.str();
+}
+
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
+  return why == TieredRefusal::DiskFull ? disk_full_message(pool, what, span) : pool_full_message(pool, what, span);
+}
+
+std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span) {
+  return full_message(why, pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+}
+
+std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
+  PoolStats ps = pool.stats();
+  std::ostringstream msg;
+  msg << "ckpt_offload: the host pool is full. Asked for " << human_bytes(span) << " (" << span
+      << " bytes) for " << what << "; "
+      << human_bytes(ps.bytes_in_use) << " in use, " << human_bytes(ps.bytes_pending) << " waiting for copies, "
+      << human_bytes(ps.bytes_reserved) << " reserved, cap "
+      << (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) << ". Raise the cap (co.HostPool(max_bytes=...) or "
+      << "pool.set_max_bytes(...)), offload less (a larger min_bytes), or pass on_full=\"keep\" to keep such "
+      << "tensors on the device.";
+  return msg.str();
+}
+
+}  // namespace ckpt_offload

@@ -1,0 +1,39 @@
+// Pure helpers about a tensor's layout and how it is named in messages: no state, no streams.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../core/host_pool.h"
+#include "../core/spill.h"
+
+namespace ckpt_offload {
+
+// Layouts whose bytes are not plain strided memory, or whose flags a raw copy would drop.
+bool unsupported_layout(const at::Tensor& t);
+// Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
+// storage that is not theirs to copy.
+bool wrapped_tensor(const at::Tensor& t);
+// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
+// reaches only its source's elements, so it does not grow on the host.
+int64_t extent_elements(const at::Tensor& t);
+// The profiler's device number: the CUDA index, -1 for CPU.
+int device_index(const c10::Device& d);
+// torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
+std::string dtype_name(c10::ScalarType t);
+std::string human_bytes(size_t bytes);
+// "[float32 on cuda:0, shape [2, 3]]"
+std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device);
+// The message of PoolFull: what was asked, what the pool holds, and the three ways out.
+std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span);
+std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span);
+// The pool is full and its disk tier refused too (spill_max_bytes, or a full disk).
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span);
+// The message for whichever refused (TieredRefusal::DiskFull: the disk tier; else the pool).
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
+std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span);
+
+}  // namespace ckpt_offload

@@ -1,0 +1,108 @@
+"""Where the CUDA toolkit and the headers ckpt_offload compiles against are.
+
+Shared by setup.py (the build) and scripts/check_torch_headers.py (the compile check against
+other torch releases' headers), so both see the same include directories.
+Import order matters: call locate_cuda_home() before importing torch.utils.cpp_extension,
+which reads CUDA_HOME once, at import.
+"""
+
+import glob
+import os
+import shutil
+import site
+import sys
+
+# Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)
+# may lack; pip's nvidia-* packages ship them.
+LIBRARY_HEADERS = ["cusparse.h", "cublas_v2.h", "cusolverDn.h", "curand.h", "cufft.h"]
+
+
+def is_toolkit(path):
+    return bool(path) and os.path.exists(os.path.join(path, "bin", "nvcc")) and os.path.exists(
+        os.path.join(path, "include", "cuda_runtime.h")
+    )
+
+
+def locate_cuda_home():
+    """Find the CUDA toolkit before torch does: torch takes dirname(dirname(which nvcc)), which is
+    wrong when nvcc on PATH is a wrapper script (here /usr/local/bin/nvcc -> /usr/local)."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates += [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))]
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True) + ["/opt/cuda"]
+    for c in candidates:
+        if is_toolkit(c):
+            os.environ["CUDA_HOME"] = c
+            return
+
+
+def pip_nvidia_include_dirs(torch):
+    """include/ folders of pip's nvidia packages (nvidia/cu13/include, nvidia/*/include)."""
+    roots = list(site.getsitepackages()) + [site.getusersitepackages()]
+    roots.append(os.path.dirname(os.path.dirname(torch.__file__)))
+    found = []
+    for root in roots:
+        for d in sorted(glob.glob(os.path.join(root, "nvidia", "*", "include"))):
+            if d not in found:
+                found.append(d)
+    return found
+
+
+def extra_cuda_include_flags(cuda_home, torch):
+    """-idirafter flags for library headers the toolkit lacks (the toolkit's own headers win)."""
+    toolkit_inc = os.path.join(cuda_home, "include")
+    missing = [h for h in LIBRARY_HEADERS if not os.path.exists(os.path.join(toolkit_inc, h))]
+    if not missing:
+        return []
+    flags, still_missing = [], set(missing)
+    for d in pip_nvidia_include_dirs(torch):
+        has = [h for h in missing if os.path.exists(os.path.join(d, h))]
+        if has:
+            flags += ["-idirafter", d]
+            still_missing -= set(has)
+    if still_missing:
+        print(
+            "ckpt_offload: warning: the CUDA toolkit at %s lacks %s and no pip nvidia package provides them; "
+            "if the build fails on a missing header, pip install the matching nvidia-* package (or a full "
+            "toolkit)." % (cuda_home, ", ".join(sorted(still_missing))),
+            file=sys.stderr,
+        )
+    return flags
+
+
+def torch_compile_flags(with_cuda, torch_include_root=None):
+    """g++ flags that compile a torch-layer file as setup.py's build does (defines, include dirs,
+    Python headers, the C++ standard). With `torch_include_root`, torch's own include dirs point
+    at that folder instead (another release's torch/include)."""
+    import sysconfig
+
+    locate_cuda_home()
+    import torch
+    from torch.utils import cpp_extension
+
+    installed_root = cpp_extension.include_paths()[0]
+    flags = []
+    for d in cpp_extension.include_paths():
+        if torch_include_root:
+            d = torch_include_root + d[len(installed_root):]
+        flags.append("-I" + d)
+    # As setup.py compiles (-fvisibility=hidden: pybind11 warns about class visibility without it).
+    flags += ["-I" + sysconfig.get_paths()["include"], "-std=c++20", "-fvisibility=hidden", "-DTORCH_EXTENSION_NAME=_C",
+              "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    if with_cuda:
+        home = cpp_extension.CUDA_HOME
+        if not home or not is_toolkit(home):
+            raise SystemExit("check_torch_headers: no CUDA toolkit found for the CUDA variant (set CUDA_HOME)")
+        flags += ["-DCKPT_OFFLOAD_WITH_CUDA", "-I" + os.path.join(home, "include")]
+        flags += extra_cuda_include_flags(home, torch)
+    return flags
+
+
+if __name__ == "__main__":
+    # python scripts/build_env.py [--cuda] [--torch-include ROOT]: prints the flags, one per line.
+    args = sys.argv[1:]
+    root = args[args.index("--torch-include") + 1] if "--torch-include" in args else None
+    print("\n".join(torch_compile_flags("--cuda" in args, root)))
