@@ -343,6 +343,19 @@ def test_checkpoint_and_apply_spill(spill_dir):
     _assert_all_back(pool)
 
 
+def test_apply_spills(spill_dir):
+    torch.manual_seed(0)
+    model, x = Chain(n=6), _inputs().requires_grad_()
+    ref = _run(model, x)
+    pool = spill_pool(spill_dir, max_bytes=1 * MiB)
+    handle = co.apply(model, offload={"pool": pool, "devices": ["cpu"], "min_bytes": 0})
+    got = _run(model, x)
+    handle.remove()
+    assert_bit_identical(ref, got)
+    assert pool.stats()["disk"]["blocks_spilled"] > 0
+    _assert_all_back(pool)
+
+
 def test_offload_tensor_spills_and_reloads(spill_dir):
     pool = spill_pool(spill_dir, max_bytes=1 * MiB)
     xs = [torch.randn(256, 1024) for _ in range(3)]  # 1 MiB each: the 2nd and 3rd spill
