@@ -359,7 +359,8 @@ struct FileTier::Core {
       }
     }
     if (profiler::enabled())
-      profiler::add(profiler::DiskRecord{t.write_, t.handle_, t.bytes_, t.prefetch_, t.start_ns_.load(), end});
+      profiler::add(profiler::DiskRecord{t.write_, t.handle_, t.bytes_, t.prefetch_,
+                                         t.start_ns_.load() ? t.start_ns_.load() : end, end});
     std::vector<std::shared_ptr<Ticket>> reads;
     if (t.write_) {
       std::lock_guard<std::mutex> lock(s.mu);
@@ -410,10 +411,8 @@ struct FileTier::Core {
       }
       Ticket& t = *task.ticket;
       const int dir = t.write_ ? 1 : 0;
-      int64_t expected = 0;
-      t.start_ns_.compare_exchange_strong(expected, now_ns());
-      busy(dir, true);
       std::string error;
+      bool was_busy = false;
       try {
         bool failed;
         {
@@ -421,8 +420,13 @@ struct FileTier::Core {
           failed = !t.error_.empty();
         }
         if (!failed) {
-          // Note [Spill ordering]: the source is complete only once its D2H copy is.
+          // Note [Spill ordering]: the source is complete only once its D2H copy is. That wait
+          // is not disk time: bandwidth and the profiler's record start after it.
           if (t.after_) std::call_once(t.after_once_, [&] { t.after_->synchronize(); });
+          int64_t expected = 0;
+          t.start_ns_.compare_exchange_strong(expected, now_ns());
+          busy(dir, true);
+          was_busy = true;
           error = run_chunk(t, task.chunk, bounce.get());
         }
       } catch (const std::exception& e) {
@@ -430,7 +434,7 @@ struct FileTier::Core {
       } catch (...) {
         error = "ckpt_offload: spill I/O failed with an unknown exception";
       }
-      busy(dir, false);
+      if (was_busy) busy(dir, false);
       if (!error.empty()) {
         std::lock_guard<std::mutex> lock(t.mu_);
         if (t.error_.empty()) t.error_ = error;  // the first failure explains the rest
