@@ -185,7 +185,9 @@ class HostPool:
 
         ``bytes_in_use`` (blocks held by live offloaded tensors), ``bytes_requested`` (what those
         asked for, before alignment), ``bytes_pending`` (freed, waiting for a copy to finish),
-        ``bytes_reserved`` (taken from the backend), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
+        ``bytes_reserved`` (taken from the backend), ``bytes_retired`` (free segments taken off the pool
+        to make room at its cap, given back to the backend at the end of backward or by
+        :meth:`empty_cache`, never in forward), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
         ``max_bytes``, ``num_segments``, ``num_blocks_in_use``, ``num_allocs``, ``num_frees``,
         ``num_backend_allocs``, ``num_backend_frees``, ``num_cap_hits``, ``backend``.
 

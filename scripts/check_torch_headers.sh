@@ -22,7 +22,6 @@ start=$SECONDS
 if [[ ! -f "$CACHE/torch/include/torch/extension.h" ]]; then
   echo "== fetching torch ${OLDEST_TORCH}'s headers into $CACHE"
   tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
   "$PYTHON" -m pip download "torch==${OLDEST_TORCH}" --no-deps --only-binary=:all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 -d "$tmp" -q
   "$PYTHON" - "$tmp" "$CACHE" <<'PY'
@@ -37,7 +36,6 @@ shutil.rmtree(cache, ignore_errors=True)
 shutil.move(out, cache)  # only a complete extraction lands in the cache
 PY
   rm -rf "$tmp"
-  trap - EXIT
 fi
 
 variants=(cpu)
@@ -47,21 +45,43 @@ else
   echo "check_torch_headers: no CUDA toolkit found: checking the C++-only variant only"
 fi
 
+# One translation unit that #includes every csrc/torch/*.cpp: a syntax-only parse of torch's
+# headers costs ~15 s of CPU per file, and the check is about torch's API (which every file sees
+# the same way), so the headers are parsed once per combination instead of once per file:
+# ~10x less CI time. Diagnostics still name the real file and line. (The build proper
+# compiles each file on its own against the installed torch.)
+unity="$(mktemp --suffix=.cpp)"
+trap 'rm -f "$unity"' EXIT
+for f in csrc/torch/*.cpp; do echo "#include \"$ROOT/$f\""; done > "$unity"
+
+check() {  # check HEADERS VARIANT
+  local headers=$1 variant=$2 args=()
+  [[ $variant == cuda ]] && args+=(--cuda)
+  [[ $headers != installed ]] && args+=(--torch-include "$CACHE/torch/include")
+  local flags
+  mapfile -t flags < <("$PYTHON" scripts/build_env.py "${args[@]}" 2>/dev/null)
+  # -Wno-attributes: pybind11's class-visibility note, which the real build does not show.
+  if g++ -fsyntax-only -Wno-attributes "${flags[@]}" "$unity"; then
+    echo "   ok: torch $headers headers, $variant variant"
+  else
+    echo "check_torch_headers: csrc/torch does not compile against torch $headers's headers ($variant variant)" >&2
+    return 1
+  fi
+}
+
 failed=0
+pids=()
 for headers in installed "$OLDEST_TORCH"; do
   for variant in "${variants[@]}"; do
-    args=()
-    [[ $variant == cuda ]] && args+=(--cuda)
-    [[ $headers != installed ]] && args+=(--torch-include "$CACHE/torch/include")
-    mapfile -t flags < <("$PYTHON" scripts/build_env.py "${args[@]}")
     echo "== torch $headers headers, $variant variant"
-    # One compiler per file, at most JOBS at once; -fsyntax-only: parsing is the check.
-    if ! printf '%s\n' csrc/torch/*.cpp | xargs -P "$JOBS" -I{} \
-        sh -c 'g++ -fsyntax-only "$@" {} || { echo "FAILED: {}" >&2; exit 1; }' _ "${flags[@]}"; then
-      echo "check_torch_headers: csrc/torch does not compile against torch $headers's headers ($variant)" >&2
-      failed=1
+    check "$headers" "$variant" &
+    pids+=($!)
+    if (( ${#pids[@]} >= JOBS )); then
+      wait "${pids[0]}" || failed=1
+      pids=("${pids[@]:1}")
     fi
   done
 done
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 echo "check_torch_headers: done in $((SECONDS - start)) s"
 exit $failed

@@ -73,6 +73,21 @@ def test_prefetched_reload_consumed_on_another_stream_is_not_reused_early(device
     del junk
 
 
+@pytest.mark.skipif(HAS_GPU and torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_prefetch_never_starts_another_devices_reloads(device):
+    """An unpack on cuda:1 prefetches only cuda:1's handles: cuda:0's would run from cuda:1's
+    autograd thread, on cuda:0's default stream there."""
+    ctx = co.offload(pool=co.HostPool(), min_bytes=0, prefetch_bytes=256 * MiB)
+    ts = [torch.randn(1 << 18, device=f"cuda:{i % 2}") for i in range(6)]
+    with ctx:
+        handles = [ctx._packer.pack(t) for t in ts]
+    with torch.cuda.device(1):
+        assert torch.equal(ctx._packer.unpack(handles[5]), ts[5])  # on cuda:1
+    assert ctx.stats()["prefetches"] == 2  # handles 3 and 1 (cuda:1), not 4, 2, 0
+    for h, t in zip(handles[:5], ts[:5]):
+        assert torch.equal(ctx._packer.unpack(h), t)
+
+
 def test_unpacking_a_pool_held_tensor_during_graph_capture_raises(device):
     ctx = co.offload(pool=co.HostPool(), min_bytes=0)
     t = torch.randn(1 << 16, device=device)

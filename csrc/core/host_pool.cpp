@@ -339,11 +339,8 @@ void HostPool::synchronize() {
   }
   for (const auto& ev : events)
     if (ev) ev->synchronize();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    reclaim_locked(/*wait=*/false);
-  }
-  release_retired();
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim_locked(/*wait=*/false);
 }
 
 PoolStats HostPool::stats() {

@@ -94,7 +94,7 @@ class HostPool {
   // retired (taken off the pool, but not released) when growth at the cap needs room:
   // cudaFreeHost / cudaHostUnregister synchronize the whole device, which must not happen in
   // forward, under the pool lock. The torch layer calls this at the end of each backward;
-  // empty_cache(), synchronize(), set_max_bytes() and the destructor call it too. Until then
+  // empty_cache(), set_max_bytes() and the destructor call it too. Until then
   // the host holds up to bytes_retired beyond the cap. Returns the bytes released.
   size_t release_retired();
   // Takes at least `bytes` more from the backend now (one segment, within the cap), so that the

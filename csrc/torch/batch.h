@@ -41,6 +41,7 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
   int64_t prefetchable_bytes() override;
   int64_t start_prefetch() override { return reload(true); }
   void drop_prefetch() override;
+  c10::Device device() const override { return device_; }
   // A member whose storage spans more than 2 * its bytes + this is copied out at add (so the
   // batch does not hold a whole activation for a small view of it until the flush).
   static constexpr size_t kCopyOutSlack = 4096;

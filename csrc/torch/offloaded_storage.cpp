@@ -254,7 +254,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     seq = seq_;
     break;
   }
-  if (prefetcher) prefetcher->after_unpack(seq);
+  if (prefetcher) prefetcher->after_unpack(seq, device_);
   return out;
 }
 

@@ -72,6 +72,7 @@ class OffloadedStorage : public Reloadable {
   void keep_on_device(c10::Storage storage);
   // End of a backward: a prefetched reload no unpack has taken is let go (after its copy).
   void drop_prefetch() override;
+  c10::Device device() const override { return device_; }
 
  private:
   // The `_locked` helpers assume mu_ is held by the caller (Note [Lock order], packer.h).

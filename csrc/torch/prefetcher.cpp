@@ -17,7 +17,7 @@ uint64_t Prefetcher::add(std::weak_ptr<Reloadable> r) {
   return seq;
 }
 
-void Prefetcher::after_unpack(uint64_t seq) {
+void Prefetcher::after_unpack(uint64_t seq, const c10::Device& device) {
   // Backward needs the handles packed just before this one next: walk down from it.
   constexpr int kMaxScan = 64;
   std::vector<std::shared_ptr<Reloadable>> release_outside;  // destroyed after the lock
@@ -30,6 +30,10 @@ void Prefetcher::after_unpack(uint64_t seq) {
     auto r = it->second.lock();
     if (!r) {
       it = order_.erase(it);
+      continue;
+    }
+    if (r->device() != device) {  // another device's handle: its own backward fetches it
+      release_outside.push_back(std::move(r));
       continue;
     }
     const int64_t want = r->prefetchable_bytes();

@@ -8,6 +8,8 @@
 #include <mutex>
 #include <vector>
 
+#include <c10/core/Device.h>
+
 #include "counters.h"
 
 namespace ckpt_offload {
@@ -23,6 +25,8 @@ class Reloadable {
   virtual int64_t start_prefetch() = 0;
   // Lets go of a prefetched reload no unpack has taken (end of backward).
   virtual void drop_prefetch() = 0;
+  // The device its bytes go back to.
+  virtual c10::Device device() const = 0;
 };
 
 // Remembers the order handles were packed in; after each unpack it starts the reloads of the
@@ -34,7 +38,10 @@ class Prefetcher {
   Prefetcher(int64_t budget, std::shared_ptr<PackerCounters> counters)
       : budget_(budget), counters_(std::move(counters)) {}
   uint64_t add(std::weak_ptr<Reloadable> r);
-  void after_unpack(uint64_t seq);
+  // After the unpack of handle `seq` on `device`: prefetches only handles of that device, so
+  // the work never runs on another device's streams from this (the unpacking device's) thread.
+  // Note [Stream ordering] rule 6 (runtime.h).
+  void after_unpack(uint64_t seq, const c10::Device& device);
   void release(int64_t bytes) { outstanding_ -= bytes; }
   // End of a backward: drops the prefetches it started that no unpack took, so their device
   // memory does not outlive the backward (it would until the graph died, or the next offload).
