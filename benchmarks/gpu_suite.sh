@@ -17,7 +17,9 @@
 #   extras.tar.gz  the rest, packed: extras/build.log (setup.py build_ext --inplace),
 #                  extras/planner/planner_sweep.{json,md,png} (benchmarks/planner_sweep.py),
 #                  extras/gpu_tests.xml (junit XML of `pytest -m gpu -v tests/`),
-#                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`) and
+#                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`),
+#                  extras/disk_tier.json / .md (benchmarks/disk_tier.py: spill-file bandwidth on
+#                  SPILL_DIR, default /tmp, and a step's cost of spilling) and
 #                  extras/demo/* (the output of `python3 -m ckpt_offload demo`, if it exists)
 #   (suite.log has the last 40 lines of any failing step's log, build.log included.)
 #
@@ -220,6 +222,9 @@ EOF
   # ---- benchmarks ---------------------------------------------------------------------------
   step bandwidth 180 - "$PY" benchmarks/bandwidth.py --out "$OUT"
 
+  # ---- disk tier: spill files on the local disk (SPILL_DIR), and what spilling costs a step ----
+  step disk_tier 75 - "$PY" benchmarks/disk_tier.py --dir "${SPILL_DIR:-/tmp}" --out "$EXTRAS"
+
   # ---- overlap: every strategy side by side on the built-in Llama decoder ---------------------
   if [ "$TORCH_GPU" = "1" ]; then
     # Leave a minute of the suite budget for the demo and the summary.
@@ -369,6 +374,29 @@ if os.path.exists(bw):
         lines.append(f"could not read bandwidth.json: {e}")
 else:
     lines.append("no bandwidth.json (the step failed or did not run)")
+
+dt = os.path.join(extras, "disk_tier.json")
+lines.append("")
+lines.append("## Disk tier (extras/disk_tier.md)")
+lines.append("")
+if os.path.exists(dt):
+    try:
+        r = json.load(open(dt))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        best = max(r["bandwidth"], key=lambda b: b["write_gbps"] + b["read_gbps"])
+        s = r["step"]
+        lines.append(f"Spill files on {r['dir']} ({r['fs_type']}, O_DIRECT={best['direct_io']}): "
+                     f"{best['write_gbps']:.2f} GB/s write, {best['read_gbps']:.2f} GB/s read "
+                     f"({best['io_threads']} I/O threads). Step ({s['model']}, seq {s['seq']}): host-only "
+                     f"{s['step_s_host_only'] * 1e3:.1f} ms, spilling {s['bytes_spilled_per_step'] / 2**20:.0f} MiB/step "
+                     f"{s['step_s_spill'] * 1e3:.1f} ms ({s['spill_vs_host'] * 100:+.1f}%); gradients equal: "
+                     f"{s['gradients_equal_host_only']}.")
+    except Exception as e:
+        lines.append(f"could not read disk_tier.json: {e}")
+else:
+    lines.append("no disk_tier.json (the step failed or did not run)")
 
 ov = os.path.join(out, "overlap.json")
 lines.append("")

@@ -30,7 +30,7 @@ except ImportError as e:  # pragma: no cover - explained to the user
     ) from e
 from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
 from ckpt_offload.offload import DEFAULT_MIN_BYTES, keep, offload, offload_tensor
-from ckpt_offload.pool import HostPool, PoolFullError, default_pool, pinned_available
+from ckpt_offload.pool import HostPool, PoolFullError, SpillError, default_pool, pinned_available
 from ckpt_offload.profiling import Profile, ProfileReport, profile
 from ckpt_offload.planner import Plan, plan
 
@@ -44,6 +44,7 @@ __all__ = [
     "CheckpointHandle",
     "HostPool",
     "PoolFullError",
+    "SpillError",
     "default_pool",
     "build_info",
     "synchronize",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 from ckpt_offload import _C
 from ckpt_offload._args import check_choice, check_native_int, check_optional_bool
 
-__all__ = ["HostPool", "PoolFullError", "default_pool", "pinned_available", "BACKENDS"]
+__all__ = ["HostPool", "PoolFullError", "SpillError", "default_pool", "pinned_available", "BACKENDS"]
 
 #: Host-memory backends: ``"pinned"`` (``cudaHostAlloc``), ``"registered"`` (page-aligned,
 #: pre-faulted memory pinned with ``cudaHostRegister``) and ``"pageable"`` (plain memory).
@@ -16,6 +17,15 @@ BACKENDS = ("pinned", "registered", "pageable")
 #: Raised when the pool is at its cap and the context was made with ``on_full="raise"``.
 #: A subclass of ``MemoryError``.
 PoolFullError = _C.PoolFullError
+
+#: Raised in backward when spilled activations cannot be read back intact from the pool's
+#: ``spill_dir`` (a checksum mismatch or an I/O error); the message names the file. A subclass of
+#: ``RuntimeError``.
+SpillError = _C.SpillError
+
+#: Staging memory (same backend as the pool, outside its cap) that spill writes in flight may hold
+#: before the next offload waits for one to finish.
+DEFAULT_SPILL_STAGING_BYTES = 64 << 20
 
 
 def pinned_available() -> bool:
@@ -43,6 +53,18 @@ class HostPool:
             (pre-faulted first) instead of ``cudaHostAlloc``; both give page-locked memory that
             copies run from asynchronously. Combine with :meth:`reserve` so that the first step
             pays no allocation.
+        spill_dir: a directory on a local disk (NVMe). With it, what the pool's cap refuses is
+            not kept on the device: its bytes go (through a small staging area) to preallocated,
+            nameless files there, written and read back by I/O threads with a CRC32C per chunk;
+            backward's prefetch starts the reads early. Needs ``max_bytes``. See the README's
+            "Disk tier" section.
+        spill_max_bytes: cap on the disk space the spill files take; ``None``: what the disk
+            has. At the cap (or a full disk) the tensor is kept on the device (kept reason
+            ``"disk_full"``) or :class:`PoolFullError` is raised under ``on_full="raise"``.
+        spill_file_bytes: size of each preallocated spill file (default 256 MiB).
+        spill_io_threads: threads doing the disk reads and writes (default 2).
+        spill_staging_bytes: host memory (outside ``max_bytes``) the writes in flight may hold
+            before an offload waits for the disk (default 64 MiB).
 
     Example::
 
@@ -52,6 +74,10 @@ class HostPool:
             loss = model(x).sum()
         loss.backward()
         print(pool.stats()["peak_bytes_in_use"])
+
+        # 4 GiB of pinned memory, then up to 100 GiB on a local NVMe disk
+        pool = co.HostPool(max_bytes=4 << 30, spill_dir="/local/nvme", spill_max_bytes=100 << 30)
+        print(pool.stats()["disk"]["bytes_written"])
     """
 
     def __init__(
@@ -60,8 +86,34 @@ class HostPool:
         pinned: bool | None = None,
         segment_bytes: int | None = None,
         backend: str | None = None,
+        spill_dir: str | os.PathLike | None = None,
+        spill_max_bytes: int | None = None,
+        spill_file_bytes: int | None = None,
+        spill_io_threads: int | None = None,
+        spill_staging_bytes: int | None = None,
     ):
         check_native_int("max_bytes", max_bytes, minimum=1, allow_none=True)
+        check_native_int("spill_max_bytes", spill_max_bytes, minimum=1, allow_none=True)
+        check_native_int("spill_file_bytes", spill_file_bytes, minimum=1, allow_none=True)
+        check_native_int("spill_io_threads", spill_io_threads, minimum=1, allow_none=True)
+        check_native_int("spill_staging_bytes", spill_staging_bytes, minimum=1, allow_none=True)
+        if spill_dir is None:
+            given = [n for n, v in (("spill_max_bytes", spill_max_bytes), ("spill_file_bytes", spill_file_bytes),
+                                    ("spill_io_threads", spill_io_threads),
+                                    ("spill_staging_bytes", spill_staging_bytes)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs spill_dir: pass spill_dir='/path/on/local/disk' to spill to disk")
+        else:
+            if not isinstance(spill_dir, (str, os.PathLike)):
+                raise TypeError(f"spill_dir must be a path (str or os.PathLike) or None, got {type(spill_dir).__name__}")
+            spill_dir = os.fspath(spill_dir)
+            if not max_bytes:
+                raise ValueError(
+                    "spill_dir needs max_bytes: the pool spills to disk only what exceeds its cap; "
+                    "pass e.g. co.HostPool(max_bytes=8 << 30, spill_dir=...)"
+                )
+            if not os.path.isdir(spill_dir):
+                raise ValueError(f"spill_dir={spill_dir!r} is not an existing directory; create it (on a local disk) first")
         check_optional_bool("pinned", pinned)
         check_native_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
         if backend is not None:
@@ -80,6 +132,29 @@ class HostPool:
             max_bytes=max_bytes or 0,
             segment_bytes=segment_bytes if segment_bytes is not None else _C.DEFAULT_SEGMENT_BYTES,
         )
+        self._tier = None
+        self._staging = None
+        if spill_dir is not None:
+            self._tier = _C.FileTier(
+                dir=spill_dir,
+                max_bytes=spill_max_bytes or 0,
+                io_threads=spill_io_threads or 2,
+                **({"file_bytes": spill_file_bytes} if spill_file_bytes else {}),
+            )
+            # Staging blocks carry offloads the cap refused to disk, and read-backs the pool has
+            # no room for: the same backend (pinned copies stay asynchronous), no cap of its own
+            # (the throttle bounds it), small segments.
+            self._staging = _C.HostPool(backend=backend, max_bytes=0, segment_bytes=16 << 20)
+            # The pool spills while this object lives (contexts hold it); blocks already on disk
+            # keep what they need to come back.
+            self._spill = _C.attach_spill(
+                self._impl, self._tier, self._staging, spill_staging_bytes or DEFAULT_SPILL_STAGING_BYTES
+            )
+
+    @property
+    def spill_dir(self) -> str | None:
+        """The directory spilled activations go to, or None."""
+        return self._tier.stats()["dir"] if self._tier is not None else None
 
     @property
     def backend(self) -> str:
@@ -115,8 +190,19 @@ class HostPool:
         :meth:`empty_cache`, never in forward), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
         ``max_bytes``, ``num_segments``, ``num_blocks_in_use``, ``num_allocs``, ``num_frees``,
         ``num_backend_allocs``, ``num_backend_frees``, ``num_cap_hits``, ``backend``.
+
+        With ``spill_dir``, ``"disk"`` holds the disk tier's: ``bytes_in_use`` / ``bytes_reserved``
+        (file space held by spilled blocks / preallocated), ``blocks_spilled``, ``bytes_written``,
+        ``bytes_read``, ``write_bandwidth`` / ``read_bandwidth`` (bytes/s while the disk was busy,
+        None before any I/O), ``read_stalls`` / ``read_stall_seconds`` (backward waiting for the disk),
+        ``write_stalls`` / ``write_stall_seconds`` (offloads waiting for staging memory),
+        ``reads_prefetch`` (reads started by prefetch), ``blocks_refused`` (no room on disk),
+        ``checksum_errors``, ``staging_bytes_in_use``, ``direct_io``, and more.
         """
-        return self._impl.stats()
+        s = self._impl.stats()
+        if self._tier is not None:
+            s["disk"] = _C.spill_stats(self._impl)
+        return s
 
     def reset_peak(self) -> None:
         """Sets the peaks to the current values."""
@@ -126,7 +212,14 @@ class HostPool:
         """Returns every segment with no live block to the backend, after waiting for the copies
         that freed blocks still wait on. Returns the bytes released."""
         self._impl.synchronize()
-        return self._impl.empty_cache()
+        released = self._impl.empty_cache()
+        if self._tier is not None:
+            # Spill files holding no block are closed, which gives their disk space back.
+            self._tier.synchronize()
+            self._staging.synchronize()
+            self._staging.empty_cache()
+            self._tier.empty_cache()
+        return released
 
     def reserve(self, nbytes: int) -> int:
         """Takes ``nbytes`` (page-rounded) from the backend now, as one segment within the cap,
@@ -150,15 +243,22 @@ class HostPool:
         return got
 
     def synchronize(self) -> None:
-        """Waits for the copies that freed blocks still wait on, making those blocks reusable."""
+        """Waits for the copies that freed blocks still wait on, making those blocks reusable;
+        with ``spill_dir``, also for the disk reads and writes queued so far."""
         self._impl.synchronize()
+        if self._tier is not None:
+            self._tier.synchronize()
+            self._staging.synchronize()
 
     def __repr__(self) -> str:
         s = self.stats()
         cap = "none" if s["max_bytes"] is None else f"{s['max_bytes']:,}"
+        disk = ""
+        if "disk" in s:
+            disk = f", spill_dir={s['disk']['dir']!r}, disk_in_use={s['disk']['bytes_in_use']:,}"
         return (
             f"HostPool(backend={s['backend']!r}, in_use={s['bytes_in_use']:,}, "
-            f"reserved={s['bytes_reserved']:,}, max_bytes={cap})"
+            f"reserved={s['bytes_reserved']:,}, max_bytes={cap}{disk})"
         )
 
 

@@ -159,6 +159,17 @@ def chrome_trace(report: ProfileReport) -> dict:
     events.append({"name": "thread_name", "ph": "M", "pid": pool_pid, "tid": 4, "args": {"name": "pool"}})
     for p in r["pool"]:
         x(p["kind"], "pool", pool_pid, 4, p["start_us"], p["end_us"], {"bytes": p["bytes"]})
+    # The disk tier (a pool's spill_dir): one track per direction, a slice per spilled block.
+    for tid, kind, name in ((5, "disk_write", "disk write"), (6, "disk_read", "disk read")):
+        recs = [d for d in r.get("disk", []) if d["kind"] == kind]
+        if recs:
+            events.append({"name": "thread_name", "ph": "M", "pid": pool_pid, "tid": tid, "args": {"name": name}})
+        for d in recs:
+            dur = max(0.0, d["end_us"] - d["start_us"])
+            label = ("prefetch " if d.get("prefetch") else "") + f"{name} " + (
+                (report.handle(d["handle"]) or {}).get("module") or f"#{d['handle']}")
+            x(label, kind, pool_pid, tid, d["start_us"], d["end_us"],
+              {"bytes": d["bytes"], "handle": d["handle"], "GB/s": round(gbps(d["bytes"], dur / 1e6), 4)})
     for m in r["memory"]:
         events.append(
             {
@@ -170,6 +181,7 @@ def chrome_trace(report: ProfileReport) -> dict:
                 "args": {
                     "pool_bytes_in_use": m["pool_bytes_in_use"],
                     "device_bytes_saved": m["device_bytes_saved"],
+                    "disk_bytes_in_use": m.get("disk_bytes_in_use", 0),
                 },
             }
         )

@@ -44,6 +44,9 @@ def plot_memory(report: ProfileReport, path) -> str:
     if any(a is not None for a in allocated):
         ax.step(ts, [(a or 0) * mib for a in allocated], where="post", label="device allocator total")
     ax.step(ts, [m["pool_bytes_in_use"] * mib for m in mem], where="post", label="host pool in use", linestyle="--")
+    if any(m.get("disk_bytes_in_use") for m in mem):
+        ax.step(ts, [m.get("disk_bytes_in_use", 0) * mib for m in mem], where="post", label="spilled to disk",
+                linestyle=":")
     ax.set_xlabel("time since profile start (ms)")
     ax.set_ylabel("MiB")
     title = "ckpt_offload memory timeline"

@@ -69,7 +69,7 @@ class ProfileReport:
 
     def _load(self, records: dict, pool_stats: list, record_shapes: bool = True) -> None:
         # Called once: by __init__, or by profile.__exit__ (context.py) on the report it handed out.
-        r = {k: records.get(k, []) for k in ("copies", "handles", "waits", "keeps", "pool", "compute", "memory")}
+        r = {k: records.get(k, []) for k in ("copies", "handles", "waits", "keeps", "pool", "compute", "memory", "disk")}
         r = {k: [dict(x) for x in v] for k, v in r.items()}
         r["dropped"] = int(records.get("dropped", 0) or 0)
         if not record_shapes:

@@ -7,10 +7,11 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from ckpt_offload.profiling._aggregate import Row, rows_by_module
-from ckpt_offload.profiling._records import fmt_bytes
+from ckpt_offload.profiling._records import fmt_bytes, gbps
 
 if TYPE_CHECKING:
     from ckpt_offload.profiling.report import ProfileReport
@@ -75,6 +76,7 @@ def format_summary(report: ProfileReport, by: str = "module", top: int | None = 
         f"{t['copies']} copies ({t['tensors_offloaded']} offloaded, {t['tensors_reloaded']} reloaded, "
         f"{t['prefetched_copies']} prefetched) over {t['wall_seconds'] * 1e3:.1f} ms"
     )
+    lines += disk_lines(report.records.get("disk") or [])
     if t["untimed_records"]:
         lines.append(
             f"note: {t['untimed_records']} copy/wait records have no timestamp (their event was not timed); "
@@ -159,3 +161,24 @@ def format_summary(report: ProfileReport, by: str = "module", top: int | None = 
     else:
         lines.append("kept on the device: none")
     return "\n".join(lines)
+
+
+def disk_lines(disk: list) -> list[str]:
+    """One line per direction of the disk tier (a pool's spill_dir): blocks, bytes, and the bandwidth
+    over the time at least one block was moving, as the pool's disk stats count it."""
+    lines = []
+    for kind, verb in (("disk_write", "written to"), ("disk_read", "read from")):
+        recs = [d for d in disk if d["kind"] == kind]
+        if not recs:
+            continue
+        busy, end = 0.0, -math.inf
+        for a, b in sorted((d["start_us"], d["end_us"]) for d in recs):
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+        nbytes = sum(d["bytes"] for d in recs)
+        pre = sum(1 for d in recs if d.get("prefetch"))
+        lines.append(
+            f"disk: {len(recs)} blocks ({fmt_bytes(nbytes)}) {verb} the spill files at "
+            f"{gbps(nbytes, busy / 1e6):.2f} GB/s" + (f", {pre} started by prefetch" if pre else "")
+        )
+    return lines

@@ -22,6 +22,7 @@ struct Store {
   std::vector<HandleRecord> handles;
   std::vector<KeepRecord> keeps;
   std::vector<PoolRecord> pool;
+  std::vector<DiskRecord> disk;
   std::vector<RangeRecord> ranges;
   std::vector<MemorySample> memory;
   size_t count = 0;
@@ -70,6 +71,7 @@ void start() {
     s.handles.clear();
     s.keeps.clear();
     s.pool.clear();
+    s.disk.clear();
     s.ranges.clear();
     s.memory.clear();
     s.count = 0;
@@ -97,6 +99,7 @@ void add(HandleRecord r) { push(store().handles, std::move(r)); }
 void add(KeepRecord r) { push(store().keeps, std::move(r)); }
 void add(PoolRecord r) { push(store().pool, std::move(r)); }
 void add(RangeRecord r) { push(store().ranges, std::move(r)); }
+void add(DiskRecord r) { push(store().disk, std::move(r)); }
 void add(MemorySample m) { push(store().memory, std::move(m)); }
 
 Snapshot snapshot() {
@@ -116,12 +119,17 @@ Snapshot snapshot() {
     out.handles = s.handles;
     out.keeps = s.keeps;
     out.pool = s.pool;
+    out.disk = s.disk;
     out.memory = s.memory;
     out.dropped = s.dropped;
   }
   for (auto& p : out.pool) {
     p.start_ns -= epoch;
     p.end_ns -= epoch;
+  }
+  for (auto& d : out.disk) {
+    d.start_ns -= epoch;
+    d.end_ns -= epoch;
   }
   for (auto& m : out.memory) m.t_ns -= epoch;
   for (auto& c : copies) out.copies.push_back({c, resolve(c.start, epoch), resolve(c.end, epoch)});

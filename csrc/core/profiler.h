@@ -69,6 +69,15 @@ struct PoolRecord {
   size_t bytes = 0;
   int64_t start_ns = 0, end_ns = 0;
 };
+// One spilled block written to (or read back from) the file tier, timed on the host: from its
+// first chunk's start to its last chunk's end.
+struct DiskRecord {
+  bool write = true;
+  uint64_t handle = 0;
+  size_t bytes = 0;
+  bool prefetch = false;  // a read started by backward's prefetch
+  int64_t start_ns = 0, end_ns = 0;
+};
 struct RangeRecord {
   std::string name;
   int device = -1;
@@ -79,6 +88,7 @@ struct MemorySample {
   int64_t pool_bytes_in_use = 0;
   int64_t device_bytes_saved = 0;
   int64_t device_bytes_allocated = -1;  // -1: unknown (CPU)
+  int64_t disk_bytes_in_use = 0;        // spilled to the pool's disk tier
 };
 
 void add(CopyRecord r);
@@ -87,6 +97,7 @@ void add(HandleRecord r);
 void add(KeepRecord r);
 void add(PoolRecord r);
 void add(RangeRecord r);
+void add(DiskRecord r);
 void add(MemorySample s);
 
 // Resolved records: times in nanoseconds since start(); -1 when an event had no time.
@@ -108,6 +119,7 @@ struct Snapshot {
   std::vector<HandleRecord> handles;
   std::vector<KeepRecord> keeps;
   std::vector<PoolRecord> pool;
+  std::vector<DiskRecord> disk;
   std::vector<Range> ranges;
   std::vector<MemorySample> memory;
   uint64_t dropped = 0;

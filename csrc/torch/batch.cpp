@@ -16,6 +16,16 @@ Batch::Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> poo
       handle_(profiler::next_handle_id()),
       prefetcher_(std::move(prefetcher)) {}
 
+Batch::~Batch() { drop_disk_prefetch_locked(); }
+
+void Batch::drop_disk_prefetch_locked() {
+  if (!disk_prefetch_bytes_) return;
+  buffer_->release_host();
+  if (prefetcher_) prefetcher_->release(disk_prefetch_bytes_);
+  disk_prefetch_bytes_ = 0;
+  counters_->prefetches_unused++;
+}
+
 std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, int64_t span) {
   DeviceScope scope(device_);
   std::lock_guard<std::mutex> lock(mu_);
@@ -90,10 +100,18 @@ bool Batch::flush() {
     });
     sources.reset();
     CopyTag tag{handle_, device_index(device_), false, static_cast<int>(members_.size())};
-    buffer_ = engine().offload_gather(pool_, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
-                                      streams.compute(), streams.copy(), std::move(keepalive), tag, producers);
+    // Into the pool; when it is at its cap, through staging memory to its disk tier, if any.
+    buffer_ = offload_tiered(pool_, handle_, [&](const std::shared_ptr<HostPool>& into) {
+      return engine().offload_gather(into, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
+                                     streams.compute(), streams.copy(), keepalive, tag, producers);
+    }, &refusal_);
+    keepalive.reset();
     if (buffer_) {
       counters_->batches++;
+      if (buffer_->spilled()) {
+        counters_->tensors_spilled += static_cast<int64_t>(members_.size());
+        counters_->bytes_spilled += static_cast<int64_t>(block_bytes_);
+      }
       if (profiler::enabled()) {
         profiler::HandleRecord h;
         h.handle = handle_;
@@ -127,8 +145,9 @@ bool Batch::flush() {
         counters_->tensors_offloaded--;
         counters_->bytes_offloaded -= static_cast<int64_t>(m.bytes);
         counters_->tensors_batched--;
-        counters_->kept_tensors[static_cast<int>(KeepReason::PoolFull)]++;
-        counters_->kept_bytes[static_cast<int>(KeepReason::PoolFull)] += static_cast<int64_t>(m.bytes);
+        const int why = static_cast<int>(refusal_ == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull);
+        counters_->kept_tensors[why]++;
+        counters_->kept_bytes[why] += static_cast<int64_t>(m.bytes);
         sources_read->push_back(std::move(m.source));
       }
       engine().keep_until(streams.compute(), streams.compute().record(), std::move(sources_read));
@@ -148,7 +167,7 @@ bool Batch::flush() {
 
 int64_t Batch::prefetchable_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!buffer_ || !side_stream_) return 0;
+  if (!buffer_ || !side_stream_ || disk_prefetch_bytes_) return 0;
   int64_t total = 0;
   for (Member& m : members_) {
     auto member = m.storage.lock();
@@ -162,6 +181,7 @@ void Batch::drop_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);  // then each member's (Note [Lock order])
   for (Member& m : members_)
     if (auto member = m.storage.lock()) member->drop_prefetch();
+  drop_disk_prefetch_locked();
 }
 
 int64_t Batch::reload(bool prefetch) {
@@ -169,6 +189,20 @@ int64_t Batch::reload(bool prefetch) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!buffer_) return 0;
   if (prefetch && !side_stream_) return 0;
+  if (buffer_->spilled() && prefetch) {
+    // As OffloadedStorage::start_prefetch: only the disk read starts now, no device memory.
+    if (disk_prefetch_bytes_) return 0;
+    int64_t want = 0;
+    for (Member& m : members_)
+      if (auto member = m.storage.lock())
+        if (member->wants_reload(/*prefetch=*/true)) want += static_cast<int64_t>(m.bytes);
+    if (want == 0) return 0;
+    maybe_fail_prefetch();
+    buffer_->start_read(/*prefetch=*/true);
+    disk_prefetch_bytes_ = want;
+    counters_->disk_prefetches++;
+    return want;
+  }
   struct Target {
     std::shared_ptr<OffloadedStorage> member;
     c10::Storage storage;
@@ -186,13 +220,24 @@ int64_t Batch::reload(bool prefetch) {
   }
   if (targets.empty()) return 0;
   if (prefetch) maybe_fail_prefetch();
+  // A spilled batch is read back first (waiting for the disk; SpillError on a bad checksum).
+  std::shared_ptr<HostBuffer> host = buffer_->host();
   // A demand reload (backward waits for it) never queues behind prefetches (rule 4).
   StreamPair streams(device_, side_stream_, /*to_host=*/false, /*demand=*/!prefetch);
   CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
   at::Tensor staging = staging_block(device_, block_bytes_);
   CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
-  auto done = engine().reload_scatter(*buffer_, spans, staging.defined() ? staging.data_ptr() : nullptr,
+  auto done = engine().reload_scatter(*host, spans, staging.defined() ? staging.data_ptr() : nullptr,
                                       streams.compute(), streams.copy(), nullptr, /*consumer_waits=*/!prefetch, tag);
+  if (buffer_->spilled()) {
+    host.reset();
+    buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
+    if (disk_prefetch_bytes_) {
+      if (prefetcher_) prefetcher_->release(disk_prefetch_bytes_);
+      disk_prefetch_bytes_ = 0;
+      counters_->prefetch_hits++;
+    }
+  }
   // The staging block goes back to the allocator now, with record_stream on the copy stream:
   // not held until a later poll (the next offload), which could be after backward ended.
   if (staging.defined()) release_after_copy(staging.storage(), &streams.copy(), done);

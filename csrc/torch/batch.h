@@ -11,6 +11,7 @@
 
 #include "../core/copy_engine.h"
 #include "../core/host_pool.h"
+#include "../core/spill.h"
 #include "counters.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
@@ -23,13 +24,16 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
  public:
   Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> pool, std::shared_ptr<PackerCounters> counters,
         std::shared_ptr<Prefetcher> prefetcher);
+  ~Batch() override;
   // Adds t's span [lo, lo + span) of its storage; the batch holds the storage until flush.
   std::shared_ptr<OffloadedStorage> add(const at::Tensor& t, int64_t lo, int64_t span);
   size_t block_bytes() const { return block_bytes_; }
   size_t size() const { return members_.size(); }
-  // Copies the members to the host (once). When the pool is full, every member instead gets
-  // a device copy of its own, counted as kept for pool_full; returns false then.
+  // Copies the members to the host (once). When the pool (and its disk tier) is full, every
+  // member instead gets a device copy of its own, counted as kept for pool_full (disk_full);
+  // returns false then.
   bool flush();
+  TieredRefusal refusal() const { return refusal_; }
   bool flushed();
   // Reloads every member that is alive and not on the device; prefetch: without making the
   // compute stream wait. Returns the bytes staged.
@@ -60,7 +64,10 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
   std::vector<Member> members_;
   size_t block_bytes_ = 0;
   bool flushed_ = false;
-  std::shared_ptr<HostBuffer> buffer_;
+  TieredRefusal refusal_ = TieredRefusal::None;
+  std::shared_ptr<TieredBuffer> buffer_;
+  int64_t disk_prefetch_bytes_ = 0;  // as OffloadedStorage::disk_prefetch_, for the whole batch
+  void drop_disk_prefetch_locked();
   // The latest event of every stream that produced a member, by stream id, until the flush.
   std::map<uintptr_t, std::shared_ptr<Event>> producers_;
   std::shared_ptr<Prefetcher> prefetcher_;

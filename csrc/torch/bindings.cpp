@@ -12,6 +12,10 @@
 namespace py = pybind11;
 using namespace ckpt_offload;
 
+namespace ckpt_offload {
+void bind_spill(py::module_& m);  // spill_bindings.cpp
+}
+
 namespace {
 
 py::dict pool_stats(HostPool& pool) {
@@ -126,4 +130,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;
+  bind_spill(m);
 }

@@ -15,7 +15,7 @@ class PoolFull : public std::runtime_error {
 };
 
 // Why a saved tensor stayed where it was.
-enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, kCount };
+enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, DiskFull, kCount };
 const char* keep_reason_name(KeepReason r);
 
 struct PackerCounters {
@@ -27,6 +27,8 @@ struct PackerCounters {
   std::atomic<int64_t> prefetches{0}, bytes_prefetched{0}, prefetch_hits{0}, prefetches_unused{0};
   std::atomic<int64_t> peak_prefetch_bytes{0};
   std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
+  // Offloads the pool refused that went to its disk tier; reads started by prefetch.
+  std::atomic<int64_t> tensors_spilled{0}, bytes_spilled{0}, disk_prefetches{0};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
 

@@ -4,6 +4,7 @@
 #include <stdexcept>
 
 #include "../core/profiler.h"
+#include "../core/spill.h"
 #include "runtime.h"
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
@@ -62,6 +63,8 @@ void sample_memory(HostPool* pool, const c10::Device& device) {
   profiler::MemorySample m;
   m.t_ns = profiler::now_ns();
   m.pool_bytes_in_use = pool ? static_cast<int64_t>(pool->stats().bytes_in_use) : 0;
+  if (auto target = pool ? spill_target(pool) : nullptr)
+    m.disk_bytes_in_use = static_cast<int64_t>(target->tier()->stats().bytes_requested);
   m.device_bytes_saved = profiler::g_device_bytes_saved.load();
   m.device_bytes_allocated = device_allocated_bytes(device);
   profiler::add(m);

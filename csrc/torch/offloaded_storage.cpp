@@ -8,7 +8,7 @@
 
 namespace ckpt_offload {
 
-OffloadedStorage::OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad,
+OffloadedStorage::OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad,
                                    bool side_stream, uint64_t handle, std::shared_ptr<PackerCounters> counters)
     : buffer_(std::move(buffer)),
       device_(device),
@@ -28,12 +28,21 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device dev
       handle_(batch_->handle()),
       counters_(std::move(counters)) {}
 
-HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool().get() : batch_->pool(); }
+HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool() : batch_->pool(); }
 
 OffloadedStorage::~OffloadedStorage() {
   std::lock_guard<std::mutex> lock(mu_);
   drop_staged_locked();
+  drop_disk_prefetch_locked();
   if (on_device_) profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+}
+
+void OffloadedStorage::drop_disk_prefetch_locked() {
+  if (!disk_prefetch_) return;
+  disk_prefetch_ = false;
+  buffer_->release_host();  // a read still running keeps its host block until it ends
+  if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+  if (counters_) counters_->prefetches_unused++;
 }
 
 void OffloadedStorage::keep_on_device(c10::Storage storage) {
@@ -45,6 +54,7 @@ void OffloadedStorage::keep_on_device(c10::Storage storage) {
 void OffloadedStorage::drop_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
   if (static_cast<bool>(staged_.storage) && staged_.prefetch && !staged_.held) drop_staged_locked();
+  drop_disk_prefetch_locked();
 }
 
 void OffloadedStorage::set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq) {
@@ -107,14 +117,22 @@ void OffloadedStorage::drop_staged_locked() {
 
 int64_t OffloadedStorage::prefetchable_bytes() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
   return static_cast<int64_t>(nbytes_);
 }
 
 int64_t OffloadedStorage::start_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked()) return 0;
+  if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
   maybe_fail_prefetch();
+  if (buffer_->spilled()) {
+    // Note [Spilling offloaded blocks]: the disk is the slow leg, so a prefetch starts the read
+    // back into host memory (I/O threads, nothing waits); the H2D copy follows on demand.
+    buffer_->start_read(/*prefetch=*/true);
+    disk_prefetch_ = true;
+    counters_->disk_prefetches++;
+    return static_cast<int64_t>(nbytes_);
+  }
   DeviceScope scope(device_);  // Note [Stream ordering] rule 6: device A's streams and memory
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
   CopyRange range("ckpt_offload::prefetch", device_);
@@ -123,7 +141,7 @@ int64_t OffloadedStorage::start_prefetch() {
   c10::Storage storage = bytes.storage();
   char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
   CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
-  auto done = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
+  auto done = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
   stage_locked(Staged{std::move(storage), done, &streams.copy(), true});
   counters_->prefetches++;
   counters_->bytes_prefetched += static_cast<int64_t>(nbytes_);
@@ -217,7 +235,16 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       c10::Storage storage = bytes.storage();
       char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
       CopyTag tag{handle_, device_index(device_), false, 1};
-      reloaded_ready_ = engine().reload(*buffer_, dst, streams.compute(), streams.copy(), true, tag);
+      // A spilled buffer is read back first (waiting for the disk; SpillError on a bad checksum).
+      reloaded_ready_ = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), true, tag);
+      if (buffer_->spilled()) {
+        buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
+        if (disk_prefetch_) {
+          disk_prefetch_ = false;
+          if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+          counters_->prefetch_hits++;
+        }
+      }
       if (request_ev) profiler::add(profiler::WaitRecord{handle_, device_index(device_), request_ev, reloaded_ready_});
       reloaded_ = storage.getWeakStorageImpl();
       *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);

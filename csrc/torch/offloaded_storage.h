@@ -10,6 +10,7 @@
 
 #include "../core/copy_engine.h"
 #include "../core/host_pool.h"
+#include "../core/spill.h"
 #include "counters.h"
 #include "prefetcher.h"
 
@@ -18,13 +19,14 @@ namespace ckpt_offload {
 class Batch;
 
 // The host copy of one span of a storage, shared by every saved tensor that views it. Its
-// bytes live in a HostBuffer of its own, or at an offset of a Batch's.
+// bytes live in a buffer of its own (a pool block, or spilled to the pool's disk tier), or at an
+// offset of a Batch's.
 class OffloadedStorage : public Reloadable {
  public:
   // `pad` bytes precede the span in a reloaded storage, so the data pointer keeps its original
   // alignment (mod kReloadAlignment): kernels choose code paths by alignment, and a different
   // path could change the result's bits.
-  OffloadedStorage(std::shared_ptr<HostBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
+  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
                    uint64_t handle, std::shared_ptr<PackerCounters> counters);
   OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes, bool side_stream,
                    std::shared_ptr<PackerCounters> counters);
@@ -78,8 +80,14 @@ class OffloadedStorage : public Reloadable {
   bool stage_locked(Staged staged);
   void drop_staged_locked();
 
-  std::shared_ptr<HostBuffer> buffer_;  // a storage of its own
-  std::shared_ptr<Batch> batch_;        // or a member of a batch
+  // Lets a disk prefetch go that no unpack consumed (budget and counters).
+  void drop_disk_prefetch_locked();
+
+  std::shared_ptr<TieredBuffer> buffer_;  // a storage of its own (in the pool or spilled)
+  std::shared_ptr<Batch> batch_;          // or a member of a batch
+  // A prefetch that only started the disk read of a spilled buffer: counted in the prefetch
+  // budget until an unpack consumes it (the H2D copy then runs on demand).
+  bool disk_prefetch_ = false;
   c10::Device device_;
   size_t pad_, nbytes_;
   bool side_stream_;

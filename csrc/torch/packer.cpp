@@ -36,15 +36,17 @@ void Packer::flush_batches() {
     open.swap(open_batches_);
   }
   size_t refused = 0, refused_bytes = 0;
+  TieredRefusal why = TieredRefusal::PoolFull;
   for (auto& kv : open) {
     if (!kv.second->flush()) {
       refused += kv.second->size();
       refused_bytes += kv.second->block_bytes();
+      why = kv.second->refusal();
     }
   }
   if (refused && options_.raise_on_full)
-    throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
-                                     static_cast<int64_t>(refused_bytes)) +
+    throw PoolFull(full_message(why, *options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
+                                static_cast<int64_t>(refused_bytes)) +
                    " (The batch's tensors were kept on the device, so backward still works.)");
 }
 
@@ -192,8 +194,8 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
       batch = open;
     }
     if (full && !full->flush() && options_.raise_on_full)
-      throw PoolFull(pool_full_message(*options_.pool, "a batch of " + std::to_string(full->size()) +
-                                       " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
+      throw PoolFull(full_message(full->refusal(), *options_.pool, "a batch of " + std::to_string(full->size()) +
+                                  " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
                      " (The batch's tensors were kept on the device, so backward still works.)");
     // Null when an unpack flushed the batch meanwhile: take a new one.
     saved->storage_ = batch->add(t, span.lo, span.bytes());
@@ -207,8 +209,8 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
   return saved;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t) {
-  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_);
+std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, TieredRefusal* why) {
+  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why);
   if (saved && prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
   return saved;
 }
@@ -245,10 +247,11 @@ py::object Packer::pack(py::handle obj) {
   if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
     saved = pack_batched(t, span);
   } else {
-    saved = pack_single(t);
+    TieredRefusal why = TieredRefusal::None;
+    saved = pack_single(t, &why);
     if (!saved) {
-      if (options_.raise_on_full) throw PoolFull(pool_full_message(*options_.pool, t, span.bytes()));
-      return keep(t, KeepReason::PoolFull, span.bytes());
+      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
+      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
     }
   }
   counters_->tensors_offloaded++;
@@ -317,6 +320,9 @@ py::dict Packer::stats() const {
   d["prefetch_window_bytes"] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
   d["prefetch_block_bytes"] = prefetcher_ ? prefetcher_->block_bytes() : 0;
   d["prefetch_lead"] = prefetcher_ ? prefetcher_->lead() : 0;
+  d["tensors_spilled"] = c.tensors_spilled.load();
+  d["bytes_spilled"] = c.bytes_spilled.load();
+  d["disk_prefetches"] = c.disk_prefetches.load();
   return d;
 }
 

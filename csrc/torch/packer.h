@@ -98,7 +98,7 @@ class Packer {
   std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
   std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span);
   // Null when the pool is full.
-  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t);
+  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
 

@@ -90,7 +90,7 @@ py::dict profiler_records() {
     synchronize_side_streams();
     snap = profiler::snapshot();
   }
-  py::list copies, waits, handles, keeps, pool, compute, memory;
+  py::list copies, waits, handles, keeps, pool, compute, memory, disk;
   uint64_t id = 0;
   for (const auto& c : snap.copies) {
     py::dict d;
@@ -158,13 +158,25 @@ py::dict profiler_records() {
     py::dict d;
     d["t_us"] = m.t_ns / 1000.0;
     d["pool_bytes_in_use"] = m.pool_bytes_in_use;
+    d["disk_bytes_in_use"] = m.disk_bytes_in_use;
     d["device_bytes_saved"] = m.device_bytes_saved;
     d["device_bytes_allocated"] =
         m.device_bytes_allocated < 0 ? py::object(py::none()) : py::object(py::int_(m.device_bytes_allocated));
     memory.append(d);
   }
+  for (const auto& r : snap.disk) {
+    py::dict d;
+    d["kind"] = r.write ? "disk_write" : "disk_read";
+    d["handle"] = r.handle;
+    d["bytes"] = r.bytes;
+    d["prefetch"] = r.prefetch;
+    d["start_us"] = r.start_ns / 1000.0;
+    d["end_us"] = r.end_ns / 1000.0;
+    disk.append(d);
+  }
   py::dict out;
   out["copies"] = copies;
+  out["disk"] = disk;
   out["waits"] = waits;
   out["handles"] = handles;
   out["keeps"] = keeps;

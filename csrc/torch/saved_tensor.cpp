@@ -79,7 +79,8 @@ std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
 }
 
 std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                                  bool side_stream, std::shared_ptr<PackerCounters> counters) {
+                                                  bool side_stream, std::shared_ptr<PackerCounters> counters,
+                                                  TieredRefusal* why) {
   auto saved = describe_layout(t, counters);
   saved->side_stream_ = side_stream;
   DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
@@ -91,9 +92,18 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
   const char* src = static_cast<const char*>(t.storage().data()) + lo;
   const uint64_t handle = profiler::next_handle_id();
   CopyTag tag{handle, device_index(t.device()), false, 1};
-  auto buffer = engine().offload(pool, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
-                                 std::move(keepalive), tag);
+  TieredRefusal refusal = TieredRefusal::None;
+  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
+    return engine().offload(into, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
+                            keepalive, tag);
+  }, &refusal);
+  keepalive.reset();
+  if (why) *why = refusal;
   if (!buffer) return nullptr;
+  if (buffer->spilled() && counters) {
+    counters->tensors_spilled++;
+    counters->bytes_spilled += saved->nbytes_;
+  }
   const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
   saved->storage_ =
       std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad, side_stream, handle, counters);
@@ -132,8 +142,9 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
     throw std::invalid_argument("ckpt_offload.offload_tensor: tensor reaches byte " + std::to_string(end) +
                                 " of its storage, which holds " + std::to_string(t.storage().nbytes()) +
                                 " bytes (was the storage resized?)");
-  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>());
-  if (!saved) throw PoolFull(pool_full_message(*pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
+  TieredRefusal why = TieredRefusal::None;
+  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>(), &why);
+  if (!saved) throw PoolFull(full_message(why, *pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
   return saved;
 }
 

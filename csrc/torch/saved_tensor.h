@@ -17,10 +17,12 @@ namespace ckpt_offload {
 // tensor of an output), so a dropped graph frees it and its pool block.
 class SavedTensor {
  public:
-  // Copies t's bytes (the span of its storage it reaches) into `pool`, keeping its layout.
-  // Returns nullptr when the pool cannot provide the memory.
+  // Copies t's bytes (the span of its storage it reaches) into `pool` (or, at its cap, through
+  // its disk tier: Note [Spilling offloaded blocks]), keeping its layout. Returns nullptr when
+  // neither can take them; `why` (optional) then says which refused.
   static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                              bool side_stream, std::shared_ptr<PackerCounters> counters);
+                                              bool side_stream, std::shared_ptr<PackerCounters> counters,
+                                              TieredRefusal* why = nullptr);
   ~SavedTensor();
   // A SavedTensor with t's layout and version filled in, holding nothing yet.
   static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);

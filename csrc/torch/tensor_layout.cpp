@@ -80,6 +80,30 @@ std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span)
   return pool_full_message(pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
 }
 
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
+  auto target = spill_target(&pool);
+  std::ostringstream msg;
+  msg << "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " << human_bytes(span) << " ("
+      << span << " bytes) for " << what;
+  if (target) {
+    const FileTierStats ds = target->tier()->stats();
+    msg << "; spill_dir " << target->tier()->options().dir << ": " << human_bytes(ds.bytes_in_use) << " in use, "
+        << human_bytes(ds.bytes_reserved) << " preallocated, cap "
+        << (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+  }
+  msg << ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
+      << "tensors on the device.";
+  return msg.str();
+}
+
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
+  return why == TieredRefusal::DiskFull ? disk_full_message(pool, what, span) : pool_full_message(pool, what, span);
+}
+
+std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span) {
+  return full_message(why, pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+}
+
 std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
   PoolStats ps = pool.stats();
   std::ostringstream msg;

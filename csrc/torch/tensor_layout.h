@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../core/host_pool.h"
+#include "../core/spill.h"
 
 namespace ckpt_offload {
 
@@ -29,5 +30,10 @@ std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, c
 // The message of PoolFull: what was asked, what the pool holds, and the three ways out.
 std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span);
 std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span);
+// The pool is full and its disk tier refused too (spill_max_bytes, or a full disk).
+std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span);
+// The message for whichever refused (TieredRefusal::DiskFull: the disk tier; else the pool).
+std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
+std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span);
 
 }  // namespace ckpt_offload
