@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 from models_for_tests import Chain
-from test_gpu import HAS_GPU, _sleep, device  # noqa: F401 - device is a fixture
+from helpers import HAS_GPU, cuda_device
+from helpers import sleep_stream as _sleep
 
 import ckpt_offload as co
 
@@ -23,9 +24,14 @@ pytestmark = [
     pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and a CUDA build of ckpt_offload"),
 ]
 
+
+@pytest.fixture
+def device():
+    """The CUDA device (this file is GPU-only; conftest's `device` also runs on CPU)."""
+    yield from cuda_device()
+
+
 MiB = 1 << 20
-
-
 
 
 def _grads(model, x, ctx=None):
