@@ -60,3 +60,20 @@ def test_snippet_runs(path, line, code, skip, tmp_path, monkeypatch):
     finally:
         namespace.clear()  # what the snippet holds (handles, graphs) is let go before conftest's leak check
         gc.collect()
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_relative_links_point_into_the_repository():
+    # The README is the front page and links every topic in docs/: a moved or renamed page must
+    # not leave a dead link behind.
+    dead = []
+    for path in DOCS:
+        for target in LINK.findall(path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                dead.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not dead, f"links to files that do not exist: {dead}"
+    assert "docs/" in (ROOT / "README.md").read_text()
