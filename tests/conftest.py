@@ -46,9 +46,9 @@ def hypothesis_examples(ci: int) -> int:
 
 @pytest.fixture(autouse=True, scope="session")
 def _async_cpu_streams_with_delay():
-    co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
+    co._C.testing.set_cpu_copy_delay_us(TEST_DELAY_US)
     yield
-    co._C.set_cpu_copy_delay_us(0)
+    co._C.testing.set_cpu_copy_delay_us(0)
 
 
 _GLOBAL_MODULE_HOOKS = (

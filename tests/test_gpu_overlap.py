@@ -102,9 +102,9 @@ def test_unused_prefetches_do_not_return_memory_mid_copy(device):
 def staging(request):
     """Batches through a device staging block (the gather/scatter kernel), or member by member
     (what a batch does when device memory for the staging block is short)."""
-    co._C._set_batch_staging(request.param)
+    co._C.testing.set_batch_staging(request.param)
     yield request.param
-    co._C._set_batch_staging(True)
+    co._C.testing.set_batch_staging(True)
 
 
 def test_gather_scatter_matches_plain_copies(device, staging):
