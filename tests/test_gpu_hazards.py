@@ -7,7 +7,6 @@ likely to show (a spin kernel holds a stream, so work that forgot to wait for it
 assert values and order, never durations. The rules they guard are Note [Stream ordering] and
 Note [Graph capture] in csrc/torch/runtime.h.
 """
-# ruff: noqa: F811 - `device` is test_gpu.py's fixture, imported so pytest finds it here
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ A spin kernel (``torch.cuda._sleep``) holds the compute stream so that a copy th
 wait for it would read or overwrite too early; sentinel values make that visible.
 """
 
-# ruff: noqa: F811 - `device` is test_gpu.py's fixture, imported so pytest finds it here
 
 from __future__ import annotations
 
