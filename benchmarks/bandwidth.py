@@ -473,8 +473,8 @@ def main(argv=None) -> int:
             sizes.append(args.max_size)
 
     # The CPU test suite may set an injected copy delay through the environment: not here.
-    delay_before = co._C.cpu_copy_delay_us()
-    co._C.set_cpu_copy_delay_us(0)
+    delay_before = co._C.testing.cpu_copy_delay_us()
+    co._C.testing.set_cpu_copy_delay_us(0)
 
     threads_before = torch.get_num_threads()
     if mode == "cpu":
@@ -531,7 +531,7 @@ def main(argv=None) -> int:
         "torch_num_threads": torch.get_num_threads(),
         "elapsed_s": time.perf_counter() - t_start,
     }
-    co._C.set_cpu_copy_delay_us(delay_before)
+    co._C.testing.set_cpu_copy_delay_us(delay_before)
     torch.set_num_threads(threads_before)
 
     print_table(report)

@@ -61,7 +61,7 @@ def main(out_dir: str) -> None:
 
     # The same asynchronous CPU copy threads with an injected delay as tests/conftest.py uses,
     # so a missing wait corrupts data here too.
-    co._C.set_cpu_copy_delay_us(
+    co._C.testing.set_cpu_copy_delay_us(
         int(os.environ.get("CKPT_OFFLOAD_CPU_COPY_DELAY_US", os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
     )
     accelerator = Accelerator(cpu=True)

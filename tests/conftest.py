@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import ckpt_offload as co
+from helpers import GPU_REASON, HAS_GPU, cuda_device
 
 try:
     from hypothesis import HealthCheck, settings
@@ -45,9 +46,9 @@ def hypothesis_examples(ci: int) -> int:
 
 @pytest.fixture(autouse=True, scope="session")
 def _async_cpu_streams_with_delay():
-    co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
+    co._C.testing.set_cpu_copy_delay_us(TEST_DELAY_US)
     yield
-    co._C.set_cpu_copy_delay_us(0)
+    co._C.testing.set_cpu_copy_delay_us(0)
 
 
 _GLOBAL_MODULE_HOOKS = (
@@ -101,6 +102,17 @@ def pool():
 @pytest.fixture(params=["side", "compute"])
 def stream(request):
     return request.param
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                                          pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)])])
+def device(request):
+    """Runs a behaviour test on CPU tensors and, marked `gpu` (skipped without a GPU), on CUDA.
+    Offload it with `co.offload(devices=[device.type], ...)`. GPU-only files define their own."""
+    if request.param == "cpu":
+        yield torch.device("cpu")
+    else:
+        yield from cuda_device()
 
 
 def cpu_offload(pool=None, **kw):

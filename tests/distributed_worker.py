@@ -317,7 +317,9 @@ SCENARIOS = {
 def main(out_dir: str, names: list) -> None:
     # The same asynchronous CPU copy threads with an injected delay as tests/conftest.py uses,
     # so a missing wait corrupts data here too.
-    co._C.set_cpu_copy_delay_us(int(os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
+    co._C.testing.set_cpu_copy_delay_us(
+        int(os.environ.get("CKPT_OFFLOAD_CPU_COPY_DELAY_US", os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {}

@@ -206,7 +206,7 @@ def test_source_is_not_freed_before_its_copy(pool):
 
 def test_block_not_reused_while_its_copy_is_pending():
     pool = co.HostPool(pinned=False)
-    co._C.set_cpu_copy_delay_us(20000)
+    co._C.testing.set_cpu_copy_delay_us(20000)
     try:
         h = co.offload_tensor(torch.randn(10000), pool=pool, stream="side")
         del h  # its copy is still queued behind the 20 ms delay
@@ -219,7 +219,7 @@ def test_block_not_reused_while_its_copy_is_pending():
         pool.synchronize()
         assert pool.stats()["bytes_pending"] == 0
     finally:
-        co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
+        co._C.testing.set_cpu_copy_delay_us(TEST_DELAY_US)
 
 
 def test_many_handles_many_threads(pool):

@@ -17,7 +17,7 @@ import torch
 import ckpt_offload as co
 from conftest import assert_bit_identical, cpu_offload, grads_of
 from models_for_tests import MLP, Transformer
-from test_gpu import HAS_GPU
+from helpers import HAS_GPU
 
 VOCAB, SEQ = 97, 16
 # The kept reasons co.offload reports today (README, co.offload.stats()).

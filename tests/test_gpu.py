@@ -34,48 +34,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckpt_offload as co
+from helpers import GPU_REASON, HAS_GPU, cuda_device
+from helpers import sleep_stream as _sleep
 
-
-def _gpu_usable() -> bool:
-    try:
-        return bool(torch.cuda.is_available() and co.build_info()["gpu_available"])
-    except Exception:  # a broken driver must skip, not error at collection
-        return False
-
-
-HAS_GPU = _gpu_usable()
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
         not HAS_GPU,
-        reason="needs a CUDA GPU and a CUDA build of ckpt_offload (co.build_info()['gpu_available'])",
+        reason=GPU_REASON,
     ),
 ]
 
 STREAMS = ("side", "compute")
 MiB = 1 << 20
-# Spin-kernel length that holds the compute stream for a few milliseconds (~2 GHz clocks).
-SLEEP_CYCLES = 10_000_000
-
-
-def _sleep(cycles: int = SLEEP_CYCLES) -> None:
-    """Holds the current stream busy, so that a copy that does not wait for it runs early."""
-    if hasattr(torch.cuda, "_sleep"):
-        torch.cuda._sleep(cycles)
-    else:  # pragma: no cover - very old torch: a long matmul chain does the same job
-        a = torch.randn(2048, 2048, device="cuda")
-        for _ in range(8):
-            a = a @ a.T / 2048.0
 
 
 @pytest.fixture
 def device():
-    dev = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.synchronize(dev)
-    yield dev
-    co.synchronize()
-    torch.cuda.synchronize(dev)
+    """The CUDA device (this file is GPU-only; conftest's `device` also runs on CPU)."""
+    yield from cuda_device()
 
 
 @pytest.fixture

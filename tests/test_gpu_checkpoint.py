@@ -8,19 +8,13 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
+from helpers import GPU_REASON, HAS_GPU
 from models_for_tests import Block
-
-
-def _gpu_usable() -> bool:
-    try:
-        return bool(torch.cuda.is_available() and co.build_info()["gpu_available"])
-    except Exception:
-        return False
 
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU and a CUDA build of ckpt_offload"),
+    pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON),
 ]
 
 

@@ -7,7 +7,6 @@ likely to show (a spin kernel holds a stream, so work that forgot to wait for it
 assert values and order, never durations. The rules they guard are Note [Stream ordering] and
 Note [Graph capture] in csrc/torch/runtime.h.
 """
-# ruff: noqa: F811 - `device` is test_gpu.py's fixture, imported so pytest finds it here
 
 from __future__ import annotations
 
@@ -17,7 +16,8 @@ import time
 
 import pytest
 import torch
-from test_gpu import HAS_GPU, _sleep, device  # noqa: F401 - device is a fixture
+from helpers import HAS_GPU, cuda_device
+from helpers import sleep_stream as _sleep
 
 import ckpt_offload as co
 
@@ -25,6 +25,13 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and a CUDA build of ckpt_offload"),
 ]
+
+
+@pytest.fixture
+def device():
+    """The CUDA device (this file is GPU-only; conftest's `device` also runs on CPU)."""
+    yield from cuda_device()
+
 
 MiB = 1 << 20
 

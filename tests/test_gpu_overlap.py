@@ -5,7 +5,6 @@ A spin kernel (``torch.cuda._sleep``) holds the compute stream so that a copy th
 wait for it would read or overwrite too early; sentinel values make that visible.
 """
 
-# ruff: noqa: F811 - `device` is test_gpu.py's fixture, imported so pytest finds it here
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import random
 import pytest
 import torch
 from models_for_tests import Chain
-from test_gpu import HAS_GPU, _sleep, device  # noqa: F401 - device is a fixture
+from helpers import HAS_GPU, cuda_device
+from helpers import sleep_stream as _sleep
 
 import ckpt_offload as co
 
@@ -23,9 +23,14 @@ pytestmark = [
     pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and a CUDA build of ckpt_offload"),
 ]
 
+
+@pytest.fixture
+def device():
+    """The CUDA device (this file is GPU-only; conftest's `device` also runs on CPU)."""
+    yield from cuda_device()
+
+
 MiB = 1 << 20
-
-
 
 
 def _grads(model, x, ctx=None):
@@ -96,9 +101,9 @@ def test_unused_prefetches_do_not_return_memory_mid_copy(device):
 def staging(request):
     """Batches through a device staging block (the gather/scatter kernel), or member by member
     (what a batch does when device memory for the staging block is short)."""
-    co._C._set_batch_staging(request.param)
+    co._C.testing.set_batch_staging(request.param)
     yield request.param
-    co._C._set_batch_staging(True)
+    co._C.testing.set_batch_staging(True)
 
 
 def test_gather_scatter_matches_plain_copies(device, staging):

@@ -14,19 +14,13 @@ from ckpt_offload.planner import Bandwidth, measure_costs, saved_activation_peak
 from ckpt_offload.planner.apply import apply_units
 
 from conftest import assert_bit_identical, grads_of
+from helpers import GPU_REASON, HAS_GPU
 from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
-
-
-def _gpu_usable() -> bool:
-    try:
-        return bool(torch.cuda.is_available() and co.build_info()["gpu_available"])
-    except Exception:
-        return False
 
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _gpu_usable(), reason="needs a CUDA GPU and a CUDA build of ckpt_offload"),
+    pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON),
 ]
 
 

@@ -1,6 +1,5 @@
 """co.hf: ckpt_offload's checkpoint inside Hugging Face models and Trainer (tiny models from configs)."""
 
-import inspect
 import warnings
 
 import pytest
@@ -10,8 +9,9 @@ transformers = pytest.importorskip("transformers")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_bit_identical, grads_of  # noqa: E402
+from helpers import B, T, bert, gpt2, llama, loss_of, train  # noqa: E402
+from helpers import hf_cpu_options as cpu_offload  # noqa: E402
 
-B, T, VOCAB = 2, 8, 100
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,25 +21,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def gpt2():
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-def llama():
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def bert():
-    cfg = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                  vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
-    return transformers.BertForMaskedLM(cfg)
 
 
 # Each model keeps its default dropout (Llama's attention dropout is turned on): co.checkpoint restores
@@ -67,22 +48,6 @@ def layers_of(model):
     raise AssertionError(f"no layers found in {type(model).__name__}")
 
 
-def batch():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (B, T), generator=g)
-    mask = torch.ones(B, T, dtype=torch.long)
-    mask[1, T - 2:] = 0  # padding, so every layer receives a real attention mask
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
-
-
-def loss_of(model, seed=5):
-    torch.manual_seed(seed)
-    # Checkpointed layers run without a KV cache (Hugging Face turns use_cache off in them); the
-    # reference must too: with a cache GPT-2 takes another attention path, rounding differently.
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
-    return model(**batch(), **extra).loss
-
-
 def base_grads(model):
     loss_of(model).backward()
     grads = grads_of(model)
@@ -101,10 +66,6 @@ def hf_input_grad_hooks(name):
 
 
 ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
-
-
-def cpu_offload(pool):
-    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -283,30 +244,6 @@ def test_reentrant_without_offload_matches():
 
 
 # --- Trainer ------------------------------------------------------------------------------
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n=12):
-        g = torch.Generator().manual_seed(2)
-        self.ids = torch.randint(1, VOCAB, (n, T), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def train(tmp_path, model, callbacks=(), **args):
-    targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=2, use_cpu=True,
-        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True, **args,
-    )
-    trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=list(callbacks))
-    trainer.train()
-    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    assert len(losses) == 3
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def checkpointing_args(**kwargs):

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import ckpt_offload as co
 from conftest import assert_bit_identical, cpu_offload, grads_of
+from helpers import Probe
 from models_for_tests import MLP, ConvNet, Transformer
 
 
@@ -21,9 +22,9 @@ def train_step(model, make_loss, ctx=None, seed=0):
     return loss.detach(), grads_of(model)
 
 
-def compare(model, make_loss, pool, stream, **kw):
+def compare(model, make_loss, pool, stream, device="cpu", **kw):
     base_loss, base = train_step(model, make_loss)
-    ctx = cpu_offload(pool, stream=stream, **kw)
+    ctx = cpu_offload(pool, stream=stream, devices=[torch.device(device).type], **kw)
     loss, got = train_step(model, make_loss, ctx)
     assert torch.equal(base_loss, loss)
     assert_bit_identical(base, got)
@@ -34,11 +35,11 @@ def compare(model, make_loss, pool, stream, **kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mlp(pool, stream, dtype):
+def test_mlp(pool, stream, dtype, device):
     torch.manual_seed(1)
-    model = MLP(dtype=dtype)
-    x = torch.randn(32, 64, dtype=dtype)
-    s = compare(model, lambda m: m(x).float().pow(2).mean(), pool, stream)
+    model = MLP(dtype=dtype).to(device)
+    x = torch.randn(32, 64, dtype=dtype, device=device)
+    s = compare(model, lambda m: m(x).float().pow(2).mean(), pool, stream, device)
     assert s["kept_by_reason"].get("parameter", 0) >= 2  # weight.t() views kept
 
 
@@ -84,54 +85,33 @@ def test_transformer_sdpa(pool, stream):
         assert torch.equal(a, b)
 
 
-class Probe(torch.autograd.Function):
-    """Saves the given tensors through autograd and checks in backward that each comes back
-    with the same values, dtype, sizes, strides and storage offset."""
-
-    seen = []
-
-    @staticmethod
-    def forward(ctx, x, *extras):
-        ctx.save_for_backward(x, *extras)
-        ctx.expected = [(e.clone(), e.size(), e.stride(), e.storage_offset(), e.dtype) for e in extras]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, *extras = ctx.saved_tensors
-        for got, (val, size, stride, offset, dtype) in zip(extras, ctx.expected):
-            assert got.dtype == dtype and got.size() == size and got.stride() == stride
-            assert got.storage_offset() == offset
-            assert torch.equal(got, val)
-            Probe.seen.append(got.dtype)
-        return (grad * 2,) + (None,) * len(extras)
-
-
-def layouts():
-    base = torch.randn(40, 30)
+def layouts(device="cpu"):
+    # Made on `device` itself: moving a view with .to() would copy it contiguous, losing the layout.
+    d = {"device": device}
+    base = torch.randn(40, 30, **d)
     return {
         "transpose": base.t(),
         "slice_with_offset": base[3:17, 5:25],
         "non_contiguous_step": base[::3, ::2],
-        "expand": torch.randn(1, 30).expand(500, 30),
-        "broadcast_scalar": torch.tensor(3.0).expand(20, 20),
-        "permute_3d": torch.randn(4, 5, 6).permute(2, 0, 1),
-        "bf16": torch.randn(33, 7).to(torch.bfloat16)[1:],
-        "fp16_t": torch.randn(17, 9).half().t(),
-        "int64": torch.randint(-(2**40), 2**40, (64,)),
-        "int32_slice": torch.randint(0, 100, (50, 3), dtype=torch.int32)[:, 1],
-        "uint8": torch.randint(0, 255, (300,), dtype=torch.uint8),
-        "bool": torch.rand(123) > 0.5,
-        "complex": torch.randn(10, dtype=torch.complex64),
-        "float64": torch.randn(5, 5, dtype=torch.float64),
+        "expand": torch.randn(1, 30, **d).expand(500, 30),
+        "broadcast_scalar": torch.tensor(3.0, **d).expand(20, 20),
+        "permute_3d": torch.randn(4, 5, 6, **d).permute(2, 0, 1),
+        "bf16": torch.randn(33, 7, **d).to(torch.bfloat16)[1:],
+        "fp16_t": torch.randn(17, 9, **d).half().t(),
+        "int64": torch.randint(-(2**40), 2**40, (64,), **d),
+        "int32_slice": torch.randint(0, 100, (50, 3), dtype=torch.int32, **d)[:, 1],
+        "uint8": torch.randint(0, 255, (300,), dtype=torch.uint8, **d),
+        "bool": torch.rand(123, **d) > 0.5,
+        "complex": torch.randn(10, dtype=torch.complex64, **d),
+        "float64": torch.randn(5, 5, dtype=torch.float64, **d),
     }
 
 
 @pytest.mark.parametrize("name", sorted(layouts()))
-def test_layout_round_trip(pool, stream, name):
-    t = layouts()[name]
-    x = torch.randn(8, requires_grad=True)
-    with cpu_offload(pool, stream=stream) as ctx:
+def test_layout_round_trip(pool, stream, name, device):
+    t = layouts(device)[name]
+    x = torch.randn(8, requires_grad=True, device=device)
+    with cpu_offload(pool, stream=stream, devices=[device.type]) as ctx:
         y = Probe.apply(x, t)
     assert ctx.stats()["tensors_offloaded"] >= 1
     Probe.seen.clear()
@@ -151,16 +131,16 @@ def test_expanded_tensor_is_stored_at_source_size(pool):
     y.sum().backward()
 
 
-def test_retain_graph_two_backwards(pool, stream):
+def test_retain_graph_two_backwards(pool, stream, device):
     torch.manual_seed(5)
-    model = MLP()
-    x = torch.randn(16, 64)
+    model = MLP().to(device)
+    x = torch.randn(16, 64, device=device)
     loss = model(x).square().mean()
     loss.backward(retain_graph=True)
     loss.backward()
     base = grads_of(model)
     model.zero_grad(set_to_none=True)
-    with cpu_offload(pool, stream=stream) as ctx:
+    with cpu_offload(pool, stream=stream, devices=[device.type]) as ctx:
         loss = model(x).square().mean()
     loss.backward(retain_graph=True)
     in_use = pool.stats()["bytes_in_use"]

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 import ckpt_offload as co
 from conftest import cpu_offload, nonzero
-from test_offload_grads import Probe
+from helpers import Probe
 
 
 def saved_bytes_in_pool(pool):

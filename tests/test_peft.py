@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_bit_identical, cpu_offload, grads_of  # noqa: E402
-from test_hf import llama, loss_of, train  # noqa: E402
-from test_hf import cpu_offload as hf_options  # noqa: E402  (the options dict co.hf takes)
+from helpers import hf_cpu_options as hf_options  # noqa: E402  (the options dict co.hf takes)
+from helpers import llama, loss_of, train  # noqa: E402
 
 TARGETS = ["q_proj", "v_proj", "up_proj"]
 

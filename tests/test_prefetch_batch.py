@@ -286,7 +286,7 @@ def test_chunk_plan_copies_like_plain_copies():
         segs.append((dst.data_ptr() + d_off, src.data_ptr() + s_off, n))
         expected[d_off:d_off + n] = src[s_off:s_off + n]
         offset += n + 16
-    co._C.copy_batch_on_host(segs)
+    co._C.testing.copy_batch_on_host(segs)
     assert torch.equal(dst, expected)
 
 
@@ -330,11 +330,11 @@ def test_a_failing_prefetch_does_not_fail_backward(pool, batch_below):
     model, x = Chain(n=6), _inputs()
     ref, _ = _run(model, x)
     ctx = cpu_offload(pool, prefetch_bytes=64 * MiB, batch_below=batch_below, batch_bytes=4 * MiB)
-    co._C._fail_next_prefetches(2)
+    co._C.testing.fail_next_prefetches(2)
     try:
         got, _ = _run(model, x, ctx)
     finally:
-        co._C._fail_next_prefetches(0)
+        co._C.testing.fail_next_prefetches(0)
     assert_bit_identical(ref, got)
     s = ctx.stats()
     assert s["prefetch_failures"] == 2
@@ -458,7 +458,7 @@ def test_demand_reload_does_not_wait_behind_prefetches(pool):
     with ctx:
         handles = [ctx._packer.pack(t) for t in tensors]
     co.synchronize()
-    co._C.set_cpu_copy_delay_us(20_000)  # every copy waits 20 ms on its worker stream
+    co._C.testing.set_cpu_copy_delay_us(20_000)  # every copy waits 20 ms on its worker stream
     co._C.profiler_start()
     try:
         assert torch.equal(ctx._packer.unpack(handles[5]), tensors[5])  # prefetches 4, 3, 2
@@ -466,7 +466,7 @@ def test_demand_reload_does_not_wait_behind_prefetches(pool):
         records = co._C.profiler_records()
     finally:
         co._C.profiler_stop()
-        co._C.set_cpu_copy_delay_us(TEST_DELAY_US)
+        co._C.testing.set_cpu_copy_delay_us(TEST_DELAY_US)
     h2d = [c for c in records["copies"] if c["kind"] == "h2d"]
     prefetches = [c for c in h2d if c["prefetch"]]
     demand = [c for c in h2d if not c["prefetch"]]

@@ -1,0 +1,162 @@
+"""Helpers shared by several test modules (test modules never import each other).
+
+* GPU: ``HAS_GPU``, ``sleep_stream`` (a spin kernel holding the compute stream), ``cuda_device``
+  (the body of the cuda-only ``device`` fixtures of the test_gpu*.py files).
+* Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly.
+* Hugging Face: tiny models (``gpt2``, ``llama``, ``bert``; no download), ``batch``, ``loss_of``,
+  ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``. transformers is
+  imported inside the functions: the modules that use them skip without it.
+
+Fixtures and the assertions every test uses (``pool``, ``stream``, ``device``, ``cpu_offload``,
+``assert_bit_identical``, ...) are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+import ckpt_offload as co
+
+
+def gpu_usable() -> bool:
+    """A CUDA device is usable and ckpt_offload was built with its CUDA engine."""
+    try:
+        return bool(torch.cuda.is_available() and co.build_info()["gpu_available"])
+    except Exception:  # a broken driver must skip, not error at collection
+        return False
+
+
+HAS_GPU = gpu_usable()
+GPU_REASON = "needs a CUDA GPU and a CUDA build of ckpt_offload (co.build_info()['gpu_available'])"
+
+# Spin-kernel length that holds the compute stream for a few milliseconds (~2 GHz clocks).
+SLEEP_CYCLES = 10_000_000
+
+
+def sleep_stream(cycles: int = SLEEP_CYCLES) -> None:
+    """Holds the current stream busy, so that a copy that does not wait for it runs early."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(cycles)
+    else:  # pragma: no cover - very old torch: a long matmul chain does the same job
+        a = torch.randn(2048, 2048, device="cuda")
+        for _ in range(8):
+            a = a @ a.T / 2048.0
+
+
+def cuda_device():
+    """Generator body of a cuda ``device`` fixture: the current CUDA device, synchronized before
+    and after the test (so one test's queued copies cannot leak into the next)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(dev)
+    yield dev
+    co.synchronize()
+    torch.cuda.synchronize(dev)
+
+
+
+
+# Autograd
+
+class Probe(torch.autograd.Function):
+    """Saves the given tensors through autograd and checks in backward that each comes back
+    with the same values, dtype, sizes, strides and storage offset."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, *extras):
+        ctx.save_for_backward(x, *extras)
+        ctx.expected = [(e.clone(), e.size(), e.stride(), e.storage_offset(), e.dtype) for e in extras]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *extras = ctx.saved_tensors
+        for got, (val, size, stride, offset, dtype) in zip(extras, ctx.expected):
+            assert got.dtype == dtype and got.size() == size and got.stride() == stride
+            assert got.storage_offset() == offset
+            assert torch.equal(got, val)
+            Probe.seen.append(got.dtype)
+        return (grad * 2,) + (None,) * len(extras)
+
+
+# Hugging Face tiny models and training
+
+B, T, VOCAB = 2, 8, 100
+
+
+def gpt2():
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def bert():
+    import transformers
+
+    cfg = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                  vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def batch():
+    """A fixed batch for the tiny Hugging Face models, with padding (every layer gets a real mask)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - 2:] = 0  # padding, so every layer receives a real attention mask
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def loss_of(model, seed=5):
+    """The loss of a tiny Hugging Face model on `batch()`, from a fixed RNG state."""
+    torch.manual_seed(seed)
+    # Checkpointed layers run without a KV cache (Hugging Face turns use_cache off in them); the
+    # reference must too: with a cache GPT-2 takes another attention path, rounding differently.
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
+    return model(**batch(), **extra).loss
+
+
+def hf_cpu_options(pool):
+    """The options dict co.hf / co.checkpoint take to offload every CPU tensor into `pool`."""
+    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n=12):
+        g = torch.Generator().manual_seed(2)
+        self.ids = torch.randint(1, VOCAB, (n, T), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train(tmp_path, model, callbacks=(), **args):
+    """Trains `model` 3 steps with the Trainer on CPU; returns the logged losses and the final parameters."""
+    import transformers
+
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=2, use_cpu=True,
+        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True, **args,
+    )
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=list(callbacks))
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
