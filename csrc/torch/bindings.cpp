@@ -5,6 +5,7 @@
 #include "../core/profiler.h"
 #include "profiling.h"
 #include "runtime.h"
+#include "device_bytes.h"
 #include "device_memory.h"
 #include "packer.h"
 #include "saved_tensor.h"
@@ -116,7 +117,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("profiler_set_scope", &profiler::set_scope, py::arg("scope"));
   m.def("profiler_range", &profiler_range, py::arg("name"), py::arg("device"), py::arg("begin"));
   m.def("profiler_records", &profiler_records);
-  m.def("device_bytes_saved", [] { return profiler::g_device_bytes_saved.load(); });
+  m.def("device_bytes_saved", [] { return DeviceBytesHeld::total(); });
   m.def("copy_batch_on_host", [](std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> segs) {
     // Test hook: runs the gather/scatter kernel's chunk plan on the host.
     std::vector<CopySegment> s;
