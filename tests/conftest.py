@@ -72,6 +72,12 @@ def default_pool_bytes_in_use() -> int:
     return co.default_pool().stats()["bytes_in_use"]
 
 
+def device_bytes_saved() -> int:
+    """The memory timeline's count of saved-activation bytes held on their device."""
+    co.synchronize()  # a source still being copied counts until its copy has read it
+    return co._C.device_bytes_saved()
+
+
 def run_a_backward() -> None:
     """Runs a tiny backward on this thread. After a backward that raised, PyTorch's engine keeps
     the nodes it had queued (and the tensors they saved) until the next backward on the thread."""
@@ -81,16 +87,19 @@ def run_a_backward() -> None:
 
 @pytest.fixture(autouse=True)
 def _nothing_left_behind():
-    """Every test leaves the default pool's bytes in use, the global module hooks and this
-    thread's saved-tensor hooks stack as it found them: no stuck context, no leaked graph."""
+    """Every test leaves the default pool's bytes in use, the device bytes the memory timeline
+    counts, the global module hooks and this thread's saved-tensor hooks stack as it found them:
+    no stuck context, no leaked graph, no holder of device bytes that outlives its graph."""
     bytes_before = default_pool_bytes_in_use()
+    device_before = device_bytes_saved()
     hooks_before = global_module_hook_counts()
     yield
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "saved-tensor hooks left active"
     assert global_module_hook_counts() == hooks_before, "global nn.Module hooks left registered"
-    if default_pool_bytes_in_use() != bytes_before:
+    if default_pool_bytes_in_use() != bytes_before or device_bytes_saved() != device_before:
         gc.collect()  # a graph held only by a reference cycle (an exception's traceback) is not a leak
         assert default_pool_bytes_in_use() == bytes_before, "default pool bytes still in use after the test"
+        assert device_bytes_saved() == device_before, "device bytes still counted in the memory timeline"
 
 
 @pytest.fixture

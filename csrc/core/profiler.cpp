@@ -6,7 +6,6 @@ namespace ckpt_offload {
 namespace profiler {
 
 std::atomic<bool> g_enabled{false};
-std::atomic<int64_t> g_device_bytes_saved{0};
 
 namespace {
 

@@ -127,9 +127,5 @@ struct Snapshot {
 // Waits for every recorded event (the caller drains the copy streams first) and converts.
 Snapshot snapshot();
 
-// Bytes of saved activations ckpt_offload holds on their device right now (kept tensors,
-// sources still being copied, reloaded or prefetched storages): the memory timeline's line.
-extern std::atomic<int64_t> g_device_bytes_saved;
-
 }  // namespace profiler
 }  // namespace ckpt_offload

@@ -5,6 +5,7 @@
 #include "../core/profiler.h"
 #include "profiling.h"
 #include "runtime.h"
+#include "device_bytes.h"
 #include "device_memory.h"
 #include "packer.h"
 #include "saved_tensor.h"
@@ -114,7 +115,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("profiler_set_scope", &profiler::set_scope, py::arg("scope"));
   m.def("profiler_range", &profiler_range, py::arg("name"), py::arg("device"), py::arg("begin"));
   m.def("profiler_records", &profiler_records);
-  m.def("device_bytes_saved", [] { return profiler::g_device_bytes_saved.load(); });
+  m.def("device_bytes_saved", [] { return DeviceBytesHeld::total(); });
   m.def("_timing_epoch_ns", &timing_epoch_ns, py::arg("device"));
 
   // Test hooks live in _C.testing, apart from what the library itself calls: knobs that inject

@@ -5,6 +5,7 @@
 
 #include "../core/profiler.h"
 #include "../core/spill.h"
+#include "device_bytes.h"
 #include "runtime.h"
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
@@ -51,11 +52,13 @@ void release_after_copy(c10::Storage storage, Stream* copy, std::shared_ptr<Even
 
 // Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
 std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes) {
-  profiler::g_device_bytes_saved += bytes;
-  return std::shared_ptr<void>(new c10::Storage(st), [bytes](void* p) {
-    profiler::g_device_bytes_saved -= bytes;
-    delete static_cast<c10::Storage*>(p);
-  });
+  struct Held {
+    c10::Storage storage;
+    DeviceBytesHeld bytes;
+  };
+  auto held = std::make_shared<Held>(Held{st, DeviceBytesHeld(bytes)});
+  // Points at the storage (batch.cpp reads it through the pointer), owns both.
+  return std::shared_ptr<void>(held, &held->storage);
 }
 
 void sample_memory(HostPool* pool, const c10::Device& device) {
@@ -65,7 +68,7 @@ void sample_memory(HostPool* pool, const c10::Device& device) {
   m.pool_bytes_in_use = pool ? static_cast<int64_t>(pool->stats().bytes_in_use) : 0;
   if (auto target = pool ? spill_target(pool) : nullptr)
     m.disk_bytes_in_use = static_cast<int64_t>(target->tier()->stats().bytes_requested);
-  m.device_bytes_saved = profiler::g_device_bytes_saved.load();
+  m.device_bytes_saved = DeviceBytesHeld::total();
   m.device_bytes_allocated = device_allocated_bytes(device);
   profiler::add(m);
 }

@@ -15,6 +15,7 @@ namespace ckpt_offload {
 // `n` uninitialized bytes on `device`, from torch's allocator, in the current stream's order.
 at::Tensor device_bytes(const c10::Device& device, size_t n);
 // Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
+// The pointer is the c10::Storage.
 std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes);
 // Adds a memory sample (pool bytes, device bytes saved/allocated) to the profiler, when on.
 void sample_memory(HostPool* pool, const c10::Device& device);

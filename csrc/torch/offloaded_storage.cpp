@@ -34,7 +34,6 @@ OffloadedStorage::~OffloadedStorage() {
   std::lock_guard<std::mutex> lock(mu_);
   drop_staged_locked();
   drop_disk_prefetch_locked();
-  if (on_device_) profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
 }
 
 void OffloadedStorage::drop_disk_prefetch_locked() {
@@ -48,7 +47,7 @@ void OffloadedStorage::drop_disk_prefetch_locked() {
 void OffloadedStorage::keep_on_device(c10::Storage storage) {
   std::lock_guard<std::mutex> lock(mu_);
   on_device_ = std::move(storage);
-  profiler::g_device_bytes_saved += static_cast<int64_t>(pad_ + nbytes_);
+  on_device_bytes_.set(static_cast<int64_t>(pad_ + nbytes_));
 }
 
 void OffloadedStorage::drop_prefetch() {
@@ -94,7 +93,7 @@ bool OffloadedStorage::stage_locked(Staged staged) {
     return false;
   }
   staged_ = std::move(staged);
-  profiler::g_device_bytes_saved += static_cast<int64_t>(pad_ + nbytes_);
+  staged_.counted.set(static_cast<int64_t>(pad_ + nbytes_));
   return true;
 }
 
@@ -104,7 +103,7 @@ void OffloadedStorage::drop_staged_locked() {
     staged_ = Staged{};
     return;
   }
-  profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+  staged_.counted.reset();
   if (staged_.prefetch) {
     if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
     if (counters_) counters_->prefetches_unused++;
@@ -198,7 +197,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     } else if (static_cast<bool>(staged_.storage)) {
       Staged st = std::move(staged_);
       staged_ = Staged{};
-      profiler::g_device_bytes_saved -= static_cast<int64_t>(pad_ + nbytes_);
+      st.counted.reset();  // the unpacking saved tensor counts them from here (fresh_bytes)
       if (profiler::enabled() && st.ready)
         profiler::add(profiler::WaitRecord{handle_, device_index(device_),
                                            request ? request : streams.compute().record_timed(), st.ready});

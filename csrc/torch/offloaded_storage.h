@@ -12,6 +12,7 @@
 #include "../core/host_pool.h"
 #include "../core/spill.h"
 #include "counters.h"
+#include "device_bytes.h"
 #include "prefetcher.h"
 
 namespace ckpt_offload {
@@ -42,6 +43,9 @@ class OffloadedStorage : public Reloadable {
     // A reload kept for the saved tensors that have not unpacked yet (tanh's output is also
     // the next Linear's input): they share it instead of copying the same bytes again.
     bool held = false;
+    // Counts the bytes in the memory timeline while staged_ owns them (not when `held`: the
+    // saved tensor that unpacked the reload counts them).
+    DeviceBytesHeld counted;
   };
 
   // A device storage holding the bytes again. While one reloaded storage is alive, later
@@ -98,6 +102,7 @@ class OffloadedStorage : public Reloadable {
   std::shared_ptr<Event> reloaded_ready_;
   Staged staged_;
   c10::Storage on_device_;  // see keep_on_device
+  DeviceBytesHeld on_device_bytes_;
   int pending_ = 0;  // saved tensors viewing this storage that have not unpacked yet
   std::shared_ptr<Prefetcher> prefetcher_;
   uint64_t seq_ = 0;

@@ -92,8 +92,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   saved->kept_ = t.detach();
   saved->nbytes_ = nbytes;
   if (why != KeepReason::Parameter && why != KeepReason::Buffer) {
-    saved->device_held_ = nbytes;
-    profiler::g_device_bytes_saved += nbytes;
+    saved->device_held_.set(nbytes);
   }
   if (profiler::enabled()) {
     profiler::KeepRecord k;

@@ -24,7 +24,6 @@ void SavedTensor::check_version() const {
 }
 
 SavedTensor::~SavedTensor() {
-  if (device_held_) profiler::g_device_bytes_saved -= device_held_;
   if (storage_ && !unpacked_) storage_->unlink();
 }
 
@@ -52,8 +51,7 @@ at::Tensor SavedTensor::unpack() {
   if (fresh) {
     // The reloaded storage lives about as long as the node that unpacked it, which is when
     // autograd drops this SavedTensor: the memory timeline counts it until then.
-    device_held_ += fresh;
-    profiler::g_device_bytes_saved += fresh;
+    device_held_.set(device_held_.bytes() + fresh);
   }
   sample_memory(storage_->pool(), device_);
   at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype_).device(st.device()));

@@ -9,6 +9,7 @@
 
 #include "../core/host_pool.h"
 #include "counters.h"
+#include "device_bytes.h"
 #include "offloaded_storage.h"
 
 namespace ckpt_offload {
@@ -46,7 +47,7 @@ class SavedTensor {
   c10::VariableVersion version_;  // shares the counter, not the tensor
   uint32_t saved_version_ = 0;
   std::shared_ptr<PackerCounters> counters_;
-  int64_t device_held_ = 0;  // bytes counted in profiler::g_device_bytes_saved for this tensor
+  DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
 };
 
