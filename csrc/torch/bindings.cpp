@@ -90,7 +90,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20)
       .def("pack", &Packer::pack)
       .def("unpack", &Packer::unpack)
-      .def("note_module_state", &Packer::note_module_state)
       .def("begin", &Packer::begin)
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)

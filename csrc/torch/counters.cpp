@@ -13,6 +13,7 @@ const char* keep_reason_name(KeepReason r) {
     case KeepReason::Subclass: return "subclass";
     case KeepReason::PoolFull: return "pool_full";
     case KeepReason::GraphCapture: return "cuda_graph_capture";
+    case KeepReason::AutocastCast: return "autocast_cast";
     default: return "unknown";
   }
 }
