@@ -29,7 +29,7 @@ namespace ckpt_offload {
 //  - any other tensor whose view root is a leaf (no grad_fn: inputs, masks built without grad,
 //    buffers, parameters swapped in by torch.func.functional_call) is looked up among the
 //    `_parameters` and `_buffers` of the modules whose forward is running on this thread: the
-//    `self` of the Python frames on the stack (Packer::leaf_owner). A buffer used outside the
+//    module of each nn.Module._call_impl frame on the Python stack (Packer::leaf_owner). A buffer used outside the
 //    forward of the module that owns it (or of one of its ancestors) is not recognised and is
 //    offloaded like an activation: a copy, not a wrong gradient. Non-leaf activations, the
 //    bulk of what autograd saves, never reach this lookup.
@@ -45,6 +45,16 @@ PyObject* module_class() {
   // Leaked on purpose: a strong reference to torch.nn.Module for the life of the process.
   static PyObject* cls = py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();
   return cls;
+}
+
+// The code object of nn.Module._call_impl, through which every module call runs (its first
+// argument is the module); null if this torch has none.
+PyObject* call_impl_code() {
+  static PyObject* code = [] {
+    py::object fn = py::getattr(py::handle(module_class()), "_call_impl", py::none());
+    return fn.is_none() ? nullptr : py::object(py::getattr(fn, "__code__", py::none())).release().ptr();
+  }();
+  return code == Py_None ? nullptr : code;
 }
 
 // Adds the storages of a module's `_parameters` or `_buffers` dict to `into`; true when `target`
@@ -129,8 +139,16 @@ std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::Tens
   std::optional<KeepReason> found;
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
-  for (int depth = 0; frame && depth < kMaxFrames && !found; ++depth) {
-    PyObject* locals = PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals");
+  PyObject* call_impl = call_impl_code();
+  for (int depth = 0; frame && call_impl && depth < kMaxFrames && !found; ++depth) {
+    // Only _call_impl's frames: reading f_locals snapshots a frame's locals into a dict that
+    // lives as long as the frame, which in a user's function would keep objects it deletes
+    // (`del pool`) alive until it returns. _call_impl's locals (the module, its arguments)
+    // live that long anyway.
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    const bool module_call = reinterpret_cast<PyObject*>(code) == call_impl;
+    Py_DECREF(code);
+    PyObject* locals = module_call ? PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals") : nullptr;
     PyObject* self = nullptr;
     if (locals) {
       PyObject* name = PyUnicode_FromString("self");
@@ -138,7 +156,7 @@ std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::Tens
       Py_XDECREF(name);
       Py_DECREF(locals);
     }
-    PyErr_Clear();  // no `self` here: not a method frame
+    PyErr_Clear();
     if (self) {
       if (PyObject_IsInstance(self, module_class()) == 1) {
         if (scan_state(self, "_parameters", storage, params))
@@ -210,8 +228,16 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
   auto saved = SavedTensor::describe_layout(t, counters_);
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
-  // by its own node does not form a reference cycle that would leak the graph.
-  saved->kept_ = t.detach();
+  // by its own node does not form a reference cycle that would leak the graph. For a plain
+  // strided tensor made directly (what the detach op does, without its dispatch); subclasses
+  // and other layouts go through their own detach.
+  if (why == KeepReason::Subclass || why == KeepReason::Layout) {
+    saved->kept_ = t.detach();
+  } else {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    saved->kept_ = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(),
+                                                            impl->allow_tensor_metadata_change()));
+  }
   saved->nbytes_ = nbytes;
   if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) {
     saved->device_held_ = nbytes;
@@ -377,10 +403,14 @@ py::object Packer::pack(py::handle obj) {
 }
 
 at::Tensor Packer::unpack(py::handle obj) {
-  if (!py::isinstance<SavedTensor>(obj)) {
+  // SavedTensor's pybind11 type, looked up once: pack returns exactly this type.
+  static py::detail::type_info* const saved_type = py::detail::get_type_info(typeid(SavedTensor));
+  if (Py_TYPE(obj.ptr()) != saved_type->type) {
     if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");
   }
+  SavedTensor& saved =
+      *reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(saved_type).value_ptr<SavedTensor>();
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when
@@ -388,7 +418,7 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
-  return obj.cast<SavedTensor&>().unpack();
+  return saved.unpack();
 }
 
 void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, const std::shared_ptr<HostPool>& pool) {
