@@ -16,7 +16,8 @@
 #   overlap.json / overlap.md / overlap.png   benchmarks/overlap.py --out OUT_DIR
 #   extras.tar.gz  the rest, packed: extras/build.log (setup.py build_ext --inplace),
 #                  extras/gpu_tests.xml (junit XML of `pytest -m gpu -v tests/`),
-#                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`) and
+#                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`),
+#                  extras/hot_path.json / hot_path.md (benchmarks/hot_path.py --out; --quick without a GPU) and
 #                  extras/demo/* (the output of `python3 -m ckpt_offload demo`, if it exists)
 #   (suite.log has the last 40 lines of any failing step's log, build.log included.)
 #
@@ -216,6 +217,10 @@ EOF
   # ---- benchmarks ---------------------------------------------------------------------------
   step bandwidth 180 - "$PY" benchmarks/bandwidth.py --out "$OUT"
 
+  # ---- hot path: the fixed cost per saved tensor (its files travel in extras.tar.gz) ---------
+  if [ "$TORCH_GPU" = "1" ]; then HOT_ARGS=(); else HOT_ARGS=(--quick); fi
+  step hot_path 90 - "$PY" benchmarks/hot_path.py "${HOT_ARGS[@]}" --out "$EXTRAS"
+
   # ---- overlap: every strategy side by side on the built-in Llama decoder ---------------------
   if [ "$TORCH_GPU" = "1" ]; then
     # Leave a minute of the suite budget for the demo and the summary.
@@ -348,6 +353,28 @@ if os.path.exists(bw):
         lines.append(f"could not read bandwidth.json: {e}")
 else:
     lines.append("no bandwidth.json (the step failed or did not run)")
+
+hp = os.path.join(extras, "hot_path.json")
+lines.append("")
+lines.append("## Hot path: fixed cost per saved tensor (extras/hot_path.md has every variant)")
+lines.append("")
+if os.path.exists(hp):
+    try:
+        r = json.load(open(hp))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        for key, v in r["ratios"].items():
+            ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
+            lines.append(f"- {key}: {v['numerator']} {v['numerator_us']:.2f} µs / {v['denominator']} "
+                         f"{v['denominator_us']:.2f} µs per saved tensor = **{ratio}** (target <= 1.0)")
+        behind = [x["variant"] for x in r["results"] if x.get("host_behind_gpu")]
+        if r["mode"] == "gpu":
+            lines.append(f"- host behind the GPU (host forward time > GPU step time): {', '.join(behind) or 'none'}")
+    except Exception as e:
+        lines.append(f"could not read hot_path.json: {e}")
+else:
+    lines.append("no hot_path.json (the step failed or did not run)")
 
 ov = os.path.join(out, "overlap.json")
 lines.append("")

@@ -184,6 +184,7 @@ def run(args) -> dict:
         if n in stats:
             s = stats[n]
             row["offloaded"] = s["tensors_offloaded"]
+            row["deduplicated"] = s["tensors_deduplicated"]
             row["kept_by_reason"] = s["kept_by_reason"]
         if cuda:
             host = statistics.median(times[n]["forward_host"])
