@@ -82,6 +82,44 @@ bool scan_state(PyObject* module, const char* attr, const void* target, std::uno
   return hit;
 }
 
+// Note [Saved activation objects]
+// What pack returns to autograd is a minimal CPython object holding a shared_ptr<SavedTensor>,
+// not a pybind11 instance: a pybind11 instance is registered in (and removed from) pybind11's
+// global instance table, which cost more than the whole keep decision. It holds no Python
+// reference, so it is not tracked by the cyclic GC either (which would add a collection every
+// few hundred saved tensors).
+struct SavedObject {
+  PyObject_HEAD
+  std::shared_ptr<SavedTensor> saved;
+};
+
+void saved_dealloc(PyObject* self) {
+  reinterpret_cast<SavedObject*>(self)->saved.~shared_ptr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject* saved_type() {
+  static PyTypeObject* type = [] {
+    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "ckpt_offload._C.SavedActivation";
+    t.tp_basicsize = sizeof(SavedObject);
+    t.tp_dealloc = saved_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.";
+    if (PyType_Ready(&t) < 0) throw py::error_already_set();
+    return &t;
+  }();
+  return type;
+}
+
+py::object wrap_saved(std::shared_ptr<SavedTensor> saved) {
+  PyTypeObject* type = saved_type();
+  PyObject* obj = type->tp_alloc(type, 0);
+  if (!obj) throw py::error_already_set();
+  new (&reinterpret_cast<SavedObject*>(obj)->saved) std::shared_ptr<SavedTensor>(std::move(saved));
+  return py::reinterpret_steal<py::object>(obj);
+}
+
 // How many Python frames leaf_owner looks through: deep enough for nested modules
 // (each adds ~2 frames: _call_impl and forward), bounded so that a deep stack costs little.
 constexpr int kMaxFrames = 96;
@@ -254,7 +292,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
     profiler::add(std::move(k));
     sample_memory(options_.pool.get(), t.device());
   }
-  return py::cast(std::move(saved));
+  return wrap_saved(std::move(saved));
 }
 
 std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes) {
@@ -383,7 +421,7 @@ py::object Packer::pack(py::handle obj) {
   Span span;
   int64_t keep_bytes = 0;
   if (auto why = classify(o, t, &span, &keep_bytes)) return keep(t, *why, keep_bytes);
-  if (auto dup = find_duplicate(t, span)) return py::cast(std::move(dup));
+  if (auto dup = find_duplicate(t, span)) return wrap_saved(std::move(dup));
 
   std::shared_ptr<SavedTensor> saved;
   if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
@@ -399,18 +437,15 @@ py::object Packer::pack(py::handle obj) {
   counters_->bytes_offloaded += span.bytes();
   remember(t, span, saved);
   sample_memory(options_.pool.get(), t.device());
-  return py::cast(std::move(saved));
+  return wrap_saved(std::move(saved));
 }
 
 at::Tensor Packer::unpack(py::handle obj) {
-  // SavedTensor's pybind11 type, looked up once: pack returns exactly this type.
-  static py::detail::type_info* const saved_type = py::detail::get_type_info(typeid(SavedTensor));
-  if (Py_TYPE(obj.ptr()) != saved_type->type) {
+  if (Py_TYPE(obj.ptr()) != saved_type()) {  // Note [Saved activation objects]
     if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");
   }
-  SavedTensor& saved =
-      *reinterpret_cast<py::detail::instance*>(obj.ptr())->get_value_and_holder(saved_type).value_ptr<SavedTensor>();
+  SavedTensor& saved = *reinterpret_cast<SavedObject*>(obj.ptr())->saved;
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when
