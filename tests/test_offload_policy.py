@@ -63,6 +63,25 @@ def test_no_global_module_hook_while_active(pool):
     y.sum().backward()
 
 
+def test_compiled_module_under_offload_gives_no_global_hooks_warning(pool):
+    """torch.compile(module) warns on the user's line when global module hooks exist; co.offload
+    registers none, and gradients equal the uncompiled run's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cpu_offload(pool) as ctx:
+            y = compiled(x).sum()
+        y.backward()
+    assert not [str(w.message) for w in caught if "global hooks" in str(w.message)]
+    assert ctx.stats()["tensors_offloaded"] > 0
+    x2 = x.detach().clone().requires_grad_()
+    model(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
 class Scaled(nn.Module):
     """Saves a view of its buffer (``scale[:n]``), and a frozen weight's view (``weight.t()``)."""
 
