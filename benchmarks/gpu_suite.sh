@@ -20,6 +20,7 @@
 #                  extras/cpu_tests.xml (junit XML of `pytest tests -x -q -m "not gpu"`),
 #                  extras/disk_tier.json / .md (benchmarks/disk_tier.py: spill-file bandwidth on
 #                  SPILL_DIR, default /tmp, and a step's cost of spilling) and
+#                  extras/hot_path.json / hot_path.md (benchmarks/hot_path.py --out; --quick without a GPU) and
 #                  extras/demo/* (the output of `python3 -m ckpt_offload demo`, if it exists)
 #   (suite.log has the last 40 lines of any failing step's log, build.log included.)
 #
@@ -224,6 +225,9 @@ EOF
 
   # ---- disk tier: spill files on the local disk (SPILL_DIR), and what spilling costs a step ----
   step disk_tier 75 - "$PY" benchmarks/disk_tier.py --dir "${SPILL_DIR:-/tmp}" --out "$EXTRAS"
+  # ---- hot path: the fixed cost per saved tensor (its files travel in extras.tar.gz) ---------
+  if [ "$TORCH_GPU" = "1" ]; then HOT_ARGS=(); else HOT_ARGS=(--quick); fi
+  step hot_path 90 - "$PY" benchmarks/hot_path.py "${HOT_ARGS[@]}" --out "$EXTRAS"
 
   # ---- overlap: every strategy side by side on the built-in Llama decoder ---------------------
   if [ "$TORCH_GPU" = "1" ]; then
@@ -397,6 +401,27 @@ if os.path.exists(dt):
         lines.append(f"could not read disk_tier.json: {e}")
 else:
     lines.append("no disk_tier.json (the step failed or did not run)")
+hp = os.path.join(extras, "hot_path.json")
+lines.append("")
+lines.append("## Hot path: fixed cost per saved tensor (extras/hot_path.md has every variant)")
+lines.append("")
+if os.path.exists(hp):
+    try:
+        r = json.load(open(hp))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        for key, v in r["ratios"].items():
+            ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
+            lines.append(f"- {key}: {v['numerator']} {v['numerator_us']:.2f} µs / {v['denominator']} "
+                         f"{v['denominator_us']:.2f} µs per saved tensor = **{ratio}** (target <= 1.0)")
+        behind = [x["variant"] for x in r["results"] if x.get("host_behind_gpu")]
+        if r["mode"] == "gpu":
+            lines.append(f"- host behind the GPU (host forward time > GPU step time): {', '.join(behind) or 'none'}")
+    except Exception as e:
+        lines.append(f"could not read hot_path.json: {e}")
+else:
+    lines.append("no hot_path.json (the step failed or did not run)")
 
 ov = os.path.join(out, "overlap.json")
 lines.append("")

@@ -157,7 +157,7 @@ def _graph_task_id() -> int:
 class _Activation:
     """What one ``__enter__`` of a :class:`offload` started, so that ``__exit__`` undoes exactly that."""
 
-    __slots__ = ("thread", "graph_task", "hooks", "pack", "unpack", "module_hook")
+    __slots__ = ("thread", "graph_task", "hooks", "pack", "unpack")
 
     def __init__(self):
         self.thread = threading.get_ident()
@@ -166,7 +166,6 @@ class _Activation:
         self.graph_task = _graph_task_id()
         self.hooks = None  # torch's saved_tensors_hooks we pushed; None: hooks disabled, no offload
         self.pack = self.unpack = None
-        self.module_hook = None
 
 
 _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
@@ -274,7 +273,8 @@ class offload:
     offload, with a one-time warning.
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
-    (``nn.Linear`` saves ``weight.t()``), tensors on other devices, sparse / nested / quantized
+    (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
+    ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other devices, sparse / nested / quantized
     / conjugate-view tensors, tensor subclasses, and tensors smaller than ``min_bytes``. Several
     saved tensors that view one storage are offloaded once. A saved tensor modified in place
     after it was saved makes backward raise, as autograd does without hooks.
@@ -362,9 +362,6 @@ class offload:
 
         return wrapper
 
-    def _note_module(self, module, args):
-        self._packer.note_module_state(module._parameters, module._buffers)
-
     def __enter__(self) -> "offload":
         with self._lock:
             if self._state is not None:
@@ -393,14 +390,13 @@ class offload:
         hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
         hooks.__enter__()
         state.hooks = hooks
+        # No module hook: parameters, buffers and their views are recognised in C++ from the tensor
+        # itself (Parameter, the view's root, the modules whose forward is on the stack); a global
+        # forward pre-hook would slow every nn.Module call of the process and make torch.compile
+        # warn about global hooks.
         try:
             self._packer.begin()
-            # Parameters and buffers are recognised by storage, from every module that runs inside
-            # the block: a frozen weight's view or a buffer is a plain tensor by the time it is saved.
-            state.module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._note_module)
         except BaseException:
-            if state.module_hook is not None:
-                state.module_hook.remove()
             hooks.__exit__(None, None, None)
             self._packer.end(keep_dedup=self.keep_dedup)
             raise
@@ -438,8 +434,6 @@ class offload:
                 state.hooks.__exit__(None, None, None)
         finally:
             try:
-                if state.module_hook is not None:
-                    state.module_hook.remove()
                 if state.hooks is not None:
                     try:
                         self._packer.flush_batches()
@@ -480,7 +474,7 @@ class offload:
         Keys: ``tensors_offloaded``, ``bytes_offloaded``, ``tensors_deduplicated`` (saved tensors
         that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
         ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
-        ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
+        ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``, ``autocast_cast``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
         ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy),
         ``tensors_batched`` and ``batches`` (small tensors gathered into shared copies, and those
         copies), ``prefetches`` / ``bytes_prefetched`` (reloads started ahead of need),

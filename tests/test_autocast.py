@@ -6,9 +6,9 @@ Gradients must stay bit-identical to the same autocast run without ckpt_offload:
 bf16 and fp16 here, on a GPU (cuda autocast, and fp16 with ``GradScaler``) in the gpu-marked
 tests below.
 
-The cast is a copy of a parameter that autocast keeps alive anyway, so offloading it only costs a
-copy; recognising it (a kept reason of its own) is work in the C++ pack path, tracked by the
-strict xfail test at the end.
+The cast is a copy of a parameter that autocast keeps alive anyway, so offloading it would only
+cost a copy: the C++ pack path recognises it and keeps it, under a kept reason of its own
+(``autocast_cast``).
 """
 
 import pytest
@@ -94,11 +94,6 @@ def count_weight_casts_saved(model, dtype):
     return sum(saved)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OWNED BY THE C++ PACK-PATH CHANGE (issue 14 item 4): autocast's weight casts are offloaded today. "
-    "Turns green (then remove this marker) when the pack hook keeps them under a kept reason of their own.",
-)
 def test_autocast_weight_casts_kept_under_their_own_reason(pool):
     torch.manual_seed(0)
     model = MLP()
@@ -113,6 +108,7 @@ def test_autocast_weight_casts_kept_under_their_own_reason(pool):
     stats = ctx.stats()
     new_reasons = {k: v for k, v in stats["kept_by_reason"].items() if k not in KNOWN_REASONS}
     assert list(new_reasons.values()) == [casts], stats["kept_by_reason"]
+    assert stats["kept_by_reason"]["autocast_cast"] == casts
 
 
 # --- GPU: cuda autocast and GradScaler ------------------------------------------------------

@@ -70,11 +70,19 @@ def test_enter_refused_by_torch_starts_nothing(monkeypatch, pool):
 def test_enter_failing_after_torch_hooks_undoes_them(monkeypatch, pool):
     ctx = cpu_offload(pool)
 
-    def fail(hook):
-        raise RuntimeError("no module hook today")
+    class FailingBegin:
+        # The packer, except that begin() (what __enter__ runs after torch's hooks) raises.
+        def __init__(self, packer):
+            self._packer = packer
 
-    monkeypatch.setattr(torch.nn.modules.module, "register_module_forward_pre_hook", fail)
-    with pytest.raises(RuntimeError, match="no module hook today"):
+        def begin(self):
+            raise RuntimeError("no packer today")
+
+        def __getattr__(self, name):
+            return getattr(self._packer, name)
+
+    monkeypatch.setattr(ctx, "_packer", FailingBegin(ctx._packer))
+    with pytest.raises(RuntimeError, match="no packer today"):
         ctx.__enter__()
     monkeypatch.undo()
     assert_clean(ctx)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
-from conftest import cpu_offload, nonzero
+from conftest import cpu_offload, global_module_hook_counts, nonzero
 from helpers import Probe
 
 
@@ -49,6 +49,97 @@ def test_frozen_parameter_and_buffer_are_not_offloaded(pool):
     kept = ctx.stats()["kept_by_reason"]
     assert kept.get("parameter", 0) == 1 and kept.get("buffer", 0) == 1
     y.sum().backward()
+
+
+def test_no_global_module_hook_while_active(pool):
+    """Parameters and buffers are recognised from the tensor itself: co.offload registers no
+    global nn.Module hook (which would put every module call of the process on torch's slow
+    path and make torch.compile warn about global hooks)."""
+    m = nn.Linear(8, 8)
+    with cpu_offload(pool) as ctx:
+        assert global_module_hook_counts() == {k: 0 for k in global_module_hook_counts()}
+        y = m(torch.randn(2, 8, requires_grad=True))
+    assert ctx.stats()["kept_by_reason"] == {"parameter": 1}
+    y.sum().backward()
+
+
+def test_compiled_module_under_offload_gives_no_global_hooks_warning(pool):
+    """torch.compile(module) warns on the user's line when global module hooks exist; co.offload
+    registers none, and gradients equal the uncompiled run's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 16, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cpu_offload(pool) as ctx:
+            y = compiled(x).sum()
+        y.backward()
+    assert not [str(w.message) for w in caught if "global hooks" in str(w.message)]
+    assert ctx.stats()["tensors_offloaded"] > 0
+    x2 = x.detach().clone().requires_grad_()
+    model(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+class Scaled(nn.Module):
+    """Saves a view of its buffer (``scale[:n]``), and a frozen weight's view (``weight.t()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.lin.weight.requires_grad_(False)
+        self.register_buffer("scale", torch.randn(64, 32))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale[: x.shape[0]]
+
+
+def test_buffer_view_inside_nested_module_is_kept(pool):
+    """A buffer is found among the modules whose forward is running (an ancestor's frame counts
+    as well as its own module's); a leaf tensor that is no module's (the input, a mask built
+    without grad) is offloaded."""
+    model = nn.Sequential(Scaled(), nn.Tanh())
+    x = torch.randn(16, 32, requires_grad=True)
+    mask = (torch.rand(16, 32) > 0.5).float()  # a leaf that is no module's state
+    with cpu_offload(pool) as ctx:
+        y = model(x) * mask
+    s = ctx.stats()
+    assert s["kept_by_reason"] == {"parameter": 1, "buffer": 1}
+    # tanh's output and the mask (the frozen Linear saves only its weight's view, the product
+    # with the buffer only the buffer's view)
+    assert s["tensors_offloaded"] == 2
+    (y.sum()).backward()
+    ref = Scaled()
+    ref.load_state_dict(model[0].state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    (torch.tanh(ref(x2)) * mask).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_buffer_used_outside_its_modules_forward_is_offloaded(pool):
+    """The documented boundary: a buffer read outside the forward of the module that owns it
+    (and of its ancestors) is copied like an activation; gradients are unaffected."""
+    owner = Scaled()
+    x = torch.randn(16, 32, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        y = (x * owner.scale[:16]).sum()
+    assert ctx.stats()["kept_by_reason"].get("buffer", 0) == 0
+    y.backward()
+    assert torch.equal(x.grad, owner.scale[:16])
+
+
+def test_functional_call_swapped_parameters_are_kept(pool):
+    """torch.func.functional_call puts plain tensors in the module's ``_parameters``: they are
+    still recognised as the module's parameters."""
+    lin = nn.Linear(32, 32)
+    params = {k: v.detach().clone().requires_grad_() for k, v in lin.named_parameters()}
+    x = torch.randn(8, 32, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        y = torch.func.functional_call(lin, params, (x,))
+    assert ctx.stats()["kept_by_reason"] == {"parameter": 1}
+    y.sum().backward()
+    assert params["weight"].grad is not None
 
 
 def test_functional_parameter_use_is_not_offloaded(pool):

@@ -41,6 +41,56 @@ py::dict pool_stats(HostPool& pool) {
   return d;
 }
 
+// Note [Hook entry points]
+// The saved-tensor hooks torch calls once per saved tensor are plain CPython functions (METH_O),
+// not pybind11 methods: pybind11's dispatcher (overload resolution, argument casters) costs as
+// much as the whole keep decision. Each function carries its Packer in a capsule, and turns a
+// C++ exception into the Python exception pybind11 would have raised (PoolFullError included).
+PyObject* raise_translated() noexcept {
+  try {
+    throw;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (py::builtin_exception& e) {
+    e.set_error();
+  } catch (...) {
+    py::detail::try_translate_exceptions();
+  }
+  return nullptr;
+}
+
+Packer* capsule_packer(PyObject* capsule) {
+  return static_cast<std::shared_ptr<Packer>*>(PyCapsule_GetPointer(capsule, "ckpt_offload.Packer"))->get();
+}
+
+PyObject* hook_pack(PyObject* capsule, PyObject* arg) {
+  try {
+    return capsule_packer(capsule)->pack(arg).release().ptr();
+  } catch (...) {
+    return raise_translated();
+  }
+}
+
+PyObject* hook_unpack(PyObject* capsule, PyObject* arg) {
+  try {
+    return THPVariable_Wrap(capsule_packer(capsule)->unpack(arg));
+  } catch (...) {
+    return raise_translated();
+  }
+}
+
+PyMethodDef pack_def{"pack", hook_pack, METH_O, "co.offload's pack hook: one saved tensor -> what autograd keeps"};
+PyMethodDef unpack_def{"unpack", hook_unpack, METH_O, "co.offload's unpack hook: what pack returned -> the tensor"};
+
+// A new function object calling `def` on `packer` (which it keeps alive).
+py::object hook_function(std::shared_ptr<Packer> packer, PyMethodDef* def) {
+  py::capsule holder(new std::shared_ptr<Packer>(std::move(packer)), "ckpt_offload.Packer",
+                     [](PyObject* c) { delete static_cast<std::shared_ptr<Packer>*>(PyCapsule_GetPointer(c, "ckpt_offload.Packer")); });
+  PyObject* fn = PyCFunction_New(def, holder.ptr());
+  if (!fn) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -94,9 +144,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
            py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes") = 0,
            py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20, py::arg("prefetch_auto") = false)
-      .def("pack", &Packer::pack)
-      .def("unpack", &Packer::unpack)
-      .def("note_module_state", &Packer::note_module_state)
+      // Note [Hook entry points]: each read gives a new function object; push and compare the
+      // same one.
+      .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &pack_def); })
+      .def_property_readonly("unpack",
+                             [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &unpack_def); })
       .def("begin", &Packer::begin)
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)

@@ -14,6 +14,7 @@ const char* keep_reason_name(KeepReason r) {
     case KeepReason::PoolFull: return "pool_full";
     case KeepReason::GraphCapture: return "cuda_graph_capture";
     case KeepReason::DiskFull: return "disk_full";
+    case KeepReason::AutocastCast: return "autocast_cast";
     default: return "unknown";
   }
 }

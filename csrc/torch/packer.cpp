@@ -1,6 +1,9 @@
 #include "packer.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -16,11 +19,204 @@ namespace py = pybind11;
 
 namespace ckpt_offload {
 
+// Note [Parameters and buffers]
+// Parameters, buffers and views of them are kept: they live across the step anyway, so a copy
+// frees nothing. They are recognised from the saved tensor itself, with no module hook (a
+// global forward pre-hook would put every nn.Module call of the process on torch's slow hook
+// path, and make torch.compile warn about global hooks):
+//  - an nn.Parameter, or a view whose root (`_base`; torch keeps the root, not a chain) is one:
+//    nn.Linear saves weight.t(), a plain Tensor. Frozen weights are Parameters too.
+//  - any other tensor whose view root is a leaf (no grad_fn: inputs, masks built without grad,
+//    buffers, parameters swapped in by torch.func.functional_call) is looked up among the
+//    `_parameters` and `_buffers` of the modules whose forward is running on this thread: the
+//    module of each nn.Module._call_impl frame on the Python stack (Packer::leaf_owner). A buffer used outside the
+//    forward of the module that owns it (or of one of its ancestors) is not recognised and is
+//    offloaded like an activation: a copy, not a wrong gradient. Non-leaf activations, the
+//    bulk of what autograd saves, never reach this lookup.
+//  - under torch.autocast, a cast of a parameter that autocast's weight cache holds for the
+//    region (`weight.to(bf16)` of an fp32 Parameter that requires grad: the cache's own rule,
+//    at::autocast::cached_cast, for parameters) is kept as "autocast_cast": the cache keeps it
+//    alive anyway. Frozen weights' casts are not cached (made afresh by every op): offloaded.
 namespace {
 
 bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass)); }
 
+PyObject* module_class() {
+  // Leaked on purpose: a strong reference to torch.nn.Module for the life of the process.
+  static PyObject* cls = py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();
+  return cls;
+}
+
+// The code object of nn.Module._call_impl, through which every module call runs (its first
+// argument is the module); null if this torch has none.
+PyObject* call_impl_code() {
+  static PyObject* code = [] {
+    py::object fn = py::getattr(py::handle(module_class()), "_call_impl", py::none());
+    return fn.is_none() ? nullptr : py::object(py::getattr(fn, "__code__", py::none())).release().ptr();
+  }();
+  return code == Py_None ? nullptr : code;
+}
+
+// Adds the storages of a module's `_parameters` or `_buffers` dict to `into`; true when `target`
+// is among them.
+bool scan_state(PyObject* module, const char* attr, const void* target, std::unordered_set<const void*>& into) {
+  PyObject* dict = PyObject_GetAttrString(module, attr);
+  if (!dict) {
+    PyErr_Clear();
+    return false;
+  }
+  bool hit = false;
+  if (PyDict_Check(dict)) {
+    PyObject *key, *value;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+      if (value == Py_None || !THPVariable_Check(value)) continue;
+      const at::Tensor& v = THPVariable_Unpack(value);
+      if (!v.has_storage()) continue;
+      const void* st = v.storage().unsafeGetStorageImpl();
+      into.insert(st);
+      hit = hit || st == target;
+    }
+  }
+  Py_DECREF(dict);
+  return hit;
+}
+
+// Note [Saved activation objects]
+// What pack returns to autograd is a minimal CPython object holding a shared_ptr<SavedTensor>,
+// not a pybind11 instance: a pybind11 instance is registered in (and removed from) pybind11's
+// global instance table, which cost more than the whole keep decision. It holds no Python
+// reference, so it is not tracked by the cyclic GC either (which would add a collection every
+// few hundred saved tensors).
+struct SavedObject {
+  PyObject_HEAD
+  std::shared_ptr<SavedTensor> saved;
+};
+
+void saved_dealloc(PyObject* self) {
+  reinterpret_cast<SavedObject*>(self)->saved.~shared_ptr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject* saved_type() {
+  static PyTypeObject* type = [] {
+    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "ckpt_offload._C.SavedActivation";
+    t.tp_basicsize = sizeof(SavedObject);
+    t.tp_dealloc = saved_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT;
+    t.tp_doc = "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.";
+    if (PyType_Ready(&t) < 0) throw py::error_already_set();
+    return &t;
+  }();
+  return type;
+}
+
+py::object wrap_saved(std::shared_ptr<SavedTensor> saved) {
+  PyTypeObject* type = saved_type();
+  PyObject* obj = type->tp_alloc(type, 0);
+  if (!obj) throw py::error_already_set();
+  new (&reinterpret_cast<SavedObject*>(obj)->saved) std::shared_ptr<SavedTensor>(std::move(saved));
+  return py::reinterpret_steal<py::object>(obj);
+}
+
+// How many Python frames leaf_owner looks through: deep enough for nested modules
+// (each adds ~2 frames: _call_impl and forward), bounded so that a deep stack costs little.
+constexpr int kMaxFrames = 96;
+
+// True inside a torch.autocast region (whose weight cache is then live): torch.autocast's
+// __enter__ increments a per-thread nesting count and its __exit__ decrements it, clearing the
+// cache at zero. There is no getter; increment and decrement each return the new count and
+// leave it as it was. Not at::autocast::is_autocast_enabled: pack runs inside autocast's
+// kernel, which excludes autocast's dispatch key (what that function reads) while it runs the op.
+bool autocast_region_active() {
+  const int n = at::autocast::increment_nesting();
+  at::autocast::decrement_nesting();
+  return n > 1;
+}
+
+// `root` is what autocast's weight cache holds for a parameter: a cast (`_to_copy`) to the
+// region's low precision of an fp32 leaf that requires grad and is no view (the cache's rule,
+// at::autocast::cached_cast), here an nn.Parameter.
+bool is_autocast_weight_cast(const at::TensorBase& root) {
+  if (!at::autocast::is_autocast_cache_enabled()) return false;
+  const c10::DeviceType type = root.device().type();
+  if (root.scalar_type() != at::autocast::get_autocast_dtype(type)) return false;
+  auto fn = root.grad_fn();
+  if (!dynamic_cast<torch::autograd::generated::ToCopyBackward0*>(fn.get()) || fn->next_edges().empty()) return false;
+  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn->next_edges()[0].function.get());
+  if (!acc) return false;
+  const at::Tensor& source = acc->variable;
+  if (!source.defined() || source.scalar_type() != at::kFloat || source.is_view() || !source.requires_grad())
+    return false;
+  // The cache also holds casts of other leaves that require grad (an input created with
+  // requires_grad=True): those are activations of this step, offloaded as usual.
+  PyObject* obj = THPVariable_Wrap(source);
+  const bool parameter = obj && is_parameter_object(obj);
+  Py_XDECREF(obj);
+  return parameter;
+}
+
 }  // namespace
+
+std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::TensorBase& root) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  if (&root != static_cast<const at::TensorBase*>(&t)) {
+    PyObject* base_obj = THPVariable_Wrap(root);
+    const bool param_base = base_obj && is_parameter_object(base_obj);
+    Py_XDECREF(base_obj);
+    if (param_base) return KeepReason::Parameter;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (parameter_storages_.count(storage)) return KeepReason::Parameter;
+    if (buffer_storages_.count(storage)) return KeepReason::Buffer;
+  }
+  // The modules whose forward is running: `self` of the frames on this thread's stack.
+  std::unordered_set<const void*> params, buffers;
+  std::optional<KeepReason> found;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  PyObject* call_impl = call_impl_code();
+  for (int depth = 0; frame && call_impl && depth < kMaxFrames && !found; ++depth) {
+    // Only _call_impl's frames: reading f_locals snapshots a frame's locals into a dict that
+    // lives as long as the frame, which in a user's function would keep objects it deletes
+    // (`del pool`) alive until it returns. _call_impl's locals (the module, its arguments)
+    // live that long anyway.
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    const bool module_call = reinterpret_cast<PyObject*>(code) == call_impl;
+    Py_DECREF(code);
+    PyObject* locals = module_call ? PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals") : nullptr;
+    PyObject* self = nullptr;
+    if (locals) {
+      PyObject* name = PyUnicode_FromString("self");
+      self = name ? PyObject_GetItem(locals, name) : nullptr;
+      Py_XDECREF(name);
+      Py_DECREF(locals);
+    }
+    PyErr_Clear();
+    if (self) {
+      if (PyObject_IsInstance(self, module_class()) == 1) {
+        if (scan_state(self, "_parameters", storage, params))
+          found = KeepReason::Parameter;
+        else if (scan_state(self, "_buffers", storage, buffers))
+          found = KeepReason::Buffer;
+      }
+      PyErr_Clear();
+      Py_DECREF(self);
+    }
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  if (!params.empty() || !buffers.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    parameter_storages_.insert(params.begin(), params.end());
+    buffer_storages_.insert(buffers.begin(), buffers.end());
+  }
+  return found;
+}
 
 Packer::Packer(PackerOptions options) : options_(std::move(options)), counters_(std::make_shared<PackerCounters>()) {
   if (!options_.pool) throw std::invalid_argument("ckpt_offload: Packer needs a pool");
@@ -68,30 +264,23 @@ void Packer::end(bool keep_dedup) {
   engine().poll();
 }
 
-void Packer::note_module_state(py::handle parameters, py::handle buffers) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto add = [](py::handle dict, std::unordered_set<const void*>& into) {
-    if (!dict || dict.is_none()) return;
-    for (auto item : py::reinterpret_borrow<py::dict>(dict)) {
-      PyObject* v = item.second.ptr();
-      if (v == Py_None || !THPVariable_Check(v)) continue;
-      const at::Tensor& t = THPVariable_Unpack(v);
-      if (t.has_storage()) into.insert(t.storage().unsafeGetStorageImpl());
-    }
-  };
-  add(parameters, parameter_storages_);
-  add(buffers, buffer_storages_);
-}
-
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_tensors[static_cast<int>(why)]++;
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
   auto saved = SavedTensor::describe_layout(t, counters_);
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
-  // by its own node does not form a reference cycle that would leak the graph.
-  saved->kept_ = t.detach();
+  // by its own node does not form a reference cycle that would leak the graph. For a plain
+  // strided tensor made directly (what the detach op does, without its dispatch); subclasses
+  // and other layouts go through their own detach.
+  if (why == KeepReason::Subclass || why == KeepReason::Layout) {
+    saved->kept_ = t.detach();
+  } else {
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    saved->kept_ = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(),
+                                                            impl->allow_tensor_metadata_change()));
+  }
   saved->nbytes_ = nbytes;
-  if (why != KeepReason::Parameter && why != KeepReason::Buffer) {
+  if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) {
     saved->device_held_.set(nbytes);
   }
   if (profiler::enabled()) {
@@ -105,7 +294,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
     profiler::add(std::move(k));
     sample_memory(options_.pool.get(), t.device());
   }
-  return py::cast(std::move(saved));
+  return wrap_saved(std::move(saved));
 }
 
 std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes) {
@@ -121,19 +310,13 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   // into the graph: leave such tensors alone.
   if (current_stream_capturing(device)) return KeepReason::GraphCapture;
 
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (parameter_storages_.count(storage)) return KeepReason::Parameter;
-    if (buffer_storages_.count(storage)) return KeepReason::Buffer;
-  }
-  if (t.is_view()) {
-    // nn.Linear saves weight.t(): a plain Tensor whose base is the Parameter.
-    const at::TensorBase& base = t._base();
-    PyObject* base_obj = THPVariable_Wrap(base);
-    const bool param_base = base_obj && is_parameter_object(base_obj);
-    Py_XDECREF(base_obj);
-    if (param_base) return KeepReason::Parameter;
+  // Note [Parameters and buffers]. An activation (the root of its views has a grad_fn) costs
+  // one flag test here, or two under autocast.
+  const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
+  if (root.is_leaf()) {
+    if (auto why = leaf_owner(t, root)) return why;
+  } else if (autocast_region_active() && is_autocast_weight_cast(root)) {
+    return KeepReason::AutocastCast;
   }
 
   const int64_t extent = extent_elements(t);
@@ -240,7 +423,7 @@ py::object Packer::pack(py::handle obj) {
   Span span;
   int64_t keep_bytes = 0;
   if (auto why = classify(o, t, &span, &keep_bytes)) return keep(t, *why, keep_bytes);
-  if (auto dup = find_duplicate(t, span)) return py::cast(std::move(dup));
+  if (auto dup = find_duplicate(t, span)) return wrap_saved(std::move(dup));
 
   std::shared_ptr<SavedTensor> saved;
   if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
@@ -257,14 +440,15 @@ py::object Packer::pack(py::handle obj) {
   counters_->bytes_offloaded += span.bytes();
   remember(t, span, saved);
   sample_memory(options_.pool.get(), t.device());
-  return py::cast(std::move(saved));
+  return wrap_saved(std::move(saved));
 }
 
 at::Tensor Packer::unpack(py::handle obj) {
-  if (!py::isinstance<SavedTensor>(obj)) {
+  if (Py_TYPE(obj.ptr()) != saved_type()) {  // Note [Saved activation objects]
     if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");
   }
+  SavedTensor& saved = *reinterpret_cast<SavedObject*>(obj.ptr())->saved;
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when
@@ -272,7 +456,7 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
-  return obj.cast<SavedTensor&>().unpack();
+  return saved.unpack();
 }
 
 void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, const std::shared_ptr<HostPool>& pool) {

@@ -65,9 +65,6 @@ class Packer {
   explicit Packer(PackerOptions options);
   pybind11::object pack(pybind11::handle obj);
   at::Tensor unpack(pybind11::handle obj);
-  // Records the storages of a module's own parameters and buffers (called from a forward
-  // pre-hook), so views of them are never offloaded.
-  void note_module_state(pybind11::handle parameters, pybind11::handle buffers);
   // Starts / ends an activation of the context. The deduplication table lives in between, or
   // across activations with keep_dedup (co.checkpoint: an input shared by every layer, such
   // as a rotary table or a mask, is stored once); its entries are weak either way.
@@ -94,6 +91,8 @@ class Packer {
   // pack's steps, in order. classify: the reason to keep t where it is (then `*keep_bytes` is
   // what to count), or none and t's span.
   std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes);
+  // Note [Parameters and buffers]: why a tensor whose view root is a leaf is kept, or none.
+  std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
   // A saved tensor viewing an already offloaded span of the same storage, or null.
   std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
   std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span);
@@ -114,6 +113,8 @@ class Packer {
   std::mutex mu_;
   std::unordered_map<const void*, DedupEntry> dedup_;
   size_t prune_at_ = 1024;  // drop expired dedup entries when the table grows past this
+  // Storages of parameters and buffers found by leaf_owner this activation (only ever
+  // positives: a miss is looked up again). Cleared at begin / end.
   std::unordered_set<const void*> parameter_storages_, buffer_storages_;
   std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)

@@ -16,7 +16,7 @@ void SavedTensor::check_version() const {
   if (now == saved_version_) return;
   std::ostringstream msg;
   msg << "one of the variables needed for gradient computation has been modified by an inplace operation: "
-      << describe(dtype_, sizes_, device_) << " is at version " << now << "; expected version " << saved_version_
+      << describe(dtype_, std::vector<int64_t>(sizes_.begin(), sizes_.end()), device_) << " is at version " << now << "; expected version " << saved_version_
       << " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so "
       << "backward would have used the wrong values.) Hint: clone the tensor before modifying it in place, or "
       << "use the out-of-place operation.";
@@ -64,8 +64,8 @@ std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
   auto saved = std::make_shared<SavedTensor>();
   saved->dtype_ = t.scalar_type();
   saved->device_ = t.device();
-  saved->sizes_ = t.sizes().vec();
-  saved->strides_ = t.strides().vec();
+  saved->sizes_ = at::DimVector(t.sizes());
+  saved->strides_ = at::DimVector(t.strides());
   saved->counters_ = std::move(counters);
   const auto& vc = t.unsafeGetTensorImpl()->version_counter();
   if (vc.enabled()) {
@@ -112,7 +112,7 @@ std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std
     h.handle = handle;
     h.bytes = static_cast<size_t>(saved->nbytes_);
     h.device = device_index(t.device());
-    h.shape = saved->sizes_;
+    h.shape = std::vector<int64_t>(saved->sizes_.begin(), saved->sizes_.end());
     h.dtype = dtype_name(saved->dtype_);
     h.module = profiler::scope();
     profiler::add(std::move(h));

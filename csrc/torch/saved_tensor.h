@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/DimVector.h>
 
 #include <cstdint>
 #include <memory>
@@ -41,7 +42,8 @@ class SavedTensor {
   bool side_stream_ = true;
   c10::ScalarType dtype_ = c10::kFloat;
   c10::Device device_{c10::kCPU};
-  std::vector<int64_t> sizes_, strides_;
+  // Inline up to 5 dimensions: no heap allocation per saved tensor for the usual ranks.
+  at::DimVector sizes_, strides_;
   int64_t offset_ = 0;  // in elements, from the start of the reloaded storage
   int64_t nbytes_ = 0;
   c10::VariableVersion version_;  // shares the counter, not the tensor

@@ -1,0 +1,288 @@
+"""The fixed cost of a saved tensor: what the pack / unpack hooks add per tensor, side by side.
+
+    python3 benchmarks/hot_path.py                 # CPU (one thread) or the GPU, full run
+    python3 benchmarks/hot_path.py --quick         # a CI-friendly smoke run (a few seconds on CPU)
+    python3 benchmarks/hot_path.py --out DIR       # also writes DIR/hot_path.json and DIR/hot_path.md
+
+A model of ``--blocks`` blocks ``Linear(dim, dim)`` + ``tanh`` saves two small tensors per block
+(the Linear's input, tanh's output; the Linear's ``weight.t()`` is a parameter). Every variant runs
+the same step; the variants are interleaved (one step of each per round, in a rotating order) so
+that they see the same machine state, and each variant's forward and backward are timed
+separately. The overhead of a variant in a round is its time minus the plain step's time in the
+same round; the table has the median over rounds of that overhead divided by the number of saved
+tensors, with the 25th-75th percentile spread.
+
+Variants: ``plain`` (no hooks), ``identity`` (``saved_tensors_hooks`` returning the tensor),
+``save_on_cpu`` (torch's), ``clone_hook`` (a Python hook that returns ``t.clone()``), ``co_keep``
+(``co.offload`` with its default ``min_bytes``: everything kept), ``co_offload_compute`` and
+``co_offload_side`` (``min_bytes=0``: everything offloaded, ``prefetch_bytes=0``), ``co_prefetch``
+(side stream with prefetch) and ``co_batch`` (``batch_below``: small tensors gathered).
+
+The two ratios of issue 18: ``co_keep / save_on_cpu`` and ``co_offload_compute / clone_hook``
+(per saved tensor, forward + backward). On a GPU the host time per offloaded tensor is also put
+against the GPU time per tensor of the step (is the host falling behind the GPU?).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ckpt_offload as co  # noqa: E402
+
+KEEP_RATIO = ("co_keep", "save_on_cpu")
+OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")
+
+
+class Blocks(nn.Module):
+    def __init__(self, blocks: int, dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _clone_pack(t):
+    return t.clone()
+
+
+def _same(t):
+    return t
+
+
+def variants(device: str, pool) -> dict:
+    """name -> a factory of the context a step runs its forward in (None: no context)."""
+    dev = [device]
+    cuda = device == "cuda"
+    return {
+        "plain": lambda: None,
+        "identity": lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same),
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda),
+        "clone_hook": lambda: torch.autograd.graph.saved_tensors_hooks(_clone_pack, _same),
+        "co_keep": lambda: co.offload(devices=dev, pool=pool),
+        "co_offload_compute": lambda: co.offload(min_bytes=0, stream="compute", prefetch_bytes=0, devices=dev,
+                                                 pool=pool),
+        "co_offload_side": lambda: co.offload(min_bytes=0, stream="side", prefetch_bytes=0, devices=dev, pool=pool),
+        "co_prefetch": lambda: co.offload(min_bytes=0, stream="side", devices=dev, pool=pool),
+        "co_batch": lambda: co.offload(min_bytes=0, stream="side", batch_below=1 << 20, prefetch_bytes=0,
+                                       devices=dev, pool=pool),
+    }
+
+
+def count_saved(model, x) -> int:
+    n = [0]
+
+    def pack(t):
+        n[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _same):
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return n[0]
+
+
+def one_step(model, x, ctx, cuda: bool, clock=time.perf_counter) -> dict:
+    """Times one forward and one backward with ``clock`` (synchronized on a GPU); on a GPU also
+    the host time of the forward (until it returned, before the synchronize) and the GPU time of
+    the step (CUDA events)."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = clock()
+    if ctx is None:
+        loss = model(x).sum()
+    else:
+        with ctx:
+            loss = model(x).sum()
+    t_host = clock()
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = clock()
+    loss.backward()
+    if cuda:
+        co.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    t2 = clock()
+    model.zero_grad(set_to_none=True)
+    out = {"forward": t1 - t0, "backward": t2 - t1, "forward_host": t_host - t0}
+    if cuda:
+        out["gpu_step"] = start.elapsed_time(end) / 1e3
+    return out
+
+
+def pct(values, q):
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    i = (len(s) - 1) * q
+    lo, hi = int(i), min(int(i) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def run(args) -> dict:
+    cuda = args.device == "cuda"
+    # On CPU the process's CPU time (all its threads, the CPU copy streams included): other
+    # processes on a shared machine do not inflate it, as they do the wall clock.
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = Blocks(args.blocks, args.dim).to(args.device)
+    x = torch.randn(args.batch, args.dim, device=args.device, requires_grad=True)
+    saved = count_saved(model, x)
+    pool = co.HostPool()
+    factories = variants(args.device, pool)
+    names = list(factories)
+    times = {n: {"forward": [], "backward": [], "forward_host": [], "gpu_step": []} for n in names}
+    stats = {}
+    for _ in range(args.warmup):
+        for n in names:
+            one_step(model, x, factories[n](), cuda, clock)
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]  # rotate: no variant always first
+        for n in order:
+            ctx = factories[n]()
+            t = one_step(model, x, ctx, cuda, clock)
+            for k, v in t.items():
+                times[n][k].append(v)
+            if isinstance(ctx, co.offload):
+                stats[n] = ctx.stats()
+    co.synchronize()
+
+    def overhead(n, phase):
+        if phase == "total":
+            a = [f + b for f, b in zip(times[n]["forward"], times[n]["backward"])]
+            p = [f + b for f, b in zip(times["plain"]["forward"], times["plain"]["backward"])]
+        else:
+            a, p = times[n][phase], times["plain"][phase]
+        per = [(ai - pi) / saved * 1e6 for ai, pi in zip(a, p)]  # paired, same round
+        return {"median_us": statistics.median(per), "p25_us": pct(per, 0.25), "p75_us": pct(per, 0.75)}
+
+    results = []
+    for n in names:
+        row = {
+            "variant": n,
+            "step_forward_ms": statistics.median(times[n]["forward"]) * 1e3,
+            "step_backward_ms": statistics.median(times[n]["backward"]) * 1e3,
+            "per_tensor": {ph: overhead(n, ph) for ph in ("forward", "backward", "total")} if n != "plain" else None,
+        }
+        if n in stats:
+            s = stats[n]
+            row["offloaded"] = s["tensors_offloaded"]
+            row["deduplicated"] = s["tensors_deduplicated"]
+            row["kept_by_reason"] = s["kept_by_reason"]
+        if cuda:
+            host = statistics.median(times[n]["forward_host"])
+            gpu = statistics.median(times[n]["gpu_step"])
+            row["host_forward_us_per_tensor"] = host / saved * 1e6
+            row["gpu_step_us_per_tensor"] = gpu / saved * 1e6
+            row["host_behind_gpu"] = host > gpu
+        results.append(row)
+
+    def ratio(pair):
+        by = {r["variant"]: r for r in results}
+        a, b = by[pair[0]]["per_tensor"]["total"]["median_us"], by[pair[1]]["per_tensor"]["total"]["median_us"]
+        return {"numerator": pair[0], "denominator": pair[1], "ratio": (a / b) if b > 0 else None,
+                "numerator_us": a, "denominator_us": b}
+
+    return {
+        "benchmark": "hot_path",
+        "mode": "gpu" if cuda else "cpu",
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
+        "args": {k: getattr(args, k) for k in ("device", "blocks", "dim", "batch", "rounds", "warmup", "threads",
+                                               "quick", "clock")},
+        "saved_tensors_per_step": saved,
+        "saved_tensor_bytes": args.batch * args.dim * 4,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "build_info": co.build_info(),
+        "results": results,
+        "ratios": {"keep_vs_save_on_cpu": ratio(KEEP_RATIO), "offload_vs_clone_hook": ratio(OFFLOAD_RATIO)},
+    }
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# Hot path: fixed cost per saved tensor ({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})", ""]
+    a = r["args"]
+    lines.append(f"{a['blocks']} blocks of Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}, "
+                 f"{r['saved_tensors_per_step']} saved tensors of {r['saved_tensor_bytes']} B per step, "
+                 f"{a['rounds']} interleaved rounds after {a['warmup']} warm-up"
+                 + (f", {a['threads']} CPU thread(s)" if r["mode"] == "cpu" else "")
+                 + f"; clock: {a['clock']} time; torch {r['torch_version']}. Overhead = step time - plain step time in the same round, per "
+                 "saved tensor: median [p25, p75] in µs.")
+    lines.append("")
+    gpu = r["mode"] == "gpu"
+    head = "| variant | forward | backward | total | plain-relative step fwd / bwd ms |"
+    sep = "|---|---:|---:|---:|---:|"
+    if gpu:
+        head += " host fwd µs/tensor | GPU step µs/tensor | host behind |"
+        sep += "---:|---:|---|"
+    lines += [head, sep]
+    for x in r["results"]:
+        pt = x["per_tensor"]
+        cells = ["-"] * 3 if pt is None else [
+            f"{pt[ph]['median_us']:.2f} [{pt[ph]['p25_us']:.2f}, {pt[ph]['p75_us']:.2f}]"
+            for ph in ("forward", "backward", "total")]
+        line = f"| {x['variant']} | " + " | ".join(cells) + f" | {x['step_forward_ms']:.2f} / {x['step_backward_ms']:.2f} |"
+        if gpu:
+            line += (f" {x['host_forward_us_per_tensor']:.2f} | {x['gpu_step_us_per_tensor']:.2f} | "
+                     f"{'YES' if x['host_behind_gpu'] else 'no'} |")
+        lines.append(line)
+    lines.append("")
+    for key, v in r["ratios"].items():
+        ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
+        lines.append(f"- **{key}**: {v['numerator']} / {v['denominator']} = {v['numerator_us']:.2f} / "
+                     f"{v['denominator_us']:.2f} µs = **{ratio}** (target ≤ 1.0)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when usable, else cpu")
+    p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="rows of the input (saved tensor bytes = batch*dim*4)")
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    p.add_argument("--clock", choices=["process", "wall"], default=None,
+                   help="process: CPU time of this process (default on CPU: immune to other processes' load); "
+                   "wall: the wall clock (default and forced on a GPU, whose time is not CPU time)")
+    p.add_argument("--quick", action="store_true", help="16 blocks, 8 rounds, 2 warm-up: a smoke run")
+    p.add_argument("--out", default=None, help="directory for hot_path.json and hot_path.md")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if (torch.cuda.is_available() and co.build_info()["cuda_compiled"]) else "cpu"
+    if args.device == "cuda" or args.clock is None:
+        args.clock = "wall" if args.device == "cuda" else "process"
+    if args.quick:
+        args.blocks, args.rounds, args.warmup = min(args.blocks, 16), min(args.rounds, 8), min(args.warmup, 2)
+    r = run(args)
+    md = markdown(r)
+    print(md)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "hot_path.json"), "w") as f:
+            json.dump(r, f, indent=1)
+        with open(os.path.join(args.out, "hot_path.md"), "w") as f:
+            f.write(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
