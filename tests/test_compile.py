@@ -176,13 +176,6 @@ def test_compile_around_checkpointed_blocks_falls_back_to_eager_correctly(pool):
     assert_bit_identical(base, got)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OWNED BY THE HOT-PATH ISSUE: co.offload registers a global module forward pre-hook "
-    "(register_module_forward_pre_hook), which makes torch.compile(module) warn about global hooks on the "
-    "user's line and puts a graph break (Packer.note_module_state) in every submodule call. This turns green "
-    "(then remove this marker) once co.offload no longer registers that hook while compiled code runs.",
-)
 def test_offload_adds_no_global_hook_warning_or_graph_break(pool):
     model = make()
     for i, block in enumerate(model.blocks):
