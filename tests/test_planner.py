@@ -508,3 +508,26 @@ def test_recompute_range_holds_only_recomputed_saved_tensors(tiny):
     recomputed = sum(a[2] for a in timeline.allocations if a[3] == "recompute")
     expected = sum(s.nbytes for b in tiny.costs.blocks for s in b.storages if not s.is_input)
     assert recomputed == expected
+
+
+def test_plan_applies_through_a_spilling_pool(tiny, tmp_path):
+    """co.plan(pool=...): the plan's offloads use that pool; with a disk tier below a tiny cap the
+    blocks spill to disk and come back with gradients bit-identical to no plan."""
+    cm = tiny.costs
+    full = simulate(cm, singles(["keep"] * len(cm.blocks))).peak_bytes
+    pool = co.HostPool(pinned=False, max_bytes=64 * 1024, spill_dir=str(tmp_path))
+    plan = co.plan(tiny.model, tiny.step, budget=int(full * 0.2), devices=["cpu"], min_bytes=0, costs=cm,
+                   kinds=("keep", "offload"), pool=pool)
+    assert "offload" in plan.choices.values()
+    reference = _grads(tiny)
+    handle = plan.apply()
+    try:
+        with_plan = _grads(tiny)
+    finally:
+        handle.remove()
+    co.synchronize()
+    assert pool.stats()["disk"]["bytes_spilled"] > 0
+    assert pool.stats()["bytes_in_use"] == 0
+    assert_bit_identical(reference, with_plan)
+    with pytest.raises(TypeError, match="pool must be a ckpt_offload.HostPool"):
+        co.plan(tiny.model, tiny.step, budget=full, devices=["cpu"], costs=cm, pool="fast")

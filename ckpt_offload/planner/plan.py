@@ -157,7 +157,8 @@ def _model_device(model) -> str:
 
 
 def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
-         min_bytes=None, kinds=KINDS, segments: bool = True, prefetch_bytes=None, costs: CostModel | None = None):
+         min_bytes=None, kinds=KINDS, segments: bool = True, prefetch_bytes=None, costs: CostModel | None = None,
+         pool=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective (and segments of blocks recomputed as one) so that the device
     peak of saved activations fits ``budget`` with the least predicted step time.
@@ -184,6 +185,9 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             through their first argument).
         prefetch_bytes: the prefetch window of the plan's offload; ``None`` lets the planner choose.
         costs: a :class:`~ckpt_offload.planner.costs.CostModel` measured before (skips measuring).
+        pool: the :class:`~ckpt_offload.HostPool` the plan's offloads use when applied (default:
+            ``co.default_pool()``); e.g. a pool with ``spill_dir=`` so what exceeds its cap goes to
+            disk. The plan's costs assume the host link, not the disk.
 
     Returns:
         a :class:`Plan`.
@@ -203,6 +207,10 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         raise TypeError(f"step must be a function of no arguments running forward and backward, got "
                         f"{type(step).__name__}")
     budget_bytes = parse_bytes("budget", budget)
+    from ckpt_offload.pool import HostPool
+
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     kinds = tuple(kinds)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -247,6 +255,8 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
                 "predicted_step_seconds": base_sim.step_s}
     options = {"devices": dev_types, "min_bytes": min_bytes}
+    if pool is not None:
+        options["pool"] = pool
     return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
                 best.source)
 
