@@ -56,8 +56,8 @@ class HostPool:
         spill_dir: a directory on a local disk (NVMe). With it, what the pool's cap refuses is
             not kept on the device: its bytes go (through a small staging area) to preallocated,
             nameless files there, written and read back by I/O threads with a CRC32C per chunk;
-            backward's prefetch starts the reads early. Needs ``max_bytes``. See the README's
-            "Disk tier" section.
+            backward's prefetch starts the reads early. Needs ``max_bytes``. See
+            docs/disk_tier.md.
         spill_max_bytes: cap on the disk space the spill files take; ``None``: what the disk
             has. At the cap (or a full disk) the tensor is kept on the device (kept reason
             ``"disk_full"``) or :class:`PoolFullError` is raised under ``on_full="raise"``.

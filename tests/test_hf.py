@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_bit_identical, grads_of  # noqa: E402
-from helpers import B, T, bert, gpt2, llama, loss_of, train  # noqa: E402
+from helpers import B, T, TokenDataset, bert, gpt2, llama, loss_of, train  # noqa: E402
 from helpers import hf_cpu_options as cpu_offload  # noqa: E402
 
 
