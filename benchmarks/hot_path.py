@@ -185,7 +185,7 @@ def run(args) -> dict:
             s = stats[n]
             row["offloaded"] = s["tensors_offloaded"]
             row["deduplicated"] = s["tensors_deduplicated"]
-            row["kept_by_reason"] = s["kept_by_reason"]
+            row["kept_by_reason"] = {k: v for k, v in s["kept_by_reason"].items() if v}  # the reasons that kept any
         if cuda:
             host = statistics.median(times[n]["forward_host"])
             gpu = statistics.median(times[n]["gpu_step"])

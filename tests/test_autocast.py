@@ -22,7 +22,7 @@ from helpers import HAS_GPU
 VOCAB, SEQ = 97, 16
 # The kept reasons co.offload reports today (README, co.offload.stats()).
 KNOWN_REASONS = {"parameter", "buffer", "too_small", "device", "layout", "subclass", "pool_full",
-                 "cuda_graph_capture"}
+                 "cuda_graph_capture", "disk_full"}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -106,7 +106,7 @@ def test_autocast_weight_casts_kept_under_their_own_reason(pool):
             out = model(x)
         out.float().sum().backward()
     stats = ctx.stats()
-    new_reasons = {k: v for k, v in stats["kept_by_reason"].items() if k not in KNOWN_REASONS}
+    new_reasons = {k: v for k, v in stats["kept_by_reason"].items() if k not in KNOWN_REASONS and v}
     assert list(new_reasons.values()) == [casts], stats["kept_by_reason"]
     assert stats["kept_by_reason"]["autocast_cast"] == casts
 

@@ -59,7 +59,7 @@ def test_no_global_module_hook_while_active(pool):
     with cpu_offload(pool) as ctx:
         assert global_module_hook_counts() == {k: 0 for k in global_module_hook_counts()}
         y = m(torch.randn(2, 8, requires_grad=True))
-    assert ctx.stats()["kept_by_reason"] == {"parameter": 1}
+    assert nonzero(ctx.stats()["kept_by_reason"]) == {"parameter": 1}
     y.sum().backward()
 
 
@@ -105,7 +105,7 @@ def test_buffer_view_inside_nested_module_is_kept(pool):
     with cpu_offload(pool) as ctx:
         y = model(x) * mask
     s = ctx.stats()
-    assert s["kept_by_reason"] == {"parameter": 1, "buffer": 1}
+    assert nonzero(s["kept_by_reason"]) == {"parameter": 1, "buffer": 1}
     # tanh's output and the mask (the frozen Linear saves only its weight's view, the product
     # with the buffer only the buffer's view)
     assert s["tensors_offloaded"] == 2
@@ -137,7 +137,7 @@ def test_functional_call_swapped_parameters_are_kept(pool):
     x = torch.randn(8, 32, requires_grad=True)
     with cpu_offload(pool) as ctx:
         y = torch.func.functional_call(lin, params, (x,))
-    assert ctx.stats()["kept_by_reason"] == {"parameter": 1}
+    assert nonzero(ctx.stats()["kept_by_reason"]) == {"parameter": 1}
     y.sum().backward()
     assert params["weight"].grad is not None
 
