@@ -72,7 +72,9 @@ void test_gather_scatter_roundtrip() {
   auto pool = std::make_shared<HostPool>(std::make_unique<PageableBackend>(), 0, 4 * MiB);
   CopyEngine engine;
   InlineStream compute;
-  WorkerStream d2h(300), h2d(300);
+  // The gather's delay is long enough (50 ms) that "the source is still held right after the
+  // call" cannot race with the copy on a loaded machine; 300 us did, once in CI.
+  WorkerStream d2h(50000), h2d(300);
   std::vector<size_t> sizes = {100, 4096, 70000, 1, 16384, 333};
   std::vector<std::shared_ptr<std::vector<unsigned char>>> sources;
   std::vector<BatchSpan> spans;
