@@ -1,0 +1,164 @@
+"""Options, constants and warning helpers of ``co.offload()`` (private; re-exported by
+:mod:`ckpt_offload.offload`, where every name here is importable as before)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import warnings
+
+import torch
+
+from ckpt_offload import _C
+from ckpt_offload._args import check_choice, check_native_int, device_types
+from ckpt_offload.pool import HostPool
+
+#: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
+#: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
+#: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
+DEFAULT_MIN_BYTES = 256 * 1024
+#: The most bytes of prefetched (reloaded ahead of need, not yet used) tensors the default,
+#: automatic window may hold on the device: by default the window is about one block of the
+#: model (see ``prefetch_bytes`` in :class:`~ckpt_offload.offload.offload`), and never more than this.
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+#: Size of the blocks that batched small tensors are gathered into (``batch_below``).
+DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
+STREAM_MODES = ("side", "compute")
+ON_FULL_POLICIES = ("keep", "raise")
+
+_warn_lock = threading.Lock()
+_warned_sites: set = set()  # (route, filename, lineno) warned that they offload nothing
+_quiet = threading.local()  # .on: contexts built by a route that checked its options itself
+
+#: The library's logger: what ckpt_offload decided (windows, blocks chosen, stats) at INFO/DEBUG.
+logger = logging.getLogger("ckpt_offload")
+
+# Frames in these folders are not "the user's line": a warning about what the user asked for
+# points past them (nn.Module's __call__, Trainer's loop, our own wrappers).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (sys.modules["ckpt_offload"], torch, sys.modules["contextlib"])
+    if getattr(m, "__file__", None)
+)
+
+
+def _user_frame():
+    """The innermost frame outside ckpt_offload, torch, transformers, accelerate and contextlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_LIBRARY_DIRS) or "/transformers/" in name or "/accelerate/" in name
+                or name.startswith("<frozen")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def warn_at_user_line(message: str, key: str, category=UserWarning) -> None:
+    """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
+    on the way), once per ``key`` and call site."""
+    frame = _user_frame()
+    if frame is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    site = (key, frame.f_code.co_filename, frame.f_lineno)
+    with _warn_lock:
+        if site in _warned_sites:
+            return
+        _warned_sites.add(site)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+
+
+def _usable_types() -> set:
+    """Device types with tensors to offload here: ``cpu`` always, ``cuda`` with a usable GPU
+    and a CUDA build."""
+    return {"cpu", "cuda"} if (_C.cuda_compiled() and torch.cuda.is_available()) else {"cpu"}
+
+
+def check_offloads_something(devices, route: str) -> None:
+    """Warns at the user's line (once per call site) when ``devices`` (a co.offload ``devices``
+    argument; None: the default) selects no device that has tensors here. ``route`` names the
+    API the user called, e.g. ``"co.apply(offload=...)"``."""
+    if devices is None:
+        types = ["cuda"] if "cuda" in _usable_types() else []
+    else:
+        try:
+            types = device_types("devices", devices)
+        except (TypeError, ValueError):
+            return  # the context raises its own clear error
+    if any(t in _usable_types() for t in types):
+        return
+    asked = "devices=None (the default: the GPU)" if devices is None else f"devices={list(types)}"
+    warn_at_user_line(
+        f"{route}: {asked} selects no device with tensors here (no usable CUDA GPU: "
+        f"torch.cuda.is_available()={torch.cuda.is_available()}, ckpt_offload cuda_compiled={_C.cuda_compiled()}), "
+        "so nothing is offloaded: every saved tensor stays where it is (kept_by_reason['device']). "
+        "To offload CPU tensors into the host pool pass devices=['cpu'] "
+        "(co.offload(devices=['cpu']), or offload={'devices': ['cpu']}).",
+        key=route,
+    )
+
+
+def hooks_disabled_reason() -> str | None:
+    """torch's message when saved-tensor hooks cannot be entered on this thread (inside
+    ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``, or
+    ``torch.autograd.graph.disable_saved_tensors_hooks``), else None."""
+    autograd = torch._C._autograd
+    is_enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if is_enabled is None or is_enabled():
+        return None
+    get_message = getattr(autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
+    message = get_message() if get_message is not None else None
+    return message or "saved tensor hooks are disabled"
+
+
+def check_options(
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    stream: str = "side",
+    devices=None,
+    pool: HostPool | None = None,
+    on_full: str = "keep",
+    prefetch_bytes: int | None = None,
+    batch_below: int = 0,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+) -> list[str] | None:
+    """Checks :class:`~ckpt_offload.offload.offload`'s arguments (each error names the argument and what it accepts)
+    and returns ``devices`` as a list of device types, or None when it was not given.
+
+    :class:`~ckpt_offload.offload.offload` calls it, and so does every ``offload={...}`` option dict when it is passed
+    (``co.checkpoint``, ``co.apply``, ``co.hf``), so a bad option fails there and not at the
+    first forward.
+
+    Example::
+
+        check_options(devices={"cpu"}, min_bytes=0)   # -> ["cpu"]
+        check_options(stream="gpu")                   # ValueError: stream must be one of ('side', 'compute')
+    """
+    check_native_int("min_bytes", min_bytes)
+    check_choice("stream", stream, STREAM_MODES)
+    check_choice("on_full", on_full, ON_FULL_POLICIES)
+    if prefetch_bytes is not None:  # None: the window follows the model (Note [Prefetch window])
+        check_native_int("prefetch_bytes", prefetch_bytes)
+    check_native_int("batch_below", batch_below)
+    check_native_int("batch_bytes", batch_bytes, minimum=1)
+    if batch_below > batch_bytes:
+        raise ValueError(
+            f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "
+            "has to fit in a batch block; raise batch_bytes or lower batch_below"
+        )
+    if pool is not None and not isinstance(pool, HostPool):
+        raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+    if devices is None:
+        return None
+    types = device_types("devices", devices)
+    if "cuda" in types and not _C.cuda_compiled():
+        raise ValueError(
+            "devices includes 'cuda' but this ckpt_offload build has no CUDA "
+            "(co.build_info()['cuda_compiled'] is False). Reinstall with a CUDA build of torch and nvcc "
+            "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
+        )
+    return types

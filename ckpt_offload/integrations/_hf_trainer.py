@@ -1,0 +1,223 @@
+"""Trainer callbacks of ``co.hf`` (:class:`OffloadCheckpointCallback`, :class:`OffloadCallback`).
+
+Private: import them from :mod:`ckpt_offload.integrations.hf` (``co.hf``), which re-exports them.
+This module reads ``enable`` and ``HFCheckpointHandle`` from ``co.hf`` when a callback runs, and
+imports it at its end, so either module may be imported first.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import TrainerCallback  # co.hf, imported first, explains a missing transformers
+
+from ckpt_offload._args import check_int
+from ckpt_offload._checkpoint_core import check_checkpoint_keywords, check_reentrant, offload_options
+from ckpt_offload.offload import _quiet, check_offloads_something
+
+def _args_checkpoint_kwargs(args) -> dict:
+    """The checkpoint kwargs of TrainingArguments, under its new or its deprecated name."""
+    if args is None or not (getattr(args, "activation_checkpointing", None)
+                            or getattr(args, "gradient_checkpointing", None)):
+        return {}
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        value = getattr(args, name, None)
+        if isinstance(value, dict):
+            return dict(value)
+    return {}
+
+
+#: The keys of a handle's ``stats()`` the callbacks add to the Trainer's logs, as ``ckpt_offload/<key>``.
+LOG_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded", "pool_peak_bytes",
+            "peak_prefetch_bytes")
+
+
+def _add_to_logs(logs: dict, state, stats: dict) -> None:
+    """Adds ``stats`` to the log entry being made: to ``logs`` (what the callbacks after ours
+    see) and to the entry Trainer already put in ``state.log_history`` (it copies ``logs``
+    before calling on_log)."""
+    extra = {f"ckpt_offload/{k}": stats[k] for k in LOG_KEYS if k in stats}
+    logs.update(extra)
+    history = getattr(state, "log_history", None)
+    if history and all(history[-1].get(k) == v for k, v in logs.items() if k not in extra):
+        history[-1].update(extra)
+
+
+class OffloadCheckpointCallback(TrainerCallback):
+    """Trainer callback: the model trains with ckpt_offload's checkpoint (and offload).
+
+    Enables :func:`enable` on the Trainer's model when the Trainer is built (``on_init_end``), so
+    Trainer sees a checkpointed model when it wraps it, and checks again at ``on_train_begin``
+    (after ``Trainer.train()`` re-enabled Hugging Face's checkpointing, and on a model made by
+    ``model_init``). ``every_n_layers=None`` takes ``every_n_layers`` from
+    ``TrainingArguments.activation_checkpointing_kwargs`` (``gradient_checkpointing_kwargs`` in
+    releases without the new name) when ``activation_checkpointing`` is on, else 1; torch's checkpoint keywords
+    there (``use_reentrant``, ...) are used too, unless given here, and so is its ``offload`` key
+    (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
+    as everywhere in ckpt_offload).
+    The handle is
+    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
+
+    Example::
+
+        args = TrainingArguments("out", activation_checkpointing=True,
+                                 activation_checkpointing_kwargs={"every_n_layers": 2})
+        trainer = Trainer(model, args, train_dataset=ds,
+                          callbacks=[co.hf.OffloadCheckpointCallback(offload=True)])
+        trainer.train()
+    """
+
+    def __init__(self, every_n_layers: int | None = None, offload=None, **checkpoint_kwargs):
+        if every_n_layers is not None:
+            check_int("every_n_layers", every_n_layers, minimum=1)
+        self.every_n_layers = every_n_layers
+        # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else False.
+        self.offload = offload
+        self.checkpoint_kwargs = checkpoint_kwargs
+        # Bad or misplaced options fail here, not at the first step.
+        check_checkpoint_keywords(checkpoint_kwargs, "OffloadCheckpointCallback")
+        options = offload_options(offload)
+        check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
+        if options is not None:
+            check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
+        self.handle: _hf.HFCheckpointHandle | None = None
+
+    def _settings(self, args):
+        from_args = _args_checkpoint_kwargs(args)
+        every_n = self.every_n_layers if self.every_n_layers is not None else from_args.pop("every_n_layers", 1)
+        from_args.pop("every_n_layers", None)
+        offload = from_args.pop("offload", None)
+        if self.offload is not None:
+            offload = self.offload
+        else:
+            # From TrainingArguments (or the default, True): checked now, where it is known.
+            options = offload_options(False if offload is None else offload,
+                                      name="activation_checkpointing_kwargs['offload']")
+            offload = False if offload is None else offload
+            if options is not None:
+                check_offloads_something(options.get("devices"), "OffloadCheckpointCallback (offload from "
+                                         "TrainingArguments' checkpointing kwargs)")
+        return every_n, offload, {**from_args, **self.checkpoint_kwargs}
+
+    def _ensure(self, args, model) -> None:
+        if model is None:
+            return
+        every_n, offload, kwargs = self._settings(args)
+        handle = model.__dict__.get(_hf._HANDLE_ATTR)
+        if handle is not None and not handle.removed:
+            if handle is self.handle:
+                handle._install()  # idempotent; covers a Trainer that changed the model's flags
+                return
+            if not isinstance(handle, _hf.HFCheckpointHandle):
+                raise RuntimeError(
+                    "OffloadCheckpointCallback: co.apply is active on this model; remove it "
+                    "(model._ckpt_offload_handle.remove()) or drop the callback"
+                )
+            handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
+        _quiet.on = True  # checked at the callback's construction, the user's line
+        try:
+            self.handle = _hf.enable(model, every_n_layers=every_n, offload=offload, **kwargs)
+        finally:
+            _quiet.on = False
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._ensure(args, model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._ensure(args, model)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Adds this run's offload statistics to what the Trainer logs (``ckpt_offload/...``)."""
+        if logs is None or self.handle is None or self.handle.removed or self.handle.function.options is None:
+            return
+        _add_to_logs(logs, state, self.handle.stats())
+
+
+class _OffloadedForward:
+    """Set as the model instance's ``forward`` by :class:`OffloadCallback`: a training forward
+    runs inside the callback's co.offload context."""
+
+    def __init__(self, callback: "OffloadCallback", model, original):
+        self.callback = callback
+        self.model = model
+        self.original = original  # the instance-level forward before, or None (the class's)
+        # Trainer reads model.forward's signature to drop unused dataset columns.
+        self.__signature__ = inspect.signature(original if original is not None else type(model).forward.__get__(model))
+
+    def __call__(self, *args, **kwargs):
+        forward = self.original if self.original is not None else type(self.model).forward.__get__(self.model)
+        if not (self.model.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        with self.callback.context:
+            return forward(*args, **kwargs)
+
+
+class OffloadCallback(TrainerCallback):
+    """Trainer callback: offload without recompute. Every training forward of the Trainer's
+    model runs inside ``co.offload(**options)``, so the activations it saves wait in the host
+    pool until backward (no checkpointing: nothing is computed twice). ``callback.stats()`` is
+    the context's statistics; they are added to the Trainer's logs as ``ckpt_offload/...``.
+    Wrap the LM head and the loss in :func:`ckpt_offload.keep` inside your model to keep them.
+
+    Example::
+
+        trainer = Trainer(model, args, train_dataset=ds,
+                          callbacks=[co.hf.OffloadCallback(devices=["cpu"])])
+        trainer.train()
+        print(trainer.callback_handler.callbacks[-1].stats()["bytes_offloaded"])
+    """
+
+    def __init__(self, **options):
+        from ckpt_offload.offload import offload as offload_context
+
+        check_offloads_something(options.get("devices"), "OffloadCallback")
+        _quiet.on = True  # warned just above, at the user's line
+        try:
+            self.context = offload_context(**options)  # bad options fail here
+        finally:
+            _quiet.on = False
+        self._model = None
+
+    def _install(self, model) -> None:
+        if model is None or isinstance(model.__dict__.get("forward"), _OffloadedForward):
+            return
+        model.__dict__["forward"] = _OffloadedForward(self, model, model.__dict__.get("forward"))
+        self._model = model
+
+    def remove(self) -> None:
+        """Gives the model its own forward back. Calling it twice is harmless."""
+        model, self._model = self._model, None
+        if model is not None:
+            wrapper = model.__dict__.get("forward")
+            if isinstance(wrapper, _OffloadedForward):
+                if wrapper.original is not None:
+                    model.__dict__["forward"] = wrapper.original
+                else:
+                    del model.__dict__["forward"]
+
+    def stats(self) -> dict:
+        """The co.offload context's :meth:`~ckpt_offload.offload.stats`."""
+        return self.context.stats()
+
+    def reset_stats(self) -> None:
+        self.context.reset_stats()
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._install(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._install(model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.remove()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        _add_to_logs(logs, state, self.stats())
+
+
+# Last: co.hf imports this module at its end, so each finds the other's names defined whichever
+# is imported first.
+from ckpt_offload.integrations import hf as _hf  # noqa: E402
