@@ -43,11 +43,17 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+if HERE not in sys.path:  # llama_decoder.py sits next to this file
+    sys.path.insert(0, HERE)
 
-import ckpt_offload as co  # noqa: E402
+try:
+    import ckpt_offload as co
+except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import ckpt_offload as co
 from ckpt_offload import _C  # noqa: E402
-from ckpt_offload.models import LlamaDecoder, causal_lm_loss, make_llama_config, random_tokens  # noqa: E402
+from llama_decoder import LlamaDecoder, causal_lm_loss, random_tokens  # noqa: E402
+from llama_decoder import make_decoder_config as make_llama_config  # noqa: E402
 
 MiB = 1 << 20
 

@@ -36,8 +36,11 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import ckpt_offload as co  # noqa: E402
+try:
+    import ckpt_offload as co
+except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import ckpt_offload as co
 
 KEEP_RATIO = ("co_keep", "save_on_cpu")
 OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")

@@ -42,11 +42,11 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-import ckpt_offload as co  # noqa: E402
+try:
+    import ckpt_offload as co
+except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import ckpt_offload as co
 from ckpt_offload.planner import InfeasibleBudget, simulate, singles  # noqa: E402
 from ckpt_offload.planner.apply import apply_units  # noqa: E402
 from ckpt_offload.planner.cli import _measure, builtin_model  # noqa: E402

@@ -56,18 +56,20 @@ def _user_frame():
     return None
 
 
-def warn_at_user_line(message: str, key: str, category=UserWarning) -> None:
+def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> None:
     """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
-    on the way), once per ``key`` and call site."""
+    on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
+    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object)."""
     frame = _user_frame()
     if frame is None:
         warnings.warn(message, category, stacklevel=2)
         return
-    site = (key, frame.f_code.co_filename, frame.f_lineno)
-    with _warn_lock:
-        if site in _warned_sites:
-            return
-        _warned_sites.add(site)
+    if key is not None:
+        site = (key, frame.f_code.co_filename, frame.f_lineno)
+        with _warn_lock:
+            if site in _warned_sites:
+                return
+            _warned_sites.add(site)
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"),
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))

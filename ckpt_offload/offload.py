@@ -336,7 +336,9 @@ class offload:
             "to fail instead. (Warned once per context.)"
         )
         logger.warning(message)
-        warn_at_user_line(message, key=f"pool_full:{id(self)}")
+        # Once per context through self._warned_full; a key with id(self) would silence a later
+        # context that happens to get the same id.
+        warn_at_user_line(message, key=None)
 
     def stats(self) -> dict:
         """What this context did, accumulated over every time it was entered.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 from dataclasses import dataclass
 
@@ -270,8 +271,10 @@ def risky_results():
     pending = [(c.id, c.code) for c in CASES if c.risky]
     results: dict = {}
     while pending:
+        # cwd outside the source tree: `python -c` puts the cwd first on sys.path, and a checkout's
+        # ckpt_offload/ (no built _C in it) would shadow the package these tests imported.
         p = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(pending)], capture_output=True, text=True,
-                           timeout=300, env=env)
+                           timeout=300, env=env, cwd=tempfile.gettempdir())
         started = None
         for line in p.stdout.splitlines():
             if line.startswith("START "):

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -26,6 +27,15 @@ import ckpt_offload as co
 
 MiB = 1 << 20
 ONE = 512 * 512 * 4
+
+
+def _outside_the_tree() -> dict:
+    """subprocess.run arguments for a `python -c` child that imports the ckpt_offload these tests
+    imported: `python -c` puts its cwd first on sys.path, where a checkout's ckpt_offload/ (without
+    a built _C) would shadow the installed package."""
+    return {"cwd": tempfile.gettempdir(),
+            "env": dict(os.environ, PYTHONPATH=os.pathsep.join(
+                p for p in (os.path.dirname(os.path.dirname(co.__file__)), os.environ.get("PYTHONPATH")) if p))}
 
 
 @pytest.fixture
@@ -230,7 +240,7 @@ def test_small_file_system_full(tmp_path):
     """)
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
            f'mount -t tmpfs -o size=2m tmpfs "{d}" || exit 77; exec "{sys.executable}" -c "$0"', script]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, **_outside_the_tree())
     if r.returncode == 77:
         pytest.skip("cannot mount a tmpfs here: " + r.stderr.strip()[:200])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -293,7 +303,8 @@ def test_killed_process_leaves_no_file(spill_dir):
         print("spilled", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       **_outside_the_tree())
     assert "spilled" in r.stdout, r.stderr
     assert r.returncode == -9
     assert os.listdir(spill_dir) == []  # the fixture checks it too
