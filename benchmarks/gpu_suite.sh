@@ -61,6 +61,9 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1 && [ -x "$REPO/.venv/bin/python" ];
 fi
 export PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16}
+# The suite builds the extension in place: tests and benchmarks import this checkout, never an
+# older ckpt_offload installed in the environment.
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 BUDGET=${SUITE_BUDGET_S:-450}
 REQUIRE_GPU=${REQUIRE_GPU:-0}
 START=$(date +%s)
