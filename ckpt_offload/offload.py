@@ -322,15 +322,15 @@ class offload:
             self._warn_if_pool_was_full()
 
     def _warn_if_pool_was_full(self) -> None:
-        s = self._packer.stats()
-        kept = s["kept_bytes_by_reason"].get("pool_full", 0)
-        if not s["kept_by_reason"].get("pool_full", 0):
+        # Two counters, not stats(): this runs at every exit, and stats() builds a dict of ~30 keys.
+        count, kept = self._packer.pool_full_kept()
+        if not count:
             return
         self._warned_full = True
         cap = self.pool.max_bytes
         message = (
             f"co.offload(): the host pool is at its cap ({'none' if cap is None else f'{cap} bytes'}), so "
-            f"{s['kept_by_reason']['pool_full']} saved tensors ({kept} bytes) stayed on the device "
+            f"{count} saved tensors ({kept} bytes) stayed on the device "
             "(kept_by_reason['pool_full']). Raise the cap (co.HostPool(max_bytes=...), or "
             "pool.set_max_bytes(...)), offload fewer tensors (a larger min_bytes), or pass on_full='raise' "
             "to fail instead. (Warned once per context.)"
@@ -355,7 +355,9 @@ class offload:
         ``prefetch_failures`` (prefetches that raised, e.g. out of device memory: backward goes
         on and reloads those tensors when asked), ``prefetch_window_bytes`` /
         ``prefetch_block_bytes`` / ``prefetch_lead`` (the window the last backward used, the
-        block it was sized from, and how many blocks ahead the next backward starts copies).
+        block it was sized from, and how many blocks ahead the next backward starts copies),
+        ``device_saved_peak_bytes`` (the most device bytes of saved activations held, by every
+        context of the process, right after one of this context's packs or unpacks).
         ``kept_by_reason`` and ``kept_bytes_by_reason`` list every reason, zeros included.
         :meth:`reset_stats` starts them over.
         """

@@ -139,3 +139,34 @@ def test_zero_after_offload_tensor_handles(pool, stream):
     h = co.offload_tensor(t, pool, stream=stream)
     del h  # never reloaded
     assert saved_bytes() == start
+
+
+@pytest.mark.parametrize("options", [{"stream": "compute", "prefetch_bytes": 0}, {"prefetch_bytes": 64 * MiB}],
+                         ids=["compute stream", "prefetch wide"])
+def test_context_stats_device_peak_is_the_profiles(options):
+    """``stats()["device_saved_peak_bytes"]`` is the most device bytes of saved activations seen
+    at this context's packs and unpacks: the same quantity co.profile's memory timeline samples,
+    so the two agree; it lies between one activation and the total offloaded, and reset_stats
+    zeroes it."""
+    torch.manual_seed(0)
+    model = Chain(n=6, width=128)
+    x = torch.randn(32, 128, requires_grad=True)
+    act = 32 * 128 * 4
+    ctx = cpu_offload(**options)
+    with co.profile() as prof:
+        with ctx:
+            loss = model(x).sum()
+        loss.backward()
+    co.synchronize()
+    s = ctx.stats()
+    peak = s["device_saved_peak_bytes"]
+    assert peak == prof.totals()["device_saved_peak_bytes"]
+    assert act <= peak <= s["bytes_offloaded"]
+    if options.get("prefetch_bytes") == 0:
+        # Nothing prefetched, compute-stream copies: one reloaded activation at a time.
+        assert peak == act
+    else:
+        # Every activation prefetched at the start of backward.
+        assert peak >= s["bytes_offloaded"] - act
+    ctx.reset_stats()
+    assert ctx.stats()["device_saved_peak_bytes"] == 0

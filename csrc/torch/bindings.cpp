@@ -153,6 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("end", &Packer::end, py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats)
+      .def("pool_full_kept", [](const Packer& p) { return p.kept(KeepReason::PoolFull); })
       .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "device_bytes.h"
+
 namespace ckpt_offload {
 
 // Raised by pack when the pool is at its cap and on_full="raise".
@@ -30,15 +32,26 @@ struct PackerCounters {
   std::atomic<int64_t> prefetch_failures{0};  // prefetches that raised (e.g. out of device memory)
   // Offloads the pool refused that went to its disk tier; reads started by prefetch.
   std::atomic<int64_t> tensors_spilled{0}, bytes_spilled{0}, disk_prefetches{0};
+  // The most device bytes of saved activations (DeviceBytesHeld::total(), every context of the
+  // process) seen right after this packer packed or unpacked a tensor: the moments that count
+  // can rise for the tensors it handles (a kept tensor, a reload, the prefetches an unpack starts).
+  std::atomic<int64_t> device_saved_peak{0};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_tensors{};
   std::array<std::atomic<int64_t>, static_cast<int>(KeepReason::kCount)> kept_bytes{};
+
+  void note_device_peak() noexcept {
+    const int64_t now = DeviceBytesHeld::total();
+    int64_t seen = device_saved_peak.load(std::memory_order_relaxed);
+    while (now > seen && !device_saved_peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
 
   // Back to zero (co.offload().reset_stats()); counts racing with it land on either side.
   void reset() {
     for (auto* c : {&tensors_offloaded, &bytes_offloaded, &tensors_deduplicated, &bytes_deduplicated,
                     &tensors_reloaded, &bytes_reloaded, &tensors_reload_shared, &tensors_batched, &batches,
                     &prefetches, &bytes_prefetched, &prefetch_hits, &prefetches_unused, &peak_prefetch_bytes,
-                    &prefetch_failures})
+                    &prefetch_failures, &device_saved_peak})
       c->store(0);
     for (auto& c : kept_tensors) c.store(0);
     for (auto& c : kept_bytes) c.store(0);

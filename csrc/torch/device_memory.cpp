@@ -3,6 +3,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include <c10/core/CPUAllocator.h>
+
 #include "../core/profiler.h"
 #include "../core/spill.h"
 #include "device_bytes.h"
@@ -19,6 +21,29 @@ namespace ckpt_offload {
 
 at::Tensor device_bytes(const c10::Device& device, size_t n) {
   return at::empty({static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte).device(device));
+}
+
+c10::Storage device_storage(const c10::Device& device, size_t n) {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  // What at::empty uses on a CUDA device (on the current device, which callers set with
+  // DeviceScope, and in the current stream's order).
+  if (device.is_cuda())
+    return c10::Storage(c10::Storage::use_byte_size_t(), n, c10::cuda::CUDACachingAllocator::get(),
+                        /*resizable=*/false);
+#endif
+  if (!device.is_cpu()) return device_bytes(device, n).storage();
+  return c10::Storage(c10::Storage::use_byte_size_t(), n, c10::GetCPUAllocator(), /*resizable=*/false);
+}
+
+at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                       int64_t offset) {
+  const c10::Device device = storage.device();
+  const c10::DispatchKey key = c10::computeDispatchKey(dtype, c10::kStrided, device);
+  // TensorImpl adds the autograd and ADInplaceOrView keys to the backend's key, as at::empty does.
+  auto impl = c10::make_intrusive<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(key),
+                                                   c10::scalarTypeToTypeMeta(dtype));
+  impl->set_sizes_and_strides(sizes, strides, offset);
+  return at::Tensor(std::move(impl));
 }
 
 void record_consumer(const c10::Storage& storage, const c10::Device& device) {

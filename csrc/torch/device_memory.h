@@ -14,6 +14,14 @@ namespace ckpt_offload {
 
 // `n` uninitialized bytes on `device`, from torch's allocator, in the current stream's order.
 at::Tensor device_bytes(const c10::Device& device, size_t n);
+// The same bytes as a bare storage, straight from the device's allocator: no tensor and no
+// dispatcher call, which the reload path (once per saved tensor in backward) cannot afford.
+c10::Storage device_storage(const c10::Device& device, size_t n);
+// A tensor of `dtype` over `storage` with this layout, made directly (what at::empty + set_
+// produce, without their two dispatcher round trips). The caller guarantees that the layout
+// stays inside the storage: it was the saved tensor's own, checked when it was packed.
+at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                       int64_t offset);
 // Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
 // The pointer is the c10::Storage.
 std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes);

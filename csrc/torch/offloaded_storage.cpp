@@ -136,8 +136,7 @@ int64_t OffloadedStorage::start_prefetch() {
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
   CopyRange range("ckpt_offload::prefetch", device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
-  at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
-  c10::Storage storage = bytes.storage();
+  c10::Storage storage = device_storage(device_, pad_ + nbytes_);
   char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
   CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
   auto done = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
@@ -230,8 +229,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       CopyRange range("ckpt_offload::reload", device_);
       auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
       // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
-      at::Tensor bytes = device_bytes(device_, pad_ + nbytes_);
-      c10::Storage storage = bytes.storage();
+      c10::Storage storage = device_storage(device_, pad_ + nbytes_);
       char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
       CopyTag tag{handle_, device_index(device_), false, 1};
       // A spilled buffer is read back first (waiting for the disk; SpillError on a bad checksum).

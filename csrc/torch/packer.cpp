@@ -267,7 +267,7 @@ void Packer::end(bool keep_dedup) {
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_tensors[static_cast<int>(why)]++;
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
-  auto saved = SavedTensor::describe_layout(t, counters_);
+  auto saved = SavedTensor::describe_version(t, counters_);
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
   // by its own node does not form a reference cycle that would leak the graph. For a plain
   // strided tensor made directly (what the detach op does, without its dispatch); subclasses
@@ -294,10 +294,12 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
     profiler::add(std::move(k));
     sample_memory(options_.pool.get(), t.device());
   }
+  counters_->note_device_peak();
   return wrap_saved(std::move(saved));
 }
 
-std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes) {
+std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes,
+                                           std::optional<CurrentStream>* current) {
   const int64_t itemsize = static_cast<int64_t>(t.dtype().itemsize());
   *keep_bytes = t.numel() * itemsize;
   if (is_parameter_object(o)) return KeepReason::Parameter;
@@ -308,7 +310,8 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   if (!device_ok) return KeepReason::Device;
   // Under CUDA graph capture events cannot be queried and the pool's addresses would be baked
   // into the graph: leave such tensors alone.
-  if (current_stream_capturing(device)) return KeepReason::GraphCapture;
+  current->emplace(CurrentStream::of(device));
+  if ((*current)->capturing()) return KeepReason::GraphCapture;
 
   // Note [Parameters and buffers]. An activation (the root of its views has a grad_fn) costs
   // one flag test here, or two under autocast.
@@ -391,8 +394,9 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
   return saved;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, TieredRefusal* why) {
-  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why);
+std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, const CurrentStream& current,
+                                                 TieredRefusal* why) {
+  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why, &current);
   if (saved && prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
   return saved;
 }
@@ -422,7 +426,8 @@ py::object Packer::pack(py::handle obj) {
   const at::Tensor& t = THPVariable_Unpack(o);
   Span span;
   int64_t keep_bytes = 0;
-  if (auto why = classify(o, t, &span, &keep_bytes)) return keep(t, *why, keep_bytes);
+  std::optional<CurrentStream> current;
+  if (auto why = classify(o, t, &span, &keep_bytes, &current)) return keep(t, *why, keep_bytes);
   if (auto dup = find_duplicate(t, span)) return wrap_saved(std::move(dup));
 
   std::shared_ptr<SavedTensor> saved;
@@ -430,7 +435,7 @@ py::object Packer::pack(py::handle obj) {
     saved = pack_batched(t, span);
   } else {
     TieredRefusal why = TieredRefusal::None;
-    saved = pack_single(t, &why);
+    saved = pack_single(t, *current, &why);
     if (!saved) {
       if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
       return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
@@ -440,6 +445,7 @@ py::object Packer::pack(py::handle obj) {
   counters_->bytes_offloaded += span.bytes();
   remember(t, span, saved);
   sample_memory(options_.pool.get(), t.device());
+  counters_->note_device_peak();
   return wrap_saved(std::move(saved));
 }
 
@@ -456,7 +462,9 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
-  return saved.unpack();
+  at::Tensor out = saved.unpack();
+  counters_->note_device_peak();
+  return out;
 }
 
 void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, const std::shared_ptr<HostPool>& pool) {
@@ -506,6 +514,7 @@ py::dict Packer::stats() const {
   d["tensors_spilled"] = c.tensors_spilled.load();
   d["bytes_spilled"] = c.bytes_spilled.load();
   d["disk_prefetches"] = c.disk_prefetches.load();
+  d["device_saved_peak_bytes"] = c.device_saved_peak.load();
   return d;
 }
 

@@ -19,6 +19,7 @@
 #include "counters.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
+#include "runtime.h"
 #include "saved_tensor.h"
 
 namespace ckpt_offload {
@@ -74,6 +75,10 @@ class Packer {
   void flush_batches();
   pybind11::dict stats() const;
   void reset_stats() { counters_->reset(); }
+  // (tensors, bytes) kept for `why` so far: what a context exit checks, without building stats().
+  std::pair<int64_t, int64_t> kept(KeepReason why) const {
+    return {counters_->kept_tensors[static_cast<int>(why)].load(), counters_->kept_bytes[static_cast<int>(why)].load()};
+  }
   const PackerOptions& options() const { return options_; }
   // What ends each backward that unpacked from this packer (an autograd final callback,
   // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
@@ -90,14 +95,17 @@ class Packer {
   };
   // pack's steps, in order. classify: the reason to keep t where it is (then `*keep_bytes` is
   // what to count), or none and t's span.
-  std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes);
+  // `current` gets the device's current stream, read once here for the whole pack (Note
+  // [Stream ordering]), when t is on a device this context offloads from.
+  std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes,
+                                     std::optional<CurrentStream>* current);
   // Note [Parameters and buffers]: why a tensor whose view root is a leaf is kept, or none.
   std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
   // A saved tensor viewing an already offloaded span of the same storage, or null.
   std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
   std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span);
   // Null when the pool is full.
-  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, TieredRefusal* why);
+  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, const CurrentStream& current, TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
 

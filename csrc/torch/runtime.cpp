@@ -64,7 +64,41 @@ DeviceScope::~DeviceScope() {
 #endif
 }
 
-StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host, bool demand) {
+CurrentStream CurrentStream::of(const c10::Device& device) {
+  CurrentStream c(device);
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda()) {
+    c.index_ = device.has_index() ? device.index() : c10::cuda::current_device();
+    c.stream_ = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.index_)).stream();
+  }
+#endif
+  return c;
+}
+
+bool CurrentStream::capturing() const {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (!device_.is_cuda()) return false;
+  // cudaStreamIsCapturing, not a c10 helper: the c10 capture-status helpers differ between
+  // the torch releases we support (2.11 - 2.14), the runtime call does not.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream_), &status);
+  if (err != cudaSuccess) {
+    // Asking about the legacy stream while another thread captures fails
+    // (cudaErrorStreamCaptureImplicit): a capture is under way, so answer as if capturing.
+    (void)cudaGetLastError();
+    return true;
+  }
+  return status != cudaStreamCaptureStatusNone;
+#else
+  return false;
+#endif
+}
+
+StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host, bool demand)
+    : StreamPair(CurrentStream::of(device), side, to_host, demand) {}
+
+StreamPair::StreamPair(const CurrentStream& current, bool side, bool to_host, bool demand) {
+  const c10::Device& device = current.device();
   if (device.is_cpu()) {
     CpuStreams& s = cpu_streams();
     compute_ = &s.compute;
@@ -73,10 +107,9 @@ StreamPair::StreamPair(const c10::Device& device, bool side, bool to_host, bool 
   }
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (device.is_cuda()) {
-    const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-    // The current stream is read at every call: FSDP, recompute and user code switch streams.
-    auto current = c10::cuda::getCurrentCUDAStream(index);
-    owned_compute_ = std::make_unique<cuda::CudaStream>(current.stream(), index);
+    // Read by the caller, at every call: FSDP, recompute and user code switch streams.
+    owned_compute_ = std::make_unique<cuda::CudaStream>(static_cast<cudaStream_t>(current.cuda_stream()),
+                                                        current.index());
     compute_ = owned_compute_.get();
     const auto which = to_host ? cuda::SideStream::D2H : demand ? cuda::SideStream::H2DDemand : cuda::SideStream::H2D;
     copy_ = side ? &cuda::side_stream(index, which) : compute_;
@@ -130,24 +163,7 @@ void synchronize_side_streams() {
 }
 
 bool current_stream_capturing(const c10::Device& device) {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (!device.is_cuda()) return false;
-  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-  // cudaStreamIsCapturing, not a c10 helper: the c10 capture-status helpers differ between
-  // the torch releases we support (2.11 - 2.14), the runtime call does not.
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  const cudaError_t err = cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(index).stream(), &status);
-  if (err != cudaSuccess) {
-    // Asking about the legacy stream while another thread captures fails
-    // (cudaErrorStreamCaptureImplicit): a capture is under way, so answer as if capturing.
-    (void)cudaGetLastError();
-    return true;
-  }
-  return status != cudaStreamCaptureStatusNone;
-#else
-  (void)device;
-  return false;
-#endif
+  return device.is_cuda() && CurrentStream::of(device).capturing();
 }
 
 void install_capture_probe() {

@@ -16,7 +16,9 @@ void SavedTensor::check_version() const {
   if (now == saved_version_) return;
   std::ostringstream msg;
   msg << "one of the variables needed for gradient computation has been modified by an inplace operation: "
-      << describe(dtype_, std::vector<int64_t>(sizes_.begin(), sizes_.end()), device_) << " is at version " << now << "; expected version " << saved_version_
+      << describe(dtype_, kept_.defined() ? kept_.sizes().vec() : std::vector<int64_t>(sizes_.begin(), sizes_.end()),
+                  device_)
+      << " is at version " << now << "; expected version " << saved_version_
       << " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so "
       << "backward would have used the wrong values.) Hint: clone the tensor before modifying it in place, or "
       << "use the out-of-place operation.";
@@ -54,36 +56,40 @@ at::Tensor SavedTensor::unpack() {
     device_held_.set(device_held_.bytes() + fresh);
   }
   sample_memory(storage_->pool(), device_);
-  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(dtype_).device(st.device()));
-  out.set_(st, offset_, sizes_, strides_);
-  return out;
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset_);
 }
 
-std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
-                                                          std::shared_ptr<PackerCounters> counters) {
+std::shared_ptr<SavedTensor> SavedTensor::describe_version(const at::Tensor& t,
+                                                           std::shared_ptr<PackerCounters> counters) {
   auto saved = std::make_shared<SavedTensor>();
   saved->dtype_ = t.scalar_type();
   saved->device_ = t.device();
-  saved->sizes_ = at::DimVector(t.sizes());
-  saved->strides_ = at::DimVector(t.strides());
   saved->counters_ = std::move(counters);
   const auto& vc = t.unsafeGetTensorImpl()->version_counter();
   if (vc.enabled()) {
     saved->version_ = vc;
     saved->saved_version_ = vc.current_version();
   }
+  return saved;
+}
+
+std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
+                                                          std::shared_ptr<PackerCounters> counters) {
+  auto saved = describe_version(t, std::move(counters));
+  saved->sizes_ = at::DimVector(t.sizes());
+  saved->strides_ = at::DimVector(t.strides());
   saved->nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
   return saved;
 }
 
 std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                                   bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                                  TieredRefusal* why) {
+                                                  TieredRefusal* why, const CurrentStream* current) {
   auto saved = describe_layout(t, counters);
   saved->side_stream_ = side_stream;
   DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
   const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
-  StreamPair streams(t.device(), side_stream, /*to_host=*/true);
+  StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
   CopyRange range("ckpt_offload::offload", t.device());
   // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
   auto keepalive = tracked_keepalive(t.storage(), saved->nbytes_);

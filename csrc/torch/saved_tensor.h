@@ -12,6 +12,7 @@
 #include "counters.h"
 #include "device_bytes.h"
 #include "offloaded_storage.h"
+#include "runtime.h"
 
 namespace ckpt_offload {
 
@@ -24,10 +25,13 @@ class SavedTensor {
   // neither can take them; `why` (optional) then says which refused.
   static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                               bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                              TieredRefusal* why = nullptr);
+                                              TieredRefusal* why = nullptr, const CurrentStream* current = nullptr);
   ~SavedTensor();
   // A SavedTensor with t's layout and version filled in, holding nothing yet.
   static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
+  // A SavedTensor with only t's version filled in: enough for one kept as an alias (`kept_`
+  // has the layout), and cheaper on the hot path than describe_layout.
+  static std::shared_ptr<SavedTensor> describe_version(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
   at::Tensor unpack();
   bool offloaded() const { return storage_ != nullptr; }
   const c10::Device& device() const { return device_; }
