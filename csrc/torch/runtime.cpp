@@ -112,7 +112,7 @@ StreamPair::StreamPair(const CurrentStream& current, bool side, bool to_host, bo
                                                         current.index());
     compute_ = owned_compute_.get();
     const auto which = to_host ? cuda::SideStream::D2H : demand ? cuda::SideStream::H2DDemand : cuda::SideStream::H2D;
-    copy_ = side ? &cuda::side_stream(index, which) : compute_;
+    copy_ = side ? &cuda::side_stream(current.index(), which) : compute_;
     return;
   }
 #endif
