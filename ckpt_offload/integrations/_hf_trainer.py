@@ -120,6 +120,9 @@ class OffloadCheckpointCallback(TrainerCallback):
             self.handle = _hf.enable(model, every_n_layers=every_n, offload=offload, **kwargs)
         finally:
             _quiet.on = False
+        # The callback resolved offload itself (its own argument first, then TrainingArguments'
+        # entry): Trainer's later enable call must not turn on what the callback turned off.
+        self.handle._offload_given = True
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
