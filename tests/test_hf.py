@@ -318,7 +318,7 @@ def test_callback_honours_offload_entry_of_training_arguments_and_logs_stats(tmp
     assert s["pool_peak_bytes"] > 0
     assert set(co.offload(devices=["cpu"]).stats()["kept_by_reason"]) <= set(s["kept_by_reason"])
     cb.handle.reset_stats()
-    assert cb.handle.stats().get("bytes_offloaded", 0) == 0
+    assert cb.handle.stats()["bytes_offloaded"] == 0 and cb.handle.stats()["device_saved_peak_bytes"] == 0
 
 
 def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path):
@@ -337,6 +337,7 @@ def test_callback_adds_stats_to_trainer_logs(tmp_path):
     trainer.train()
     logged = [e for e in trainer.state.log_history if "ckpt_offload/bytes_offloaded" in e]
     assert logged and logged[-1]["ckpt_offload/bytes_offloaded"] > 0
+    assert 0 < logged[-1]["ckpt_offload/device_saved_peak_bytes"] == cb.handle.stats()["device_saved_peak_bytes"]
 
 
 def test_hf_disable_method_removes_the_handle_and_enable_works_again():
@@ -425,4 +426,22 @@ def test_callback_offload_false_wins_over_the_entry_trainer_passes(tmp_path):
     with pytest.warns(UserWarning, match=r"ignores offload="):
         train(tmp_path, gpt2(), [cb], **checkpointing_args(offload={"devices": ["cpu"], "min_bytes": 0}))
     assert cb.handle.function.options is None
-    assert cb.handle.stats().get("bytes_offloaded", 0) == 0
+    assert cb.handle.stats()["bytes_offloaded"] == 0 and cb.handle.stats()["device_saved_peak_bytes"] == 0
+
+
+def test_enable_handle_device_peak_is_the_profiles():
+    # Issue 11 item 5 on the co.hf.enable route: the handle's device peak of saved activations
+    # is the one co.profile() measures for the same step, one layer's inputs (copies inline on
+    # the compute stream: no prefetch, no copy finishing between two samples), not the step's.
+    pool = co.HostPool(pinned=False)
+    model = make("gpt2")
+    handle = co.hf.enable(model, offload={**cpu_offload(pool), "stream": "compute"})
+    base = co._C.device_bytes_saved()
+    with co.profile(pools=[pool]) as prof:
+        loss_of(model).backward()
+    s = handle.stats()
+    assert base < s["device_saved_peak_bytes"] == prof.totals()["device_saved_peak_bytes"]
+    assert s["device_saved_peak_bytes"] - base < s["bytes_offloaded"]
+    handle.reset_stats()
+    assert handle.stats()["device_saved_peak_bytes"] == 0
+    handle.remove()

@@ -30,7 +30,7 @@ def _args_checkpoint_kwargs(args) -> dict:
 
 #: The keys of a handle's ``stats()`` the callbacks add to the Trainer's logs, as ``ckpt_offload/<key>``.
 LOG_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded", "pool_peak_bytes",
-            "peak_prefetch_bytes")
+            "device_saved_peak_bytes", "peak_prefetch_bytes")
 
 
 def _add_to_logs(logs: dict, state, stats: dict) -> None:

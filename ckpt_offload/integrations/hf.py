@@ -184,7 +184,9 @@ class HFCheckpointHandle:
 
     def stats(self) -> dict:
         """What offload did in this model's checkpointed layers: the keys of
-        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest).
+        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest),
+        ``pool_peak_bytes`` and ``device_saved_peak_bytes`` (as in
+        :meth:`ckpt_offload.CheckpointHandle.stats`). All zeros without offload.
 
         Example::
 
@@ -195,7 +197,7 @@ class HFCheckpointHandle:
         return self.function.collector.stats()
 
     def reset_stats(self) -> None:
-        """Counts from zero again (see :meth:`stats`)."""
+        """Counts from zero again, the device peak included (see :meth:`stats`)."""
         self.function.collector.reset()
 
     @property
