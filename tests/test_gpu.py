@@ -651,11 +651,17 @@ def _mlp_step(blocks: int, options: dict | None) -> dict:
     context reused for every step (None: no offload), after two warm-up steps (gradients exist,
     cuBLAS workspaces are allocated, the window's lead has adapted to this machine).
 
-    Returns ``peak`` (max_memory_allocated during the step above what was allocated at its
-    start), ``held`` (allocated after the forward, copies drained, above the start: the saved
-    activations still on the device), ``block`` (bytes one block saves: its input, the first
-    Linear's output that GELU saves, GELU's output that the second Linear saves) and ``stats``
-    (the context's stats() of the measured step; None without offload)."""
+    Returns ``peak`` (max_memory_allocated during the step's backward above what was allocated
+    at the step's start), ``held`` (allocated after the forward, copies drained, above the
+    start: the saved activations still on the device), ``block`` (bytes one block saves: its
+    input, the first Linear's output that GELU saves, GELU's output that the second Linear
+    saves), ``largest`` (one saved tensor of the hidden width) and ``stats`` (the context's
+    stats() of the measured step; None without offload).
+
+    The backward is measured on its own, after the forward's copies have drained: a forward
+    source stays allocated until its device-to-host copy has read it, so while copies lag
+    behind compute the forward of an offloaded step can hold up to what the plain one holds.
+    The prefetch window acts on the backward."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
                             for _ in range(blocks)]).cuda()
@@ -673,11 +679,11 @@ def _mlp_step(blocks: int, options: dict | None) -> dict:
     if options is not None:
         ctx.reset_stats()  # the lead stays: it lives in the context
     start = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
     loss = forward()
     co.synchronize()  # the forward's copies have finished and released their sources
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated() - start
+    torch.cuda.reset_peak_memory_stats()
     loss.backward()
     del loss
     co.synchronize()
@@ -695,8 +701,8 @@ def test_default_prefetch_window_lowers_the_backward_peak(device):
     """Note [Prefetch window] on a GPU, with thresholds derived from what the test measures and
     the memory formula of docs/api.md ("What stays on the device"), none guessed.
 
-    Without offload the step peaks at ``S + t``: the ``S`` bytes of saved activations (measured:
-    allocated after the forward) plus the backward's temporaries ``t``. With offload the
+    Without offload the backward peaks at ``S + t``: the ``S`` bytes of saved activations
+    (measured: allocated after the forward) plus the backward's temporaries ``t``. With offload the
     forward leaves ``K`` on the device (measured the same way), and backward holds, per the
     formula, the block being differentiated (at most one block's saved bytes ``A``, its reloads)
     plus what is prefetched (``P``, the context's own peak_prefetch_bytes, which the formula
