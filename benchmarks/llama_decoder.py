@@ -26,6 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The preset lookup the demo's make_config uses (one definition). The scripts that import this
+# module import ckpt_offload first (from the checkout when it is not installed).
+from ckpt_offload.demo.model import preset_config
+
 __all__ = [
     "DecoderConfig",
     "DECODER_CONFIGS",
@@ -122,14 +126,7 @@ def make_decoder_config(preset: str = "tiny", **overrides) -> DecoderConfig:
 
         make_decoder_config("small", layers=4).layers      # 4
     """
-    if preset not in DECODER_CONFIGS:
-        raise ValueError(f"preset must be one of {tuple(DECODER_CONFIGS)}, got {preset!r}")
-    base = DECODER_CONFIGS[preset].as_dict()
-    unknown = set(overrides) - set(base)
-    if unknown:
-        raise TypeError(f"make_decoder_config: unknown field(s) {sorted(unknown)}; fields are {sorted(base)}")
-    base.update(overrides)
-    return DecoderConfig(**base)
+    return preset_config(DECODER_CONFIGS, preset, overrides, argument="preset", caller="make_decoder_config")
 
 
 class RMSNorm(nn.Module):

@@ -171,13 +171,56 @@ def merge_stats(stats: list) -> dict:
     return out
 
 
+_zero_stats: dict | None = None
+
+
+def zero_stats() -> dict:
+    """Every key of :meth:`ckpt_offload.offload.stats` at zero (nested reason dicts included):
+    what a handle reports before its first offloading checkpoint, or with offload off."""
+    global _zero_stats
+    if _zero_stats is None:
+        from ckpt_offload import _C
+        from ckpt_offload.pool import default_pool
+
+        packer = _C.Packer(pool=default_pool()._impl, min_bytes=0, offload_cpu=False, offload_cuda=False,
+                           side_stream=False, raise_on_full=False)
+        _zero_stats = {k: ({r: 0 for r in v} if isinstance(v, dict) else 0) for k, v in packer.stats().items()}
+    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in _zero_stats.items()}
+
+
 class StatsCollector:
     """The co.offload contexts a handle's checkpoints used (weakly), for ``handle.stats()``.
-    Copied or pickled with a model, it starts empty: the copy's counts are its own."""
+    Copied or pickled with a model, it starts empty: the copy's counts are its own.
+
+    Note [Handle device peak]: ``device_saved_peak_bytes`` is the largest value of
+    ``_C.device_bytes_saved()`` -- the process-wide count of saved-activation bytes ckpt_offload
+    holds on the device (kept, being copied, reloaded, prefetched), the very count co.profile()
+    samples for its own ``device_saved_peak_bytes`` -- read by :meth:`note_device_bytes` each time
+    one of the handle's checkpoints has packed its inputs (forward) or unpacked them with the
+    prefetches that unpack started (the recompute in backward). For the tensors these
+    checkpoints save, those are the moments the count rises; between them it only falls (copies
+    finish, reloads are released). It is a maximum over time of one count that already sums
+    every context alive at that moment, not a sum of per-context peaks: the shared context of a
+    forward and the fresh ones of nested checkpoints hold their bytes at the same time, and a sum
+    of their separate peaks (reached at different times) would overstate the peak. Being
+    process-wide, the count includes what other contexts (other threads, a co.offload of your
+    own) hold at those moments.
+    """
 
     def __init__(self):
         self._contexts = weakref.WeakSet()
         self._retired: dict = {}  # stats of contexts that died, so counts never go backwards
+        self._device_peak = 0
+        self._peak_lock = threading.Lock()
+
+    def note_device_bytes(self) -> None:
+        """Samples the device count (Note [Handle device peak])."""
+        from ckpt_offload import _C
+
+        now = _C.device_bytes_saved()
+        if now > self._device_peak:
+            with self._peak_lock:  # two threads' checkpoints: the larger sample wins
+                self._device_peak = max(self._device_peak, now)
 
     def add(self, ctx: offload_context) -> None:
         if ctx not in self._contexts:
@@ -189,13 +232,15 @@ class StatsCollector:
 
     def stats(self) -> dict:
         contexts = list(self._contexts)
-        out = merge_stats([self._retired, *[c.stats() for c in contexts]])
+        out = merge_stats([zero_stats(), self._retired, *[c.stats() for c in contexts]])
         # The pools' own peak (all their users, since their last reset_peak()).
         out["pool_peak_bytes"] = max((c.pool.stats()["peak_bytes_in_use"] for c in contexts), default=0)
+        out["device_saved_peak_bytes"] = self._device_peak
         return out
 
     def reset(self) -> None:
         self._retired = {}
+        self._device_peak = 0
         for c in list(self._contexts):
             c.reset_stats()
 
@@ -228,6 +273,10 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
     del leaves, args, kwargs
 
     def run(*inputs):
+        if collector is not None:
+            # Called right after this checkpoint packed its inputs (forward), or unpacked them
+            # for the recompute (backward): Note [Handle device peak].
+            collector.note_device_bytes()
         filled = list(skeleton)
         for i, t in zip(positions, inputs):
             filled[i] = t

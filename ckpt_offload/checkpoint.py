@@ -132,18 +132,23 @@ class CheckpointHandle:
     def stats(self) -> dict:
         """What offload did in this handle's checkpoints: the keys of
         :meth:`ckpt_offload.offload.stats` summed over the contexts they used (peaks: the
-        largest). All zeros without ``offload``.
+        largest), ``pool_peak_bytes`` (the pools' peak in use) and ``device_saved_peak_bytes``
+        (the most bytes of saved activations held on the device at once -- kept, reloaded,
+        prefetched -- as co.profile() reports it, sampled at each pack and unpack of these
+        checkpoints' inputs; see Note [Handle device peak] in ``_checkpoint_core.py``). All
+        zeros without ``offload``.
 
         Example::
 
             handle = co.apply(model, offload=True)
             model(x).sum().backward()
             print(handle.stats()["bytes_offloaded"], handle.stats()["kept_by_reason"])
+            print(handle.stats()["device_saved_peak_bytes"])    # the device's peak of saved bytes
         """
         return self._collector.stats()
 
     def reset_stats(self) -> None:
-        """Counts from zero again (see :meth:`stats`)."""
+        """Counts from zero again, the device peak included (see :meth:`stats`)."""
         self._collector.reset()
 
     def remove(self) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ckpt_offload as co
-from helpers import GPU_REASON, HAS_GPU, cuda_device
+from helpers import GPU_REASON, HAS_GPU, cuda_device, grads_of  # noqa: F401  (grads_of: tests import it from here)
 
 try:
     from hypothesis import HealthCheck, settings
@@ -129,10 +129,6 @@ def cpu_offload(pool=None, **kw):
     kw.setdefault("devices", ["cpu"])
     kw.setdefault("min_bytes", 0)
     return co.offload(pool=pool, **kw)
-
-
-def grads_of(module):
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
 def assert_bit_identical(a: dict, b: dict):

@@ -2,7 +2,8 @@
 
 * GPU: ``HAS_GPU``, ``sleep_stream`` (a spin kernel holding the compute stream), ``cuda_device``
   (the body of the cuda-only ``device`` fixtures of the test_gpu*.py files).
-* Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly.
+* Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly;
+  ``grads_of`` (a module's gradients by name) and ``step_grads`` (one step, its forward inside a context).
 * Hugging Face: tiny models (``gpt2``, ``llama``, ``bert``; no download), ``batch``, ``loss_of``,
   ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``. transformers is
   imported inside the functions: the modules that use them skip without it.
@@ -58,6 +59,24 @@ def cuda_device():
 
 
 # Autograd
+
+def grads_of(module) -> dict:
+    """The parameters' gradients of ``module`` (cloned), by name; those without one left out."""
+    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def step_grads(model, x, ctx=None) -> dict:
+    """One training step of ``model`` on ``x`` (loss ``(y * y).sum()``), its forward inside
+    ``ctx`` when given (a co.offload context); returns the gradients (:func:`grads_of`)."""
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        y = model(x)
+    else:
+        with ctx:
+            y = model(x)
+    (y * y).sum().backward()
+    return grads_of(model)
+
 
 class Probe(torch.autograd.Function):
     """Saves the given tensors through autograd and checks in backward that each comes back

@@ -333,3 +333,42 @@ def test_apply_logs_its_choice_through_the_library_logger(caplog):
         handle = co.apply(nn.Sequential(*[_Layer() for _ in range(2)]))
     handle.remove()
     assert any(r.name == "ckpt_offload" and "2 x _Layer" in r.getMessage() for r in caplog.records)
+
+
+def test_apply_handle_device_peak_is_the_profiles_and_below_the_saved_total():
+    # Issue 11 item 5: the handle reports the device peak of saved activations that co.profile()
+    # measures for the same step (one count, _C.device_bytes_saved; Note [Handle device peak]).
+    from models_for_tests import Chain
+
+    torch.manual_seed(0)
+    model = Chain(n=8, width=256)
+    x = torch.randn(512, 256)
+    one_input = x.numel() * x.element_size()  # what each checkpointed Linear keeps: 512 KiB
+    pool = co.HostPool(pinned=False)
+    # Each block's offload copy is drained before the next block packs: a copy finishing on a
+    # worker thread between the profile's sample and the handle's cannot differ them then.
+    drains = [layer.register_forward_pre_hook(lambda *_: co.synchronize()) for layer in model.layers]
+    handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": 0, "pool": pool, "prefetch_bytes": one_input})
+    assert handle.stats()["device_saved_peak_bytes"] == 0 and handle.stats()["bytes_offloaded"] == 0
+    base = co._C.device_bytes_saved()
+    with co.profile(pools=[pool]) as prof:
+        torch.tanh(model(x)).sum().backward()
+    s = handle.stats()
+    total = s["bytes_offloaded"]
+    assert total == 8 * one_input  # every block's input went to the pool
+    peak = s["device_saved_peak_bytes"]
+    assert peak == prof.totals()["device_saved_peak_bytes"]
+    # A window of one input: the input being recomputed and the next one, never the whole step.
+    assert s["prefetches"] > 0
+    assert base + one_input < peak <= base + 2 * one_input < total
+    handle.reset_stats()
+    assert handle.stats()["device_saved_peak_bytes"] == 0 and handle.stats()["bytes_offloaded"] == 0
+    # Counts again after a reset: a window of the whole step brings every input back at once.
+    handle.remove()
+    handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": 0, "pool": pool, "prefetch_bytes": total})
+    with co.profile(pools=[pool]) as prof:
+        torch.tanh(model(x)).sum().backward()
+    assert handle.stats()["device_saved_peak_bytes"] == prof.totals()["device_saved_peak_bytes"] == base + total
+    handle.remove()
+    for d in drains:
+        d.remove()

@@ -20,7 +20,8 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_bit_identical, cpu_offload, grads_of, nonzero
+from conftest import assert_bit_identical, cpu_offload, nonzero
+from helpers import grads_of, step_grads
 from models_for_tests import Chain  # 512 x 512 float32: 1 MiB per saved activation
 
 import ckpt_offload as co
@@ -65,17 +66,6 @@ def spill_pool(spill_dir, **kw):
     return co.HostPool(pinned=False, spill_dir=spill_dir, **kw)
 
 
-def _run(model, x, ctx=None):
-    model.zero_grad(set_to_none=True)
-    if ctx is None:
-        y = model(x)
-    else:
-        with ctx:
-            y = model(x)
-    (y * y).sum().backward()
-    return grads_of(model)
-
-
 def _inputs(seed=0):
     torch.manual_seed(seed)
     return torch.randn(512, 512)
@@ -97,11 +87,11 @@ def _assert_all_back(pool):
 def test_spilled_gradients_bit_identical(spill_dir, stream, prefetch, batch):
     torch.manual_seed(0)
     model, x = Chain(n=8), _inputs()
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = spill_pool(spill_dir)
     kw = dict(batch_below=2 * MiB, batch_bytes=4 * MiB) if batch else {}
     ctx = cpu_offload(pool, stream=stream, prefetch_bytes=prefetch, **kw)
-    got = _run(model, x, ctx)
+    got = step_grads(model, x, ctx)
     assert_bit_identical(ref, got)
     s, d = ctx.stats(), pool.stats()["disk"]
     assert s["tensors_kept"] == 0 or set(nonzero(s["kept_by_reason"])) <= {"parameter"}
@@ -173,10 +163,10 @@ def test_corruption_on_disk_raises_in_backward(spill_dir, prefetch):
 def test_disk_full_keeps_tensors_and_gradients_stay_exact(spill_dir):
     torch.manual_seed(0)
     model, x = Chain(n=8), _inputs()
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = spill_pool(spill_dir, spill_max_bytes=2 * MiB, spill_file_bytes=1 * MiB)
     ctx = cpu_offload(pool)
-    got = _run(model, x, ctx)
+    got = step_grads(model, x, ctx)
     assert_bit_identical(ref, got)
     s = ctx.stats()
     assert s["kept_by_reason"]["disk_full"] >= 1
@@ -201,10 +191,10 @@ def test_disk_full_raises_under_on_full_raise(spill_dir):
 def test_disk_full_batched_counts_disk_full(spill_dir):
     torch.manual_seed(0)
     model, x = Chain(n=8), _inputs()
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = spill_pool(spill_dir, spill_max_bytes=4 * MiB, spill_file_bytes=4 * MiB)
     ctx = cpu_offload(pool, batch_below=2 * MiB, batch_bytes=4 * MiB)
-    got = _run(model, x, ctx)
+    got = step_grads(model, x, ctx)
     assert_bit_identical(ref, got)
     assert ctx.stats()["kept_by_reason"].get("disk_full", 0) >= 1
     _assert_all_back(pool)
@@ -318,9 +308,9 @@ def test_threads_share_a_spilling_pool(spill_dir):
         try:
             torch.manual_seed(i)
             model, x = Chain(n=6), torch.randn(512, 512)
-            ref = _run(model, x)
+            ref = step_grads(model, x)
             for _ in range(2):
-                got = _run(model, x, cpu_offload(pool, prefetch_bytes=(i % 2) * 64 * MiB))
+                got = step_grads(model, x, cpu_offload(pool, prefetch_bytes=(i % 2) * 64 * MiB))
                 assert_bit_identical(ref, got)
             results[i] = True
         except BaseException as e:  # reported by the main thread
@@ -340,7 +330,7 @@ def test_threads_share_a_spilling_pool(spill_dir):
 def test_checkpoint_and_apply_spill(spill_dir):
     torch.manual_seed(0)
     model, x = Chain(n=6), _inputs().requires_grad_()
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = spill_pool(spill_dir, max_bytes=1 * MiB)
     opts = {"pool": pool, "devices": ["cpu"], "min_bytes": 0}
     model.zero_grad(set_to_none=True)
@@ -357,10 +347,10 @@ def test_checkpoint_and_apply_spill(spill_dir):
 def test_apply_spills(spill_dir):
     torch.manual_seed(0)
     model, x = Chain(n=6), _inputs().requires_grad_()
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = spill_pool(spill_dir, max_bytes=1 * MiB)
     handle = co.apply(model, offload={"pool": pool, "devices": ["cpu"], "min_bytes": 0})
-    got = _run(model, x)
+    got = step_grads(model, x)
     handle.remove()
     assert_bit_identical(ref, got)
     assert pool.stats()["disk"]["blocks_spilled"] > 0
@@ -383,7 +373,7 @@ def test_profile_has_disk_records(spill_dir):
     model, x = Chain(n=6), _inputs()
     pool = spill_pool(spill_dir)
     with co.profile(pools=[pool]) as prof:
-        _run(model, x, cpu_offload(pool, prefetch_bytes=64 * MiB))
+        step_grads(model, x, cpu_offload(pool, prefetch_bytes=64 * MiB))
     rec = prof.to_dict()["records"]
     writes = [d for d in rec["disk"] if d["kind"] == "disk_write"]
     reads = [d for d in rec["disk"] if d["kind"] == "disk_read"]
@@ -434,7 +424,7 @@ def test_gpu_spilled_gradients_bit_identical(spill_dir, device, stream, prefetch
     torch.manual_seed(0)
     model = Chain(n=8).to(device)
     x = torch.randn(512, 512, device=device)
-    ref = _run(model, x)
+    ref = step_grads(model, x)
     pool = co.HostPool(max_bytes=2 * MiB, spill_dir=spill_dir, spill_file_bytes=16 * MiB)
     assert pool.pinned
     ctx = co.offload(pool=pool, min_bytes=0, stream=stream, prefetch_bytes=prefetch)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from models_for_tests import Chain
-from helpers import HAS_GPU, cuda_device
+from helpers import HAS_GPU, cuda_device, step_grads
 from helpers import sleep_stream as _sleep
 
 import ckpt_offload as co
@@ -33,17 +33,6 @@ def device():
 MiB = 1 << 20
 
 
-def _grads(model, x, ctx=None):
-    model.zero_grad(set_to_none=True)
-    if ctx is None:
-        y = model(x)
-    else:
-        with ctx:
-            y = model(x)
-    (y * y).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _assert_equal(a, b):
     assert a.keys() == b.keys()
     for k in a:
@@ -55,10 +44,10 @@ def test_prefetch_bit_identical_and_used(device, backend):
     torch.manual_seed(0)
     model = Chain(width=1024).to(device)
     x = torch.randn(2048, 1024, device=device)
-    ref = _grads(model, x)
+    ref = step_grads(model, x)
     pool = co.HostPool(backend=backend)
     ctx = co.offload(pool=pool, prefetch_bytes=64 * MiB)
-    got = _grads(model, x, ctx)
+    got = step_grads(model, x, ctx)
     _assert_equal(ref, got)
     s = ctx.stats()
     assert s["prefetches"] > 0 and s["prefetch_hits"] == s["prefetches"]

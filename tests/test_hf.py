@@ -318,7 +318,7 @@ def test_callback_honours_offload_entry_of_training_arguments_and_logs_stats(tmp
     assert s["pool_peak_bytes"] > 0
     assert set(co.offload(devices=["cpu"]).stats()["kept_by_reason"]) <= set(s["kept_by_reason"])
     cb.handle.reset_stats()
-    assert cb.handle.stats()["bytes_offloaded"] == 0
+    assert cb.handle.stats()["bytes_offloaded"] == 0 and cb.handle.stats()["device_saved_peak_bytes"] == 0
 
 
 def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path):
@@ -337,6 +337,7 @@ def test_callback_adds_stats_to_trainer_logs(tmp_path):
     trainer.train()
     logged = [e for e in trainer.state.log_history if "ckpt_offload/bytes_offloaded" in e]
     assert logged and logged[-1]["ckpt_offload/bytes_offloaded"] > 0
+    assert 0 < logged[-1]["ckpt_offload/device_saved_peak_bytes"] == cb.handle.stats()["device_saved_peak_bytes"]
 
 
 def test_hf_disable_method_removes_the_handle_and_enable_works_again():
@@ -361,3 +362,86 @@ def test_offload_callback_offloads_without_recompute_and_matches(tmp_path, basel
     assert all(torch.equal(params[n], ref_params[n]) for n in ref_params)
     assert cb.stats()["tensors_offloaded"] > 0
     assert "forward" not in model.__dict__  # removed at the end of training
+
+
+# ---------------------------------------------------------------- issue 11 item 4: co.hf.enable + Trainer's offload entry
+
+
+def test_enable_without_offload_follows_the_offload_entry_trainer_passes(tmp_path, baseline):
+    # Trainer.train() re-enables checkpointing itself and passes TrainingArguments' offload entry
+    # to the model's enable method (transformers 5.24 pops it out of the kwargs and passes
+    # offload=...); a handle made with offload off uses it instead of ignoring it.
+    pool = co.HostPool(pinned=False)
+    model = trainer_model()
+    handle = co.hf.enable(model, every_n_layers=2)
+    assert handle.offload is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # honoured, so nothing to warn about
+        losses, params = train(tmp_path, model, **checkpointing_args(every_n_layers=2, offload=cpu_offload(pool)))
+    assert handle.offload is not None and handle.offload["pool"] is pool
+    s = handle.stats()
+    assert s["bytes_offloaded"] > 0 and s["tensors_offloaded"] > 0
+    assert pool.stats()["num_allocs"] > 0 and pool.stats()["bytes_in_use"] == 0
+    assert handle.function.calls == 6  # our function: 2 layers x 3 steps
+    base_losses, base_params = baseline
+    assert losses == base_losses
+    assert_bit_identical(base_params, params)
+
+
+def test_enable_follows_an_offload_entry_inside_the_kwargs_dict_and_offload_given_wins():
+    model = gpt2()
+    name = next(n for n in ENABLE_NAMES if hasattr(model, n))
+    handle = co.hf.enable(model)
+
+    def enable(*args, **kwargs):  # the model's enable method, as Trainer calls it (looked up now)
+        return getattr(model, name)(*args, **kwargs)
+
+    # A Trainer that passes the whole dict (the entry left inside it).
+    enable({"use_reentrant": False, "offload": {"devices": ["cpu"], "min_bytes": 0}})
+    assert handle.offload == {"devices": ("cpu",), "min_bytes": 0}
+    loss_of(model).backward()
+    assert handle.stats()["bytes_offloaded"] > 0
+    enable(None, offload=False)  # the entry absent (Trainer passes False): off again
+    assert handle.offload is None
+    with pytest.raises(TypeError, match=r"offload.*must be False, True, or a dict"):
+        enable(None, offload="cpu")
+    handle.remove()
+    # offload turned on in co.hf.enable: kept; a request for other options is named as ignored.
+    ours = {"devices": ["cpu"], "min_bytes": 1024}
+    handle = co.hf.enable(model, offload=ours)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        enable(None, offload=True)  # satisfied by ours
+        enable(None, offload=False)  # Trainer's call when its arguments have no entry
+    with pytest.warns(UserWarning, match=r"ignores offload=\{'devices': \['cpu'\]\}"):
+        enable(None, offload={"devices": ["cpu"]})
+    assert handle.offload == {"devices": ("cpu",), "min_bytes": 1024}
+    handle.remove()
+
+
+def test_callback_offload_false_wins_over_the_entry_trainer_passes(tmp_path):
+    # The callback's own offload=False decides (TrainingArguments' entry only fills in a None);
+    # Trainer's enable call at train() passes the entry, which is then named as ignored.
+    cb = co.hf.OffloadCheckpointCallback(offload=False)
+    with pytest.warns(UserWarning, match=r"ignores offload="):
+        train(tmp_path, gpt2(), [cb], **checkpointing_args(offload={"devices": ["cpu"], "min_bytes": 0}))
+    assert cb.handle.function.options is None
+    assert cb.handle.stats()["bytes_offloaded"] == 0 and cb.handle.stats()["device_saved_peak_bytes"] == 0
+
+
+def test_enable_handle_device_peak_is_the_profiles():
+    # Issue 11 item 5 on the co.hf.enable route: the handle's device peak of saved activations
+    # is the one co.profile() measures for the same step, one layer's inputs (copies inline on
+    # the compute stream: no prefetch, no copy finishing between two samples), not the step's.
+    pool = co.HostPool(pinned=False)
+    model = make("gpt2")
+    handle = co.hf.enable(model, offload={**cpu_offload(pool), "stream": "compute"})
+    base = co._C.device_bytes_saved()
+    with co.profile(pools=[pool]) as prof:
+        loss_of(model).backward()
+    s = handle.stats()
+    assert base < s["device_saved_peak_bytes"] == prof.totals()["device_saved_peak_bytes"]
+    assert s["device_saved_peak_bytes"] - base < s["bytes_offloaded"]
+    handle.reset_stats()
+    assert handle.stats()["device_saved_peak_bytes"] == 0
+    handle.remove()

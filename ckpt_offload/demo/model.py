@@ -37,6 +37,7 @@ __all__ = [
     "TinyConfig",
     "CONFIGS",
     "make_config",
+    "preset_config",
     "make_batch",
     "lm_loss",
 ]
@@ -255,14 +256,26 @@ def make_config(size: str = "small", **overrides) -> TinyConfig:
 
         make_config("medium", batch=4).batch     # 4
     """
-    if size not in CONFIGS:
-        raise ValueError(f"size must be one of {tuple(CONFIGS)}, got {size!r}")
-    base = CONFIGS[size].as_dict()
+    return preset_config(CONFIGS, size, overrides, argument="size", caller="make_config")
+
+
+def preset_config(presets: dict, name: str, overrides: dict, *, argument: str, caller: str):
+    """``presets[name]`` (a dataclass with ``as_dict()``) with the fields in ``overrides``
+    replaced: the body of :func:`make_config` and of the benchmarks' ``make_decoder_config``.
+    An unknown preset or field raises, naming ``argument`` / ``caller``.
+
+    Example::
+
+        preset_config(CONFIGS, "small", {"layers": 2}, argument="size", caller="make_config").layers   # 2
+    """
+    if name not in presets:
+        raise ValueError(f"{argument} must be one of {tuple(presets)}, got {name!r}")
+    base = presets[name].as_dict()
     unknown = set(overrides) - set(base)
     if unknown:
-        raise TypeError(f"make_config: unknown field(s) {sorted(unknown)}; fields are {sorted(base)}")
+        raise TypeError(f"{caller}: unknown field(s) {sorted(unknown)}; fields are {sorted(base)}")
     base.update(overrides)
-    return TinyConfig(**base)
+    return type(presets[name])(**base)
 
 
 def make_batch(cfg: TinyConfig, batch: int | None = None, seed: int = 0, device="cpu") -> torch.Tensor:

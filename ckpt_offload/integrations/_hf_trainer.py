@@ -30,7 +30,7 @@ def _args_checkpoint_kwargs(args) -> dict:
 
 #: The keys of a handle's ``stats()`` the callbacks add to the Trainer's logs, as ``ckpt_offload/<key>``.
 LOG_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded", "pool_peak_bytes",
-            "peak_prefetch_bytes")
+            "device_saved_peak_bytes", "peak_prefetch_bytes")
 
 
 def _add_to_logs(logs: dict, state, stats: dict) -> None:
@@ -120,6 +120,9 @@ class OffloadCheckpointCallback(TrainerCallback):
             self.handle = _hf.enable(model, every_n_layers=every_n, offload=offload, **kwargs)
         finally:
             _quiet.on = False
+        # The callback resolved offload itself (its own argument first, then TrainingArguments'
+        # entry): Trainer's later enable call must not turn on what the callback turned off.
+        self.handle._offload_given = True
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)

@@ -25,7 +25,9 @@ enable methods are wrapped on the instance so that such a call keeps ckpt_offloa
 Trainer route: it enables ckpt_offload when the Trainer is built and checks it again at
 ``on_train_begin``. ``activation_checkpointing_kwargs`` cannot carry our function itself (its
 keys go to ``torch.utils.checkpoint.checkpoint`` and it is serialized with the arguments), but
-the callback reads ``every_n_layers`` and torch's checkpoint keywords from it.
+the callback reads ``every_n_layers``, ``offload`` and torch's checkpoint keywords from it. Its
+``offload`` entry is honoured on the :func:`enable` route too: Trainer passes it to the enable
+call it makes, and a handle made with offload off follows it.
 
 Example::
 
@@ -138,6 +140,7 @@ class _KeepOurs:
         self.name = name
 
     def __call__(self, *args, **kwargs):
+        self.handle._follow_offload_request(self.name, args, kwargs)
         self.handle._warn_ignored(self.name, args, kwargs)
         self.handle._install()
 
@@ -163,8 +166,12 @@ class HFCheckpointHandle:
     :class:`HFCheckpointFunction`), ``enable_method`` (the Hugging Face method used), ``removed``.
     """
 
-    def __init__(self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict):
+    def __init__(self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict,
+                 offload_given: bool = True):
         self._model = model
+        # False when enable() left offload off: a later enable call's offload entry
+        # (Trainer.train() passes TrainingArguments' one) then decides; True: ours is kept.
+        self._offload_given = offload_given
         self.every_n_layers = every_n_layers
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs)
@@ -177,7 +184,9 @@ class HFCheckpointHandle:
 
     def stats(self) -> dict:
         """What offload did in this model's checkpointed layers: the keys of
-        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest).
+        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest),
+        ``pool_peak_bytes`` and ``device_saved_peak_bytes`` (as in
+        :meth:`ckpt_offload.CheckpointHandle.stats`). All zeros without offload.
 
         Example::
 
@@ -188,7 +197,7 @@ class HFCheckpointHandle:
         return self.function.collector.stats()
 
     def reset_stats(self) -> None:
-        """Counts from zero again (see :meth:`stats`)."""
+        """Counts from zero again, the device peak included (see :meth:`stats`)."""
         self.function.collector.reset()
 
     @property
@@ -260,17 +269,55 @@ class HFCheckpointHandle:
                 "layers=<its block class>, every_n_layers=..., offload=...)."
             ) from e
 
-    def _warn_ignored(self, name: str, args, kwargs) -> None:
-        ckpt_kwargs = args[0] if args else kwargs.get(
+    @staticmethod
+    def _ckpt_kwargs_of(args, kwargs):
+        """The checkpoint-kwargs dict of a call of the model's enable method (positional or named)."""
+        return args[0] if args else kwargs.get(
             "activation_checkpointing_kwargs", kwargs.get("gradient_checkpointing_kwargs")
         )
+
+    def _offload_requested(self, args, kwargs):
+        """The ``offload`` a call of the model's enable method asks for: its ``offload`` argument
+        (transformers 5.24's Trainer pops the entry out of the kwargs dict and passes it so), else
+        the dict's ``offload`` entry (Trainers that pass the whole dict); ``_MISSING`` if none."""
+        if len(args) > 2:
+            return args[2]
+        if kwargs.get("offload") is not None:
+            return kwargs["offload"]
+        ckpt_kwargs = self._ckpt_kwargs_of(args, kwargs)
+        if isinstance(ckpt_kwargs, dict) and "offload" in ckpt_kwargs:
+            return ckpt_kwargs["offload"]
+        return kwargs.get("offload", _MISSING)
+
+    def _follow_offload_request(self, name: str, args, kwargs) -> None:
+        """With offload off in :func:`enable`, a later enable call's offload entry (a bool or a
+        dict of co.offload options) decides whether the checkpoints offload."""
+        if self._offload_given:
+            return
+        requested = self._offload_requested(args, kwargs)
+        if requested is _MISSING:
+            return
+        where = f"{name}(offload=...) (from TrainingArguments' checkpointing kwargs under Trainer)"
+        options = offload_options(requested, name=where)
+        check_reentrant(self.use_reentrant, options)
+        if options is not None and options != self.function.options:
+            check_offloads_something(options.get("devices"), where)
+        self.function.options = options
+
+    def _warn_ignored(self, name: str, args, kwargs) -> None:
+        ckpt_kwargs = self._ckpt_kwargs_of(args, kwargs)
         every_n = args[1] if len(args) > 1 else kwargs.get("every_n_layers", 1)
-        offload = args[2] if len(args) > 2 else kwargs.get("offload", False)
+        offload = self._offload_requested(args, kwargs)
         ignored = []
         if every_n not in (1, self.every_n_layers):
             ignored.append(f"every_n_layers={every_n}")
-        if offload and self.offload is None:
-            ignored.append("offload=True")
+        if self._offload_given and offload is not _MISSING and offload is not None:
+            # Kept: enable() was given offload explicitly. Ignored when the call asks for offload
+            # that ours is not (True is satisfied by any options; False is what Trainer passes
+            # when its arguments have no entry, so it never warns).
+            asked = offload_options(offload, name=f"{name}(offload=...)")
+            if asked is not None and (self.offload is None or (asked and asked != self.offload)):
+                ignored.append(f"offload={offload!r}")
         ours = {"use_reentrant": self.use_reentrant, **self.torch_kwargs}
         for k, v in (ckpt_kwargs or {}).items():
             if k not in ("every_n_layers", "offload") and ours.get(k, _MISSING) != v:
@@ -360,14 +407,20 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
     releases whose method lacks the argument) and enables input gradients when it would. Then
     every module with a ``gradient_checkpointing`` flag gets ckpt_offload's function. While the
     handle is active, a later call of the model's enable method (``Trainer.train()`` makes one)
-    keeps ckpt_offload's function and these settings.
+    keeps ckpt_offload's function and these settings -- except ``offload`` when it is off
+    here: the call's ``offload`` (TrainingArguments' entry) is then used.
 
     Args:
         model: a ``transformers.PreTrainedModel`` (or anything with Hugging Face's enable method)
             whose class supports gradient checkpointing through ``_gradient_checkpointing_func``.
         every_n_layers: checkpoint one layer in ``every_n_layers`` (>= 1), starting with the first.
         offload: ``False`` (default, as everywhere in ckpt_offload: offload is opt-in),
-            ``True``, or a dict of :class:`ckpt_offload.offload` options (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). When on, each
+            ``True``, or a dict of :class:`ckpt_offload.offload` options
+            (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). Off (``False``/``None``), a
+            later call of the model's enable method that asks for offload turns it on:
+            ``Trainer.train()`` passes the ``offload`` entry of
+            ``TrainingArguments.activation_checkpointing_kwargs`` (a bool or a dict of co.offload
+            options), which is then used. When on, each
             checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
             ids Hugging Face passes by keyword -- wait in the host pool until backward.
         **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs
@@ -427,7 +480,8 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
             "ckpt_offload is already applied to this model (co.hf.enable or co.apply); call .remove() on the "
             "handle it returned (model._ckpt_offload_handle.remove()) before enabling again"
         )
-    handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs)
+    handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs,
+                                offload_given=options is not None)
     handle._saved_state = _snapshot(model)
     try:
         handle._install()
