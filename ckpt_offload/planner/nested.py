@@ -32,8 +32,8 @@ __all__ = ["nested_terms", "fronts", "structures"]
 def _held(cm, p, first):
     """Bytes part ``p`` holds through its enclosing segment's backward until backward reaches it
     (``first``: the segment's first part, whose input is the segment's own)."""
-    if p.kind == "recompute":
-        return 0 if first else cm.blocks[p.start].input_bytes
+    if p.kind == "recompute":  # its input, and its random state since the forward
+        return (0 if first else cm.blocks[p.start].input_bytes) + cm.checkpoint_bytes * p.checkpoints
     b = cm.blocks[p.start]
     return b.saved_bytes - (sum(s.nbytes for s in b.storages if s.is_input) if first else 0)
 
@@ -67,7 +67,7 @@ def _pareto2(points):
     """(wx, extra, inner) points -> those no other beats in both, smallest wx first."""
     out = []
     for wx, e, inner in sorted(points, key=lambda x: (x[0], x[1])):
-        if not out or e < out[-1][1]:
+        if not out or e < out[-1][1] - 1e-12 * abs(out[-1][1]):  # sums in another order: not better
             out.append((wx, e, inner))
     return out
 
@@ -112,8 +112,8 @@ def fronts(cm, levels=2, max_segment=None, max_points=None):
                     states.setdefault(t + 1, []).append(
                         (held + h, max(peak, held + h), extra + cm.blocks[t].forward_s, parts + (Unit(t, t, "keep"),)))
                     for u in range(t, last):
-                        h = 0 if t == s else cm.blocks[t].input_bytes
                         for wx, e, inner in prev[(t, u)]:
+                            h = _held(cm, Unit(t, u, "recompute", inner=inner), t == s)
                             states.setdefault(u + 1, []).append(
                                 (held + h, max(peak, held + h + wx), extra + e + _fwd(cm, t, u),
                                  parts + (Unit(t, u, "recompute", inner=inner),)))
@@ -123,8 +123,8 @@ def fronts(cm, levels=2, max_segment=None, max_points=None):
                 # The last part an inner checkpoint: the segment's recompute stops before its blocks.
                 for t in range(s + 1, e + 1):
                     for held, peak, extra, parts in pruned[t]:
-                        h = cm.blocks[t].input_bytes
                         for wx, x, inner in prev[(t, e)]:
+                            h = _held(cm, Unit(t, e, "recompute", inner=inner), False)
                             points.append((max(peak, held + h + wx), extra + x,
                                            parts + (Unit(t, e, "recompute", inner=inner),)))
                 front = _pareto2([(wx, x, Unit(s, e, "recompute", inner=parts).inner) for wx, x, parts in points])

@@ -90,6 +90,13 @@ class Unit:
         return self.inner or tuple(Unit(i, i, "keep") for i in range(self.start, self.end + 1))
 
     @property
+    def checkpoints(self) -> int:
+        """How many checkpoints the unit is: 0 for keep / offload, 1 + its inner ones otherwise."""
+        if self.kind in ("keep", "offload"):
+            return 0
+        return 1 + sum(v.checkpoints for v in self.inner if v.kind == "recompute")
+
+    @property
     def levels(self) -> int:
         """Checkpoint levels: 1 for a flat unit, 2 for a segment with inner checkpoints, ..."""
         return 1 + max((v.levels for v in self.inner if v.kind == "recompute"), default=0)
@@ -196,9 +203,11 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     t = 0.0
     mem(t, costs.pre_bytes)
     t += costs.pre_s
+    cb = getattr(costs, "checkpoint_bytes", 0)
     for ui, u in enumerate(units):
         info = infos[ui]
         first = blocks[u.start]
+        mem(t, cb * u.checkpoints)  # each checkpoint's copy of the random state, until its backward ends
         if u.kind in ("recompute", "recompute_offload"):
             held = 0
             for j, n in enumerate(first.input_sizes):
@@ -345,8 +354,7 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             p = parts[j]
             if p.kind == "recompute":
                 recompute_backward(ui, p, info)
-                if j:
-                    mem(now[0], -blocks[p.start].input_bytes)
+                mem(now[0], -(blocks[p.start].input_bytes if j else 0) - cb * p.checkpoints)
             else:
                 block_backward(ui, u.kind, p.start, info, skip_input=(j == 0))
 
@@ -359,7 +367,7 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                 if h is not None and not unpack(h, info):
                     feasible = False
             recompute_backward(ui, u, info)
-            mem(now[0], -first.input_bytes)
+            mem(now[0], -first.input_bytes - cb)
         elif u.kind == "selective":
             b = blocks[u.start]
             now[0] += b.selective_recompute_s
@@ -375,7 +383,7 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                                 if s.first == pos and si not in kept and not s.is_input))
             mem(now[0], -sum(n for use, n in only if use > len(b.packs)))
             block_backward(ui, u.kind, u.start, info, skip_input=True)
-            mem(now[0], -first.input_bytes)
+            mem(now[0], -first.input_bytes - cb)
         else:
             for bi in range(u.end, u.start - 1, -1):
                 block_backward(ui, u.kind, bi, info, skip_input=False)

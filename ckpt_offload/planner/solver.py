@@ -79,16 +79,19 @@ def _unit_terms(cm, u, prefetch):
     not_input = saved - sum(s.nbytes for s in first.storages if s.is_input)
     if u.inner:  # a nested segment: less held in its backward, more recompute
         not_input, fwd = nested_terms(cm, u)
+    # every checkpoint's random state (nested: the inner ones' are in not_input, held by their part)
+    cb, cbs = cm.checkpoint_bytes, cm.checkpoint_bytes * u.checkpoints
     if u.kind == "recompute":
-        return inp, inp + not_input, fwd, bwd + fwd, 0, 0
+        return inp + cbs, inp + cb + not_input, fwd, bwd + fwd, 0, 0
     if u.kind == "recompute_offload":
         o = [n for n in first.input_sizes if off(n)]
-        return inp - sum(o), inp + not_input, fwd, bwd + fwd, sum(o), len(o)
+        return inp - sum(o) + cbs, inp + cb + not_input, fwd, bwd + fwd, sum(o), len(o)
     # selective
     b = first
     sel = sum(b.selective)
     sel_only = sum(n for n, si in zip(b.selective, b.selective_saved) if si < 0)
-    return inp + sel, inp + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s, 0, 0
+    return (inp + sel + cb, inp + cb + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s,
+            0, 0)
 
 
 def _unit_options(n, kinds, max_segment, inners=None):
