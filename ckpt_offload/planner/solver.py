@@ -53,12 +53,17 @@ class Candidate:
 
 
 def _unit_terms(cm, u, prefetch):
-    """(held, work, extra_s, bwd_s, d2h_bytes, d2h_copies) of unit ``u`` in the chain model.
+    """(held, work, extra_s, bwd_s, d2h_bytes, d2h_copies, fwd_s) of unit ``u`` in the chain model.
 
     held: bytes it keeps on the device from its forward until its backward; work: bytes it has
     on the device at the start of its backward (a bound of its backward peak without prefetch);
     extra_s: recompute seconds; bwd_s: its backward compute (what a reload of the unit before it
-    hides behind); d2h: what it copies to the host (and reloads)."""
+    hides behind); d2h: what it copies to the host (and reloads); fwd_s: its blocks' forward."""
+    terms = _terms6(cm, u)
+    return terms + (sum(b.forward_s for b in cm.blocks[u.start:u.end + 1]),)
+
+
+def _terms6(cm, u):
     bs = cm.blocks[u.start:u.end + 1]
     first = bs[0]
     mb = cm.min_bytes
@@ -102,17 +107,33 @@ def _unit_options(n, kinds, max_segment, inners=None):
     for i in range(n):
         opts = [Unit(i, i, k) for k in kinds]
         for j in range(i + 1, min(n, i + max_segment)):
-            for inner in (inners[(i, j)] if inners else ((),)):
+            for inner in (inners.get((i, j), ((),)) if inners else ((),)):
                 opts += [Unit(i, j, k, inner=inner) for k in SEGMENT_KINDS if k in kinds]
         out.append(opts)
     return out
 
 
+#: Points of each segment's Pareto front of nestings the solver's DP tries (bounds its work on long
+#: chains; the front's two ends, least memory and least recompute, are always among them), and the
+#: longest segment that nests (longer ones stay flat).
+MAX_NESTINGS = 12
+MAX_NESTED_SEGMENT = 16
+
+
 def _nested_options(cm, n, kinds, max_segment, levels, max_points=None):
+    """:func:`_unit_options` with each segment's Pareto front of nestings, as ``[[(unit, terms),
+    ...] per block]`` (the terms computed once: nested ones cost a walk of the nesting)."""
     if levels <= 1 or not any(k in kinds for k in SEGMENT_KINDS):
-        return _unit_options(n, kinds, max_segment)
-    f = fronts(cm, levels, max_segment, max_points)
-    return _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
+        options = _unit_options(n, kinds, max_segment)
+    else:
+        # Nested segments of at most MAX_NESTED_SEGMENT blocks, and fewer nestings per segment on long
+        # chains: the DP's work grows with both (a 32-block chain: seconds instead of a minute).
+        long = n > MAX_NESTED_SEGMENT
+        if max_points is None:
+            max_points = 4 if long else MAX_NESTINGS
+        f = fronts(cm, levels, min(max_segment, MAX_NESTED_SEGMENT // 2 if long else MAX_NESTED_SEGMENT), max_points)
+        options = _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
+    return [[(u, _unit_terms(cm, u, 0)) for u in opts] for opts in options]
 
 
 def chain_cost(cm, units, prefetch):
@@ -132,11 +153,10 @@ def _initial(cm):
 
 def _advance(cm, state, u, prefetch, terms):
     held, backlog, r_prev, c_prev, offl, peak, time = state
-    h, work, extra, bwd, d_bytes, d_copies = terms
+    h, work, extra, bwd, d_bytes, d_copies, fwd = terms
     bw = cm.bandwidth
     if d_copies and bw.d2h <= 0:
         return None
-    fwd = sum(b.forward_s for b in cm.blocks[u.start:u.end + 1])
     # backward of the previous (earlier) unit's reload hides behind this unit's backward
     time += fwd + bwd  # bwd includes the recompute (extra): counted once
     if c_prev:
@@ -179,17 +199,13 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, ob
     max_segment = n if max_segment is None else max_segment
     options = _options or _nested_options(cm, n, kinds, max_segment, levels, max_points)
     by_peak = objective == "peak"
-    terms = {}
     fronts = [dict() for _ in range(n + 1)]  # position -> {state: (units)}
     fronts[0][_initial(cm)] = ()
     for i in range(n):
         if not fronts[i]:
             continue
         for state, units in _pareto(fronts[i], by_peak):
-            for u in options[i]:
-                t = terms.get(u)
-                if t is None:
-                    t = terms[u] = _unit_terms(cm, u, prefetch)
+            for u, t in options[i]:
                 s = _advance(cm, state, u, prefetch, t)
                 if s is None or s[5] > budget or not math.isfinite(s[6]):
                     continue
@@ -354,9 +370,6 @@ def _replace(units, i, kind):
     return out
 
 
-#: Points of each segment's Pareto front of nestings the solver's DP tries (bounds its work on long
-#: chains; the front's two ends, least memory and least recompute, are always among them).
-MAX_NESTINGS = 12
 
 
 def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True, levels=2):
@@ -376,7 +389,7 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
     max_segment = n if segments else 1
     levels = levels if segments else 1
     windows = _prefetch_options(cm) if prefetch_bytes is None else [prefetch_bytes]
-    options = _nested_options(cm, n, kinds, max_segment, levels, MAX_NESTINGS)
+    options = _nested_options(cm, n, kinds, max_segment, levels)
     cands = []
     for p in windows:
         units = chain_dp(cm, budget, p, kinds=kinds, max_segment=max_segment, _options=options)
@@ -428,7 +441,7 @@ def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=
     if levels:
         for p in windows:
             units = chain_dp(cm, math.inf, p, kinds=kinds, max_segment=n if segments else 1,
-                             levels=levels if segments else 1, objective="peak", max_points=MAX_NESTINGS)
+                             levels=levels if segments else 1, objective="peak")
             if units:
                 pool.append(evaluate(cm, units, p))
     for p in windows:
