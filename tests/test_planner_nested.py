@@ -33,6 +33,7 @@ from ckpt_offload.planner import (
     solve,
 )
 from ckpt_offload.planner.apply import apply_units
+from ckpt_offload.planner.plan import SLACK_BYTES
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import choice_names
 from ckpt_offload.planner.solver import chain_cost
@@ -120,6 +121,9 @@ def test_nested_peak_matches_measured_and_gradients_bit_identical(tiny4, name):
     measured, grads = tiny4.measured(units, prefetch)
     print(f"{name}: predicted {predicted} measured {measured} ratio {predicted / measured:.4f}")
     assert measured == pytest.approx(predicted, rel=0.05), (name, predicted, measured)
+    # Tighter than 5%: within the few scalars autograd keeps that the cost model does not see
+    # (a block's input is 16 KiB here, a checkpoint's random state 5056 bytes).
+    assert abs(measured - predicted) <= SLACK_BYTES, (name, predicted, measured)
     assert_bit_identical(tiny4.reference, grads)
 
 

@@ -118,15 +118,13 @@ def fronts(cm, levels=2, max_segment=None, max_points=None):
                                 (held + h, max(peak, held + h + wx), extra + e + _fwd(cm, t, u),
                                  parts + (Unit(t, u, "recompute", inner=inner),)))
             for e in range(s, last):
+                # A last part that is an inner checkpoint is counted here as if the segment's
+                # recompute ran it; torch stops before it, which makes it exactly as good as its
+                # parts run as "keep" parts of this segment (the same bytes, the same runs, one
+                # random state less): those are here, so nothing is lost (the exhaustive search,
+                # which counts the early stop, checks it).
                 points = [(peak, extra, parts) for _, peak, extra, parts in states.get(e + 1, [])
                           if not (len(parts) == 1 and parts[0].kind == "recompute")]
-                # The last part an inner checkpoint: the segment's recompute stops before its blocks.
-                for t in range(s + 1, e + 1):
-                    for held, peak, extra, parts in pruned[t]:
-                        for wx, x, inner in prev[(t, e)]:
-                            h = _held(cm, Unit(t, e, "recompute", inner=inner), False)
-                            points.append((max(peak, held + h + wx), extra + x,
-                                           parts + (Unit(t, e, "recompute", inner=inner),)))
                 front = _pareto2([(wx, x, Unit(s, e, "recompute", inner=parts).inner) for wx, x, parts in points])
                 cur[(s, e)] = _thin(front, max_points)
         prev = cur
