@@ -277,6 +277,18 @@ def test_time_never_increases_with_budget_with_nesting():
     assert times[0] > times[-1] == pytest.approx(cm.compute_s)
 
 
+def test_chain_model_counts_recompute_once():
+    # Without a link, the chain model's time of a recompute plan is the simulator's: forward, backward
+    # and each recompute once (flat: blocks of a segment once more; nested: the outer recompute plus
+    # the inner ones). It once added the recompute twice, steering the DP away from recompute.
+    cm = _equal_chain(8)
+    for units in ([Unit(0, 7, R)], singles([R] * 8),
+                  [Unit(0, 3, R), Unit(4, 7, R, inner=(Unit(4, 5, R), _keep(6), _keep(7)))],
+                  [Unit(0, 7, R, inner=(Unit(0, 3, R, inner=(Unit(0, 1, R), _keep(2), _keep(3))), _keep(4), _keep(5),
+                                        _keep(6), _keep(7)))]):
+        assert chain_cost(cm, units, 0)[1] == pytest.approx(simulate(cm, units).step_s, rel=1e-12), units
+
+
 def test_fronts_equal_every_nesting():
     # Each segment's front (DP over its parts) equals the Pareto front of every nesting enumerated.
     rng = random.Random(1)

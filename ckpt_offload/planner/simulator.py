@@ -77,7 +77,8 @@ class Unit:
                                  f"starting at {expect}, got {v}")
             expect = v.end + 1
         if expect != self.end + 1:
-            raise ValueError(f"inner units cover blocks {self.start}..{expect - 1}, the segment {self.start}..{self.end}")
+            raise ValueError(f"inner units cover blocks {self.start}..{expect - 1}, "
+                             f"the segment {self.start}..{self.end}")
         if len(inner) == 1 and inner[0].kind == "recompute":
             raise ValueError(f"an inner checkpoint around the whole segment {self.start}..{self.end} recomputes it "
                              "twice and saves nothing: leave inner empty")
