@@ -155,7 +155,7 @@ class Plan:
             if v.end > v.start:
                 label = f"{label}..{self._named_blocks[v.end][0].rsplit('.', 1)[-1]}"
             kind = "recompute (inner segment)" if v.end > v.start else "recompute (inner)"
-            out.append(f"{'  ' * depth + label:<28} {'  ' * depth + kind:<26}")
+            out.append(f"{'  ' * depth + label:<28} {'  ' * depth + kind}")
             out += self._inner_lines(v, depth + 1)
         return out
 
