@@ -127,14 +127,14 @@ class _Segment:
     only the inner checkpoints' inputs, and each inner one recomputes its blocks when backward
     reaches it."""
 
-    def __init__(self, originals, names, offload, unit=None):
+    def __init__(self, originals, names, offload, unit):
         self.originals, self.names, self.offload = originals, names, offload
         self.unit = unit
         self.stash = None
 
     def _runner(self, parts):
         """A function running ``parts`` (units, block indices absolute) one after another."""
-        base, originals = self.unit.start if self.unit is not None else 0, self.originals
+        base, originals = self.unit.start, self.originals
 
         def chain(*a, **kw):
             out = None
@@ -149,19 +149,7 @@ class _Segment:
         return chain
 
     def first(self, args, kwargs):
-        if self.unit is not None:
-            chain = self._runner(self.unit.parts)
-        else:
-            originals = self.originals
-
-            def chain(*a, **kw):
-                out = originals[0](*a, **kw)
-                for f in originals[1:]:
-                    x, y = _next_args(out, a, kw)
-                    out = f(*x, **y)
-                return out
-
-        out = checkpoint(_ranged(chain), *args, offload=self.offload, **kwargs)
+        out = checkpoint(_ranged(self._runner(self.unit.parts)), *args, offload=self.offload, **kwargs)
         self.stash = [out, 1]
         return out
 

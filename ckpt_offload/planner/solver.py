@@ -282,11 +282,17 @@ def chen_units(n, kind="recompute"):
     return [Unit(s, min(n, s + size) - 1, kind) for s in range(0, n, size)]
 
 
-def rotor(cm, budget, max_segment=None):
+def rotor(cm, budget, max_segment=None, levels=1):
     """Rotor's problem (Beaumont et al.): the fastest recompute-only schedule (keep or checkpoint,
-    blocks grouped in segments) within ``budget``; the same DP restricted to those kinds. (Rotor also
-    nests segments -- multi-level schedules -- which this does not.)"""
-    return chain_dp(cm, budget, 0, kinds=("keep", "recompute"), max_segment=max_segment)
+    blocks grouped in segments) within ``budget``; the same DP restricted to those kinds. Rotor's
+    multi-level schedules are ``levels`` > 1 (segments nested that deep); the baseline the solver
+    compares with is flat.
+
+    Example::
+
+        units = rotor(cm, 64 << 20, levels=2)
+    """
+    return chain_dp(cm, budget, 0, kinds=("keep", "recompute"), max_segment=max_segment, levels=levels)
 
 
 def baselines(cm, budget=None):
