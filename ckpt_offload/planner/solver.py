@@ -376,8 +376,6 @@ def _replace(units, i, kind):
     return out
 
 
-
-
 def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True, levels=2):
     """The plan with the least predicted step time whose predicted peak fits ``budget``.
 
