@@ -78,6 +78,16 @@ def _baseline_units(cm, name, budget):
     return units if units is not None else singles(["recompute"] * n)
 
 
+def _choices(units):
+    """``recompute[0-3]{recompute[0-1] keep[2] recompute[3]}``: each unit, a nested segment's inner ones in braces."""
+    def one(u):
+        text = f"{u.kind}[{u.start}-{u.end}]" if u.end > u.start else u.kind
+        return text + ("{" + " ".join(one(v) if v.end > v.start or v.inner else f"{v.kind}[{v.start}]"
+                                      for v in u.inner) + "}" if u.inner else "")
+
+    return ",".join(one(u) for u in units)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, 4 budgets, 2 steps")
@@ -143,11 +153,11 @@ def main(argv=None) -> int:
             if name == "plan":
                 pl = co.plan(model, step, budget=budget, devices=[device], min_bytes=min_bytes, costs=cm)
                 units, prefetch = pl.units, pl.prefetch_bytes
-                choices = ",".join(f"{u.kind}[{u.start}-{u.end}]" if u.end > u.start else u.kind for u in units)
+                choices = _choices(units)
             else:
                 units = _baseline_units(cm, name, budget)
                 prefetch = _best_window(cm, units, budget).prefetch_bytes
-                choices = ",".join(f"{u.kind}[{u.start}-{u.end}]" if u.end > u.start else u.kind for u in units)
+                choices = _choices(units)
             sim = simulate(cm, units, prefetch)
             secs, peak = measure(units, prefetch)
             rows.append({"budget_bytes": budget, "strategy": name, "choices": choices, "prefetch_bytes": prefetch,

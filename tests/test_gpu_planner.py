@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ckpt_offload as co
-from ckpt_offload.planner import Bandwidth, measure_costs, saved_activation_peak, simulate, singles
+from ckpt_offload.planner import Bandwidth, Unit, measure_costs, saved_activation_peak, simulate, singles
 from ckpt_offload.planner.apply import apply_units
 
 from conftest import assert_bit_identical, grads_of
@@ -42,14 +42,20 @@ def case():
 KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# A nested segment: blocks 0-3 as one checkpoint whose recompute checkpoints 0-1 and 2 again. On a
+# GPU the checkpoints' random states live in host memory: the cost model counts none.
+NESTED = [Unit(0, 3, "recompute", inner=(Unit(0, 1, "recompute"), Unit(2, 2, "recompute"), Unit(3, 3, "keep")))]
+
+
+@pytest.mark.parametrize("kind", KINDS + ("nested",))
 def test_gpu_simulated_peak_matches_measured(case, kind):
     model, step, tokens, named = case
     # An instant D2H link in the simulator and a drained forward in the step: no copy backlog.
     cm = measure_costs(step, named, "cuda", bandwidth=Bandwidth(math.inf, 10e9, 0.0), min_bytes=0)
     model.zero_grad(set_to_none=True)
     prefetch = max(b.saved_bytes for b in cm.blocks)
-    units = singles([kind] * len(named))
+    units = NESTED if kind == "nested" else singles([kind] * len(named))
+    assert cm.checkpoint_bytes == 0
     predicted = simulate(cm, units, prefetch).peak_bytes
 
     def drained():

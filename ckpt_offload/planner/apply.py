@@ -104,32 +104,52 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _next_args(out, args, kwargs):
+    """The arguments of the next block of a segment: the previous block's hidden state as its first
+    argument (positional, or ``hidden_states=`` when the blocks are called by keyword), the others
+    unchanged."""
+    h = _hidden(out)
+    if args:
+        return (h, *args[1:]), kwargs
+    kwargs = dict(kwargs)
+    kwargs["hidden_states"] = h
+    return (), kwargs
+
+
 class _Segment:
     """Blocks ``a..b`` as one checkpoint. The model calls them one after another; the first block's
     wrapper runs all of them inside the checkpoint (each next block gets the previous one's hidden
     state as its first argument, the other arguments unchanged) and the others hand back that
-    result. Needs blocks chained through their first argument, as in a transformer's layer loop."""
+    result. Needs blocks chained through their first argument, as in a transformer's layer loop.
 
-    def __init__(self, originals, names, offload):
+    A nested segment (``unit.inner``) runs its inner checkpoints as ``co.checkpoint`` calls inside
+    the outer one's function: torch's non-reentrant checkpoint nests, so the outer recompute keeps
+    only the inner checkpoints' inputs, and each inner one recomputes its blocks when backward
+    reaches it."""
+
+    def __init__(self, originals, names, offload, unit):
         self.originals, self.names, self.offload = originals, names, offload
+        self.unit = unit
         self.stash = None
 
-    def first(self, args, kwargs):
-        originals = self.originals
+    def _runner(self, parts):
+        """A function running ``parts`` (units, block indices absolute) one after another."""
+        base, originals = self.unit.start, self.originals
 
         def chain(*a, **kw):
-            out = originals[0](*a, **kw)
-            for f in originals[1:]:
-                h = _hidden(out)
-                if a:
-                    out = f(h, *a[1:], **kw)
-                else:
-                    kw = dict(kw)
-                    kw["hidden_states"] = h
-                    out = f(**kw)
+            out = None
+            for j, p in enumerate(parts):
+                args, kwargs = (a, kw) if j == 0 else _next_args(out, a, kw)
+                if p.kind == "keep":
+                    out = originals[p.start - base](*args, **kwargs)
+                else:  # an inner checkpoint, its inputs kept by the enclosing one's recompute only
+                    out = checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs)
             return out
 
-        out = checkpoint(_ranged(chain), *args, offload=self.offload, **kwargs)
+        return chain
+
+    def first(self, args, kwargs):
+        out = checkpoint(_ranged(self._runner(self.unit.parts)), *args, offload=self.offload, **kwargs)
         self.stash = [out, 1]
         return out
 
@@ -171,13 +191,16 @@ def apply_units(model, named_blocks, units, offload_options):
         names.append(name)
         kinds.append(kind)
 
+    from ckpt_offload.planner.simulator import choice_names
+
+    labels = choice_names(units)
     for u in units:
         if u.kind == "keep":
             continue
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
-                           offload_options if u.kind == "recompute_offload" else False)
+                           offload_options if u.kind == "recompute_offload" else False, u)
             for j, (name, block) in enumerate(members):
                 original = block.forward
                 if j == 0:
@@ -188,7 +211,7 @@ def apply_units(model, named_blocks, units, offload_options):
                 else:
                     def forward(*args, _seg=seg, _j=j, _orig=original, **kwargs):
                         return _seg.later(_j, _orig, args, kwargs)
-                install(block, name, f"{u.kind}_segment", forward)
+                install(block, name, labels[u.start + j], forward)
             continue
         name, block = named_blocks[u.start]
         original = block.forward

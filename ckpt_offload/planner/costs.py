@@ -108,8 +108,11 @@ class CostModel:
     """Everything the simulator needs: per-block costs, what is saved outside the blocks (kept on
     the device whatever the plan: ``pre_bytes`` from before the first block until the end,
     ``post_bytes`` from the last block's forward until backward reaches it), the compute outside
-    the blocks (``pre_s``, ``mid_s``, ``post_s``), the link, and ``min_bytes`` (smaller saved tensors
-    stay on the device when offloading, as in co.offload)."""
+    the blocks (``pre_s``, ``mid_s``, ``post_s``), the link, ``min_bytes`` (smaller saved tensors
+    stay on the device when offloading, as in co.offload) and ``checkpoint_bytes``: what every
+    checkpoint keeps on the device from its forward to its backward besides its inputs -- torch's
+    copy of the CPU random state when the device is the CPU (``preserve_rng_state``; on a GPU the
+    random states are copied to host memory: 0). A nested segment has one per checkpoint."""
 
     blocks: list
     bandwidth: Bandwidth
@@ -121,6 +124,7 @@ class CostModel:
     post_s: float = 0.0
     baseline_step_s: float = 0.0
     device: str = "cpu"
+    checkpoint_bytes: int = 0
 
     @property
     def names(self) -> list:
@@ -464,5 +468,7 @@ def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth 
     if bandwidth is None:
         bandwidth = measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
     bw = bandwidth
+    rng = torch.get_rng_state().nbytes if device == "cpu" else 0
     return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
-                     pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device)
+                     pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device,
+                     checkpoint_bytes=rng)

@@ -11,7 +11,7 @@ import torch
 
 from ckpt_offload._args import check_int, device_types
 from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
-from ckpt_offload.planner.simulator import KINDS, SimResult, simulate, singles
+from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
 __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
@@ -76,7 +76,9 @@ class Plan:
     Attributes:
         choices: ``{block name: kind}``, kind in ``keep``, ``offload``, ``recompute``,
             ``recompute_offload``, ``selective``, or ``recompute_segment`` /
-            ``recompute_offload_segment`` for the blocks of a segment checkpointed as one.
+            ``recompute_offload_segment`` for the blocks of a segment checkpointed as one; in a
+            nested segment, the checkpoints around the block from the outermost in, joined by
+            ``">"`` (``"recompute_segment>recompute_segment"``: a block of an inner segment).
         predicted_peak_bytes: device peak of saved activations the simulator predicts.
         predicted_step_seconds: step time it predicts.
         baseline: the step without a plan, measured: ``step_seconds``, ``peak_bytes`` (saved
@@ -98,11 +100,7 @@ class Plan:
         self.simulation = sim
         self.baseline = baseline
         self.source = source
-        self.choices = {}
-        for u in self.units:
-            for i in range(u.start, u.end + 1):
-                kind = u.kind if u.start == u.end else f"{u.kind}_segment"
-                self.choices[named_blocks[i][0]] = kind
+        self.choices = {name: kind for (name, _), kind in zip(named_blocks, choice_names(self.units))}
         self.predicted_peak_bytes = sim.peak_bytes
         self.predicted_step_seconds = sim.step_s
 
@@ -135,6 +133,7 @@ class Plan:
             kind = u.kind if u.start == u.end else f"{u.kind} (segment)"
             lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
                          f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms")
+            lines += self._inner_lines(u, 1)
         b = self.baseline
         base_s = b["predicted_step_seconds"]
         slow = (self.predicted_step_seconds / base_s - 1) * 100 if base_s else 0
@@ -144,6 +143,21 @@ class Plan:
                      f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
                      f"{slow:+.1f}%)")
         return "\n".join(lines)
+
+    def _inner_lines(self, u, depth):
+        """A nested segment's inner checkpoints, one indented line each (the segment's line holds
+        the bytes and the recompute of all its levels)."""
+        out = []
+        for v in u.inner:
+            if v.kind != "recompute":
+                continue
+            label = self._named_blocks[v.start][0]
+            if v.end > v.start:
+                label = f"{label}..{self._named_blocks[v.end][0].rsplit('.', 1)[-1]}"
+            kind = "recompute (inner segment)" if v.end > v.start else "recompute (inner)"
+            out.append(f"{'  ' * depth + label:<28} {'  ' * depth + kind}")
+            out += self._inner_lines(v, depth + 1)
+        return out
 
     def __repr__(self):
         return (f"Plan(peak={_fmt(self.predicted_peak_bytes)}, step={self.predicted_step_seconds * 1e3:.2f} ms, "
@@ -157,8 +171,8 @@ def _model_device(model) -> str:
 
 
 def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
-         min_bytes=None, kinds=KINDS, segments: bool = True, prefetch_bytes=None, costs: CostModel | None = None,
-         pool=None):
+         min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
+         costs: CostModel | None = None, pool=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective (and segments of blocks recomputed as one) so that the device
     peak of saved activations fits ``budget`` with the least predicted step time.
@@ -183,6 +197,9 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             "recompute_offload", "selective")``).
         segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
             through their first argument).
+        levels: how deep segments may nest: 1 = flat segments (Chen's), 2 = a segment whose
+            recompute checkpoints inner segments again (multi-level, as in rotor: less memory, more
+            recompute), 3 = one more level (a slower search: seconds for 16 blocks).
         prefetch_bytes: the prefetch window of the plan's offload; ``None`` lets the planner choose.
         costs: a :class:`~ckpt_offload.planner.costs.CostModel` measured before (skips measuring).
         pool: the :class:`~ckpt_offload.HostPool` the plan's offloads use when applied (default:
@@ -216,6 +233,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
     min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else check_int("min_bytes", min_bytes, minimum=0)
+    levels = check_int("levels", levels, minimum=1)
     if prefetch_bytes is not None:
         prefetch_bytes = parse_bytes("prefetch_bytes", prefetch_bytes)
     bw = parse_bandwidth(bandwidth)
@@ -236,7 +254,8 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if create_selective_checkpoint_contexts is None:
         kinds = tuple(k for k in kinds if k != "selective")
     try:
-        best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments)
+        best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments,
+                     levels=levels)
     except InfeasibleBudget as e:
         smallest = e.minimum + SLACK_BYTES
         raise InfeasibleBudget(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS"]
+__all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "choice_names"]
 
 #: What a unit of the plan does with its blocks' saved activations.
 KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
@@ -28,14 +28,33 @@ KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
 SEGMENT_KINDS = ("recompute", "recompute_offload")
 
 
+#: Kinds of the parts inside a nested segment: a block the segment's recompute runs as is, or an
+#: inner checkpoint (itself flat or nested) that the segment's recompute runs without keeping its
+#: activations, recomputed again when backward reaches it (multi-level checkpointing, as in rotor).
+INNER_KINDS = ("keep", "recompute")
+
+
 @dataclass(frozen=True)
 class Unit:
     """Blocks ``start..end`` (inclusive) handled as one: ``kind`` in :data:`KINDS`; several blocks
-    only for :data:`SEGMENT_KINDS`."""
+    only for :data:`SEGMENT_KINDS`.
+
+    ``inner`` nests a segment: units covering ``start..end`` in order, each ``"keep"`` (one block the
+    segment's recompute runs as is) or ``"recompute"`` (an inner checkpoint, itself flat or with its
+    own ``inner``). In backward the segment's recompute then keeps only the inputs of its inner
+    checkpoints, and each inner checkpoint recomputes its blocks when backward reaches it: less
+    memory, more recompute. An ``inner`` of only ``"keep"`` units is the flat segment (normalised
+    to ``()``).
+
+    Example::
+
+        Unit(0, 7, "recompute", inner=(Unit(0, 3, "recompute"), Unit(4, 7, "recompute")))
+    """
 
     start: int
     end: int
     kind: str
+    inner: tuple = ()
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -44,11 +63,78 @@ class Unit:
             raise ValueError(f"unit end {self.end} < start {self.start}")
         if self.end > self.start and self.kind not in SEGMENT_KINDS:
             raise ValueError(f"a unit of several blocks must be one of {SEGMENT_KINDS}, got {self.kind!r}")
+        inner = tuple(self.inner)
+        if not inner:
+            return
+        if self.kind not in SEGMENT_KINDS:
+            raise ValueError(f"only a segment ({SEGMENT_KINDS}) can have inner units, got {self.kind!r}")
+        expect = self.start
+        for v in inner:
+            if not isinstance(v, Unit) or v.kind not in INNER_KINDS:
+                raise ValueError(f"inner units must be Unit objects of kind {INNER_KINDS}, got {v!r}")
+            if v.start != expect:
+                raise ValueError(f"inner units must cover blocks {self.start}..{self.end} in order; expected one "
+                                 f"starting at {expect}, got {v}")
+            expect = v.end + 1
+        if expect != self.end + 1:
+            raise ValueError(f"inner units cover blocks {self.start}..{expect - 1}, "
+                             f"the segment {self.start}..{self.end}")
+        if len(inner) == 1 and inner[0].kind == "recompute":
+            raise ValueError(f"an inner checkpoint around the whole segment {self.start}..{self.end} recomputes it "
+                             "twice and saves nothing: leave inner empty")
+        # Equal plans compare equal: only-"keep" parts are the flat segment.
+        object.__setattr__(self, "inner", inner if any(v.kind == "recompute" for v in inner) else ())
+
+    @property
+    def parts(self) -> tuple:
+        """What the unit's recompute runs, in order: ``inner``, or one ``"keep"`` unit per block."""
+        return self.inner or tuple(Unit(i, i, "keep") for i in range(self.start, self.end + 1))
+
+    @property
+    def checkpoints(self) -> int:
+        """How many checkpoints the unit is: 0 for keep / offload, 1 + its inner ones otherwise."""
+        if self.kind in ("keep", "offload"):
+            return 0
+        return 1 + sum(v.checkpoints for v in self.inner if v.kind == "recompute")
+
+    @property
+    def levels(self) -> int:
+        """Checkpoint levels: 1 for a flat unit, 2 for a segment with inner checkpoints, ..."""
+        return 1 + max((v.levels for v in self.inner if v.kind == "recompute"), default=0)
+
+    def describe(self) -> str:
+        """``"0..7 recompute [0..3 recompute, 4..7 recompute]"`` -- the nesting on one line."""
+        head = f"{self.start}" if self.start == self.end else f"{self.start}..{self.end}"
+        head += f" {self.kind}"
+        if self.inner:
+            head += " [" + ", ".join(v.describe() for v in self.inner) + "]"
+        return head
 
 
 def singles(kinds) -> list:
     """``["keep", "offload", ...]`` -> one :class:`Unit` per block."""
     return [Unit(i, i, k) for i, k in enumerate(kinds)]
+
+
+def choice_names(units) -> list:
+    """Per block, what it does, as ``plan.choices`` shows it: the unit's kind for a single block,
+    ``"<kind>_segment"`` in a segment; in a nested segment, the checkpoints around the block from
+    the outermost in, joined by ``">"``.
+
+    Example::
+
+        choice_names([Unit(0, 2, "recompute", inner=(Unit(0, 1, "recompute"), Unit(2, 2, "keep")))])
+        # ['recompute_segment>recompute_segment', 'recompute_segment>recompute_segment', 'recompute_segment']
+    """
+    out = []
+    for u in units:
+        own = u.kind if u.start == u.end else f"{u.kind}_segment"
+        if not u.inner:
+            out += [own] * (u.end - u.start + 1)
+            continue
+        for p in u.inner:
+            out += [own] if p.kind == "keep" else [f"{own}>{x}" for x in choice_names([p])]
+    return out
 
 
 @dataclass
@@ -118,9 +204,11 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     t = 0.0
     mem(t, costs.pre_bytes)
     t += costs.pre_s
+    cb = getattr(costs, "checkpoint_bytes", 0)
     for ui, u in enumerate(units):
         info = infos[ui]
         first = blocks[u.start]
+        mem(t, cb * u.checkpoints)  # each checkpoint's copy of the random state, until its backward ends
         if u.kind in ("recompute", "recompute_offload"):
             held = 0
             for j, n in enumerate(first.input_sizes):
@@ -218,21 +306,69 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
         after_unpack(h)
         return True
 
+    def block_backward(ui, kind, bi, info, skip_input):
+        """Backward of block ``bi``, node by node: a node unpacks its saved tensors (reloading
+        offloaded ones), computes, then autograd frees the storages it was the first to save
+        (``skip_input``: not the block's input, which a checkpoint frees at its end)."""
+        nonlocal feasible
+        b = blocks[bi]
+        k = len(b.packs)
+        if k == 0:
+            now[0] += b.backward_s
+            return
+        for group in _node_groups(b):
+            for pos in group:
+                si = b.packs[pos]
+                if si >= 0 and kind == "offload":
+                    h = unit_handles.get((ui, bi, si))
+                    if h is not None and not unpack(h, info):
+                        feasible = False
+            now[0] += b.backward_s * len(group) / k
+            for pos in group:
+                si = b.packs[pos]
+                if si >= 0 and b.storages[si].first == pos:
+                    s = b.storages[si]
+                    if skip_input and s.is_input:
+                        continue
+                    mem(now[0], -s.nbytes)
+
+    def recompute_backward(ui, u, info):
+        """Backward of checkpoint ``u`` (flat or nested), its input already on the device. Its
+        recompute runs its parts, keeping the saved activations of its "keep" blocks and only the
+        inputs of its inner checkpoints; it stops once the last inner checkpoint's input is saved
+        (torch's early stop), so that one's blocks run once, the others' twice. Then backward walks
+        the parts in reverse, each inner checkpoint recomputing its own blocks when reached and
+        freeing its input at its end. The unit's own input stays (the caller frees it)."""
+        parts = u.parts
+        run = parts[:-1] if parts[-1].kind == "recompute" else parts
+        rs = sum(blocks[bi].forward_s for p in run for bi in range(p.start, p.end + 1))
+        now[0] += rs
+        info["recompute_s"] += rs
+        for j, p in enumerate(parts):
+            if p.kind == "recompute":
+                if j:
+                    mem(now[0], blocks[p.start].input_bytes)
+            else:
+                b = blocks[p.start]
+                mem(now[0], sum(s.nbytes for s in b.storages if not (j == 0 and s.is_input)))
+        for j in range(len(parts) - 1, -1, -1):
+            p = parts[j]
+            if p.kind == "recompute":
+                recompute_backward(ui, p, info)
+                mem(now[0], -(blocks[p.start].input_bytes if j else 0) - cb * p.checkpoints)
+            else:
+                block_backward(ui, u.kind, p.start, info, skip_input=(j == 0))
+
     for ui in range(len(units) - 1, -1, -1):
         u, info = units[ui], infos[ui]
         first = blocks[u.start]
-        recompute = u.kind in ("recompute", "recompute_offload", "selective")
         if u.kind in ("recompute", "recompute_offload"):
             for j, n in enumerate(first.input_sizes):
                 h = unit_handles.get((ui, "input", j))
                 if h is not None and not unpack(h, info):
                     feasible = False
-            rs = sum(blocks[bi].forward_s for bi in range(u.start, u.end + 1))
-            now[0] += rs
-            info["recompute_s"] = rs
-            for bi in range(u.start, u.end + 1):
-                b = blocks[bi]
-                mem(now[0], sum(s.nbytes for s in b.storages if not (bi == u.start and s.is_input)))
+            recompute_backward(ui, u, info)
+            mem(now[0], -first.input_bytes - cb)
         elif u.kind == "selective":
             b = blocks[u.start]
             now[0] += b.selective_recompute_s
@@ -247,30 +383,11 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                 mem(now[0], sum(s.nbytes for si, s in enumerate(b.storages)
                                 if s.first == pos and si not in kept and not s.is_input))
             mem(now[0], -sum(n for use, n in only if use > len(b.packs)))
-        for bi in range(u.end, u.start - 1, -1):
-            b = blocks[bi]
-            k = len(b.packs)
-            if k == 0:
-                now[0] += b.backward_s
-                continue
-            for group in _node_groups(b):
-                # a node unpacks all its saved tensors, computes, then autograd frees them
-                for pos in group:
-                    si = b.packs[pos]
-                    if si >= 0 and u.kind == "offload":
-                        h = unit_handles.get((ui, bi, si))
-                        if h is not None and not unpack(h, info):
-                            feasible = False
-                now[0] += b.backward_s * len(group) / k
-                for pos in group:
-                    si = b.packs[pos]
-                    if si >= 0 and b.storages[si].first == pos:
-                        s = b.storages[si]
-                        if recompute and bi == u.start and s.is_input:
-                            continue  # the checkpoint's input leaves at the end of the unit
-                        mem(now[0], -s.nbytes)
-        if u.kind in ("recompute", "recompute_offload", "selective"):
-            mem(now[0], -first.input_bytes)
+            block_backward(ui, u.kind, u.start, info, skip_input=True)
+            mem(now[0], -first.input_bytes - cb)
+        else:
+            for bi in range(u.end, u.start - 1, -1):
+                block_backward(ui, u.kind, bi, info, skip_input=False)
     t = now[0] + costs.post_s
     mem(t, -costs.pre_bytes)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import KINDS, SEGMENT_KINDS, Unit, simulate, singles
 
 __all__ = ["Candidate", "solve", "chain_dp", "chain_exhaustive", "chain_cost", "baselines", "rotor",
@@ -52,12 +53,17 @@ class Candidate:
 
 
 def _unit_terms(cm, u, prefetch):
-    """(held, work, extra_s, bwd_s, d2h_bytes, d2h_copies) of unit ``u`` in the chain model.
+    """(held, work, extra_s, bwd_s, d2h_bytes, d2h_copies, fwd_s) of unit ``u`` in the chain model.
 
     held: bytes it keeps on the device from its forward until its backward; work: bytes it has
     on the device at the start of its backward (a bound of its backward peak without prefetch);
     extra_s: recompute seconds; bwd_s: its backward compute (what a reload of the unit before it
-    hides behind); d2h: what it copies to the host (and reloads)."""
+    hides behind); d2h: what it copies to the host (and reloads); fwd_s: its blocks' forward."""
+    terms = _terms6(cm, u)
+    return terms + (sum(b.forward_s for b in cm.blocks[u.start:u.end + 1]),)
+
+
+def _terms6(cm, u):
     bs = cm.blocks[u.start:u.end + 1]
     first = bs[0]
     mb = cm.min_bytes
@@ -76,28 +82,58 @@ def _unit_terms(cm, u, prefetch):
     fwd = sum(b.forward_s for b in bs)
     inp = first.input_bytes
     not_input = saved - sum(s.nbytes for s in first.storages if s.is_input)
+    if u.inner:  # a nested segment: less held in its backward, more recompute
+        not_input, fwd = nested_terms(cm, u)
+    # every checkpoint's random state (nested: the inner ones' are in not_input, held by their part)
+    cb, cbs = cm.checkpoint_bytes, cm.checkpoint_bytes * u.checkpoints
     if u.kind == "recompute":
-        return inp, inp + not_input, fwd, bwd + fwd, 0, 0
+        return inp + cbs, inp + cb + not_input, fwd, bwd + fwd, 0, 0
     if u.kind == "recompute_offload":
         o = [n for n in first.input_sizes if off(n)]
-        return inp - sum(o), inp + not_input, fwd, bwd + fwd, sum(o), len(o)
+        return inp - sum(o) + cbs, inp + cb + not_input, fwd, bwd + fwd, sum(o), len(o)
     # selective
     b = first
     sel = sum(b.selective)
     sel_only = sum(n for n, si in zip(b.selective, b.selective_saved) if si < 0)
-    return inp + sel, inp + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s, 0, 0
+    return (inp + sel + cb, inp + cb + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s,
+            0, 0)
 
 
-def _unit_options(n, kinds, max_segment):
+def _unit_options(n, kinds, max_segment, inners=None):
     """Units starting at each block: singles of every kind, segments (of at most ``max_segment``
-    blocks) of SEGMENT_KINDS."""
+    blocks) of SEGMENT_KINDS; ``inners`` gives the nestings of each segment (``{(i, j): [inner,
+    ...]}``, default flat only)."""
     out = []
     for i in range(n):
         opts = [Unit(i, i, k) for k in kinds]
         for j in range(i + 1, min(n, i + max_segment)):
-            opts += [Unit(i, j, k) for k in SEGMENT_KINDS if k in kinds]
+            for inner in (inners.get((i, j), ((),)) if inners else ((),)):
+                opts += [Unit(i, j, k, inner=inner) for k in SEGMENT_KINDS if k in kinds]
         out.append(opts)
     return out
+
+
+#: Points of each segment's Pareto front of nestings the solver's DP tries (bounds its work on long
+#: chains; the front's two ends, least memory and least recompute, are always among them), and the
+#: longest segment that nests (longer ones stay flat).
+MAX_NESTINGS = 12
+MAX_NESTED_SEGMENT = 16
+
+
+def _nested_options(cm, n, kinds, max_segment, levels, max_points=None):
+    """:func:`_unit_options` with each segment's Pareto front of nestings, as ``[[(unit, terms),
+    ...] per block]`` (the terms computed once: nested ones cost a walk of the nesting)."""
+    if levels <= 1 or not any(k in kinds for k in SEGMENT_KINDS):
+        options = _unit_options(n, kinds, max_segment)
+    else:
+        # Nested segments of at most MAX_NESTED_SEGMENT blocks, and fewer nestings per segment on long
+        # chains: the DP's work grows with both (a 32-block chain: seconds instead of a minute).
+        long = n > MAX_NESTED_SEGMENT
+        if max_points is None:
+            max_points = 4 if long else MAX_NESTINGS
+        f = fronts(cm, levels, min(max_segment, MAX_NESTED_SEGMENT // 2 if long else MAX_NESTED_SEGMENT), max_points)
+        options = _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
+    return [[(u, _unit_terms(cm, u, 0)) for u in opts] for opts in options]
 
 
 def chain_cost(cm, units, prefetch):
@@ -117,18 +153,16 @@ def _initial(cm):
 
 def _advance(cm, state, u, prefetch, terms):
     held, backlog, r_prev, c_prev, offl, peak, time = state
-    h, work, extra, bwd, d_bytes, d_copies = terms
+    h, work, extra, bwd, d_bytes, d_copies, fwd = terms
     bw = cm.bandwidth
     if d_copies and bw.d2h <= 0:
         return None
-    fwd = sum(b.forward_s for b in cm.blocks[u.start:u.end + 1])
     # backward of the previous (earlier) unit's reload hides behind this unit's backward
-    time += fwd + bwd
+    time += fwd + bwd  # bwd includes the recompute (extra): counted once
     if c_prev:
         hidden = min(r_prev, prefetch)
         stall = max(0.0, bw.copy_seconds(hidden, c_prev, "h2d") - bwd) + bw.copy_seconds(r_prev - hidden, 0, "h2d")
         time += stall
-    time += extra
     # forward: the copy backlog (bytes not yet on the host) is device memory
     backlog = max(0.0, backlog - fwd) + (bw.copy_seconds(d_bytes, d_copies, "d2h") if d_copies else 0.0)
     in_flight = 0 if backlog <= 0 or math.isinf(bw.d2h) else backlog * bw.d2h
@@ -148,29 +182,30 @@ def _finish(cm, state):
     return peak, time + cm.mid_s + cm.post_s
 
 
-def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
+def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, objective="time",
+             max_points=None, _options=None):
     """The dynamic program: the units with the least chain-model time whose chain-model peak is at
     most ``budget``, or None. States after each block are pruned to the Pareto front of (held,
-    backlog, previous reload, offloaded, peak, time); ties keep the smaller peak.
+    backlog, previous reload, offloaded, peak, time); ties keep the smaller peak. ``levels`` > 1
+    lets segments nest that deep (each segment's Pareto front of nestings, :mod:`.nested`, is an
+    option); ``objective="peak"`` gives the least peak instead (ties: the least time).
 
     Example::
 
         units = chain_dp(cm, budget=64 << 20, prefetch=8 << 20)
+        smallest = chain_dp(cm, math.inf, levels=3, objective="peak")
     """
     n = len(cm.blocks)
     max_segment = n if max_segment is None else max_segment
-    options = _unit_options(n, kinds, max_segment)
-    terms = {}
+    options = _options or _nested_options(cm, n, kinds, max_segment, levels, max_points)
+    by_peak = objective == "peak"
     fronts = [dict() for _ in range(n + 1)]  # position -> {state: (units)}
     fronts[0][_initial(cm)] = ()
     for i in range(n):
         if not fronts[i]:
             continue
-        for state, units in _pareto(fronts[i]):
-            for u in options[i]:
-                t = terms.get(u)
-                if t is None:
-                    t = terms[u] = _unit_terms(cm, u, prefetch)
+        for state, units in _pareto(fronts[i], by_peak):
+            for u, t in options[i]:
                 s = _advance(cm, state, u, prefetch, t)
                 if s is None or s[5] > budget or not math.isfinite(s[6]):
                     continue
@@ -180,8 +215,9 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
     best = None
     for state, units in fronts[n].items():
         peak, time = _finish(cm, state)
-        if peak <= budget and (best is None or (time, peak) < best[0]):
-            best = ((time, peak), list(units))
+        key = (peak, time) if by_peak else (time, peak)
+        if peak <= budget and (best is None or key < best[0]):
+            best = (key, list(units))
     return None if best is None else best[1]
 
 
@@ -190,15 +226,16 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
 MAX_FRONT = 4000
 
 
-def _pareto(front):
-    """Drops states another state beats in every coordinate (monotone costs: exactness kept)."""
-    items = sorted(front.items(), key=lambda kv: (kv[0][6], kv[0][5]))
+def _pareto(front, by_peak=False):
+    """Drops states another state beats in every coordinate (monotone costs: exactness kept);
+    ``by_peak``: time is not compared (the least peak is sought, time only breaks ties)."""
+    items = sorted(front.items(), key=lambda kv: (kv[0][5], kv[0][6]) if by_peak else (kv[0][6], kv[0][5]))
     kept = []
     for s, units in items:
         dominated = False
         for k, _ in kept:
             if (k[0] <= s[0] and k[1] <= s[1] and k[2] <= s[2] and k[3] <= s[3] and k[4] <= s[4]
-                    and k[5] <= s[5] and k[6] <= s[6]):
+                    and k[5] <= s[5] and (by_peak or k[6] <= s[6])):
                 dominated = True
                 break
         if not dominated:
@@ -208,8 +245,10 @@ def _pareto(front):
     return kept
 
 
-def _all_unit_lists(n, kinds, max_segment=None):
-    options = _unit_options(n, kinds, n if max_segment is None else max_segment)
+def _all_unit_lists(n, kinds, max_segment=None, levels=1):
+    max_segment = n if max_segment is None else max_segment
+    inners = {(i, j): list(structures(i, j, levels)) for i in range(n) for j in range(i, n)}
+    options = _unit_options(n, kinds, max_segment, inners)
 
     def rec(i):
         if i == n:
@@ -222,10 +261,11 @@ def _all_unit_lists(n, kinds, max_segment=None):
     return rec(0)
 
 
-def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None):
-    """Every assignment, judged by :func:`chain_cost`: what :func:`chain_dp` must equal (tests)."""
+def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1):
+    """Every assignment (every nesting up to ``levels`` levels), judged by :func:`chain_cost`: what
+    :func:`chain_dp` must equal (tests)."""
     best = None
-    for units in _all_unit_lists(len(cm.blocks), kinds, max_segment):
+    for units in _all_unit_lists(len(cm.blocks), kinds, max_segment, levels):
         peak, time = chain_cost(cm, units, prefetch)
         if peak <= budget and math.isfinite(time) and (best is None or (time, peak) < best[0]):
             best = ((time, peak), list(units))
@@ -242,11 +282,17 @@ def chen_units(n, kind="recompute"):
     return [Unit(s, min(n, s + size) - 1, kind) for s in range(0, n, size)]
 
 
-def rotor(cm, budget, max_segment=None):
+def rotor(cm, budget, max_segment=None, levels=1):
     """Rotor's problem (Beaumont et al.): the fastest recompute-only schedule (keep or checkpoint,
-    blocks grouped in segments) within ``budget``; the same DP restricted to those kinds. (Rotor also
-    nests segments -- multi-level schedules -- which this does not.)"""
-    return chain_dp(cm, budget, 0, kinds=("keep", "recompute"), max_segment=max_segment)
+    blocks grouped in segments) within ``budget``; the same DP restricted to those kinds. Rotor's
+    multi-level schedules are ``levels`` > 1 (segments nested that deep); the baseline the solver
+    compares with is flat.
+
+    Example::
+
+        units = rotor(cm, 64 << 20, levels=2)
+    """
+    return chain_dp(cm, budget, 0, kinds=("keep", "recompute"), max_segment=max_segment, levels=levels)
 
 
 def baselines(cm, budget=None):
@@ -330,13 +376,14 @@ def _replace(units, i, kind):
     return out
 
 
-def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True):
+def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None, segments=True, levels=2):
     """The plan with the least predicted step time whose predicted peak fits ``budget``.
 
-    Candidates: the DP's optimum for each prefetch window tried, the baselines (every first-k),
-    exact enumeration when the model has at most ``exhaustive_max_blocks`` blocks, then local search
-    from the best of them. Raises :class:`InfeasibleBudget` (with the smallest feasible budget) when
-    nothing fits.
+    Candidates: the DP's optimum for each prefetch window tried, the DP's least-peak plan, the
+    baselines (every first-k), exact enumeration when the model has at most
+    ``exhaustive_max_blocks`` blocks, then local search from the best of them. ``levels``: how deep
+    segments may nest (1: flat segments only). Raises :class:`InfeasibleBudget` (with the smallest
+    feasible budget) when nothing fits.
 
     Example::
 
@@ -344,12 +391,19 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
     """
     n = len(cm.blocks)
     max_segment = n if segments else 1
+    levels = levels if segments else 1
     windows = _prefetch_options(cm) if prefetch_bytes is None else [prefetch_bytes]
+    options = _nested_options(cm, n, kinds, max_segment, levels)
     cands = []
     for p in windows:
-        units = chain_dp(cm, budget, p, kinds=kinds, max_segment=max_segment)
+        units = chain_dp(cm, budget, p, kinds=kinds, max_segment=max_segment, _options=options)
         if units:
             cands.append(evaluate(cm, units, p, "dp"))
+        # The least memory the chain model reaches: at budgets near the minimum the time-optimal DP
+        # can miss because its peak is a bound; this one is then often the only plan that fits.
+        units = chain_dp(cm, math.inf, p, kinds=kinds, max_segment=max_segment, objective="peak", _options=options)
+        if units:
+            cands.append(evaluate(cm, units, p, "dp_least_peak"))
     r = rotor(cm, budget, max_segment) if "recompute" in kinds else None
     for p in windows:
         for name, units in baselines(cm).items():
@@ -361,7 +415,7 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
         if r:
             cands.append(evaluate(cm, r, p, "rotor"))
     if n <= exhaustive_max_blocks:
-        for units in _all_unit_lists(n, kinds, max_segment):
+        for units in _all_unit_lists(n, kinds, max_segment, levels):
             for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
     fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
@@ -374,19 +428,26 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
                 if c.key() < best.key():
                     best = c
         return best
-    smallest = minimum_peak(cm, kinds, windows, cands, segments)
+    smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the DP's least peak
     raise InfeasibleBudget(
         budget, smallest,
         f"budget={_fmt(budget)} is below the smallest peak of saved activations any plan reaches here, "
         f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)")
 
 
-def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True):
-    """The smallest predicted peak over the candidates (every block offloaded or recomputed with its
-    input offloaded, for each prefetch window, and the DP at an unlimited budget)."""
+def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=2):
+    """The smallest predicted peak over the candidates (``cands``, every block with the same
+    kind and Chen's segments for each prefetch window, and, unless ``levels`` is 0, the DP's
+    least-peak plan with segments nested up to ``levels`` deep)."""
     windows = windows if windows is not None else _prefetch_options(cm)
     n = len(cm.blocks)
     pool = list(cands)
+    if levels:
+        for p in windows:
+            units = chain_dp(cm, math.inf, p, kinds=kinds, max_segment=n if segments else 1,
+                             levels=levels if segments else 1, objective="peak")
+            if units:
+                pool.append(evaluate(cm, units, p))
     for p in windows:
         for kind in kinds:
             pool.append(evaluate(cm, singles([kind] * n), p))
