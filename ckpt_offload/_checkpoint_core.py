@@ -151,7 +151,8 @@ def context_for(options: dict) -> offload_context:
     return ctx
 
 
-_MAX_KEYS = ("peak_prefetch_bytes", "prefetch_window_bytes", "prefetch_block_bytes", "prefetch_lead")
+_MAX_KEYS = ("peak_prefetch_bytes", "prefetch_window_bytes", "prefetch_block_bytes", "prefetch_lead",
+             "device_saved_peak_bytes")
 
 
 def merge_stats(stats: list) -> dict:
@@ -235,7 +236,9 @@ class StatsCollector:
         out = merge_stats([zero_stats(), self._retired, *[c.stats() for c in contexts]])
         # The pools' own peak (all their users, since their last reset_peak()).
         out["pool_peak_bytes"] = max((c.pool.stats()["peak_bytes_in_use"] for c in contexts), default=0)
-        out["device_saved_peak_bytes"] = self._device_peak
+        # The contexts sample the same count after each of their packs and unpacks (their own
+        # device_saved_peak_bytes); the handle's samples add the checkpoint boundaries.
+        out["device_saved_peak_bytes"] = max(self._device_peak, out.get("device_saved_peak_bytes", 0))
         return out
 
     def reset(self) -> None:
