@@ -46,11 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # llama_decoder.py sits next to this file
     sys.path.insert(0, HERE)
 
-try:
-    import ckpt_offload as co
-except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import ckpt_offload as co
+from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload import _C  # noqa: E402
 from llama_decoder import LlamaDecoder, causal_lm_loss, random_tokens  # noqa: E402
 from llama_decoder import make_decoder_config as make_llama_config  # noqa: E402

@@ -4,8 +4,9 @@
     python3 benchmarks/hot_path.py --quick         # a CI-friendly smoke run (a few seconds on CPU)
     python3 benchmarks/hot_path.py --out DIR       # also writes DIR/hot_path.json and DIR/hot_path.md
 
-A model of ``--blocks`` blocks ``Linear(dim, dim)`` + ``tanh`` saves two small tensors per block
-(the Linear's input, tanh's output; the Linear's ``weight.t()`` is a parameter). Every variant runs
+A model of ``--blocks`` blocks ``Linear(dim, dim)`` + ``tanh`` saves three small tensors per block:
+the Linear's input and tanh's output (activations) and the Linear's ``weight.t()`` (a view of a
+parameter, which every variant of ours keeps). Every variant runs
 the same step; the variants are interleaved (one step of each per round, in a rotating order) so
 that they see the same machine state, and each variant's forward and backward are timed
 separately. The overhead of a variant in a round is its time minus the plain step's time in the
@@ -36,11 +37,10 @@ import time
 import torch
 import torch.nn as nn
 
-try:
-    import ckpt_offload as co
-except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import ckpt_offload as co
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
 
 KEEP_RATIO = ("co_keep", "save_on_cpu")
 OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")
@@ -214,6 +214,7 @@ def run(args) -> dict:
         "torch_version": torch.__version__,
         "python": platform.python_version(),
         "build_info": co.build_info(),
+        "package": os.path.dirname(os.path.abspath(co.__file__)),  # which ckpt_offload was measured
         "results": results,
         "ratios": {"keep_vs_save_on_cpu": ratio(KEEP_RATIO), "offload_vs_clone_hook": ratio(OFFLOAD_RATIO)},
     }

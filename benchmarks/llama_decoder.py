@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The preset lookup the demo's make_config uses (one definition). The scripts that import this
-# module import ckpt_offload first (from the checkout when it is not installed).
+# module import ckpt_offload first (through _package.py).
 from ckpt_offload.demo.model import preset_config
 
 __all__ = [

@@ -69,17 +69,13 @@ import traceback
 
 import torch
 
-try:
-    import ckpt_offload as co
-except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import ckpt_offload as co
-
 # The benchmark's modules sit next to this file. Running it as a script puts this folder on
 # sys.path already; loading it from its path (the tests do) does not.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+
+from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
 
 from llama_decoder import DECODER_CONFIGS, LlamaDecoder, make_decoder_config, random_tokens  # noqa: E402
 from overlap_measure import finish_rows, grads_check, raw_copy_bandwidth, run_strategy  # noqa: E402

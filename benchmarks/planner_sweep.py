@@ -42,11 +42,10 @@ import time
 
 import torch
 
-try:
-    import ckpt_offload as co
-except ImportError:  # run from a checkout without installing: benchmarks/ sits next to the package
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import ckpt_offload as co
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload.planner import InfeasibleBudget, simulate, singles  # noqa: E402
 from ckpt_offload.planner.apply import apply_units  # noqa: E402
 from ckpt_offload.planner.cli import _measure, builtin_model  # noqa: E402
