@@ -65,17 +65,24 @@ def grads_of(module) -> dict:
     return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def step_grads(model, x, ctx=None) -> dict:
+def train_step(model, x, ctx=None, retain=False) -> tuple:
     """One training step of ``model`` on ``x`` (loss ``(y * y).sum()``), its forward inside
-    ``ctx`` when given (a co.offload context); returns the gradients (:func:`grads_of`)."""
+    ``ctx`` when given (a co.offload context), the graph kept with ``retain``; returns the
+    gradients (:func:`grads_of`) and the loss."""
     model.zero_grad(set_to_none=True)
     if ctx is None:
         y = model(x)
     else:
         with ctx:
             y = model(x)
-    (y * y).sum().backward()
-    return grads_of(model)
+    loss = (y * y).sum()
+    loss.backward(retain_graph=retain)
+    return grads_of(model), loss
+
+
+def step_grads(model, x, ctx=None) -> dict:
+    """The gradients of one :func:`train_step`."""
+    return train_step(model, x, ctx)[0]
 
 
 class Probe(torch.autograd.Function):

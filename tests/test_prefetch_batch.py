@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import TEST_DELAY_US, assert_bit_identical, cpu_offload, grads_of
+from helpers import train_step
 from models_for_tests import Chain  # 512 x 512 float32: 1 MiB per saved activation
 
 import ckpt_offload as co
@@ -20,16 +21,7 @@ import ckpt_offload as co
 MiB = 1 << 20
 
 
-def _run(model, x, ctx=None, retain=False):
-    model.zero_grad(set_to_none=True)
-    if ctx is None:
-        y = model(x)
-    else:
-        with ctx:
-            y = model(x)
-    loss = (y * y).sum()
-    loss.backward(retain_graph=retain)
-    return grads_of(model), loss
+_run = train_step
 
 
 def _inputs(seed=0, rows=512, width=512):
