@@ -40,4 +40,18 @@ except ImportError as e:
         "build the checkout in place (python setup.py build_ext --inplace)."
     ) from e
 
-__all__ = ["co", "checkout_is_built", "ROOT"]
+
+
+def save_report(out_dir: str, stem: str, report: dict, markdown: str, default=str) -> None:
+    """Writes ``out_dir/<stem>.json`` (``report``; ``default`` converts what JSON cannot hold) and
+    ``out_dir/<stem>.md`` (``markdown``), creating ``out_dir``: every benchmark's ``--out``."""
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(report, f, indent=1, default=default)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(markdown)
+
+
+__all__ = ["co", "checkout_is_built", "ROOT", "save_report"]

@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
-import json
 import os
 import platform
 import socket
@@ -61,7 +60,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
+from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 
 KiB, MiB = 1 << 10, 1 << 20
 METHODS = ("raw", "pool_side", "pool_compute")
@@ -535,11 +534,7 @@ def main(argv=None) -> int:
 
     print_table(report)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bandwidth.json"), "w") as f:
-            json.dump(report, f, indent=1, default=str)
-        with open(os.path.join(args.out, "bandwidth.md"), "w") as f:
-            f.write(markdown(report))
+        save_report(args.out, "bandwidth", report, markdown(report))
         print(f"wrote {os.path.join(args.out, 'bandwidth.json')} and bandwidth.md")
     if not verified:
         print("bandwidth.py: a round trip through the pool came back with WRONG VALUES", file=sys.stderr)

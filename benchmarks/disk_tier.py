@@ -32,7 +32,6 @@ or gradient came back different.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -46,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # llama_decoder.py sits next to this file
     sys.path.insert(0, HERE)
 
-from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
+from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload import _C  # noqa: E402
 from llama_decoder import LlamaDecoder, causal_lm_loss, random_tokens  # noqa: E402
 from llama_decoder import make_decoder_config as make_llama_config  # noqa: E402
@@ -252,11 +251,7 @@ def main(argv=None) -> int:
     md = markdown(report)
     print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "disk_tier.json"), "w") as f:
-            json.dump(report, f, indent=1)
-        with open(os.path.join(args.out, "disk_tier.md"), "w") as f:
-            f.write(md)
+        save_report(args.out, "disk_tier", report, md)
     bad = [b for b in report["bandwidth"] if not b["verified"]]
     if bad:
         print("ERROR: a block read back from the tier differs from what was written", file=sys.stderr)

@@ -27,7 +27,6 @@ against the GPU time per tensor of the step (is the host falling behind the GPU?
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,7 @@ import torch.nn as nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
+from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 
 KEEP_RATIO = ("co_keep", "save_on_cpu")
 OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")
@@ -280,11 +279,7 @@ def main(argv=None):
     md = markdown(r)
     print(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "hot_path.json"), "w") as f:
-            json.dump(r, f, indent=1)
-        with open(os.path.join(args.out, "hot_path.md"), "w") as f:
-            f.write(md)
+        save_report(args.out, "hot_path", r, md)
     return 0
 
 

@@ -34,7 +34,6 @@ they don't assert: the exit status is 0 unless something crashed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -45,7 +44,7 @@ import torch
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
-from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
+from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload.planner import InfeasibleBudget, simulate, singles  # noqa: E402
 from ckpt_offload.planner.apply import apply_units  # noqa: E402
 from ckpt_offload.planner.cli import _measure, builtin_model  # noqa: E402
@@ -180,11 +179,7 @@ def main(argv=None) -> int:
     text = _markdown(result)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "planner_sweep.json"), "w") as f:
-            json.dump(result, f, indent=1, default=float)
-        with open(os.path.join(args.out, "planner_sweep.md"), "w") as f:
-            f.write(text + "\n")
+        save_report(args.out, "planner_sweep", result, text + "\n", default=float)
         _plot(result, os.path.join(args.out, "planner_sweep.png"))
     return 0
 
