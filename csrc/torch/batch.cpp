@@ -26,7 +26,8 @@ void Batch::drop_disk_prefetch_locked() {
   counters_->prefetches_unused++;
 }
 
-std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, int64_t span) {
+std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, int64_t span,
+                                             const CurrentStream& current) {
   DeviceScope scope(device_);
   std::lock_guard<std::mutex> lock(mu_);
   if (flushed_) return nullptr;
@@ -47,7 +48,7 @@ std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, in
   // Note [Stream ordering] rule 1: the gather runs at flush, after whatever stream is current
   // then; it must also wait for the stream that produced this member (a layer run under
   // torch.cuda.stream(s)). The latest event of each producing stream covers its members so far.
-  StreamPair streams(device_, /*side=*/false, /*to_host=*/true);
+  StreamPair streams(current, /*side=*/false, /*to_host=*/true);
   producers_[streams.compute().id()] = streams.compute().record();
   const char* src = static_cast<const char*>(source.data()) + source_lo;
   // Each member starts at its source's address mod 16, so the kernel moves 16 bytes at a time

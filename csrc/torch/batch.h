@@ -15,6 +15,7 @@
 #include "counters.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
+#include "runtime.h"
 
 namespace ckpt_offload {
 
@@ -26,7 +27,8 @@ class Batch : public Reloadable, public std::enable_shared_from_this<Batch> {
         std::shared_ptr<Prefetcher> prefetcher);
   ~Batch() override;
   // Adds t's span [lo, lo + span) of its storage; the batch holds the storage until flush.
-  std::shared_ptr<OffloadedStorage> add(const at::Tensor& t, int64_t lo, int64_t span);
+  // `current`: t's device's current stream, as pack read it.
+  std::shared_ptr<OffloadedStorage> add(const at::Tensor& t, int64_t lo, int64_t span, const CurrentStream& current);
   size_t block_bytes() const { return block_bytes_; }
   size_t size() const { return members_.size(); }
   // Copies the members to the host (once). When the pool (and its disk tier) is full, every

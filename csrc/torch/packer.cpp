@@ -360,7 +360,7 @@ std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const S
   return saved;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Span& span) {
+std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Span& span, const CurrentStream& current) {
   auto saved = SavedTensor::describe_layout(t, counters_);
   saved->side_stream_ = options_.side_stream;
   const c10::Device device = t.device();
@@ -383,7 +383,7 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
                                   " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
                      " (The batch's tensors were kept on the device, so backward still works.)");
     // Null when an unpack flushed the batch meanwhile: take a new one.
-    saved->storage_ = batch->add(t, span.lo, span.bytes());
+    saved->storage_ = batch->add(t, span.lo, span.bytes(), current);
     if (saved->storage_) {
       saved->storage_->link();
       break;
@@ -432,7 +432,7 @@ py::object Packer::pack(py::handle obj) {
 
   std::shared_ptr<SavedTensor> saved;
   if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
-    saved = pack_batched(t, span);
+    saved = pack_batched(t, span, *current);
   } else {
     TieredRefusal why = TieredRefusal::None;
     saved = pack_single(t, *current, &why);

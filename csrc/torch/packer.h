@@ -103,7 +103,7 @@ class Packer {
   std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
   // A saved tensor viewing an already offloaded span of the same storage, or null.
   std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
-  std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span);
+  std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span, const CurrentStream& current);
   // Null when the pool is full.
   std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, const CurrentStream& current, TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved);
