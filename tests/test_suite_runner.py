@@ -86,3 +86,23 @@ def test_crash_costs_one_test(tmp_path):
     assert "**CRASHED** `test_mix::test_b_segfaults`: SIGSEGV (signal 11)" in summary
     assert "line one of the failure" in summary and "Segmentation fault" in summary
 
+
+SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.sh")
+STEPS = ["build", "build_info", "diagnose", "gpu_tests", "cpu_tests", "bandwidth", "disk_tier", "hot_path",
+         "overlap", "long_context", "planner", "demo"]
+
+
+def test_suite_steps_are_listed_and_an_unknown_step_is_a_usage_error(tmp_path):
+    # Only the argument parsing runs: nothing is built, no OUT_DIR is made.
+    h = subprocess.run(["bash", SUITE, "--help"], capture_output=True, text=True, timeout=30)
+    assert h.returncode == 0
+    listed = [ln.split()[0] for ln in h.stdout.splitlines() if ln.startswith("  ") and ln.split()[0] in STEPS]
+    assert listed == STEPS  # every step, in the order they run
+    for args in (["--only", "build,gpu_test"], ["--skip", "bandwith"], ["--only"]):
+        p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), *args], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 2, args
+        assert "valid steps: build, build_info, diagnose, gpu_tests" in p.stderr, p.stderr
+        assert not (tmp_path / "out").exists()
+    p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), "--only", "build,gpu_test"], capture_output=True,
+                       text=True, timeout=30)
+    assert "unknown step 'gpu_test' in --only" in p.stderr
