@@ -358,7 +358,8 @@ class Runner:
             return
         if culprit is None or self.a.isolate or not p.record:
             # Nothing tells which test killed it (before the first test, or no record): one process each.
-            self.say(f"{label}: {how} before any test finished; running its {len(rest)} tests one per process")
+            why = "--isolate" if self.a.isolate and culprit is not None else f"{how} before its first test ended"
+            self.say(f"{label}: {why}; running its {len(rest)} remaining tests one per process")
             for i in rest:
                 self.run_one(i)
             return
