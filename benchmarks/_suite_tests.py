@@ -1,0 +1,736 @@
+"""Runs a set of pytest tests so that one crash costs one test: the GPU suite's ``gpu_tests`` step.
+
+A single pytest process for every GPU test loses everything when one test kills the process (a
+segfault leaves no junit XML and runs nothing after it). Here every test file runs in its own
+process, ``python -X faulthandler -m pytest FILE -m MARKER -v --junitxml=...``, under a time limit.
+While it runs, this module, loaded into that process as a pytest plugin (``-p _suite_tests``),
+appends one JSON line per test phase to a record file and flushes it: when the process dies by a
+signal, times out or leaves no XML, the record still says which tests finished (and how) and which
+one was running. That test is run again alone in a fresh process (to tell "crashes by itself" from
+"crashes after the tests before it"), under ``cuda-gdb`` (or ``gdb``) for a native backtrace of
+every thread when one is on PATH, and recorded as an error testcase carrying the signal, the
+faulthandler output and the log's tail; the tests after it run in a fresh process, with the same
+handling. Without a usable record (the process died before its first test, or ``--isolate``), every
+test left runs in a process of its own. Nothing here forks: each process is a fresh interpreter,
+so no CUDA state is ever inherited.
+
+Every per-process XML and every recorded crash is merged into one junit XML; the per-process logs
+are concatenated, each under a ``=====`` header, into one text file; ``section()`` turns any junit
+XML (this one or a plain pytest one) into the markdown the suite's summary shows.
+
+    python3 benchmarks/_suite_tests.py run --xml gpu_tests.xml --log test_logs.txt --budget-s 150 tests
+    python3 benchmarks/_suite_tests.py diagnose --log diagnose.txt
+    python3 benchmarks/_suite_tests.py section gpu_tests.xml --label "GPU tests" --logs test_logs.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECORD_ENV = "SUITE_TESTS_RECORD"
+# Each process in a process group of its own, so a time limit kills it with its children (ranks,
+# a debugger's inferior); not a new session, which would outlive the command that started it.
+NEW_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+EXCERPT_LINES = 8  # lines of a failure's message in the summary
+LOG_TAIL_LINES = 60  # lines of a crashed process's log in its testcase
+MAX_SECTION_CHARS = 400_000  # per log section in the concatenated log (a file back from the GPU machine: 16 MiB)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plugin half: loaded into each pytest process with ``-p _suite_tests``. It does nothing
+# unless SUITE_TESTS_RECORD names a file.
+# ---------------------------------------------------------------------------------------------
+_record_file = None
+
+
+def _record(obj: dict) -> None:
+    global _record_file
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return
+    if _record_file is None:
+        _record_file = open(path, "a", buffering=1)
+    # One line, flushed at once: a segfault a moment later must not lose it (write() has returned).
+    _record_file.write(json.dumps(obj) + "\n")
+    _record_file.flush()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _record({"event": "start", "nodeid": nodeid, "t": time.time()})
+
+
+def pytest_runtest_logreport(report):
+    text = ""
+    if report.outcome != "passed":
+        if report.outcome == "skipped" and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+            text = str(report.longrepr[2])
+        else:
+            text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
+    _record({"event": "report", "nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+             "duration": report.duration, "text": text[-20000:]})
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner half.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    nodeid: str
+    outcome: str  # passed | failed | error | skipped | crashed | timeout | notrun
+    message: str = ""
+    text: str = ""
+    time: float = 0.0
+    signal: int | None = None
+    log: str = ""  # which section of the concatenated log to read
+
+
+@dataclass
+class Proc:
+    rc: int | None  # None: killed at its time limit
+    signal: int | None
+    seconds: float
+    log: str
+    xml: str | None
+    record: list = field(default_factory=list)
+    timed_out: bool = False
+
+
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def split_nodeid(nodeid: str) -> tuple[str, str]:
+    """(classname, name) as pytest's junitxml writes them: tests/a/test_x.py::C::t -> tests.a.test_x.C, t."""
+    parts = nodeid.split("::")
+    mod = parts[0].removesuffix(".py")
+    return ".".join([mod.replace("/", ".").lstrip(".")] + parts[1:-1]), parts[-1]
+
+
+class Runner:
+    def __init__(self, args):
+        self.a = args
+        self.root = os.path.abspath(args.root)
+        self.work = os.path.abspath(args.work)
+        os.makedirs(self.work, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.n = 0
+        self.sections: list[tuple[str, str]] = []
+        self.cases: list[Case] = []
+        self.backtraces = 0
+        self.child_log = None
+        self.child = None  # the running process (its group is killed if this runner is stopped)
+        self.pending_bt: list[Case] = []  # crashed tests to run under the debugger at the end
+        self.last_native = ""  # where the last debugger run stopped: its signal and innermost frames
+        self.python = args.python or sys.executable
+        self.has_timeout = importlib.util.find_spec("pytest_timeout") is not None
+        self.debugger = None if args.no_backtrace else (shutil.which("cuda-gdb") or shutil.which("gdb"))
+
+    # -- time -------------------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.a.budget_s - (time.monotonic() - self.t0)
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.1f}s] {msg}", flush=True)
+
+    # -- processes --------------------------------------------------------------------------------
+    def env(self, record: str | None) -> dict:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = HERE + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONFAULTHANDLER"] = "1"
+        env["PYTHONUNBUFFERED"] = "1"
+        env.pop(RECORD_ENV, None)
+        if record:
+            env[RECORD_ENV] = record
+        return env
+
+    def pytest_cmd(self, targets: list[str], xml: str | None, verbose: bool = True) -> list[str]:
+        cmd = [self.python, "-X", "faulthandler", "-m", "pytest", *targets, "-m", self.a.marker,
+               "-p", "no:cacheprovider", "-p", "_suite_tests", "--rootdir", self.root, "-rs"]
+        cmd.append("-v" if verbose else "-q")
+        if xml:
+            cmd.append(f"--junitxml={xml}")
+        if self.has_timeout and self.a.test_timeout_s > 0:
+            cmd.append(f"--timeout={self.a.test_timeout_s}")
+        return cmd + list(self.a.pytest_arg or [])
+
+    def spawn(self, cmd: list[str], timeout: float, record: str | None = None) -> tuple[int | None, str, float, bool]:
+        """Runs cmd in its own process group (killed as a whole at the limit); (rc, output, seconds, timed_out)."""
+        t = time.monotonic()
+        log_path = os.path.join(self.work, f"p{self.n}.log")
+        with open(log_path, "wb") as log:
+            p = subprocess.Popen(cmd, cwd=self.root, env=self.env(record), stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, **NEW_GROUP)
+            self.child, self.child_log = p.pid, log_path
+            timed_out = False
+            try:
+                rc = p.wait(timeout=max(1.0, timeout))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                # SIGABRT first: faulthandler then prints every thread's Python stack into the log.
+                for sig, wait in ((signal.SIGABRT, 5), (signal.SIGKILL, 10)):
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        p.wait(timeout=wait)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+                rc = None
+            self.child = None
+        with open(log_path, "rb") as f:
+            out = f.read().decode("utf-8", "replace")
+        return rc, out, time.monotonic() - t, timed_out
+
+    def run_pytest(self, targets: list[str], label: str) -> Proc:
+        self.n += 1
+        xml = os.path.join(self.work, f"p{self.n}.xml")
+        record = os.path.join(self.work, f"p{self.n}.jsonl")
+        limit = min(self.a.file_timeout_s, self.left())
+        cmd = self.pytest_cmd(targets, xml)
+        rc, out, secs, timed_out = self.spawn(cmd, limit, record)
+        sig = -rc if rc is not None and rc < 0 else None
+        how = (f"TIMED OUT after {limit:.0f}s" if timed_out else
+               f"killed by {signal_name(sig)}" if sig else f"exit {rc}")
+        head = f"{label} ({how}, {secs:.1f}s)"
+        self.section(head, "$ " + " ".join(cmd) + "\n" + out)
+        recs = []
+        if os.path.exists(record):
+            for line in open(record, errors="replace"):
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut short by the crash
+        ok_xml = None
+        if os.path.exists(xml):
+            try:
+                ET.parse(xml)
+                ok_xml = xml
+            except ET.ParseError:
+                pass
+        self.say(f"{head}")
+        return Proc(rc=None if timed_out else rc, signal=sig, seconds=secs, log=head, xml=ok_xml, record=recs,
+                    timed_out=timed_out)
+
+    def section(self, header: str, text: str) -> None:
+        if len(text) > MAX_SECTION_CHARS:
+            half = MAX_SECTION_CHARS // 2
+            text = text[:half] + f"\n... [{len(text) - 2 * half} characters cut] ...\n" + text[-half:]
+        self.sections.append((header, text))
+
+    # -- collection -------------------------------------------------------------------------------
+    def collect(self, paths: list[str]) -> dict[str, list[str]]:
+        cmd = [self.python, "-m", "pytest", "--collect-only", "-q", "-m", self.a.marker, "-p", "no:cacheprovider",
+               "--rootdir", self.root, *paths]
+        rc, out, secs, timed_out = self.spawn(cmd, min(self.a.collect_timeout_s, max(self.left(), 1)))
+        self.section(f"collection (exit {rc}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
+        files: dict[str, list[str]] = {}
+        for line in out.splitlines():
+            line = line.strip()
+            if "::" in line and not line.startswith(("ERROR", "FAILED", "=", "::")) and " " not in line.split("::")[0]:
+                files.setdefault(line.split("::")[0], []).append(line)
+        if rc not in (0, 5) or timed_out:
+            errors = [ln for ln in out.splitlines() if ln.startswith("ERROR ")]
+            why = f"collection exited {rc}" + (" (timed out)" if timed_out else "")
+            self.cases.append(Case("<collection>", "error", why,
+                                   "\n".join(errors + out.splitlines()[-LOG_TAIL_LINES:]), secs, log="collection"))
+        self.say(f"collected {sum(map(len, files.values()))} tests in {len(files)} files ({secs:.1f}s)")
+        return files
+
+    # -- results ----------------------------------------------------------------------------------
+    @staticmethod
+    def cases_from_record(recs: list) -> tuple[dict[str, Case], str | None]:
+        """(finished tests, the test started but not finished) from a process's record."""
+        done: dict[str, Case] = {}
+        started = None
+        phases: dict[str, list] = {}
+        for r in recs:
+            if r["event"] == "start":
+                started = r["nodeid"]
+                phases[started] = []
+            elif r["event"] == "report":
+                phases.setdefault(r["nodeid"], []).append(r)
+                if r["when"] == "teardown":
+                    ps = phases[r["nodeid"]]
+                    c = Case(r["nodeid"], "passed", time=sum(p["duration"] for p in ps))
+                    for p in ps:
+                        if p["outcome"] == "failed":
+                            c.outcome = "failed" if p["when"] == "call" else "error"
+                            c.message = f"{p['when']} failed"
+                            c.text += p["text"] + "\n"
+                        elif p["outcome"] == "skipped" and c.outcome == "passed":
+                            c.outcome, c.message = "skipped", p["text"]
+                    done[r["nodeid"]] = c
+                    if started == r["nodeid"]:
+                        started = None
+        return done, started
+
+    def cases_from_xml(self, path: str, log: str) -> list[Case]:
+        out = []
+        for tc in ET.parse(path).getroot().iter("testcase"):
+            cls, name = tc.get("classname", ""), tc.get("name", "")
+            c = Case(f"{cls}::{name}", "passed", time=float(tc.get("time", 0) or 0), log=log)
+            for kind, outcome in (("skipped", "skipped"), ("error", "error"), ("failure", "failed")):
+                el = tc.find(kind)
+                if el is not None:
+                    c.outcome, c.message, c.text = outcome, el.get("message", ""), el.text or ""
+            c.classname, c.name = cls, name  # keep pytest's own names
+            out.append(c)
+        return out
+
+    def crash_excerpt(self, log: str) -> str:
+        lines = log.splitlines()
+        start = next((i for i, ln in enumerate(lines) if "Fatal Python error" in ln), None)
+        fh = lines[start:start + 80] if start is not None else []
+        tail = lines[-LOG_TAIL_LINES:]
+        return ("faulthandler:\n" + "\n".join(fh) + "\n\n" if fh else "no faulthandler output in the log\n\n") + \
+               f"last {len(tail)} lines of the log:\n" + "\n".join(tail)
+
+    def backtrace(self, nodeid: str) -> str:
+        """A native backtrace of every thread: the test alone under cuda-gdb/gdb. '' when not taken."""
+        if not self.debugger:
+            return ""
+        if self.backtraces >= self.a.max_backtraces:
+            return f"(no native backtrace: already took {self.backtraces})"
+        limit = min(self.a.backtrace_timeout_s, self.left() - 15)
+        if limit < 30:
+            return "(no native backtrace: not enough of the time budget left)"
+        self.backtraces += 1
+        self.n += 1
+        cmd = debugger_cmd(self.debugger, self.pytest_cmd([nodeid], None, verbose=True))
+        rc, out, secs, timed_out = self.spawn(cmd, limit)
+        head = f"{nodeid}: native backtrace, {os.path.basename(self.debugger)} " \
+               f"({'TIMED OUT' if timed_out else f'exit {rc}'}, {secs:.1f}s)"
+        self.section(head, "$ " + " ".join(cmd) + "\n" + out)
+        self.say(head)
+        self.last_native = native_stop(out)
+        return head
+
+    def run_group(self, file: str, ids: list[str], targets: list[str], label: str, depth: int = 0) -> None:
+        """Runs `targets` (a file, or node ids) in one process; on a crash, isolates and continues."""
+        if self.left() < self.a.min_left_s:
+            for i in ids:
+                self.cases.append(Case(i, "notrun", "not run: the time budget of the step was used up", log=""))
+            self.say(f"{label}: {len(ids)} tests not run (time budget)")
+            return
+        p = self.run_pytest(targets, label)
+        broken = p.signal is not None or p.timed_out or p.xml is None
+        if not broken:
+            self.cases += self.cases_from_xml(p.xml, p.log)
+            return
+        done, culprit = self.cases_from_record(p.record)
+        if p.xml is not None:  # the session finished (XML written), then the process died: at exit
+            self.cases += self.cases_from_xml(p.xml, p.log)
+            done = {c.nodeid: c for c in self.cases}
+            culprit = None
+        else:
+            for c in done.values():
+                c.log = p.log
+            self.cases += done.values()
+        how = "timed out" if p.timed_out else (f"died by {signal_name(p.signal)}" if p.signal else
+                                               f"exited {p.rc} without junit XML")
+        rest = [i for i in ids if i not in done and i != culprit]
+        if culprit is not None:
+            self.isolate_culprit(culprit, p, how, len(done))
+        elif not rest or (p.xml is not None):
+            # Every test finished, and then the process died (interpreter exit, destructors, atexit).
+            self.cases.append(Case(f"{file}::<process exit>", "timeout" if p.timed_out else "crashed",
+                                   f"the process {how} after its tests had finished",
+                                   self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log))
+            rest = []
+        if not rest:
+            return
+        if culprit is None or self.a.isolate or not p.record:
+            # Nothing tells which test killed it (before the first test, or no record): one process each.
+            why = "--isolate" if self.a.isolate and culprit is not None else f"{how} before its first test ended"
+            self.say(f"{label}: {why}; running its {len(rest)} remaining tests one per process")
+            for i in rest:
+                self.run_one(i)
+            return
+        self.run_group(file, rest, rest, f"{file}: the {len(rest)} tests after {culprit.split('::', 1)[-1]}", depth + 1)
+
+    def run_one(self, nodeid: str) -> None:
+        if self.left() < self.a.min_left_s:
+            self.cases.append(Case(nodeid, "notrun", "not run: the time budget of the step was used up"))
+            return
+        p = self.run_pytest([nodeid], f"{nodeid} (alone)")
+        if p.xml is not None and p.signal is None and not p.timed_out:
+            self.cases += self.cases_from_xml(p.xml, p.log)
+            return
+        how = "timed out" if p.timed_out else (f"died by {signal_name(p.signal)}" if p.signal else
+                                               f"exited {p.rc} without junit XML")
+        c = Case(nodeid, "timeout" if p.timed_out else "crashed", f"{how} (run alone)",
+                 self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log)
+        self.cases.append(c)
+        if p.signal and not p.timed_out:
+            self.pending_bt.append(c)
+
+    def isolate_culprit(self, nodeid: str, p: Proc, how: str, n_before: int) -> None:
+        first = self.crash_excerpt(p_log(self, p))
+        outcome = "timeout" if p.timed_out else "crashed"
+        if p.timed_out:  # running it again alone would only hang again
+            self.cases.append(Case(nodeid, outcome, f"the process {how} while this test ran", first, p.seconds,
+                                   None, p.log))
+            return
+        if self.left() < self.a.min_left_s:
+            self.cases.append(Case(nodeid, outcome, f"the process {how} while this test ran (not rerun: time budget)",
+                                   first, p.seconds, p.signal, p.log))
+            return
+        q = self.run_pytest([nodeid], f"{nodeid} (alone, after the process {how} in it)")
+        alone_broken = q.signal is not None or q.timed_out or q.xml is None
+        if alone_broken:
+            alone = ("timed out" if q.timed_out else f"died by {signal_name(q.signal)}" if q.signal
+                     else f"exited {q.rc} without junit XML")
+            msg = f"the process {how} while this test ran; alone it {alone} too"
+            text = self.crash_excerpt(p_log(self, q))
+            sig = q.signal or p.signal
+            p = q  # point at the log of the run alone: its own faulthandler output
+        else:
+            alone = ", ".join(f"{c.outcome}" for c in self.cases_from_xml(q.xml, q.log)) or "nothing ran"
+            msg = (f"the process {how} while this test ran, after {n_before} earlier tests in it; alone: {alone}")
+            text = first
+            sig = p.signal
+        c = Case(nodeid, outcome, msg, text, p.seconds, sig, p.log)
+        self.cases.append(c)
+        if alone_broken and q.signal:
+            self.pending_bt.append(c)
+
+    # -- the whole run ----------------------------------------------------------------------------
+    def stopped(self, signum, frame):
+        """SIGTERM (the suite's `timeout`): end the running process group, keep what was recorded."""
+        if self.child:
+            try:
+                os.killpg(self.child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.child_log and os.path.exists(self.child_log):
+            with open(self.child_log, "rb") as f:
+                self.section("the process running when the runner was stopped", f.read().decode("utf-8", "replace"))
+        self.cases.append(Case("<runner>", "timeout", f"the runner was stopped by {signal_name(signum)}; "
+                               "the tests not recorded here did not run"))
+        write_xml(self.cases, self.a.xml, self.a.marker)
+        write_log(self.sections, self.a.log, f"per-process logs of `{self.a.marker}` tests (stopped)")
+        os._exit(124)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.stopped)
+        bt = self.debugger or ("off" if self.a.no_backtrace else "no cuda-gdb/gdb on PATH")
+        self.say(f"python {self.python}; marker {self.a.marker!r}; pytest-timeout "
+                 f"{f'--timeout={self.a.test_timeout_s}' if self.has_timeout else 'not installed'}; "
+                 f"native backtraces: {bt}; "
+                 f"budget {self.a.budget_s:.0f}s")
+        files = {}
+        for root, paths in roots_of(self.a.root, self.a.paths).items():
+            self.root = root  # pytest's rootdir and cwd: node ids are relative to it
+            group = self.collect(paths)
+            files.update(group)
+            for file, ids in group.items():
+                self.run_group(file, ids, [file], file)
+            # The debugger runs last (each can take minutes): every test file runs first.
+            for c in self.pending_bt:
+                self.last_native = ""
+                head = self.backtrace(c.nodeid)
+                if head:
+                    c.message += f"; native backtrace: {head}"
+                    c.text = self.last_native + c.text
+            self.pending_bt = []
+        write_xml(self.cases, self.a.xml, self.a.marker)
+        write_log(self.sections, self.a.log, f"per-process logs of `{self.a.marker}` tests")
+        counts = count_cases(self.cases)
+        self.say("result: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v or k == "tests"))
+        if not files and not self.cases:
+            return 5
+        return 0 if counts["tests"] == counts["passed"] + counts["skipped"] else 1
+
+
+def roots_of(root: str, paths: list[str]) -> dict[str, list[str]]:
+    """Groups paths by the rootdir to run them from: `root` for those inside it, else their own folder
+    (pytest names a test outside its rootdir "::test", which cannot be run again by that name)."""
+    root = os.path.abspath(root)
+    out: dict[str, list[str]] = {}
+    for p in paths:
+        ap = os.path.abspath(os.path.join(root, p))
+        if ap == root or ap.startswith(root + os.sep):
+            out.setdefault(root, []).append(os.path.relpath(ap, root))
+        else:
+            r = ap if os.path.isdir(ap) else os.path.dirname(ap)
+            out.setdefault(r, []).append(os.path.relpath(ap, r))
+    return out
+
+
+def p_log(runner: Runner, p: Proc) -> str:
+    return next((t for h, t in reversed(runner.sections) if h == p.log), "")
+
+
+def native_stop(out: str, frames: int = 30) -> str:
+    """The debugger's "received signal" line and the crashing thread's innermost frames, or ''."""
+    lines = out.splitlines()
+    at = next((i for i, ln in enumerate(lines) if "received signal" in ln), None)
+    if at is None:
+        return ""
+    got = [lines[at]] + [ln for ln in lines[at + 1:at + 1 + 3 * frames] if ln.startswith("#")][:frames]
+    return "native stop (debugger):\n" + "\n".join(got) + "\n\n"
+
+
+def debugger_cmd(debugger: str, cmd: list[str]) -> list[str]:
+    # -batch: run; where it stopped (the signal) print the crashing thread's stack, then every thread's
+    # innermost 40 frames (torch starts dozens of threads), then quit, killing it.
+    # cuda-gdb: a CUDA API call returning an error (torch probes some on purpose) must not stop the run.
+    cuda = ["-ex", "set cuda api_failures ignore"] if "cuda-gdb" in os.path.basename(debugger) else []
+    return [debugger, "-q", "-batch", "-nx", *cuda, "-ex", "set pagination off", "-ex", "set confirm off",
+            "-ex", "set print thread-events off", "-ex", "handle SIGPIPE nostop noprint pass",
+            "-ex", "run", "-ex", "bt 80", "-ex", "info threads", "-ex", "thread apply all bt 40", "--args", *cmd]
+
+
+def count_cases(cases: list[Case]) -> dict[str, int]:
+    keys = ("tests", "passed", "failed", "error", "crashed", "timeout", "notrun", "skipped")
+    counts = dict.fromkeys(keys, 0)
+    for c in cases:
+        counts["tests"] += 1
+        counts[c.outcome] += 1
+    return counts
+
+
+def write_xml(cases: list[Case], path: str, name: str) -> None:
+    counts = count_cases(cases)
+    errors = counts["error"] + counts["crashed"] + counts["timeout"] + counts["notrun"]
+    suites = ET.Element("testsuites")
+    suite = ET.SubElement(suites, "testsuite", name=name, tests=str(counts["tests"]), failures=str(counts["failed"]),
+                          errors=str(errors), skipped=str(counts["skipped"]), crashed=str(counts["crashed"]),
+                          timeouts=str(counts["timeout"]), notrun=str(counts["notrun"]),
+                          time=f"{sum(c.time for c in cases):.3f}")
+    for c in cases:
+        cls, nm = getattr(c, "classname", None), getattr(c, "name", None)
+        if cls is None:
+            cls, nm = split_nodeid(c.nodeid)
+        tc = ET.SubElement(suite, "testcase", classname=cls, name=nm, time=f"{c.time:.3f}")
+        if c.log:
+            props = ET.SubElement(tc, "properties")
+            ET.SubElement(props, "property", name="log", value=c.log)
+        if c.outcome == "skipped":
+            ET.SubElement(tc, "skipped", message=c.message[:2000], type="pytest.skip").text = c.text or None
+        elif c.outcome == "failed":
+            ET.SubElement(tc, "failure", message=c.message[:2000]).text = c.text
+        elif c.outcome != "passed":
+            attrs = {"message": c.message[:2000], "type": c.outcome}
+            if c.signal:
+                attrs["message"] = f"{signal_name(c.signal)} (signal {c.signal}): " + attrs["message"]
+                attrs["signal"] = str(c.signal)
+            ET.SubElement(tc, "error", **attrs).text = c.text
+    ET.indent(suites)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    ET.ElementTree(suites).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def write_log(sections: list[tuple[str, str]], path: str, title: str, append: bool = False) -> None:
+    with open(path, "a" if append else "w", encoding="utf-8") as f:
+        f.write(f"##### {title}: {len(sections)} sections, each under a line of '=' #####\n")
+        for head, text in sections:
+            f.write("\n" + "=" * 100 + f"\n===== {head}\n" + "=" * 100 + "\n")
+            f.write(text if text.endswith("\n") else text + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary's view of a junit XML.
+# ---------------------------------------------------------------------------------------------
+def excerpt(message: str, text: str, n: int = EXCERPT_LINES) -> list[str]:
+    """The ~n lines of a failure that say what went wrong: pytest's `E` lines and where, else the text's end."""
+    lines = [ln.rstrip() for ln in (text or "").splitlines() if ln.strip()]
+    fatal = next((i for i, ln in enumerate(lines) if "Fatal Python error" in ln), None)
+    if fatal is not None:  # a crash: faulthandler's verdict, then the crashing thread's innermost frames
+        cur = next((i for i in range(fatal, len(lines)) if lines[i].startswith(("Current thread", "Thread 0x"))),
+                   fatal)
+        native = [ln for ln in lines if ln.startswith("#")][:4]
+        stop = [ln for ln in lines if "received signal" in ln][:1]
+        picked = stop + native + [lines[fatal].split("Fatal Python error", 1)[-1].strip(" :")] + lines[cur:cur + n]
+        return [ln[:240] for ln in picked[:n]]
+    e_lines = [ln for ln in lines if ln.startswith("E ")]
+    if e_lines:
+        where = [ln for ln in lines if re.match(r"^\S+\.py:\d+: ", ln)]
+        picked = e_lines[:n - 1] + (where[-1:] if where else [])
+    else:
+        msg = [ln for ln in (message or "").splitlines() if ln.strip()]
+        picked = (msg + lines[-(n - len(msg[:n])):])[:n] if lines else msg[:n]
+    return [ln[:240] for ln in picked[:n]]
+
+
+def section(xml_path: str, label: str, logs: str | None = None, n_lines: int = EXCERPT_LINES) -> list[str]:
+    """Markdown lines for one junit XML: counts, every failing/crashed test with n_lines of its message, skips."""
+    name = os.path.basename(xml_path)
+    out = [f"## {label} ({name}" + (f"; logs: {logs}" if logs else "") + ")", ""]
+    if not os.path.exists(xml_path):
+        return out + ["no junit XML (the step did not run, or pytest did not start)"]
+    try:
+        root = ET.parse(xml_path).getroot()
+    except ET.ParseError as e:
+        return out + [f"could not read {name}: {e}"]
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    tot = {k: sum(int(s.get(k, 0) or 0) for s in suites)
+           for k in ("tests", "failures", "errors", "skipped", "crashed", "timeouts", "notrun")}
+    secs = sum(float(s.get("time", 0) or 0) for s in suites)
+    passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
+    extra = [f"{tot[k]} {w}" for k, w in (("crashed", "crashed"), ("timeouts", "timed out"), ("notrun", "not run"))
+             if tot[k]]
+    out.append(f"{tot['tests']} tests: {passed} passed, {tot['failures']} failed, {tot['errors']} errors"
+               + (f" ({', '.join(extra)})" if extra else "") + f", {tot['skipped']} skipped, {secs:.1f} s")
+    bad, skipped = [], {}
+    for tc in root.iter("testcase"):
+        nm = f"{tc.get('classname', '')}::{tc.get('name', '')}"
+        log = next((p.get("value") for p in tc.iter("property") if p.get("name") == "log"), None)
+        for kind in ("failure", "error"):
+            el = tc.find(kind)
+            if el is None:
+                continue
+            what = {"crashed": "CRASHED", "timeout": "TIMED OUT", "notrun": "NOT RUN"}.get(el.get("type", ""),
+                                                                                      kind.upper())
+            first = (el.get("message") or "").splitlines()[:1]
+            head = f"- **{what}** `{nm}`: {first[0][:300] if first else ''}"
+            if log:
+                head += f" (log: `{log}`" + (f" in {logs})" if logs else ")")
+            body = excerpt(el.get("message", ""), el.text or "", n_lines)
+            bad.append([head] + (["  ```"] + [f"  {ln}" for ln in body] + ["  ```"] if body else []))
+        el = tc.find("skipped")
+        if el is not None:
+            reason = (el.get("message") or "").strip()[:200]
+            skipped[reason] = skipped.get(reason, 0) + 1
+    if bad:
+        out += ["", f"Failing, crashed or not run ({len(bad)}):", ""]
+        for b in bad[:60]:
+            out += b
+        if len(bad) > 60:
+            out.append(f"- ... {len(bad) - 60} more (see {name})")
+    if skipped:
+        out.append("")
+        for reason, k in sorted(skipped.items(), key=lambda kv: -kv[1])[:10]:
+            out.append(f"- skipped x{k}: {reason}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# diagnose: the first GPU minutes of a crash hunt.
+# ---------------------------------------------------------------------------------------------
+DIAG_TARGETS = [
+    ("tests/test_gpu.py::test_pool_blocks_return", []),
+    ("tests/test_gpu.py", ["-k", "inplace_modification_after_save_raises"]),
+]
+
+
+# The lines of a diagnose run that say what happened: a signal, a sanitizer's verdict, pytest's tally.
+DIAG_LINE = re.compile(r"received signal|Fatal Python error|ERROR SUMMARY|Invalid (__global__|__shared__|__local__)|"
+                       r"\d+ (passed|failed|skipped|errors?)|Device not supported")
+
+
+def diagnose(args) -> int:
+    """Each target in a fresh process: plainly (faulthandler), under cuda-gdb/gdb with every thread's
+    backtrace, and the first under compute-sanitizer's memcheck. Logs only; exit 0 unless nothing could run."""
+    r = Runner(args)
+    t0 = time.monotonic()
+    sanitizer = shutil.which("compute-sanitizer")
+    r.say(f"diagnose: debugger {r.debugger or 'none on PATH'}, compute-sanitizer {sanitizer or 'not on PATH'}")
+    lines = []
+    runs = []
+    targets = [(t.split()[0], t.split()[1:]) for t in args.target] if args.target else DIAG_TARGETS
+    for i, (target, extra) in enumerate(targets):
+        base = r.pytest_cmd([target], None) + extra
+        what = " ".join([target, *extra])
+        runs.append((f"{what}, plain", base))
+        if r.debugger:
+            runs.append((f"{what}, under {os.path.basename(r.debugger)}",
+                         debugger_cmd(r.debugger, base)))
+        if i == 0 and sanitizer:
+            runs.append((f"{what}, under compute-sanitizer memcheck",
+                         [sanitizer, "--tool", "memcheck", "--print-limit", "100", "--show-backtrace", "yes", *base]))
+    for label, cmd in runs:
+        left = args.budget_s - (time.monotonic() - t0)
+        if left < 20:
+            lines.append(f"- {label}: not run (time budget)")
+            continue
+        r.n += 1
+        rc, out, secs, timed_out = r.spawn(cmd, min(args.backtrace_timeout_s, left - 5))
+        how = ("TIMED OUT" if timed_out else
+               f"killed by {signal_name(-rc)}" if rc is not None and rc < 0 else f"exit {rc}")
+        r.section(f"diagnose: {label} ({how}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
+        got = [ln for ln in out.splitlines() if DIAG_LINE.search(ln)]
+        stack = native_stop(out, frames=12).splitlines()[2:]  # the crashing thread's innermost frames
+        lines.append(f"- {label}: {how}, {secs:.0f} s" + "".join(f"; {g.strip()[:160]}" for g in got[:4]))
+        lines += [f"    {ln[:200]}" for ln in stack]
+        r.say(lines[-1 - len(stack)])
+    write_log(r.sections, args.log, "diagnose")
+    if args.summary:
+        with open(args.summary, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p):
+        p.add_argument("--root", default=os.getcwd(), help="pytest's rootdir and every process's cwd (default: .)")
+        p.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+        p.add_argument("--marker", default="gpu", help="-m expression selecting the tests (default: gpu)")
+        p.add_argument("--python", default=None, help="the interpreter (default: this one)")
+        p.add_argument("--log", required=True, help="the concatenated text log to write")
+        p.add_argument("--budget-s", type=float, default=float(os.environ.get("SUITE_STEP_TIMEOUT_S", "600")) - 20,
+                       help="the whole run's time (default: $SUITE_STEP_TIMEOUT_S - 20, the suite step's limit)")
+        p.add_argument("--test-timeout-s", type=int, default=120, help="pytest-timeout per test, when installed")
+        p.add_argument("--backtrace-timeout-s", type=float, default=150)
+        p.add_argument("--no-backtrace", action="store_true", help="never run cuda-gdb/gdb")
+        p.add_argument("--pytest-arg", action="append", help="one more argument for every pytest process")
+
+    p = sub.add_parser("run", help="run the tests under PATHS file by file, isolating crashes")
+    common(p)
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--xml", required=True, help="the merged junit XML to write")
+    p.add_argument("--file-timeout-s", type=float, default=300, help="one process's limit")
+    p.add_argument("--collect-timeout-s", type=float, default=120)
+    p.add_argument("--min-left-s", type=float, default=10, help="start no process with less of the budget left")
+    p.add_argument("--max-backtraces", type=int, default=2)
+    p.add_argument("--isolate", action="store_true", help="after a crash, run every remaining test of the file alone")
+    p.add_argument("--summary", default=None, help="also write the markdown section here")
+    p = sub.add_parser("diagnose", help="the crash hunt's runs (logs only)")
+    common(p)
+    p.add_argument("--summary", default=None, help="write one markdown line per run here")
+    p.add_argument("--target", action="append",
+                   help="'NODEID [pytest args]' to run instead of DIAG_TARGETS (repeatable); the first also "
+                        "runs under compute-sanitizer")
+    p = sub.add_parser("section", help="print the summary's markdown for a junit XML")
+    p.add_argument("xml")
+    p.add_argument("--label", default="tests")
+    p.add_argument("--logs", default=None)
+    a = ap.parse_args(argv)
+    if a.cmd == "section":
+        print("\n".join(section(a.xml, a.label, a.logs)))
+        return 0
+    if a.work is None:
+        import tempfile
+        a.work = tempfile.mkdtemp(prefix="suite_tests_")
+    if a.cmd == "diagnose":
+        a.max_backtraces = 0
+        return diagnose(a)
+    rc = Runner(a).run()
+    if a.summary:
+        with open(a.summary, "w") as f:
+            f.write("\n".join(section(a.xml, f"`{a.marker}` tests", os.path.basename(a.log))) + "\n")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
