@@ -66,7 +66,6 @@ import datetime as _dt
 import functools
 import gc
 import importlib.util
-import math
 import os
 import platform
 import socket
@@ -84,11 +83,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from _package import ROOT, co, save_report  # noqa: E402
-
-from llama_decoder import DecoderConfig, LlamaDecoder, random_tokens, rotary_tables  # noqa: E402
-from overlap_measure import compare_grads, raw_copy_bandwidth  # noqa: E402
-from overlap_strategies import SaveCounter, hf_checkpoint_fn  # noqa: E402
+from _package import ROOT, co, save_report
+from llama_decoder import DecoderConfig, LlamaDecoder, random_tokens, rotary_tables
+from overlap_measure import raw_copy_bandwidth
+from overlap_strategies import SaveCounter, hf_checkpoint_fn
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -638,7 +636,7 @@ def predict_max_seq(fit: tuple[float, float], cap_bytes: int, multiple: int = 10
     if b <= 0:
         return None
     s = int((cap_bytes - a) / b) // multiple * multiple
-    return s if s > 0 else 0
+    return max(0, s)
 
 
 MAX_SEQ_ARMS = ("none", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "co_checkpoint_offload",
@@ -721,7 +719,7 @@ def _try_under_cap(model, name, seq, cap, total, args, device) -> bool:
         arm = build_arm(name, model, tokens, args.chunk, device, {})
         run_step(model, tokens, arm, args.chunk, device)
         return True
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         if not _is_oom(e):
             raise
         return False
