@@ -66,6 +66,7 @@ import datetime as _dt
 import functools
 import gc
 import importlib.util
+import math
 import os
 import platform
 import socket
@@ -246,7 +247,9 @@ def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_c
         if not on_gpu:
             raise Skipped(f"skipped: OffloadActivations needs CUDA (its constructor takes torch.cuda streams); "
                           f"loaded from {os.path.basename(wheel)}")
-        arm = Arm(name, context=module.OffloadActivations, checkpoint_fn=torch_ckpt)
+        # One instance entered every step, as torchtune's recipes do (its streams live as long).
+        ctx = module.OffloadActivations()
+        arm = Arm(name, context=lambda: ctx, checkpoint_fn=torch_ckpt)
         arm.info["wheel"] = os.path.basename(wheel)
         return arm
     if name == "co_checkpoint":
@@ -431,25 +434,83 @@ def estimate_step_s(shape: dict, layers: int, seq: int, tflops: float, attn_tflo
     return (layers * (mm / (tflops * 1e12) + attn / (attn_tflops * 1e12))) + head / (tflops * 1e12)
 
 
-def choose_layers(args, shape: dict, n_arms: int) -> tuple[dict, dict]:
-    """Layers per length: the largest ``layers x seq`` (each length gets the same activation
-    bytes) whose predicted run fits 75% of the budget (the rest: planning, the max-sequence
-    search, warm-up, start-up). Returns ({seq: layers}, the arithmetic)."""
+def calibrate(args, device, dtype, shape) -> dict:
+    """Measured step times of a one-layer model: ``checkpoint`` at the shortest and the longest
+    length (the FLOP model's error at each: ``scale``) and ``co_offload`` against ``none`` at the
+    shortest (how much slower a copy-bound arm is: ``offload_factor``). About two seconds."""
+    lo, hi = min(args.seq_lens), max(args.seq_lens)
+    model = LlamaDecoder(make_config(shape, 1, hi), seed=args.seed, device=device, dtype=dtype).train()
+    out = {"scale": {}, "measured_s": {}}
+
+    def timed(name, seq):
+        tokens = random_tokens(model.cfg.vocab, 1, seq, seed=args.seed, device=device)
+        arm = build_arm(name, model, tokens, args.chunk, device, {})
+        run_step(model, tokens, arm, args.chunk, device)  # warm-up
+        t = statistics.median(run_step(model, tokens, arm, args.chunk, device) for _ in range(2))
+        model.zero_grad(set_to_none=True)
+        return t
+
+    for seq in sorted({lo, hi}):
+        t = timed("checkpoint", seq)
+        out["measured_s"][f"checkpoint@{seq}"] = t
+        out["scale"][seq] = t / estimate_step_s(shape, 1, seq, args.est_tflops, args.est_attn_tflops, True)
+    t_none, t_off = timed("none", lo), timed("co_offload", lo)
+    out["measured_s"].update({f"none@{lo}": t_none, f"co_offload@{lo}": t_off})
+    out["offload_factor"] = max(1.0, t_off / t_none)
+    return out  # the model goes with this frame; the caller's next _cleanup returns its memory
+
+
+def _scale_at(cal: dict, seq: int) -> float:
+    """The calibration's scale at ``seq``, interpolated in log(seq) between its two lengths."""
+    pts = sorted(cal["scale"].items())
+    if len(pts) == 1 or seq <= pts[0][0]:
+        return pts[0][1]
+    (s0, k0), (s1, k1) = pts[0], pts[-1]
+    if seq >= s1:
+        return k1
+    f = math.log(seq / s0) / math.log(s1 / s0)
+    return k0 + f * (k1 - k0)
+
+
+#: Fewer layers than this leave nothing to overlap: the last layer's input is needed first in backward.
+MIN_LAYERS = 2
+
+
+def choose_layers(args, shape: dict, n_arms: int, cal: dict | None = None) -> tuple[dict, dict]:
+    """Layers per length, for a timed part (every arm's ``rounds x steps + 1`` steps, ``co_offload``
+    counted ``offload_factor`` times) within 75% of the budget (the rest: calibration, planning,
+    the max-sequence search, warm-up): every length starts at MIN_LAYERS, then a layer goes to
+    the length whose step is the shortest, while the total fits (the shortest step as long as it
+    can be: GPU-bound). Step times come from the FLOP model scaled by ``cal`` (:func:`calibrate`),
+    or the FLOP model alone. Returns ({seq: layers}, the arithmetic)."""
     steps = args.rounds * args.steps + 1
-    best = None
-    for product in [s * min(args.seq_lens) for s in range(32, 0, -1)]:
-        layers = {seq: max(1, product // seq) for seq in args.seq_lens}
-        total = sum(n_arms * steps * estimate_step_s(shape, layers[s], s, args.est_tflops, args.est_attn_tflops, True)
-                    for s in args.seq_lens)
-        best = (layers, total, product)
-        if total <= 0.75 * args.budget_s:
+    factor = (cal or {}).get("offload_factor", 3.0)
+    weight = (n_arms - 1 + factor) if "co_offload" in args.arms else n_arms
+    share = 0.75 * args.budget_s
+
+    def est(layers, seq):
+        k = _scale_at(cal, seq) if cal else 1.0
+        return k * estimate_step_s(shape, layers, seq, args.est_tflops, args.est_attn_tflops, True)
+
+    layers = {seq: MIN_LAYERS for seq in args.seq_lens}
+
+    def total():
+        return sum(steps * weight * est(layers[s], s) for s in args.seq_lens)
+
+    while True:
+        seq = min((s for s in args.seq_lens if layers[s] < 32), key=lambda s: est(layers[s], s), default=None)
+        if seq is None:
             break
-    layers, total, product = best
-    why = {"layer_tokens": product, "predicted_timed_s": total, "fraction_of_budget": 0.75,
-           "steps_per_arm": steps, "arms": n_arms,
-           "per_seq_step_s": {str(s): estimate_step_s(shape, layers[s], s, args.est_tflops, args.est_attn_tflops,
-                                                     True) for s in args.seq_lens},
-           "assumes": f"{args.est_tflops:g} TFLOPS matmul, {args.est_attn_tflops:g} TFLOPS attention (estimate)"}
+        layers[seq] += 1
+        if total() > share:
+            layers[seq] -= 1
+            break
+    per_seq = {str(s): est(layers[s], s) for s in args.seq_lens}
+    why = {"share_s": share, "steps_per_arm": steps, "arm_weight": weight, "offload_factor": factor,
+           "per_seq_step_s": per_seq, "predicted_timed_s": total(),
+           "below_200ms": [s for s, t in per_seq.items() if t < 0.2],
+           "assumes": ("FLOP model scaled by a measured one-layer calibration" if cal else
+                       f"{args.est_tflops:g} TFLOPS matmul, {args.est_attn_tflops:g} TFLOPS attention (estimate)")}
     return layers, why
 
 
@@ -641,23 +702,39 @@ def predict_max_seq(fit: tuple[float, float], cap_bytes: int, multiple: int = 10
 
 MAX_SEQ_ARMS = ("none", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "co_checkpoint_offload",
                 "co_offload")
+#: Which verifications the time budget goes to first: the recipe this project recommends and the
+#: ones a user compares it with.
+VERIFY_ORDER = ("co_checkpoint_offload", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "none",
+                "co_offload")
+#: Offloaded bytes may take at most this share of the host's memory (pinned memory cannot swap).
+HOST_SHARE = 0.6
+
+
+def _host_total_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float) -> dict:
-    """Per arm and cap: peaks measured at seq0/4, seq0/2 and seq0 on a ``layers``-layer model,
-    a linear fit, the predicted longest sequence under the cap, and a verification step under
-    ``set_per_process_memory_fraction`` when its predicted time fits the budget (at most two
-    tries: the prediction, then 90% of it)."""
+    """Per arm and cap: peaks (and bytes moved to the host) measured at seq0/4, seq0/2 and seq0
+    on a ``layers``-layer model, a linear fit, the predicted longest sequence under the cap (and
+    under HOST_SHARE of the host's memory for the bytes an arm offloads), then, in VERIFY_ORDER
+    while the time budget allows, one step under ``set_per_process_memory_fraction`` at the
+    prediction (at most two tries: the prediction, then 90% of it)."""
     out = {"layers": layers, "caps_gb": args.caps_gb, "arms": {},
-           "method": "peak = a + b*seq fitted at 3 lengths; predicted cap length verified by one step under "
-                     "torch.cuda.set_per_process_memory_fraction when the time budget allows"}
+           "method": (f"peak = a + b*seq fitted at 3 lengths on {layers} layers; the cap's length verified by one "
+                      f"step under torch.cuda.set_per_process_memory_fraction while the time budget allows")}
     if device.type != "cuda":
         out["status"] = "skipped: CPU run (needs torch.cuda.set_per_process_memory_fraction and max_memory_allocated)"
         return out
     total = torch.cuda.get_device_properties(device).total_memory
+    host = _host_total_bytes()
     cfg = make_config(GPU_SHAPE, layers, 1 << 20)
     model = LlamaDecoder(cfg, seed=args.seed, device=device, dtype=dtype).train()
     lengths = sorted({max(1024, seq0 // 4), max(1024, seq0 // 2), seq0})
+    step_s: dict = {}
     for name in MAX_SEQ_ARMS:
         if name not in args.arms:
             continue
@@ -665,14 +742,17 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
         if time.perf_counter() > deadline:
             row["status"] = f"skipped: --budget-s {args.budget_s:g} s reached"
             continue
-        points, step_s = [], {}
+        points, moved = [], []
         try:
             for s in lengths:
                 tokens = random_tokens(cfg.vocab, 1, s, seed=args.seed, device=device)
                 arm = build_arm(name, model, tokens, args.chunk, device, {})
                 _cleanup(model, device)
-                step_s[s] = run_step(model, tokens, arm, args.chunk, device)
+                measure: dict = {}
+                step_s[(name, s)] = run_step(model, tokens, arm, args.chunk, device, measure)
                 points.append((s, torch.cuda.max_memory_allocated(device)))
+                moved.append((s, measure.get("bytes_moved_d2h") or 0))
+                del arm, tokens
                 model.zero_grad(set_to_none=True)
         except Skipped as e:
             row["status"] = str(e)
@@ -682,24 +762,37 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
             _cleanup(model, device)
             continue
         fit = fit_linear(points)
-        row.update(status="ok", points=points, fit_bytes=fit, caps={})
+        host_fit = fit_linear(moved)
+        row.update(status="ok", points=points, fit_bytes=fit, host_bytes_points=moved, caps={})
+        host_limit = None
+        if host and host_fit and host_fit[1] > 0:
+            host_limit = predict_max_seq(host_fit, int(HOST_SHARE * host))
+            row["host_limited_max_seq"] = host_limit
         for cap_gb in args.caps_gb:
-            cap = int(cap_gb * 1e9)
-            pred = predict_max_seq(fit, cap)
+            pred = predict_max_seq(fit, int(cap_gb * 1e9))
             cell = row["caps"][str(cap_gb)] = {"predicted_max_seq": pred, "verified": None}
+            if pred and host_limit is not None and host_limit < pred:
+                cell["predicted_max_seq"] = host_limit
+                cell["limited_by"] = f"host memory ({HOST_SHARE:.0%} of {host / 1e9:.0f} GB for offloaded bytes)"
+    for name in VERIFY_ORDER:
+        row = out["arms"].get(name) or {}
+        if row.get("status") != "ok":
+            continue
+        for cap_gb in sorted(args.caps_gb):
+            cell = row["caps"][str(cap_gb)]
+            pred = cell["predicted_max_seq"]
             if not pred:
                 continue
             for attempt in (pred, pred * 9 // 10 // 1024 * 1024):
-                # time at that length: the largest measured step scaled by the FLOP model
                 ref = lengths[-1]
-                est = step_s[ref] * (estimate_step_s(GPU_SHAPE, layers, attempt, args.est_tflops,
-                                                     args.est_attn_tflops, name != "none")
-                                     / estimate_step_s(GPU_SHAPE, layers, ref, args.est_tflops, args.est_attn_tflops,
-                                                       name != "none"))
+                est = step_s[(name, ref)] * (
+                    estimate_step_s(GPU_SHAPE, layers, attempt, args.est_tflops, args.est_attn_tflops, name != "none")
+                    / estimate_step_s(GPU_SHAPE, layers, ref, args.est_tflops, args.est_attn_tflops, name != "none"))
                 if time.perf_counter() + 2 * est > deadline:
-                    cell["verified"] = f"not verified: one step at {attempt} would take ~{est:.0f} s (estimate)"
+                    cell["verified"] = (f"not verified: a step at {attempt} takes ~{est:.0f} s (estimate), past "
+                                        f"--budget-s")
                     break
-                ok = _try_under_cap(model, name, attempt, cap, total, args, device)
+                ok = _try_under_cap(model, name, attempt, int(cap_gb * 1e9), total, args, device)
                 cell.setdefault("tries", []).append({"seq": attempt, "fits": ok})
                 if ok:
                     cell["verified"] = attempt
@@ -956,16 +1049,23 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # tiny CPU kernels: the intra-op pool only adds noise on a few cores
     status = 0
     try:
+        arithmetic = None
         if args.layers:
             layers = {s: args.layers for s in args.seq_lens}
             why = f"--layers {args.layers}"
         else:
-            layers, arithmetic = choose_layers(args, shape, len(args.arms))
-            why = (f"layers x seq = {arithmetic['layer_tokens']} at every length: predicted timed part "
-                   f"{arithmetic['predicted_timed_s']:.0f} s = {arithmetic['arms']} arms x "
-                   f"{arithmetic['steps_per_arm']} steps x per-length step "
-                   f"{ {k: round(v, 3) for k, v in arithmetic['per_seq_step_s'].items()} } s, within 75% of "
-                   f"--budget-s {args.budget_s:g}; {arithmetic['assumes']}")
+            cal = calibrate(args, device, dtype, shape)
+            layers, arithmetic = choose_layers(args, shape, len(args.arms), cal)
+            arithmetic["calibration"] = cal
+            why = (f"the timed part within 75% of --budget-s {args.budget_s:g} ({arithmetic['share_s']:.0f} s): "
+                   f"{arithmetic['steps_per_arm']} steps x {arithmetic['arm_weight']:.1f} arm-equivalents (co_offload "
+                   f"counts {arithmetic['offload_factor']:.1f}, measured) x the step, layers added where the step is "
+                   f"shortest; predicted steps "
+                   f"{ {k: round(v, 3) for k, v in arithmetic['per_seq_step_s'].items()} } s, timed part "
+                   f"{arithmetic['predicted_timed_s']:.0f} s; at least {MIN_LAYERS} layers (with one, nothing "
+                   f"overlaps a reload); {arithmetic['assumes']}"
+                   + (f"; step under 200 ms at {arithmetic['below_200ms']}: raise --budget-s for more layers"
+                      if arithmetic["below_200ms"] else ""))
         report = {
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),  # noqa: UP017
             "mode": "gpu" if on_gpu else "cpu",
@@ -990,6 +1090,7 @@ def main(argv=None) -> int:
                             f"warm-up step per arm (memory, bytes, gradients); median and min-max"),
             "layers_per_seq": {str(k): v for k, v in layers.items()},
             "layers_why": why,
+            "layers_arithmetic": arithmetic,
             "results": [],
             "skipped": [],
         }
@@ -1004,11 +1105,16 @@ def main(argv=None) -> int:
         last = None
         for seq in args.seq_lens:
             now = time.perf_counter()
-            # the previous length's time scaled by the FLOP model (CPU: tiny shapes, host-bound: as is)
-            predicted = 0.0 if last is None else last[1] * (1.0 if not on_gpu else (
-                estimate_step_s(shape, layers[seq], seq, args.est_tflops, args.est_attn_tflops, True)
-                / estimate_step_s(shape, layers[last[0]], last[0], args.est_tflops, args.est_attn_tflops, True)))
-            if last is not None and now + predicted > deadline - reserve:
+            # the calibrated prediction; else the previous length's time scaled by the FLOP model
+            # (CPU: tiny shapes, host-bound: as is)
+            if arithmetic is not None:
+                predicted = (arithmetic["steps_per_arm"] * arithmetic["arm_weight"]
+                             * arithmetic["per_seq_step_s"][str(seq)])
+            else:
+                predicted = 0.0 if last is None else last[1] * (1.0 if not on_gpu else (
+                    estimate_step_s(shape, layers[seq], seq, args.est_tflops, args.est_attn_tflops, True)
+                    / estimate_step_s(shape, layers[last[0]], last[0], args.est_tflops, args.est_attn_tflops, True)))
+            if (last is not None or arithmetic is not None) and now + predicted > deadline - reserve:
                 msg = (f"seq {seq} skipped: predicted {predicted:.0f} s would end past --budget-s {args.budget_s:g} "
                        f"(less {reserve:.0f} s kept for the max-sequence search)")
                 report["results"].append({"seq_len": seq, "layers": layers[seq], "skipped": msg})

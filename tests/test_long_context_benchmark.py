@@ -83,15 +83,15 @@ def test_ratios_use_the_stated_baselines_and_the_aa_pair(lc, quick_run):
         rows = res["arms"]
         t = {n: r["median_s"] for n, r in rows.items() if r["status"] == "ok"}
         aa = t["checkpoint_aa"] / t["checkpoint"]
-        for name in t:
+        for name, t_arm in t.items():
             r = rows[name]
-            assert r["ratio_to_checkpoint"] == pytest.approx(t[name] / t["checkpoint"])
+            assert r["ratio_to_checkpoint"] == pytest.approx(t_arm / t["checkpoint"])
             base = lc.BASELINE[name]
             if base is None:
                 assert r["ratio_to_baseline"] is None
             else:
                 assert r["baseline"] == base
-                assert r["ratio_to_baseline"] == pytest.approx(t[name] / t[base])
+                assert r["ratio_to_baseline"] == pytest.approx(t_arm / t[base])
             assert r["aa_ratio"] == pytest.approx(aa)
             assert r["noise_floor"] == pytest.approx(abs(aa - 1))
 
@@ -169,15 +169,31 @@ def test_max_seq_fit_predicts_the_cap_length(lc):
 
 
 def test_layer_count_follows_the_budget(lc):
-    args = lc.parse_args(["--quick"])
-    args.seq_lens, args.rounds, args.steps = [8192, 16384, 32768], 4, 5
-    args.est_tflops, args.est_attn_tflops = 600.0, 400.0
-    small, why_small = lc.choose_layers(_ns(args, budget_s=60.0), lc.GPU_SHAPE, 9)
-    big, why_big = lc.choose_layers(_ns(args, budget_s=600.0), lc.GPU_SHAPE, 9)
-    assert big[8192] > small[8192]
-    assert why_small["predicted_timed_s"] <= 0.75 * 60 or small[32768] == 1
-    for layers in (small, big):
-        assert layers[8192] >= layers[16384] >= layers[32768] >= 1
+    args = _ns(lc.parse_args(["--quick"]), seq_lens=[8192, 16384, 32768], rounds=4, steps=5)
+    cal = {"scale": {8192: 0.8, 32768: 0.7}, "offload_factor": 2.5}
+    small, why_small = lc.choose_layers(_ns(args, budget_s=60.0), lc.GPU_SHAPE, 9, cal)
+    big, why_big = lc.choose_layers(_ns(args, budget_s=600.0), lc.GPU_SHAPE, 9, cal)
+    assert big[8192] > small[8192] and big[32768] > lc.MIN_LAYERS
+    for layers, why, budget in ((small, why_small, 60.0), (big, why_big, 600.0)):
+        # within the budget's timed share, unless every length is at the minimum already
+        assert why["predicted_timed_s"] <= 0.75 * budget or set(layers.values()) == {lc.MIN_LAYERS}
+        assert layers[8192] >= layers[16384] >= layers[32768] >= lc.MIN_LAYERS
+        assert why["arm_weight"] == pytest.approx(8 + 2.5)
+    # the calibration scales the FLOP model: a slower GPU gets fewer layers
+    slow, _ = lc.choose_layers(_ns(args, budget_s=600.0), lc.GPU_SHAPE, 9,
+                               {"scale": {8192: 1.6, 32768: 1.4}, "offload_factor": 2.5})
+    assert slow[8192] < big[8192]
+
+
+def test_calibration_measures_a_one_layer_model(lc):
+    args = _ns(lc.parse_args(["--quick"]), seq_lens=[16])
+    cal = lc.calibrate(args, torch.device("cpu"), torch.float32, lc.CPU_SHAPE)
+    assert set(cal["scale"]) == {16} and cal["scale"][16] > 0 and cal["offload_factor"] >= 1.0
+    assert set(cal["measured_s"]) == {"checkpoint@16", "none@16", "co_offload@16"}
+    # between two calibrated lengths the scale is interpolated in log(seq)
+    two = {"scale": {1024: 1.0, 4096: 2.0}}
+    assert lc._scale_at(two, 2048) == pytest.approx(1.5)
+    assert lc._scale_at(two, 512) == 1.0 and lc._scale_at(two, 8192) == 2.0
 
 
 def _ns(args, **changes):
