@@ -349,7 +349,8 @@ def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure:
         _sync(device)
         before = torch.cuda.memory_allocated(device) if on_gpu else None
         pool_before = arm.pool.stats()["bytes_in_use"] if arm.pool is not None else None
-        pinned_before = _torch_pinned_bytes() if on_gpu and arm.name == "torchtune" else None
+        # hf_offload and torchtune copy into torch's pinned host allocator: its in-use bytes grow
+        pinned_before = _torch_pinned_bytes() if on_gpu and arm.name in ("hf_offload", "torchtune") else None
         if arm.counter is not None:
             arm.counter.tensors = arm.counter.bytes = 0
     if on_gpu:
@@ -365,13 +366,15 @@ def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure:
         _sync(device)
         if on_gpu:
             measure["resident_after_forward_bytes"] = torch.cuda.memory_allocated(device) - before
+        now = _torch_pinned_bytes() if pinned_before is not None else None
+        if now is not None:
+            measure["pinned_in_use_after_forward_bytes"] = now - pinned_before
         if arm.pool is not None:
             measure["bytes_moved_d2h"] = arm.pool.stats()["bytes_in_use"] - pool_before
         elif arm.counter is not None:
             measure["bytes_moved_d2h"] = arm.counter.bytes
-        elif pinned_before is not None:
-            now = _torch_pinned_bytes()
-            measure["bytes_moved_d2h"] = None if now is None else now - pinned_before
+        elif now is not None:
+            measure["bytes_moved_d2h"] = now - pinned_before
     loss.backward()
     if on_gpu:
         end.record()
@@ -387,6 +390,17 @@ def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure:
 
 def grads_to_cpu(model) -> dict:
     return {n: p.grad.detach().to("cpu", copy=True) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference_grads(model, device) -> tuple[dict, int]:
+    """A copy of the model's gradients for the other arms to compare with, and the device bytes
+    it takes: on the device when under a tenth of its memory (comparing through a host copy
+    would cost a pageable H2D of every gradient per arm), else on the host."""
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    nbytes = sum(g.numel() * g.element_size() for g in grads.values())
+    if device.type == "cuda" and nbytes < torch.cuda.get_device_properties(device).total_memory // 10:
+        return {n: g.detach().clone() for n, g in grads.items()}, nbytes
+    return grads_to_cpu(model), 0
 
 
 def compare_with_reference(model, ref: dict | None, rtol: float) -> dict | None:
@@ -536,6 +550,7 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
     plan_cache: dict = {}
     ref_grads = None
     ref_name = None
+    ref_device_bytes = 0  # the reference gradients' copy on the device: not the arm's memory
     rows = result["arms"]
     _sync(device)
     base_alloc = torch.cuda.memory_allocated(device) if on_gpu else None
@@ -564,7 +579,7 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
         try:
             arm.enter()
             try:
-                run_step(model, tokens, arm, args.chunk, device, measure)
+                row["warmup_step_s"] = run_step(model, tokens, arm, args.chunk, device, measure)
             finally:
                 arm.exit()
         except Exception as e:  # noqa: BLE001
@@ -578,12 +593,11 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
         rss1 = _rss_bytes()
         row["host_rss_growth_bytes"] = None if rss0 is None or rss1 is None else rss1 - rss0
         if on_gpu:
-            row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
-            row["peak_above_weights_bytes"] = row["peak_bytes"] - base_alloc
+            row["warmup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - ref_device_bytes
         if name in CHECKPOINT_ARMS and row.get("resident_after_forward_bytes") is not None:
             row["resident_over_theory"] = row["resident_after_forward_bytes"] / theory
         if ref_grads is None and name in ("none", "checkpoint"):
-            ref_grads, ref_name = grads_to_cpu(model), name
+            (ref_grads, ref_device_bytes), ref_name = reference_grads(model, device), name
             row["grads"] = {"reference": name, "ok": True, "note": "this arm is the reference"}
         else:
             g = compare_with_reference(model, ref_grads, rtol)
@@ -594,14 +608,15 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
                       f"(max relative error {g['max_rel_err']:.3e} > {rtol:g})")
         arms[name] = arm
         model.zero_grad(set_to_none=True)
-    del ref_grads
+    del ref_grads  # before timing: the timed peaks hold nothing but the arm's own memory
+    _cleanup(model, device)
 
     # timed rounds, round-robin
     times = {name: [] for name in arms}
     peaks = {name: 0 for name in arms}
     rounds_done = 0
     for r in range(args.rounds):
-        predicted = sum(args.steps * statistics.median(times[n] or [rows[n].get("_warm_s", 0.0)]) for n in arms)
+        predicted = sum(args.steps * statistics.median(times[n] or [rows[n]["warmup_step_s"]]) for n in arms)
         if rounds_done and time.perf_counter() + predicted > deadline:
             result["rounds_note"] = (f"stopped after {rounds_done} of {args.rounds} rounds: the next would end past "
                                      f"--budget-s {args.budget_s:g} s")
@@ -636,15 +651,15 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
         row["per_round_median_s"] = [statistics.median(times[name][i:i + args.steps])
                                      for i in range(0, len(times[name]), args.steps)]
         if on_gpu:
-            row["peak_bytes"] = max(peaks[name], row.get("peak_bytes", 0))
+            row["peak_bytes"] = peaks[name] or row.get("warmup_peak_bytes")
             row["peak_above_weights_bytes"] = row["peak_bytes"] - base_alloc
         if arm.pool is not None:
             s = arm.pool.stats()
             row["pinned_host_bytes"] = s.get("peak_bytes_reserved")
             row["pool_backend"] = s.get("backend")
-        elif name in ("hf_offload", "torchtune") and on_gpu:
-            with contextlib.suppress(Exception):
-                row["pinned_host_bytes"] = int(torch.cuda.host_memory_stats().get("reserved_bytes.peak", 0)) or None
+        elif name in ("hf_offload", "torchtune"):
+            # torch's pinned allocator is shared by both: what this arm held after its forward
+            row["pinned_host_bytes"] = row.get("pinned_in_use_after_forward_bytes")
         if arm.pool is not None and arm.pool is not co.default_pool():
             co.synchronize()
             arm.pool.empty_cache()
@@ -735,6 +750,8 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
     model = LlamaDecoder(cfg, seed=args.seed, device=device, dtype=dtype).train()
     lengths = sorted({max(1024, seq0 // 4), max(1024, seq0 // 2), seq0})
     step_s: dict = {}
+    if "co_plan" in args.arms:
+        out["arms"]["co_plan"] = {"status": "skipped: a plan is made for one length and one budget"}
     for name in MAX_SEQ_ARMS:
         if name not in args.arms:
             continue
@@ -935,13 +952,16 @@ def write_plot(report: dict, path: str) -> str | None:
     cpu = report["mode"] == "cpu"
     fig, ax = plt.subplots(figsize=(9, 6))
     markers = "osD^v<>px*"
+    labelled = set()
     for res in report["results"]:
         for i, (name, r) in enumerate((res.get("arms") or {}).items()):
             if r.get("status") != "ok":
                 continue
+            label = None if name in labelled else name
+            labelled.add(name)
             y = r.get("peak_bytes") if not cpu else r.get("bytes_moved_d2h") or 0
             ax.scatter(r["median_s"] * 1e3, (y or 0) / GiB, marker=markers[i % len(markers)],
-                       color=f"C{i}", label=name if res is report["results"][0] else None)
+                       color=f"C{i}", label=label)
             ax.annotate(str(res["seq_len"]), (r["median_s"] * 1e3, (y or 0) / GiB), fontsize=6)
     ax.set_xlabel("median step time (ms)" + (" - CPU times" if cpu else ""))
     ax.set_ylabel("bytes moved to the host per step (GiB) - CPU: no device memory" if cpu else "peak device memory (GiB)")

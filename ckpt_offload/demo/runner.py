@@ -648,33 +648,36 @@ def _recipe_lines(r: dict) -> list:
 
     held = rc["device_saved_peak_bytes"]
     block = rc.get("recompute_block_bytes")
+    peak_now = None if held is None or block is None else held + block
     lines = [
         "recommended: checkpointed blocks with their inputs offloaded -- co.apply(model, offload=True)",
-        f"  saved activations on the device at peak: {peak(None if held is None or block is None else held + block)}"
-        f" = {_mib(held)} of inputs (co.profile) + ~{_mib(block)} for the block being recomputed; copied to the "
-        f"pool per step: {_mib(rc['bytes_offloaded_per_step'])}",
-        f"  step time: {_x(rc['time_ratio_vs_checkpoint'])} checkpointing alone (the copies' cost), "
-        f"{_x(rc['time_ratio_vs_baseline'])} the baseline (checkpointing alone: "
-        f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)",
+        (f"  saved activations on the device at peak: {peak(peak_now)} = {_mib(held)} of inputs (co.profile) + "
+         f"~{_mib(block)} for the block being recomputed; copied to the pool per step: "
+         f"{_mib(rc['bytes_offloaded_per_step'])}"),
+        (f"  step time: {_x(rc['time_ratio_vs_checkpoint'])} checkpointing alone (the copies' cost), "
+         f"{_x(rc['time_ratio_vs_baseline'])} the baseline (checkpointing alone: "
+         f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)"),
         "  gradients on step 1 and every loss: " + ("bit-identical to the baseline"
                                                      if rc["grads_match"] and rc["losses_match"] else "MISMATCH"),
         "contrast: offload every saved tensor -- with co.offload(): around the forward",
-        f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
-        f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}",
+        (f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
+         f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}"),
         f"  step time: {_x(rc['offload_everything_ratio_vs_baseline'])} the baseline",
     ]
     if rc.get("max_memory_allocated") is not None:
         lines.append(f"torch.cuda.max_memory_allocated: baseline {_mib(r['baseline']['max_memory_allocated'])}, "
                      f"checkpoint {_mib(rc['checkpoint_max_memory_allocated'])}, recommended "
                      f"{_mib(rc['max_memory_allocated'])}, offload everything {_mib(r['offload']['max_memory_allocated'])}")
-    lines += [
-        f"bandwidth arithmetic (D2H {bw['d2h_gbps']:.1f} GB/s, H2D {bw['h2d_gbps']:.1f} GB/s, "
-        f"{bw['bandwidth_source']}):",
-    ]
+    lines.append(f"bandwidth arithmetic (D2H {bw['d2h_gbps']:.1f} GB/s, H2D {bw['h2d_gbps']:.1f} GB/s, "
+                 f"{bw['bandwidth_source']}):")
     for name, label in (("offload_everything", "offload everything"), ("recipe", "recommended")):
         a = bw[name]
-        verdict = ("copy-bound: the copies alone take longer than the compute they could hide behind"
-                   if (a["copy_over_compute"] or 0) > 1 else "the copies fit behind the compute")
+        if a["copy_over_compute"] is None:
+            verdict = "no compute time to compare with (one step)"
+        elif a["copy_over_compute"] > 1:
+            verdict = "copy-bound: the copies alone take longer than the compute they could hide behind"
+        else:
+            verdict = "the copies fit behind the compute"
         lines.append(
             f"  {label}: {_mib(a['d2h_bytes'])} out + {_mib(a['h2d_bytes'])} back = {_ms(a['copy_s'])} of copies vs "
             f"{_ms(a['compute_s'])} of compute ({a['compute_of']} step): {_x(a['copy_over_compute'])}; {verdict}")
