@@ -761,16 +761,19 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
             continue
         points, moved = [], []
         try:
+            # one arm for every length: its pool's pinned segments are allocated once (pinning
+            # tens of GB takes seconds)
+            arm = build_arm(name, model, None, args.chunk, device, {})
             for s in lengths:
                 tokens = random_tokens(cfg.vocab, 1, s, seed=args.seed, device=device)
-                arm = build_arm(name, model, tokens, args.chunk, device, {})
                 _cleanup(model, device)
                 measure: dict = {}
                 step_s[(name, s)] = run_step(model, tokens, arm, args.chunk, device, measure)
                 points.append((s, torch.cuda.max_memory_allocated(device)))
                 moved.append((s, measure.get("bytes_moved_d2h") or 0))
-                del arm, tokens
+                del tokens
                 model.zero_grad(set_to_none=True)
+            del arm
         except Skipped as e:
             row["status"] = str(e)
             continue
