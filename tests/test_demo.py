@@ -100,6 +100,62 @@ def test_demo_exit_status_is_1_when_gradients_differ(monkeypatch, capsys):
     assert "MISMATCH" in out and "head.weight" in out
 
 
+def test_demo_leads_with_the_recipe_and_the_bandwidth_arithmetic():
+    r = demo.run_demo(size="tiny", steps=2, device="cpu", min_bytes=0)
+    c = CONFIGS["tiny"]
+    rc = r["recipe"]
+    assert rc["grads_match"] and rc["losses_match"]
+    # checkpointed blocks offload exactly their inputs: layers x batch x seq x dim float32
+    block_input = c.batch * c.seq * c.dim * 4
+    assert rc["bytes_offloaded_per_step"] == rc["bytes_reloaded_per_step"] == c.layers * block_input
+    assert rc["device_saved_peak_bytes"] <= c.layers * block_input
+    assert rc["pool_bytes_in_use_after"] == 0
+    # offloading every saved tensor copies many times more
+    assert r["bytes_offloaded_to_pool"] > 10 * rc["bytes_offloaded_per_step"]
+    bw = r["bandwidth_arithmetic"]
+    assert bw["bandwidth_source"].startswith("measured by co.profile") and "CPU memcpy" in bw["bandwidth_source"]
+    for name, compute in (("offload_everything", r["baseline"]), ("recipe", r["checkpoint"])):
+        a = bw[name]
+        assert a["copy_s"] == pytest.approx(a["d2h_bytes"] / (bw["d2h_gbps"] * 1e9)
+                                            + a["h2d_bytes"] / (bw["h2d_gbps"] * 1e9))
+        assert a["compute_s"] == compute["median_step_s"]
+        assert a["copy_over_compute"] == pytest.approx(a["copy_s"] / a["compute_s"])
+    assert bw["offload_everything"]["d2h_bytes"] == r["bytes_offloaded_to_pool"]
+    assert rc["time_ratio_vs_checkpoint"] == pytest.approx(
+        r["recipe_run"]["median_step_s"] / r["checkpoint"]["median_step_s"])
+    text = demo.format_report(r)
+    order = [text.index(k) for k in ("recommended: checkpointed blocks", "contrast: offload every saved tensor",
+                                     "bandwidth arithmetic", "offload everything, in detail")]
+    assert order == sorted(order)
+    assert "co.apply(model, offload=True)" in text and "bit-identical to the baseline" in text
+
+
+def test_demo_exit_status_is_1_when_the_recipe_gradients_differ(monkeypatch, capsys):
+    real, calls = demo._compare_grads, []
+
+    def compare(a, b):  # the first comparison is offload-everything's; the recipe's come after
+        calls.append(1)
+        return real(a, b) if len(calls) == 1 else (False, ["head.weight"], 1.0)
+
+    monkeypatch.setattr(demo, "_compare_grads", compare)
+    rc = main(TINY_DEMO)
+    out = capsys.readouterr().out
+    assert rc == 1 and len(calls) == 3
+    assert "gradients on step 1 and every loss: MISMATCH" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU and a CUDA build of ckpt_offload")
+def test_demo_cuda_recipe_next_to_offload_everything():
+    r = demo.run_demo(size="tiny", steps=3, device="cuda")
+    rc = r["recipe"]
+    assert rc["grads_match"] and rc["losses_match"]
+    assert rc["max_memory_allocated"] > 0 and rc["checkpoint_max_memory_allocated"] > 0
+    assert rc["time_ratio_vs_checkpoint"] > 0 and rc["offload_everything_ratio_vs_baseline"] > 0
+    text = demo.format_report(r)
+    assert "torch.cuda.max_memory_allocated: baseline" in text and "recommended" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _gpu(), reason="needs a CUDA GPU and a CUDA build of ckpt_offload")
 def test_demo_cuda(tmp_path):

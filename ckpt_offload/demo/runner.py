@@ -1,11 +1,18 @@
-"""``python -m ckpt_offload demo``: train the built-in transformer with and without ``co.offload``.
+"""``python -m ckpt_offload demo``: train the built-in transformer plainly, with the recommended
+recipe, and with everything offloaded.
 
-Two training runs with the same seed, the same data and dropout on: a plain one (``baseline``)
-and one whose forward passes run inside :class:`ckpt_offload.offload`. The report says how many
-activation bytes autograd saved, how many stayed on the device and how many went to the host
-pool, the pool's own counters, the step-time ratio, and whether the gradients of the first step
-and the losses of every step are bit-identical (they must be: offloading changes where a saved
-tensor waits, never its bytes).
+Four training runs with the same seed, the same data and dropout on: a plain one (``baseline``);
+every block checkpointed (``checkpoint``, ``co.apply(model)``); the recommended recipe, every
+block checkpointed with its input offloaded (``recipe_run``, ``co.apply(model, offload=...)``);
+and every saved tensor offloaded (``offload``, forward passes inside :class:`ckpt_offload.offload`).
+The report leads with the recipe (device peak, bytes copied, step time against checkpointing
+alone and the baseline), then offload-everything as the contrast, then the bandwidth arithmetic
+that tells them apart: bytes copied each way per step over the link's GB/s (measured by
+co.profile), against the compute those copies could hide behind. Then, for offload-everything, how
+many activation bytes autograd saved, how many stayed on the device and how many went to the host
+pool, the pool's own counters, and whether the gradients of the first step and the losses of
+every step are bit-identical in every run (they must be: offloading changes where a saved tensor
+waits, never its bytes; the checkpoint's recompute restores the RNG state).
 
 How the bytes are counted, so the two columns are comparable:
 
@@ -167,28 +174,32 @@ def progress_range(n: int, label: str, progress: bool):
 
 
 def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0, progress: bool = False,
-           pool=None) -> dict:
-    """One training run. With ``offload_ctx`` every forward runs inside it, and the first step
+           pool=None, apply_kwargs=None, label=None) -> dict:
+    """One training run. With ``offload_ctx`` every forward runs inside it; with ``apply_kwargs``
+    the blocks are checkpointed by ``co.apply(model, **apply_kwargs)``; either way the first step
     (left out of the step-time figures) runs under co.profile for the device peak of saved
-    activations; without, the first step's forward runs under a counting hook. Returns losses,
-    times, first-step grads, counts."""
+    activations. Without either, the first step's forward runs under a counting hook. Returns
+    losses, times, first-step grads, counts."""
+    from ckpt_offload.checkpoint import apply
     from ckpt_offload.profiling import profile
-    torch.manual_seed(seed)  # dropout draws: identical sequence in both runs
+    torch.manual_seed(seed)  # dropout draws: identical sequence in every run
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)
     model.train()
+    handle = apply(model, **apply_kwargs) if apply_kwargs is not None else None
     opt = SimpleAdam(model.parameters(), lr=3e-3)
-    counter = None if offload_ctx is not None else _SavedBytesCounter(model, min_bytes)
+    counter = None if (offload_ctx is not None or handle is not None) else _SavedBytesCounter(model, min_bytes)
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     losses, times, first_grads, first_stats, first_totals = [], [], None, None, None
-    label = "baseline" if offload_ctx is None else "co.offload"
+    label = label or ("baseline" if offload_ctx is None else "co.offload")
+    profiled = offload_ctx is not None or (handle is not None and pool is not None)
     for step in progress_range(len(batches), label, progress):
         tokens = batches[step]
-        prof = profile(pools=[pool]) if (offload_ctx is not None and step == 0) else contextlib.nullcontext()
+        prof = profile(pools=[pool]) if (profiled and step == 0) else contextlib.nullcontext()
         if offload_ctx is not None:
             ctx = offload_ctx
-        elif step == 0:
+        elif step == 0 and counter is not None:
             ctx = counter.hooks()
         else:
             ctx = contextlib.nullcontext()
@@ -207,6 +218,8 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
             }
             if offload_ctx is not None:
                 first_stats = offload_ctx.stats()
+            elif handle is not None:
+                first_stats = handle.stats()
         opt.step()
         _sync(device)
         times.append(time.perf_counter() - t0)
@@ -219,9 +232,17 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
         "first_grads": first_grads,
         "num_parameters": model.num_parameters(),
     }
-    if counter is not None:
+    if handle is not None:
+        handle.remove()
+        out["stats_first_step"] = first_stats
+        if first_totals is not None:
+            out["profile_totals"] = dict(first_totals)
+            out["device_saved_peak_bytes"] = first_totals["device_saved_peak_bytes"]
+            out["saved_total_bytes"] = first_totals["saved_total_bytes"]
+    elif counter is not None:
         out["saved_per_step"] = counter.result()
     else:
+        out["profile_totals"] = dict(first_totals)
         out["stats_first_step"] = first_stats
         out["device_saved_peak_bytes"] = first_totals["device_saved_peak_bytes"]
         out["pool_peak_bytes"] = first_totals["pool_peak_bytes"]
@@ -302,9 +323,22 @@ def run_demo(
     pool.synchronize()
     pool_stats = pool.stats()
 
+    # The recommended recipe: every block checkpointed, its input offloaded (co.apply(model,
+    # offload=True) on a GPU), and the same checkpointing without offload, the recompute's share.
+    ckpt = _train(cfg, batches, device, seed, progress=progress, apply_kwargs={}, label="checkpoint")
+    recipe_pool = HostPool()
+    recipe_options = {"pool": recipe_pool, "min_bytes": min_bytes, "stream": stream, "prefetch_bytes": prefetch_bytes}
+    if devices is not None:
+        recipe_options["devices"] = devices
+    rec = _train(cfg, batches, device, seed, progress=progress, pool=recipe_pool,
+                 apply_kwargs={"offload": recipe_options}, label="recipe")
+    synchronize()
+    recipe_pool.synchronize()
+
     base_grads, off_grads = base.pop("first_grads"), off.pop("first_grads")
     grads_match, mismatched, max_grad_diff = _compare_grads(base_grads, off_grads)
     losses_match = base["losses"] == off["losses"]
+    recipe = _recipe_summary(base, ckpt, rec, off, base_grads, recipe_pool.stats(), cfg.layers)
 
     saved = base["saved_per_step"]
     s1 = off["stats_first_step"]
@@ -373,8 +407,81 @@ def run_demo(
         "pool": pool_stats,
         "baseline": base,
         "offload": off,
+        "recipe": recipe,
+        "checkpoint": ckpt,
+        "recipe_run": rec,
+        "bandwidth_arithmetic": _bandwidth_arithmetic(base, ckpt, rec, off, device),
     }
     return result
+
+
+def _median_ratio(a: dict, b: dict):
+    return (a["median_step_s"] / b["median_step_s"]) if (a["median_step_s"] and b["median_step_s"]) else None
+
+
+def _recipe_summary(base, ckpt, rec, off, base_grads, pool_stats, layers: int) -> dict:
+    """The recommended recipe's numbers against the baseline, checkpointing alone and offload-everything.
+
+    ``device_saved_peak_bytes`` is co.profile's count: the saved tensors ckpt_offload holds (the
+    blocks' inputs, reloaded). The block being recomputed in backward holds its own activations
+    on top (torch's checkpoint saves them, not ckpt_offload): about one block's share of what
+    autograd saves in a step, ``recompute_block_bytes``."""
+    ck_grads, rec_grads = ckpt.pop("first_grads"), rec.pop("first_grads")
+    g_ok, g_bad, _ = _compare_grads(base_grads, rec_grads)
+    ck_ok, _, _ = _compare_grads(base_grads, ck_grads)
+    s1 = rec["stats_first_step"]
+    return {
+        "how": "co.apply(model, offload=True): every block checkpointed, its input offloaded",
+        "grads_match": g_ok and ck_ok,
+        "grad_mismatches": g_bad,
+        "losses_match": base["losses"] == rec["losses"] == ckpt["losses"],
+        "bytes_offloaded_per_step": s1["bytes_offloaded"],
+        "bytes_reloaded_per_step": s1["bytes_reloaded"],
+        "device_saved_peak_bytes": rec.get("device_saved_peak_bytes"),
+        "offload_everything_device_saved_peak_bytes": off.get("device_saved_peak_bytes"),
+        "saved_bytes_total": off.get("saved_total_bytes"),
+        "recompute_block_bytes": (off["saved_total_bytes"] // layers) if off.get("saved_total_bytes") else None,
+        "time_ratio_vs_baseline": _median_ratio(rec, base),
+        "time_ratio_vs_checkpoint": _median_ratio(rec, ckpt),
+        "checkpoint_ratio_vs_baseline": _median_ratio(ckpt, base),
+        "offload_everything_ratio_vs_baseline": _median_ratio(off, base),
+        "max_memory_allocated": rec["max_memory_allocated"],
+        "checkpoint_max_memory_allocated": ckpt["max_memory_allocated"],
+        "pool_peak_bytes_in_use": pool_stats["peak_bytes_in_use"],
+        "pool_bytes_in_use_after": pool_stats["bytes_in_use"],
+    }
+
+
+#: The host link assumed when no copy was timed (a PCIe 4.0 x16 link moves about 25 GB/s).
+STATED_GBPS = 25.0
+
+
+def _bandwidth_arithmetic(base, ckpt, rec, off, device) -> dict:
+    """Why offload-everything is copy-bound and the recipe is not: bytes each way per step over
+    the link's bandwidth (co.profile's measured D2H / H2D GB/s of the offload run, else
+    STATED_GBPS) against the compute it could hide behind (the same step without copies)."""
+    totals = off.get("profile_totals") or {}
+    d2h, h2d = totals.get("d2h_gbps") or 0.0, totals.get("h2d_gbps") or 0.0
+    measured = d2h > 0 and h2d > 0
+    if not measured:
+        d2h = h2d = STATED_GBPS
+    source = ("measured by co.profile on step 1" + (" (CPU memcpy, not a host link)" if device == "cpu" else "")
+              if measured else f"stated: {STATED_GBPS:g} GB/s, no copy was timed")
+    out = {"d2h_gbps": d2h, "h2d_gbps": h2d, "bandwidth_source": source}
+    for name, run, compute in (("offload_everything", off, base), ("recipe", rec, ckpt)):
+        s1 = run["stats_first_step"]
+        copy_s = s1["bytes_offloaded"] / (d2h * 1e9) + s1["bytes_reloaded"] / (h2d * 1e9)
+        compute_s = compute["median_step_s"]
+        out[name] = {
+            "d2h_bytes": s1["bytes_offloaded"],
+            "h2d_bytes": s1["bytes_reloaded"],
+            "copy_s": copy_s,
+            "compute_s": compute_s,
+            "compute_of": "baseline" if compute is base else "checkpoint",
+            "copy_over_compute": (copy_s / compute_s) if compute_s else None,
+            "floor_ratio": (max(copy_s, compute_s) / compute_s) if compute_s else None,
+        }
+    return out
 
 
 def _mib(n) -> str:
@@ -420,6 +527,9 @@ def format_report(r: dict) -> str:
     ]
     if r["cpu_only"]:
         lines += _note(r["note"]) + [""]
+    if r.get("recipe"):
+        lines += _recipe_lines(r) + [""]
+    lines.append("offload everything, in detail:")
     rows = [
         ("per training step", "baseline", "co.offload", ""),
         (
@@ -521,6 +631,60 @@ def format_report(r: dict) -> str:
     if not r["cpu_only"]:
         lines += _note(r["note"])
     return "\n".join(lines)
+
+
+def _x(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def _recipe_lines(r: dict) -> list:
+    """The recommended recipe first, offload-everything as the contrast, and the bandwidth
+    arithmetic that tells them apart."""
+    rc, bw = r["recipe"], r["bandwidth_arithmetic"]
+    total = rc["saved_bytes_total"]
+
+    def peak(n):
+        return "-" if n is None else f"{_mib(n)}" + (f" ({n / total:.0%} of {_mib(total)})" if total else "")
+
+    held = rc["device_saved_peak_bytes"]
+    block = rc.get("recompute_block_bytes")
+    peak_now = None if held is None or block is None else held + block
+    lines = [
+        "recommended: checkpointed blocks with their inputs offloaded -- co.apply(model, offload=True)",
+        (f"  saved activations on the device at peak: {peak(peak_now)} = {_mib(held)} of inputs (co.profile) + "
+         f"~{_mib(block)} for the block being recomputed; copied to the pool per step: "
+         f"{_mib(rc['bytes_offloaded_per_step'])}"),
+        (f"  step time: {_x(rc['time_ratio_vs_checkpoint'])} checkpointing alone (the copies' cost), "
+         f"{_x(rc['time_ratio_vs_baseline'])} the baseline (checkpointing alone: "
+         f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)"),
+        "  gradients on step 1 and every loss: " + ("bit-identical to the baseline"
+                                                     if rc["grads_match"] and rc["losses_match"] else "MISMATCH"),
+        "contrast: offload every saved tensor -- with co.offload(): around the forward",
+        (f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
+         f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}"),
+        f"  step time: {_x(rc['offload_everything_ratio_vs_baseline'])} the baseline",
+    ]
+    if rc.get("max_memory_allocated") is not None:
+        lines.append(f"torch.cuda.max_memory_allocated: baseline {_mib(r['baseline']['max_memory_allocated'])}, "
+                     f"checkpoint {_mib(rc['checkpoint_max_memory_allocated'])}, recommended "
+                     f"{_mib(rc['max_memory_allocated'])}, offload everything {_mib(r['offload']['max_memory_allocated'])}")
+    lines.append(f"bandwidth arithmetic (D2H {bw['d2h_gbps']:.1f} GB/s, H2D {bw['h2d_gbps']:.1f} GB/s, "
+                 f"{bw['bandwidth_source']}):")
+    for name, label in (("offload_everything", "offload everything"), ("recipe", "recommended")):
+        a = bw[name]
+        if a["copy_over_compute"] is None:
+            verdict = "no compute time to compare with (one step)"
+        elif a["copy_over_compute"] > 1:
+            verdict = "copy-bound: the copies alone take longer than the compute they could hide behind"
+        else:
+            verdict = "the copies fit behind the compute"
+        lines.append(
+            f"  {label}: {_mib(a['d2h_bytes'])} out + {_mib(a['h2d_bytes'])} back = {_ms(a['copy_s'])} of copies vs "
+            f"{_ms(a['compute_s'])} of compute ({a['compute_of']} step): {_x(a['copy_over_compute'])}; {verdict}")
+    if r["cpu_only"]:
+        lines.append("  (CPU run: the bandwidth is memcpy in one RAM and the times are CPU times; on a GPU the same "
+                     "arithmetic with PCIe bandwidth decides)")
+    return lines
 
 
 def write_json(result: dict, out_dir: str) -> str:
