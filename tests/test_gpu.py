@@ -421,6 +421,89 @@ def test_inplace_modification_after_save_raises(device, pool, stream, size):
         y.sum().backward()
 
 
+# A backward that raises on autograd's CUDA device thread (the unpack of an offloaded tensor that
+# was modified in place), alone in a fresh process: a crash there (the H200 GPU machine's run of
+# 2026-11-30 died by SIGSEGV in test_pool_blocks_return) fails this test with the faulthandler
+# output instead of killing the whole pytest run. `warm`: the first steps of test_pool_blocks_return
+# run before it in the same process (a backward, a dropped graph, retain_graph twice).
+_RAISING_BACKWARD_SCRIPT = r"""
+import faulthandler, sys
+faulthandler.enable(all_threads=True)
+import torch
+import ckpt_offload as co
+
+stream, size, warm = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+device = torch.device("cuda", torch.cuda.current_device())
+pool = co.HostPool()
+torch.manual_seed(0)
+if warm:
+    sys.path.insert(0, sys.argv[4])
+    from test_gpu import make_transformer
+    model = make_transformer().to(device)
+    xm = torch.randn(4, 128, 256, device=device, requires_grad=True)
+    for backward in ("once", "dropped", "retain"):
+        with co.offload(min_bytes=0, stream=stream, pool=pool):
+            loss = model(xm).pow(2).mean()
+        if backward == "once":
+            loss.backward()
+        elif backward == "retain":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        del loss
+    torch.cuda.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+x = torch.randn(size, device=device, requires_grad=True)
+with co.offload(min_bytes=0, stream=stream, pool=pool) as ctx:
+    y = x.exp()  # exp saves its result
+assert ctx.stats()["tensors_offloaded"] == 1, ctx.stats()
+y.mul_(2)
+loss = y.sum()
+try:
+    loss.backward()
+except RuntimeError as e:
+    assert "modified by an inplace operation" in str(e), str(e)
+else:
+    raise AssertionError("backward did not raise")
+del loss, y
+torch.cuda.synchronize()
+co.synchronize()
+pool.synchronize()
+st = pool.stats()
+assert st["bytes_in_use"] == 0 and st["bytes_pending"] == 0 and st["num_blocks_in_use"] == 0, st
+# The device thread is still usable: a normal offloaded backward after the raising one.
+with co.offload(min_bytes=0, stream=stream, pool=pool):
+    z = x.exp().sum()
+z.backward()
+torch.cuda.synchronize()
+del z
+co.synchronize()
+pool.synchronize()
+assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["alone", "after_steps_1_to_3"])
+@pytest.mark.parametrize("size", [4 * 128 * 256, 8 * MiB // 4])
+@pytest.mark.parametrize("stream", STREAMS)
+def test_raising_backward_in_a_fresh_process(device, stream, size, warm, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "raising_backward.py"
+    script.write_text(_RAISING_BACKWARD_SCRIPT)
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-X", "faulthandler", str(script), stream, str(size), "1" if warm else "0", here],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0 and "clean" in proc.stdout, (
+        f"exit {proc.returncode} (negative: killed by that signal)\nstdout:\n{proc.stdout[-4000:]}\n"
+        f"stderr:\n{proc.stderr[-6000:]}"
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Invariant 2: stream ordering
 # ----------------------------------------------------------------------------------------------
