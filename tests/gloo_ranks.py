@@ -6,7 +6,13 @@ rank is ``python WORKER OUT_DIR [ARGS...]`` with the environment that both
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a
 free ``MASTER_PORT``. Nothing listens beyond loopback. :func:`wait_ranks` bounds the whole run
 by a timeout, so a hang (a collective one rank never joins) fails the test instead of stalling CI,
-and puts every rank's log tail in the failure message.
+and puts every rank's log tail in the failure message (its last line on the message's first line,
+which is all a one-line test summary keeps).
+
+The ranks see no GPU unless ``gpu_visible=True``: these are CPU tests (gloo, CPU tensors, CPU
+pools), and on a GPU machine a visible device would change what they run -- torch, accelerate
+and ckpt_offload pick defaults by whether a GPU is usable -- so the CPU test would no longer
+check what it checks on a machine without one.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2):
-    """Starts one plain Python process per rank running ``worker OUT_DIR *args``; loopback only."""
+def launch_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2, gpu_visible: bool = False):
+    """Starts one plain Python process per rank running ``worker OUT_DIR *args``; loopback only.
+    ``gpu_visible=False`` hides every GPU from the ranks (``CUDA_VISIBLE_DEVICES=""``)."""
     repo_root = str(Path(co.__file__).resolve().parent.parent)  # the ckpt_offload this test imported
     port = free_port()
     procs = []
@@ -54,10 +61,21 @@ def launch_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2):
             OMP_NUM_THREADS="1",  # 2 ranks on a 2-core machine; also silences accelerate's hint
             PYTHONPATH=os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p),
         )
+        if not gpu_visible:
+            env["CUDA_VISIBLE_DEVICES"] = ""
         log = open(out_dir / f"rank{rank}.log", "wb")
         cmd = [sys.executable, str(worker), str(out_dir), *map(str, args)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=repo_root), log))
     return procs
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a rank's log (its exception, when it raised), or a note."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError as e:
+        return f"(no log: {e})"
+    return lines[-1][:300] if lines else "(empty log)"
 
 
 def wait_ranks(procs, out_dir: Path, timeout_s: float) -> None:
@@ -73,7 +91,7 @@ def wait_ranks(procs, out_dir: Path, timeout_s: float) -> None:
                 failed = f"rank {rank} did not finish within {timeout_s} s (hang?)"
                 break
             if rc != 0 and failed is None:
-                failed = f"rank {rank} exited with {rc}"
+                failed = f"rank {rank} exited with {rc}: {last_line(out_dir / f'rank{rank}.log')}"
     finally:
         for proc, log in procs:
             if proc.poll() is None:

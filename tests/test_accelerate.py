@@ -28,6 +28,7 @@ import ckpt_offload as co  # noqa: E402
 from ckpt_offload.demo.model import TinyTransformer, lm_loss  # noqa: E402
 from conftest import assert_same_params  # noqa: E402
 from gloo_ranks import gloo_available, launch_ranks, wait_ranks  # noqa: E402
+from helpers import GPU_REASON, HAS_GPU  # noqa: E402
 
 MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
 WORKER = Path(__file__).with_name("accelerate_worker.py")
@@ -96,9 +97,24 @@ def test_gradient_accumulation_matches_without_ckpt_offload(fresh_accelerate, or
 
 
 def test_local_sgd_two_cpu_processes_matches_without_ckpt_offload(tmp_path):
+    # The ranks see no GPU (launch_ranks' default): a CPU test checks the same thing on every
+    # machine.
+    _local_sgd_two_cpu_processes(tmp_path, gpu_visible=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_local_sgd_two_cpu_processes_with_a_gpu_visible(tmp_path):
+    """The same CPU training (``Accelerator(cpu=True)``, gloo, a pageable pool) on a machine whose
+    GPU the ranks can see: ckpt_offload's defaults (the default pool is pinned there, its zero
+    stats come from it) must not move or break anything of a run that asked for the CPU."""
+    _local_sgd_two_cpu_processes(tmp_path, gpu_visible=True)
+
+
+def _local_sgd_two_cpu_processes(tmp_path, gpu_visible):
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
-    wait_ranks(launch_ranks(WORKER, tmp_path), tmp_path, WORKER_TIMEOUT_S)
+    wait_ranks(launch_ranks(WORKER, tmp_path, gpu_visible=gpu_visible), tmp_path, WORKER_TIMEOUT_S)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
     initial = TinyTransformer(**MODEL, seed=0).state_dict()

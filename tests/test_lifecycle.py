@@ -736,3 +736,53 @@ def test_backward_that_raises_frees_bytes_at_the_next_backward_on_the_thread(poo
     run_a_backward()
     gc.collect()
     assert pool.stats()["bytes_in_use"] == 0
+
+
+# Note [No throw on teardown]: what autograd drops after a backward that raised runs destructors
+# (SavedTensor -> OffloadedStorage -> HostBuffer -> HostPool::free), which ask the graph-capture
+# probe before they query events. On a GPU that probe reads the current device and stream, which
+# raise after a CUDA error; a throw from a destructor is std::terminate (the process dies). The
+# test hook makes the probe raise on CPU; the run is a subprocess so that an abort fails the test
+# instead of killing pytest.
+_FAILING_PROBE_SCRIPT = r"""
+import faulthandler, sys
+faulthandler.enable()
+import torch
+import ckpt_offload as co
+
+stream = sys.argv[1]
+pool = co.HostPool(pinned=False)
+x = torch.randn(256, 256, requires_grad=True)
+with co.offload(devices=["cpu"], min_bytes=0, stream=stream, pool=pool) as ctx:
+    y = x.exp()
+assert ctx.stats()["tensors_offloaded"] == 1, ctx.stats()
+y.mul_(2)
+loss = y.sum()
+co._C.testing.set_failing_capture_probe(True)
+try:
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e), e
+    else:
+        raise AssertionError("backward did not raise")
+    del loss, y  # the graph dies here, its destructors asking the failing probe
+finally:
+    co._C.testing.set_failing_capture_probe(False)
+co.synchronize()
+pool.synchronize()
+st = pool.stats()
+assert st["bytes_in_use"] == 0 and st["bytes_pending"] == 0 and st["num_blocks_in_use"] == 0, st
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("stream", ["side", "compute"])
+def test_graph_dropped_while_the_capture_probe_raises_does_not_abort(stream, tmp_path):
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(_FAILING_PROBE_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), stream], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "clean" in proc.stdout, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 
 namespace ckpt_offload {
 
@@ -11,18 +12,34 @@ std::atomic<CaptureProbe> g_capture_probe{nullptr};
 
 void set_capture_probe(CaptureProbe probe) { g_capture_probe.store(probe); }
 
-bool capture_active() {
+CaptureProbe capture_probe() { return g_capture_probe.load(); }
+
+bool capture_active() noexcept {
   CaptureProbe p = g_capture_probe.load(std::memory_order_relaxed);
-  return p && p();
+  if (!p) return false;
+  try {
+    return p();
+  } catch (...) {
+    return true;  // see stream.h: defer every query rather than throw from a destructor
+  }
 }
 
 HostBuffer::HostBuffer(std::shared_ptr<HostPool> pool, HostPool::Block* block, size_t nbytes)
     : pool_(std::move(pool)), block_(block), nbytes_(nbytes) {}
 
 HostBuffer::~HostBuffer() {
-  std::vector<std::shared_ptr<Event>> pending = std::move(readers_);
-  if (ready_) pending.push_back(std::move(ready_));
-  pool_->free(block_, std::move(pending));
+  // Never throws (Note [No throw on teardown]): this runs when autograd drops a graph, also
+  // during the unwinding of a backward that raised. A free that fails leaks the block.
+  try {
+    std::vector<std::shared_ptr<Event>> pending = std::move(readers_);
+    if (ready_) pending.push_back(std::move(ready_));
+    pool_->free(block_, std::move(pending));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckpt_offload: warning: a host-pool block could not be returned (%s); it is leaked\n",
+                 e.what());
+  } catch (...) {
+    std::fprintf(stderr, "ckpt_offload: warning: a host-pool block could not be returned; it is leaked\n");
+  }
 }
 
 std::shared_ptr<Event> HostBuffer::ready() const {

@@ -113,7 +113,12 @@ class CudaEvent final : public Event {
  public:
   explicit CudaEvent(int device, bool timed = false)
       : event_(event_pool().take(device, timed)), device_(device), timed_(timed) {}
-  ~CudaEvent() override { event_pool().give(device_, timed_, event_); }
+  ~CudaEvent() override {
+    try {  // Note [No throw on teardown] (stream.h)
+      event_pool().give(device_, timed_, event_);
+    } catch (...) {
+    }
+  }
   bool query() override {
     cudaError_t err = cudaEventQuery(event_);
     if (err == cudaErrorNotReady) {

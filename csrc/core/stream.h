@@ -22,7 +22,11 @@ namespace ckpt_offload {
 // the user loses the Python error that caused it. Destructor paths therefore use state() and
 // try_synchronize(), which never throw; a copy whose event failed is treated as never finishing:
 // its host block is leaked (never reused, its segment never released) and a warning is printed,
-// rather than reusing memory a copy might still touch.
+// rather than reusing memory a copy might still touch. Beyond event queries, every destructor on
+// these paths (~SavedTensor, ~OffloadedStorage, ~Batch, ~HostBuffer, ~DeviceScope, ~CudaEvent)
+// catches whatever its body throws (the capture probe, a device switch, a pool misuse): autograd
+// runs them when it drops a graph, also while a backward that raised unwinds and on autograd's
+// device threads, where a throw would end the process instead of reporting the first error.
 
 // What a non-throwing query found.
 enum class EventState { Done, Pending, Failed };
@@ -61,9 +65,14 @@ class Event {
 // probe the torch layer installs (none: never). While it says so, the core queries no event:
 // HostPool::free parks blocks as pending, reclaiming and CopyEngine::poll wait for a later call.
 // See Note [Graph capture] (csrc/torch/runtime.h).
+// The probe may throw (the torch layer's reads the current device and stream, which fail after
+// a CUDA error): capture_active() never does -- it runs in destructors (~HostBuffer ->
+// HostPool::free) -- and answers "capturing" then, so that nothing queries an event or releases
+// memory on a device in an unknown state (Note [No throw on teardown]).
 using CaptureProbe = bool (*)();
 void set_capture_probe(CaptureProbe probe);
-bool capture_active();
+CaptureProbe capture_probe();
+bool capture_active() noexcept;
 
 enum class CopyKind { DeviceToHost, HostToDevice, HostToHost, DeviceToDevice };
 

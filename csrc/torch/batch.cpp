@@ -16,7 +16,12 @@ Batch::Batch(c10::Device device, bool side_stream, std::shared_ptr<HostPool> poo
       handle_(profiler::next_handle_id()),
       prefetcher_(std::move(prefetcher)) {}
 
-Batch::~Batch() { drop_disk_prefetch_locked(); }
+Batch::~Batch() {
+  try {  // Note [No throw on teardown] (core/stream.h)
+    drop_disk_prefetch_locked();
+  } catch (...) {
+  }
+}
 
 void Batch::drop_disk_prefetch_locked() {
   if (!disk_prefetch_bytes_) return;

@@ -179,6 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("cpu_copy_delay_us", &cpu_copy_delay_us);
   testing.def("fail_next_prefetches", &fail_next_prefetches, py::arg("n"),
               "The next n prefetches raise, as running out of device memory would.");
+  testing.def("set_failing_capture_probe", &set_failing_capture_probe, py::arg("on"),
+              "On: the graph-capture probe raises, as it does after a CUDA error; off: the previous probe.");
   testing.def("set_batch_staging", &set_batch_staging, py::arg("on"),
               "Off: batches find no device staging block and copy each member on its own.");
   testing.def("copy_batch_on_host", [](std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> segs) {

@@ -31,9 +31,14 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device dev
 HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool() : batch_->pool(); }
 
 OffloadedStorage::~OffloadedStorage() {
-  std::lock_guard<std::mutex> lock(mu_);
-  drop_staged_locked();
-  drop_disk_prefetch_locked();
+  // Never throws (Note [No throw on teardown], core/stream.h): a failure here leaves the staged
+  // copy to its own destructor and the prefetch budget as it was.
+  try {
+    std::lock_guard<std::mutex> lock(mu_);
+    drop_staged_locked();
+    drop_disk_prefetch_locked();
+  } catch (...) {
+  }
 }
 
 void OffloadedStorage::drop_disk_prefetch_locked() {
@@ -202,7 +207,15 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
                                            request ? request : streams.compute().record_timed(), st.ready});
       consumed = true;
       if (st.ready && st.prefetch && st.ready->state() != EventState::Done) waited = true;
-      if (st.ready) streams.compute().wait(st.ready);
+      try {
+        if (st.ready) streams.compute().wait(st.ready);
+      } catch (...) {
+        // The unpack raises (a CUDA error): leave nothing half-taken -- the copy's memory goes
+        // back once the copy is done, and a prefetch gives its budget back.
+        if (st.prefetch && prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
+        release_after_copy(std::move(st.storage), st.copy, st.ready);
+        throw;
+      }
       if (st.prefetch) {
         if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
         counters_->prefetch_hits++;

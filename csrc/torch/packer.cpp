@@ -455,6 +455,10 @@ at::Tensor Packer::unpack(py::handle obj) {
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");
   }
   SavedTensor& saved = *reinterpret_cast<SavedObject*>(obj.ptr())->saved;
+  // A tensor modified in place after it was saved raises here, before this backward has a
+  // callback queued or anything of the saved tensor is touched: the raising unpack leaves the
+  // state as it found it (the graph is torn down later, maybe on autograd's device thread).
+  saved.check_version();
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when

@@ -60,7 +60,14 @@ DeviceScope::DeviceScope(const c10::Device& device) {
 
 DeviceScope::~DeviceScope() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (previous_ >= 0) c10::cuda::set_device(static_cast<c10::DeviceIndex>(previous_));
+  // Also runs while an exception unwinds (a reload that raised): a second throw would be
+  // std::terminate. After a CUDA error the device is lost anyway.
+  if (previous_ >= 0) {
+    try {
+      c10::cuda::set_device(static_cast<c10::DeviceIndex>(previous_));
+    } catch (...) {
+    }
+  }
 #endif
 }
 
@@ -169,11 +176,30 @@ bool current_stream_capturing(const c10::Device& device) {
 void install_capture_probe() {
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   set_capture_probe([]() -> bool {
-    // No device, no capture; and no CUDA context is created just to ask.
+    // No device, no capture; and no CUDA context is created just to ask. May throw (reading the
+    // current device after a CUDA error): capture_active() turns that into "capturing".
     static const bool has_device = cuda::device_count() > 0;
     return has_device && current_stream_capturing(c10::Device(c10::kCUDA, c10::cuda::current_device()));
   });
 #endif
+}
+
+namespace {
+std::mutex g_probe_mu;
+CaptureProbe g_saved_probe = nullptr;
+bool g_probe_failing = false;
+}  // namespace
+
+void set_failing_capture_probe(bool on) {
+  std::lock_guard<std::mutex> lock(g_probe_mu);
+  if (on == g_probe_failing) return;
+  g_probe_failing = on;
+  if (on) {
+    g_saved_probe = capture_probe();
+    set_capture_probe([]() -> bool { throw std::runtime_error("ckpt_offload: injected capture-probe failure"); });
+  } else {
+    set_capture_probe(g_saved_probe);
+  }
 }
 
 bool cuda_compiled() {

@@ -129,6 +129,9 @@ void synchronize_side_streams();
 bool current_stream_capturing(const c10::Device& device);
 // Installs the core's capture probe (stream.h): the current device's current stream captures.
 void install_capture_probe();
+// Test hook: on, the capture probe raises (as reading the current stream does after a CUDA
+// error); off, the probe installed before comes back.
+void set_failing_capture_probe(bool on);
 
 bool cuda_compiled();
 int cuda_device_count();

@@ -26,7 +26,12 @@ void SavedTensor::check_version() const {
 }
 
 SavedTensor::~SavedTensor() {
-  if (storage_ && !unpacked_) storage_->unlink();
+  // Autograd drops saved tensors from destructors and while a raising backward unwinds: never
+  // throw from here (Note [No throw on teardown], core/stream.h).
+  try {
+    if (storage_ && !unpacked_) storage_->unlink();
+  } catch (...) {
+  }
 }
 
 at::Tensor SavedTensor::unpack() {
