@@ -59,6 +59,8 @@ def _sources(pattern):
 
 
 CORE = _sources("csrc/core/*.cpp")
+# Both builds compile every file: runtime_cuda.cpp and runtime_cpu.cpp are each guarded as a whole
+# by CKPT_OFFLOAD_WITH_CUDA, so the flag below picks the device side (csrc/torch/runtime_backend.h).
 TORCH_LAYER = _sources("csrc/torch/*.cpp")
 CUDA_SOURCES = _sources("csrc/core/*.cu")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"

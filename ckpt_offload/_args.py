@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Iterable
 
 import torch
@@ -33,6 +35,49 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
 def check_native_int(name: str, value, *, minimum: int = 0, allow_none: bool = False):
     """check_int for a value passed on to the native core: an int in [minimum, 2**63 - 1]."""
     return check_int(name, value, minimum=minimum, maximum=INT64_MAX, allow_none=allow_none)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(name: str, value) -> int:
+    """``1 << 30``, ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"`` -> bytes (int). Raises naming ``name``.
+
+    The one reader of sizes: every byte-valued argument of ckpt_offload takes a string this reads
+    (``KiB``/``MiB``/``GiB``/``TiB`` are powers of 1024, ``KB``/``MB``/``GB``/``TB`` of 1000, case
+    ignored; ``B`` or no unit: bytes).
+
+    Example::
+
+        parse_bytes("max_bytes", "512MiB")   # -> 536870912
+        parse_bytes("budget", "1.5GB")       # -> 1500000000
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        raise ValueError(f"{name}: cannot read {value!r} as bytes; write e.g. '2GiB', '512MiB', '1.5GB' or an int")
+    raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {type(value).__name__}")
+
+
+def check_bytes(name: str, value, *, minimum: int = 0, allow_none: bool = False):
+    """A byte count bound for the native core: an int, or a size string (:func:`parse_bytes`),
+    in [minimum, 2**63 - 1]; returned as an int (None stays None where allowed)."""
+    if isinstance(value, str):
+        value = parse_bytes(name, value)
+    try:
+        return check_native_int(name, value, minimum=minimum, allow_none=allow_none)
+    except TypeError:
+        want = "an int or None" if allow_none else "an int"
+        raise TypeError(f"{name} must be {want} (or a size string such as '512MiB'), got "
+                        f"{type(value).__name__} ({value!r})") from None
 
 
 def check_choice(name: str, value, choices: Iterable[str]):

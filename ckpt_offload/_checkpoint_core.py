@@ -11,6 +11,7 @@ Interface (used by ``ckpt_offload/checkpoint.py`` and ``ckpt_offload/integration
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import weakref
@@ -19,6 +20,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ckpt_offload._offload_options import BYTE_OPTIONS, option_bytes
 from ckpt_offload.offload import check_options as check_offload_options
 from ckpt_offload.offload import _quiet, hooks_disabled_reason, offload as offload_context
 from ckpt_offload.pool import HostPool
@@ -57,6 +59,8 @@ def offload_options(offload, *, name: str = "offload") -> dict | None:
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {e}") from None
         options = dict(offload)
+        for key in BYTE_OPTIONS.keys() & options.keys():  # "512KiB" -> 524288: one context per option set
+            options[key] = option_bytes(key, options[key])
         if devices is not None:
             options["devices"] = tuple(devices)  # normalized, hashable: {"cpu"} works as in co.offload
         return options
@@ -124,19 +128,30 @@ def _table_for(pool) -> dict:
     return table
 
 
-def context_for(options: dict) -> offload_context:
+def _options_key(options: dict):
+    return tuple(sorted((k, _hashable(v)) for k, v in options.items() if k != "pool"))
+
+
+def context_for(options: dict, owner: "StatsCollector | None" = None) -> offload_context:
     """The co.offload context for a checkpoint with these options: this thread's shared one
     (kept across calls with ``keep_dedup``, so an input every layer receives is stored once), or
-    a fresh one when the shared one is already active (a checkpoint nested in another one)."""
+    a fresh one when the shared one is already active (a checkpoint nested in another one).
+
+    With ``owner`` (a handle's :class:`StatsCollector`) the shared context is that handle's own:
+    two models wrapped with equal options count their blocks apart (``handle.stats()``), and the
+    context lives as long as the handle."""
     pool = options.get("pool")
-    key = tuple(sorted((k, _hashable(v)) for k, v in options.items() if k != "pool"))
+    key = _options_key(options)
     try:
         hash(key)
     except TypeError:
         return offload_context(**options)  # raises the option's own clear error
     if pool is not None and not isinstance(pool, HostPool):
         return offload_context(**options)  # same
-    table = _table_for(pool)
+    if owner is not None:
+        table, key = owner._table(), (key, id(pool))  # the context holds the pool: its id stays its own
+    else:
+        table = _table_for(pool)
     ctx = table.get(key)
     # The routes that get here (co.checkpoint, co.apply, co.hf) checked at the user's own line
     # that these options offload something; the context must not warn again from inside forward.
@@ -151,13 +166,19 @@ def context_for(options: dict) -> offload_context:
     return ctx
 
 
-_MAX_KEYS = ("peak_prefetch_bytes", "prefetch_window_bytes", "prefetch_block_bytes", "prefetch_lead",
-             "device_saved_peak_bytes")
+@functools.cache
+def _stats_merge() -> dict:
+    """Key -> how several contexts' values of it combine ("sum", "max", "per_reason", "state"), from the
+    native table (Note [Stats table] in csrc/torch/counters.h)."""
+    from ckpt_offload import _C
+
+    return dict(_C.stats_keys())
 
 
 def merge_stats(stats: list) -> dict:
     """Several co.offload contexts' :meth:`~ckpt_offload.offload.stats` as one: counts and
     bytes add up (per reason in the nested dicts), peaks and the window take the largest."""
+    merge = _stats_merge()
     out: dict = {}
     for s in stats:
         for k, v in s.items():
@@ -165,32 +186,26 @@ def merge_stats(stats: list) -> dict:
                 d = out.setdefault(k, {})
                 for r, n in v.items():
                     d[r] = d.get(r, 0) + n
-            elif k in _MAX_KEYS:
+            elif merge.get(k) in ("max", "state"):
                 out[k] = max(out.get(k, 0), v)
             else:
                 out[k] = out.get(k, 0) + v
     return out
 
 
-_zero_stats: dict | None = None
-
-
 def zero_stats() -> dict:
     """Every key of :meth:`ckpt_offload.offload.stats` at zero (nested reason dicts included):
     what a handle reports before its first offloading checkpoint, or with offload off."""
-    global _zero_stats
-    if _zero_stats is None:
-        from ckpt_offload import _C
-        from ckpt_offload.pool import default_pool
+    from ckpt_offload import _C
 
-        packer = _C.Packer(pool=default_pool()._impl, min_bytes=0, offload_cpu=False, offload_cuda=False,
-                           side_stream=False, raise_on_full=False)
-        _zero_stats = {k: ({r: 0 for r in v} if isinstance(v, dict) else 0) for k, v in packer.stats().items()}
-    return {k: (dict(v) if isinstance(v, dict) else v) for k, v in _zero_stats.items()}
+    reasons = _C.keep_reasons()
+    return {k: ({r: 0 for r in reasons} if merge == "per_reason" else 0) for k, merge in _C.stats_keys()}
 
 
 class StatsCollector:
-    """The co.offload contexts a handle's checkpoints used (weakly), for ``handle.stats()``.
+    """What one handle's checkpoints did, for ``handle.stats()``: the co.offload contexts they
+    shared are the handle's own (:func:`context_for` with ``owner``), so two models wrapped
+    with equal options count apart; fresh contexts of nested checkpoints are tracked weakly.
     Copied or pickled with a model, it starts empty: the copy's counts are its own.
 
     Note [Handle device peak]: ``device_saved_peak_bytes`` is the largest value of
@@ -205,37 +220,50 @@ class StatsCollector:
     forward and the fresh ones of nested checkpoints hold their bytes at the same time, and a sum
     of their separate peaks (reached at different times) would overstate the peak. Being
     process-wide, the count includes what other contexts (other threads, a co.offload of your
-    own) hold at those moments.
+    own) hold at those moments. ``pool_peak_bytes`` is sampled the same way, from the bytes in
+    use of the pool the checkpoint used: the pool's own ``peak_bytes_in_use`` would carry any
+    other user's (an earlier run's, another model's) peak into this handle's stats.
     """
 
     def __init__(self):
         self._contexts = weakref.WeakSet()
+        self._local = threading.local()  # .contexts: this handle's shared contexts, per thread
         self._retired: dict = {}  # stats of contexts that died, so counts never go backwards
         self._device_peak = 0
+        self._pool_peak = 0
         self._peak_lock = threading.Lock()
 
-    def note_device_bytes(self) -> None:
-        """Samples the device count (Note [Handle device peak])."""
+    def _table(self) -> dict:
+        table = getattr(self._local, "contexts", None)
+        if table is None:
+            table = self._local.contexts = {}
+        return table
+
+    def note_device_bytes(self, pool: HostPool | None = None) -> None:
+        """Samples the device count (Note [Handle device peak]), and ``pool``'s bytes in use."""
         from ckpt_offload import _C
 
         now = _C.device_bytes_saved()
-        if now > self._device_peak:
+        in_pool = pool._impl.stats()["bytes_in_use"] if pool is not None else 0
+        if now > self._device_peak or in_pool > self._pool_peak:
             with self._peak_lock:  # two threads' checkpoints: the larger sample wins
                 self._device_peak = max(self._device_peak, now)
+                self._pool_peak = max(self._pool_peak, in_pool)
 
     def add(self, ctx: offload_context) -> None:
         if ctx not in self._contexts:
             self._contexts.add(ctx)
-            weakref.finalize(ctx, self._retire, ctx._packer.stats)  # the packer outlives ctx here
-
-    def _retire(self, stats) -> None:
-        self._retired = merge_stats([self._retired, stats()])
+            if not any(ctx is c for c in self._table().values()):
+                # A fresh (nested) context: its counts stay once it dies. The finalizer holds
+                # only the packer's bound method; the handle's own contexts need none (they
+                # live as long as it does, and a finalizer would keep the handle alive).
+                weakref.finalize(ctx, _retire_into, weakref.ref(self), ctx._packer.stats)
 
     def stats(self) -> dict:
         contexts = list(self._contexts)
         out = merge_stats([zero_stats(), self._retired, *[c.stats() for c in contexts]])
-        # The pools' own peak (all their users, since their last reset_peak()).
-        out["pool_peak_bytes"] = max((c.pool.stats()["peak_bytes_in_use"] for c in contexts), default=0)
+        # Sampled at this handle's checkpoints since its last reset (Note [Handle device peak]).
+        out["pool_peak_bytes"] = self._pool_peak
         # The contexts sample the same count after each of their packs and unpacks (their own
         # device_saved_peak_bytes); the handle's samples add the checkpoint boundaries.
         out["device_saved_peak_bytes"] = max(self._device_peak, out.get("device_saved_peak_bytes", 0))
@@ -244,11 +272,18 @@ class StatsCollector:
     def reset(self) -> None:
         self._retired = {}
         self._device_peak = 0
+        self._pool_peak = 0
         for c in list(self._contexts):
             c.reset_stats()
 
     def __reduce__(self):
         return (StatsCollector, ())
+
+
+def _retire_into(collector_ref, stats) -> None:
+    collector = collector_ref()
+    if collector is not None:
+        collector._retired = merge_stats([collector._retired, stats()])
 
 
 def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
@@ -279,14 +314,14 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
         if collector is not None:
             # Called right after this checkpoint packed its inputs (forward), or unpacked them
             # for the recompute (backward): Note [Handle device peak].
-            collector.note_device_bytes()
+            collector.note_device_bytes(ctx.pool)
         filled = list(skeleton)
         for i, t in zip(positions, inputs):
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
         return function(*a, **kw)
 
-    ctx = context_for(options)
+    ctx = context_for(options, owner=collector)
     if collector is not None:
         collector.add(ctx)
     with ctx:

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ckpt_offload import _C
-from ckpt_offload._args import check_choice, check_native_int, device_types
+from ckpt_offload._args import check_bytes, check_choice, device_types
 from ckpt_offload.pool import HostPool
 
 #: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
@@ -118,6 +118,18 @@ def hooks_disabled_reason() -> str | None:
     return message or "saved tensor hooks are disabled"
 
 
+#: The byte-valued options of co.offload and how each is bounded: each takes an int or a size
+#: string such as ``"512KiB"`` (ckpt_offload._args.parse_bytes).
+BYTE_OPTIONS = {"min_bytes": {}, "prefetch_bytes": {"allow_none": True}, "batch_below": {},
+                "batch_bytes": {"minimum": 1}}
+
+
+def option_bytes(name: str, value):
+    """The byte-valued co.offload option ``name`` as an int (None for a default prefetch window);
+    a size string is read as bytes. Raises naming the option."""
+    return check_bytes(name, value, **BYTE_OPTIONS[name])
+
+
 def check_options(
     min_bytes: int = DEFAULT_MIN_BYTES,
     stream: str = "side",
@@ -138,15 +150,15 @@ def check_options(
     Example::
 
         check_options(devices={"cpu"}, min_bytes=0)   # -> ["cpu"]
+        check_options(min_bytes="64KiB")              # sizes may be strings; -> None
         check_options(stream="gpu")                   # ValueError: stream must be one of ('side', 'compute')
     """
-    check_native_int("min_bytes", min_bytes)
+    min_bytes = option_bytes("min_bytes", min_bytes)
     check_choice("stream", stream, STREAM_MODES)
     check_choice("on_full", on_full, ON_FULL_POLICIES)
-    if prefetch_bytes is not None:  # None: the window follows the model (Note [Prefetch window])
-        check_native_int("prefetch_bytes", prefetch_bytes)
-    check_native_int("batch_below", batch_below)
-    check_native_int("batch_bytes", batch_bytes, minimum=1)
+    option_bytes("prefetch_bytes", prefetch_bytes)  # None: the window follows the model (Note [Prefetch window])
+    batch_below = option_bytes("batch_below", batch_below)
+    batch_bytes = option_bytes("batch_bytes", batch_bytes)
     if batch_below > batch_bytes:
         raise ValueError(
             f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "

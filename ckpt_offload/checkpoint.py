@@ -130,9 +130,11 @@ class CheckpointHandle:
         self._collector = StatsCollector()
 
     def stats(self) -> dict:
-        """What offload did in this handle's checkpoints: the keys of
-        :meth:`ckpt_offload.offload.stats` summed over the contexts they used (peaks: the
-        largest), ``pool_peak_bytes`` (the pools' peak in use) and ``device_saved_peak_bytes``
+        """What offload did in this handle's checkpoints, and only theirs: the keys of
+        :meth:`ckpt_offload.offload.stats` summed over the contexts they used (the handle's own:
+        another model wrapped with equal options counts apart; peaks: the largest),
+        ``pool_peak_bytes`` (the most bytes in use in the pool, read at each pack and unpack of
+        these checkpoints' inputs, since the last :meth:`reset_stats`) and ``device_saved_peak_bytes``
         (the most bytes of saved activations held on the device at once -- kept, reloaded,
         prefetched -- as co.profile() reports it, sampled at each pack and unpack of these
         checkpoints' inputs; see Note [Handle device peak] in ``_checkpoint_core.py``). All

@@ -28,6 +28,7 @@ from ckpt_offload._offload_options import (  # noqa: F401
     check_options,
     hooks_disabled_reason,
     logger,
+    option_bytes,
     warn_at_user_line,
 )
 from ckpt_offload.pool import HostPool, default_pool
@@ -101,7 +102,9 @@ class offload:
 
     Args:
         min_bytes: the smallest tensor (bytes of storage it spans) worth a copy; smaller ones
-            stay on the device. Default :data:`DEFAULT_MIN_BYTES` (256 KiB).
+            stay on the device. Default :data:`DEFAULT_MIN_BYTES` (256 KiB). This and the other
+            byte counts (``prefetch_bytes``, ``batch_below``, ``batch_bytes``) take an int or a
+            size string such as ``"64KiB"`` or ``"1MiB"``.
         stream: ``"side"`` (default) copies on a dedicated copy stream per device, ordered
             after the compute stream by events, so copies overlap compute; ``"compute"`` copies
             on the current stream (simplest, no overlap).
@@ -171,6 +174,10 @@ class offload:
         *,
         keep_dedup: bool = False,
     ):
+        # Sizes may be strings ("512KiB"); from here on they are ints.
+        min_bytes, prefetch_bytes, batch_below, batch_bytes = (
+            option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
+                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes)))
         types = check_options(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, on_full=on_full,
                               prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes)
         if types is None:
@@ -346,26 +353,31 @@ class offload:
         Keys: ``tensors_offloaded``, ``bytes_offloaded``, ``tensors_deduplicated`` (saved tensors
         that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
         ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
-        ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``, ``autocast_cast``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
+        ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``, ``disk_full``,
+        ``autocast_cast``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
         ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy),
         ``tensors_batched`` and ``batches`` (small tensors gathered into shared copies, and those
         copies), ``prefetches`` / ``bytes_prefetched`` (reloads started ahead of need),
         ``prefetch_hits`` (unpacks served by one), ``prefetches_unused`` (dropped unused),
         ``peak_prefetch_bytes`` (most prefetched bytes waiting at once; at most ``prefetch_bytes``),
         ``prefetch_failures`` (prefetches that raised, e.g. out of device memory: backward goes
-        on and reloads those tensors when asked), ``prefetch_window_bytes`` /
+        on and reloads those tensors when asked), ``tensors_spilled`` / ``bytes_spilled`` (offloads
+        the pool's cap refused that went to its disk tier), ``disk_prefetches`` (disk reads started
+        by prefetch), ``prefetch_window_bytes`` /
         ``prefetch_block_bytes`` / ``prefetch_lead`` (the window the last backward used, the
         block it was sized from, and how many blocks ahead the next backward starts copies),
         ``device_saved_peak_bytes`` (the most device bytes of saved activations held, by every
         context of the process, right after one of this context's packs or unpacks).
         ``kept_by_reason`` and ``kept_bytes_by_reason`` list every reason, zeros included.
-        :meth:`reset_stats` starts them over.
+        :meth:`reset_stats` starts the counts and peaks over (the ``prefetch_*`` window keys are
+        what the prefetcher learned, and stay). ``co._C.stats_keys()`` / ``co._C.keep_reasons()``
+        list them all, from the native table they are built from.
         """
         return self._packer.stats()
 
     def reset_stats(self) -> None:
-        """Sets every counter of :meth:`stats` back to zero (tensors already offloaded stay
-        where they are; their reloads count from now on).
+        """Sets every count and peak of :meth:`stats` back to zero (tensors already offloaded stay
+        where they are; their reloads count from now on). The prefetch window keys stay.
 
         Example::
 

@@ -6,7 +6,7 @@ import os
 import threading
 
 from ckpt_offload import _C
-from ckpt_offload._args import check_choice, check_native_int, check_optional_bool
+from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool
 
 __all__ = ["HostPool", "PoolFullError", "SpillError", "default_pool", "pinned_available", "BACKENDS"]
 
@@ -66,9 +66,13 @@ class HostPool:
         spill_staging_bytes: host memory (outside ``max_bytes``) the writes in flight may hold
             before an offload waits for the disk (default 64 MiB).
 
+    Every byte count here (``max_bytes``, ``segment_bytes``, the ``spill_*_bytes``, and
+    :meth:`set_max_bytes` / :meth:`reserve`) is an int or a size string such as ``"8GiB"`` or
+    ``"512MiB"`` (KiB/MiB/GiB: powers of 1024; KB/MB/GB: of 1000).
+
     Example::
 
-        pool = co.HostPool(max_bytes=8 << 30)          # at most 8 GiB of pinned memory
+        pool = co.HostPool(max_bytes="8GiB")           # at most 8 GiB of pinned memory
         pool.reserve(2 << 30)                          # taken now, not in the first step
         with co.offload(pool=pool):
             loss = model(x).sum()
@@ -92,11 +96,12 @@ class HostPool:
         spill_io_threads: int | None = None,
         spill_staging_bytes: int | None = None,
     ):
-        check_native_int("max_bytes", max_bytes, minimum=1, allow_none=True)
-        check_native_int("spill_max_bytes", spill_max_bytes, minimum=1, allow_none=True)
-        check_native_int("spill_file_bytes", spill_file_bytes, minimum=1, allow_none=True)
+        # Sizes may be strings ("8GiB"); from here on they are ints.
+        max_bytes = check_bytes("max_bytes", max_bytes, minimum=1, allow_none=True)
+        spill_max_bytes = check_bytes("spill_max_bytes", spill_max_bytes, minimum=1, allow_none=True)
+        spill_file_bytes = check_bytes("spill_file_bytes", spill_file_bytes, minimum=1, allow_none=True)
         check_native_int("spill_io_threads", spill_io_threads, minimum=1, allow_none=True)
-        check_native_int("spill_staging_bytes", spill_staging_bytes, minimum=1, allow_none=True)
+        spill_staging_bytes = check_bytes("spill_staging_bytes", spill_staging_bytes, minimum=1, allow_none=True)
         if spill_dir is None:
             given = [n for n, v in (("spill_max_bytes", spill_max_bytes), ("spill_file_bytes", spill_file_bytes),
                                     ("spill_io_threads", spill_io_threads),
@@ -115,7 +120,7 @@ class HostPool:
             if not os.path.isdir(spill_dir):
                 raise ValueError(f"spill_dir={spill_dir!r} is not an existing directory; create it (on a local disk) first")
         check_optional_bool("pinned", pinned)
-        check_native_int("segment_bytes", segment_bytes, minimum=1, allow_none=True)
+        segment_bytes = check_bytes("segment_bytes", segment_bytes, minimum=1, allow_none=True)
         if backend is not None:
             check_choice("backend", backend, BACKENDS)
             if pinned is not None and pinned != (backend != "pageable"):
@@ -174,7 +179,7 @@ class HostPool:
 
     @max_bytes.setter
     def max_bytes(self, value: int | None):
-        self._impl.set_max_bytes(check_native_int("max_bytes", value, minimum=1, allow_none=True) or 0)
+        self._impl.set_max_bytes(check_bytes("max_bytes", value, minimum=1, allow_none=True) or 0)
 
     def set_max_bytes(self, value: int | None) -> None:
         """Same as assigning :attr:`max_bytes`."""
@@ -232,7 +237,7 @@ class HostPool:
             pool = co.HostPool()
             pool.reserve(4 << 30)      # 4 GiB of pinned memory before training starts
         """
-        check_native_int("nbytes", nbytes, minimum=1)
+        nbytes = check_bytes("nbytes", nbytes, minimum=1)
         got = self._impl.reserve(nbytes)
         if got == 0:
             s = self.stats()

@@ -132,7 +132,7 @@ def test_pool_bad_arguments(kwargs, exc, match):
     "kwargs, exc, match",
     [
         ({"min_bytes": -1}, ValueError, "min_bytes must be >= 0"),
-        ({"min_bytes": "1MB"}, TypeError, "min_bytes must be an int"),
+        ({"min_bytes": "1 MB of it"}, ValueError, "min_bytes: cannot read '1 MB of it' as bytes"),  # "1MB" is a size
         ({"min_bytes": 1.0}, TypeError, "min_bytes must be an int"),
         ({"stream": "fast"}, ValueError, r"stream must be one of \('side', 'compute'\)"),
         ({"stream": 1}, TypeError, "stream must be one of"),

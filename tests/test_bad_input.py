@@ -74,7 +74,8 @@ def C(id, code, exc, *needles, risky=False, hf=False):
 
 CASES = [
     # co.offload
-    C("offload-min_bytes-str", "co.offload(min_bytes='1')", TypeError, "min_bytes", "an int"),
+    # Sizes may be strings ("64KiB"); one that is not a size is refused naming the argument.
+    C("offload-min_bytes-str", "co.offload(min_bytes='lots')", ValueError, "min_bytes", "cannot read", "'2GiB'"),
     C("offload-min_bytes-float", "co.offload(min_bytes=1.5)", TypeError, "min_bytes", "an int"),
     C("offload-min_bytes-bool", "co.offload(min_bytes=True)", TypeError, "min_bytes", "an int"),
     C("offload-min_bytes-negative", "co.offload(min_bytes=-1)", ValueError, "min_bytes", ">= 0"),
@@ -148,7 +149,8 @@ CASES = [
       "use_reentrant=False"),
     # co.HostPool and its methods
     C("pool-max_bytes-zero", "co.HostPool(max_bytes=0)", ValueError, "max_bytes", ">= 1"),
-    C("pool-max_bytes-str", "co.HostPool(max_bytes='1G')", TypeError, "max_bytes", "an int or None"),
+    C("pool-max_bytes-str", "co.HostPool(max_bytes='1 parsec')", ValueError, "max_bytes", "cannot read"),
+    C("pool-max_bytes-list", "co.HostPool(max_bytes=[1])", TypeError, "max_bytes", "an int or None", "'512MiB'"),
     C("pool-max_bytes-2**64", f"co.HostPool(max_bytes={HUGE})", ValueError, "max_bytes", "2**63 - 1"),
     C("pool-segment-zero", "co.HostPool(pinned=False, segment_bytes=0)", ValueError, "segment_bytes", ">= 1"),
     C("pool-segment-2**64", f"co.HostPool(pinned=False, segment_bytes={HUGE})", ValueError,
@@ -159,7 +161,8 @@ CASES = [
       "pinned", "backend"),
     C("pool-reserve-zero", "pool.reserve(0)", ValueError, "nbytes", ">= 1"),
     C("pool-reserve-negative", "pool.reserve(-1)", ValueError, "nbytes", ">= 1"),
-    C("pool-reserve-str", "pool.reserve('1')", TypeError, "nbytes", "an int"),
+    C("pool-reserve-str", "pool.reserve('one')", ValueError, "nbytes", "cannot read"),
+    C("pool-reserve-float", "pool.reserve(1.5)", TypeError, "nbytes", "an int"),
     C("pool-reserve-2**64", f"pool.reserve({HUGE})", ValueError, "nbytes", "2**63 - 1"),
     C("pool-cap-negative", "pool.max_bytes = -1", ValueError, "max_bytes", ">= 1"),
     C("pool-cap-2**64", f"pool.max_bytes = {HUGE}", ValueError, "max_bytes", "2**63 - 1"),

@@ -129,9 +129,13 @@ class OffloadCheckpointCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
+        if self.handle is not None and not self.handle.removed:
+            # The logs describe this run: a handle kept from an earlier train() starts from zero.
+            self.handle.reset_stats()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Adds this run's offload statistics to what the Trainer logs (``ckpt_offload/...``)."""
+        """Adds this run's offload statistics to what the Trainer logs (``ckpt_offload/...``):
+        totals since this ``train()`` began, peaks since then."""
         if logs is None or self.handle is None or self.handle.removed or self.handle.function.options is None:
             return
         _add_to_logs(logs, state, self.handle.stats())
@@ -211,6 +215,7 @@ class OffloadCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._install(model)
+        self.context.reset_stats()  # the logs describe this run, not an earlier train()
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.remove()

@@ -3,9 +3,10 @@ ckpt_offload -- ``co.offload`` for "offload", ``co.checkpoint`` for "recompute",
 ``co.checkpoint(offload=...)`` for "recompute_offload", ``co.checkpoint`` with torch's selective
 checkpoint policy for "selective" -- and a segment of blocks is one checkpoint around all of them.
 
-Offloaded blocks and checkpoints with offloaded inputs share one ``co.offload`` context (the one
-``co.checkpoint`` caches per option set), so the engine's prefetcher sees their saved tensors in one
-pack order and brings back the next block's while backward works on this one.
+Offloaded blocks and checkpoints with offloaded inputs share one ``co.offload`` context (the plan
+handle's own, per option set, as ``co.apply``'s handles have), so the engine's prefetcher sees their
+saved tensors in one pack order and brings back the next block's while backward works on this one,
+and ``handle.stats()`` counts this plan's blocks only.
 
 A recompute (of a checkpoint or a segment) runs inside a ``ckpt_offload::recompute`` profiler range,
 which is how :func:`ckpt_offload.planner.measure.saved_activation_peak` tells recomputed activations
@@ -24,6 +25,7 @@ try:  # torch's selective checkpoint (2.4+); without it plans have no "selective
 except ImportError:  # pragma: no cover - older torch
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
+from ckpt_offload._checkpoint_core import TORCH_KEYWORDS, StatsCollector, run_checkpoint
 from ckpt_offload._checkpoint_core import context_for as _context_for
 from ckpt_offload.checkpoint import CheckpointHandle, checkpoint
 from ckpt_offload.planner.costs import SELECTIVE_SAVE_OPS
@@ -100,6 +102,24 @@ class PlanHandle(CheckpointHandle):
         return f"PlanHandle({len(self.names)} blocks, removed={self.removed})"
 
 
+def _checkpoint(function, args, kwargs, options, collector, **torch_kwargs):
+    """``co.checkpoint(function, *args, offload=options, **kwargs)`` counted in ``collector`` (the
+    plan handle's): its offloaded inputs go to the handle's own context."""
+    kwargs = dict(kwargs)
+    torch_kwargs.update({k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs})
+    return run_checkpoint(function, args, kwargs, options, False, torch_kwargs, collector)
+
+
+def _offloaded(function, args, kwargs, options, collector):
+    """``function(*args, **kwargs)`` inside the plan handle's co.offload context for ``options``."""
+    ctx = _context_for(options, owner=collector)
+    collector.add(ctx)
+    with ctx:
+        out = function(*args, **kwargs)
+    collector.note_device_bytes(ctx.pool)  # the block's saved tensors are in the pool now
+    return out
+
+
 def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -127,9 +147,10 @@ class _Segment:
     only the inner checkpoints' inputs, and each inner one recomputes its blocks when backward
     reaches it."""
 
-    def __init__(self, originals, names, offload, unit):
+    def __init__(self, originals, names, offload, unit, collector):
         self.originals, self.names, self.offload = originals, names, offload
         self.unit = unit
+        self.collector = collector
         self.stash = None
 
     def _runner(self, parts):
@@ -149,7 +170,7 @@ class _Segment:
         return chain
 
     def first(self, args, kwargs):
-        out = checkpoint(_ranged(self._runner(self.unit.parts)), *args, offload=self.offload, **kwargs)
+        out = _checkpoint(_ranged(self._runner(self.unit.parts)), args, kwargs, self.offload, self.collector)
         self.stash = [out, 1]
         return out
 
@@ -183,6 +204,7 @@ def apply_units(model, named_blocks, units, offload_options):
         if "_ckpt_offload_wrapped" in block.__dict__:
             raise RuntimeError(f"block {name!r} is already wrapped by co.apply or a plan; remove that one first")
     wrapped, names, kinds = [], [], []
+    collector = StatsCollector()  # the handle's: its blocks' contexts and counts
 
     def install(block, name, kind, forward):
         block.forward = forward
@@ -200,7 +222,7 @@ def apply_units(model, named_blocks, units, offload_options):
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
-                           offload_options if u.kind == "recompute_offload" else False, u)
+                           offload_options if u.kind == "recompute_offload" else None, u, collector)
             for j, (name, block) in enumerate(members):
                 original = block.forward
                 if j == 0:
@@ -221,16 +243,16 @@ def apply_units(model, named_blocks, units, offload_options):
             if not (_block.training and torch.is_grad_enabled()):
                 return _orig(*args, **kwargs)
             if _kind == "offload":
-                with _context_for(offload_options):
-                    return _orig(*args, **kwargs)
+                return _offloaded(_orig, args, kwargs, offload_options, collector)
             if _kind == "recompute":
                 return checkpoint(_ranged(_orig), *args, **kwargs)
             if _kind == "recompute_offload":
-                return checkpoint(_ranged(_orig), *args, offload=offload_options, **kwargs)
+                return _checkpoint(_ranged(_orig), args, kwargs, offload_options, collector)
             return checkpoint(_ranged(_orig), *args, context_fn=_selective_context, **kwargs)
 
         install(block, name, kind, forward)
     handle = PlanHandle(model, wrapped, names, kinds)
+    handle._collector = collector
     model._ckpt_offload_handle = handle
     return handle
 

@@ -4,12 +4,11 @@ recompute per block, predicted by the simulator from measured costs."""
 from __future__ import annotations
 
 import math
-import re
 import warnings
 
 import torch
 
-from ckpt_offload._args import check_int, device_types
+from ckpt_offload._args import check_bytes, check_int, device_types, parse_bytes
 from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
@@ -19,26 +18,6 @@ __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
 #: Plans leave this many bytes of the budget free: autograd keeps a few scalar buffers alive through
 #: backward that the cost model does not see (16 bytes a step on the built-in model).
 SLACK_BYTES = 256
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-def parse_bytes(name: str, value) -> int:
-    """``1 << 30``, ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"`` -> bytes (int). Raises naming ``name``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
-        return int(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-        if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-        raise ValueError(f"{name}: cannot read {value!r} as bytes; write e.g. '2GiB', '512MiB', '1.5GB' or an int")
-    raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {type(value).__name__}")
-
 
 def parse_bandwidth(value) -> Bandwidth | None:
     """``None`` (measure it), a number or string of bytes per second for both ways (``"25GB/s"``,
@@ -191,8 +170,8 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         bandwidth: ``None`` measures the host link through the pool; or bytes/s for both ways
             (``"25GB/s"``, ``math.inf``, ``0`` = no offload), or ``{"d2h", "h2d", "latency"}``, e.g.
             to plan for a GPU from a CPU machine.
-        min_bytes: saved tensors smaller than this stay on the device when offloading (default
-            co.offload's, 256 KiB; ``0`` offloads everything).
+        min_bytes: saved tensors smaller than this stay on the device when offloading (bytes, or a
+            size string such as ``"64KiB"``; default co.offload's, 256 KiB; ``0`` offloads everything).
         kinds: the choices allowed (a subset of ``("keep", "offload", "recompute",
             "recompute_offload", "selective")``).
         segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
@@ -232,7 +211,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
-    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else check_int("min_bytes", min_bytes, minimum=0)
+    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else check_bytes("min_bytes", min_bytes)
     levels = check_int("levels", levels, minimum=1)
     if prefetch_bytes is not None:
         prefetch_bytes = parse_bytes("prefetch_bytes", prefetch_bytes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
+from ckpt_offload import _C
 from ckpt_offload.profiling import export_table, export_trace, plot
 from ckpt_offload.profiling._aggregate import Row, rows_by_module
 from ckpt_offload.profiling._records import NO_MODULE, fmt_bytes, time_span
@@ -25,8 +26,9 @@ from ckpt_offload.profiling.summary import format_summary
 
 __all__ = ["KEEP_REASONS", "ProfileReport"]
 
-#: Why a saved tensor can stay on the device (``ProfileReport.to_dict()["totals"]["kept_by_reason"]``).
-KEEP_REASONS = ("parameter", "buffer", "too_small", "device", "layout", "subclass", "pool_full", "cuda_graph_capture")
+#: Why a saved tensor can stay on the device (``ProfileReport.to_dict()["totals"]["kept_by_reason"]``):
+#: every reason the native packer counts (its table, Note [Stats table] in csrc/torch/counters.h).
+KEEP_REASONS = tuple(_C.keep_reasons())
 
 
 class ProfileReport:

@@ -169,6 +169,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("profiler_range", &profiler_range, py::arg("name"), py::arg("device"), py::arg("begin"));
   m.def("profiler_records", &profiler_records);
   m.def("device_bytes_saved", [] { return DeviceBytesHeld::total(); });
+  // Note [Stats table]: what Python knows of Packer::stats() comes from here, not from lists of its own.
+  m.def("stats_keys", [] {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const StatKey& k : stats_keys()) out.emplace_back(k.name, k.merge);
+    return out;
+  }, "Every key of Packer.stats(), in order, with how contexts merge it: 'sum', 'max', 'per_reason' or 'state'.");
+  m.def("keep_reasons", [] {
+    std::vector<std::string> out;
+    for (int r = 0; r < static_cast<int>(KeepReason::kCount); ++r) out.emplace_back(keep_reason_name(static_cast<KeepReason>(r)));
+    return out;
+  }, "Every reason Packer.stats()['kept_by_reason'] lists, in order.");
   m.def("_timing_epoch_ns", &timing_epoch_ns, py::arg("device"));
 
   // Test hooks live in _C.testing, apart from what the library itself calls: knobs that inject

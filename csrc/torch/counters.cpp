@@ -1,22 +1,35 @@
 #include "counters.h"
 
-
 namespace ckpt_offload {
 
 const char* keep_reason_name(KeepReason r) {
   switch (r) {
-    case KeepReason::Parameter: return "parameter";
-    case KeepReason::Buffer: return "buffer";
-    case KeepReason::TooSmall: return "too_small";
-    case KeepReason::Device: return "device";
-    case KeepReason::Layout: return "layout";
-    case KeepReason::Subclass: return "subclass";
-    case KeepReason::PoolFull: return "pool_full";
-    case KeepReason::GraphCapture: return "cuda_graph_capture";
-    case KeepReason::DiskFull: return "disk_full";
-    case KeepReason::AutocastCast: return "autocast_cast";
-    default: return "unknown";
+#define CKPT_OFFLOAD_KEEP_CASE(e, name) \
+  case KeepReason::e:                   \
+    return name;
+    CKPT_OFFLOAD_KEEP_REASONS(CKPT_OFFLOAD_KEEP_CASE)
+#undef CKPT_OFFLOAD_KEEP_CASE
+    default:
+      return "unknown";
   }
+}
+
+namespace {
+// The `merge` column of the tables, as Python reads it.
+constexpr const char* kStatMergeSum = "sum";
+constexpr const char* kStatMergeMax = "max";
+constexpr const char* kStatMergePerReason = "per_reason";
+constexpr const char* kStatMergeState = "state";
+}  // namespace
+
+const std::vector<StatKey>& stats_keys() {
+  // Counters first, then the derived keys: the order Packer::stats() builds its dict in.
+  static const std::vector<StatKey> keys = {
+#define CKPT_OFFLOAD_STAT_KEY(key, merge) {#key, kStatMerge##merge},
+      CKPT_OFFLOAD_COUNTERS(CKPT_OFFLOAD_STAT_KEY) CKPT_OFFLOAD_DERIVED_STATS(CKPT_OFFLOAD_STAT_KEY)
+#undef CKPT_OFFLOAD_STAT_KEY
+  };
+  return keys;
 }
 
 }  // namespace ckpt_offload

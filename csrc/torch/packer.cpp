@@ -478,7 +478,12 @@ void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, cons
 }
 
 py::dict Packer::stats() const {
+  // Note [Stats table]: the keys in stats_keys()'s order, counters from the table.
   const PackerCounters& c = *counters_;
+  py::dict d;
+#define CKPT_OFFLOAD_COUNTER_STAT(key, merge) d[#key] = c.key.load();
+  CKPT_OFFLOAD_COUNTERS(CKPT_OFFLOAD_COUNTER_STAT)
+#undef CKPT_OFFLOAD_COUNTER_STAT
   py::dict kept_by_reason, kept_bytes_by_reason;
   int64_t kept = 0, kept_bytes = 0;
   for (int r = 0; r < static_cast<int>(KeepReason::kCount); ++r) {
@@ -491,34 +496,14 @@ py::dict Packer::stats() const {
       kept_bytes_by_reason[keep_reason_name(static_cast<KeepReason>(r))] = b;
     }
   }
-  py::dict d;
-  d["tensors_offloaded"] = c.tensors_offloaded.load();
-  d["bytes_offloaded"] = c.bytes_offloaded.load();
-  d["tensors_deduplicated"] = c.tensors_deduplicated.load();
-  d["bytes_deduplicated"] = c.bytes_deduplicated.load();
   d["tensors_kept"] = kept;
   d["bytes_kept"] = kept_bytes;
   d["kept_by_reason"] = kept_by_reason;
   d["kept_bytes_by_reason"] = kept_bytes_by_reason;
-  d["tensors_reloaded"] = c.tensors_reloaded.load();
-  d["bytes_reloaded"] = c.bytes_reloaded.load();
-  d["tensors_reload_shared"] = c.tensors_reload_shared.load();
-  d["tensors_batched"] = c.tensors_batched.load();
-  d["batches"] = c.batches.load();
-  d["prefetches"] = c.prefetches.load();
-  d["bytes_prefetched"] = c.bytes_prefetched.load();
-  d["prefetch_hits"] = c.prefetch_hits.load();
-  d["prefetches_unused"] = c.prefetches_unused.load();
-  d["peak_prefetch_bytes"] = c.peak_prefetch_bytes.load();
-  d["prefetch_failures"] = c.prefetch_failures.load();
   // The window backward used last (Note [Prefetch window]); 0 without prefetch.
   d["prefetch_window_bytes"] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
   d["prefetch_block_bytes"] = prefetcher_ ? prefetcher_->block_bytes() : 0;
   d["prefetch_lead"] = prefetcher_ ? prefetcher_->lead() : 0;
-  d["tensors_spilled"] = c.tensors_spilled.load();
-  d["bytes_spilled"] = c.bytes_spilled.load();
-  d["disk_prefetches"] = c.disk_prefetches.load();
-  d["device_saved_peak_bytes"] = c.device_saved_peak.load();
   return d;
 }
 

@@ -1,0 +1,54 @@
+// runtime.h's device side for the C++-only build: no device but the CPU, whose streams
+// runtime.cpp owns. The CUDA build compiles runtime_cuda.cpp instead; this file is empty there.
+#ifndef CKPT_OFFLOAD_WITH_CUDA
+
+#include <stdexcept>
+
+#include "runtime_backend.h"
+
+namespace ckpt_offload {
+
+DeviceScope::DeviceScope(const c10::Device& device) { (void)device; }
+
+DeviceScope::~DeviceScope() = default;
+
+CurrentStream CurrentStream::of(const c10::Device& device) { return CurrentStream(device); }
+
+bool CurrentStream::capturing() const { return false; }
+
+int64_t device_allocated_bytes(const c10::Device& device) {
+  (void)device;
+  return -1;
+}
+
+void install_capture_probe() {}  // no CUDA graphs: the core's default probe (never capturing) stays
+
+bool cuda_compiled() { return false; }
+
+int cuda_device_count() { return 0; }
+
+std::string cuda_runtime_version() { return ""; }
+
+namespace device_runtime {
+
+bool stream_pair(const CurrentStream&, bool, bool, bool, std::unique_ptr<Stream>*, Stream**, Stream**) {
+  return false;
+}
+
+void range_push(const char*) {}
+
+void range_pop() {}
+
+void synchronize_streams() {}
+
+std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
+  throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
+                              "' (pinned memory) needs ckpt_offload built with CUDA; this build is CPU-only. Pass "
+                              "pinned=False / backend='pageable', or reinstall with CKPT_OFFLOAD_CUDA=1 where nvcc and "
+                              "a CUDA build of torch exist");
+}
+
+}  // namespace device_runtime
+}  // namespace ckpt_offload
+
+#endif  // CKPT_OFFLOAD_WITH_CUDA

@@ -1,0 +1,390 @@
+"""The stats of co.offload contexts and of handles: one native table of keys (Note [Stats table] in
+csrc/torch/counters.h) that the struct, reset, the dict and Python's lists come from; per-handle
+counts (two models wrapped with equal options count apart); size strings for byte arguments."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import assert_bit_identical, cpu_offload
+from helpers import step_grads
+from models_for_tests import Chain
+
+import ckpt_offload as co
+from ckpt_offload import _C
+from ckpt_offload._checkpoint_core import zero_stats
+from ckpt_offload.profiling import KEEP_REASONS
+
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTS = {k for k, merge in _C.stats_keys() if merge != "state"}  # what reset_stats() zeroes
+
+
+def _cpu(pool=None, **kw):
+    return dict({"devices": ["cpu"], "min_bytes": 0}, **({"pool": pool} if pool is not None else {}), **kw)
+
+
+# ---------------------------------------------------------------- one table
+
+
+def test_stats_keys_are_what_stats_returns_in_order():
+    s = cpu_offload().stats()
+    assert list(s) == [k for k, _ in _C.stats_keys()]
+    assert list(s["kept_by_reason"]) == list(s["kept_bytes_by_reason"]) == _C.keep_reasons()
+    assert {merge for _, merge in _C.stats_keys()} == {"sum", "max", "per_reason", "state"}
+
+
+def test_python_reason_lists_come_from_the_table():
+    # The reasons the packer can produce that a hand-written list once lacked.
+    assert {"disk_full", "autocast_cast"} <= set(KEEP_REASONS)
+    assert KEEP_REASONS == tuple(_C.keep_reasons())
+    zero = zero_stats()
+    assert list(zero) == list(cpu_offload().stats())
+    assert all(v == 0 for k, v in zero.items() if not isinstance(v, dict))
+    assert zero["kept_by_reason"] == dict.fromkeys(_C.keep_reasons(), 0)
+
+
+def _busy_steps(spill_dir) -> co.offload:
+    """A context after steps that make every counter of the table non-zero: spills to disk (and
+    reads back by prefetch), batches, deduplicated and shared reloads, a prefetch that fails, one
+    left unused, and tensors kept for several reasons."""
+    pool = co.HostPool(pinned=False, max_bytes=2 * MiB, spill_dir=spill_dir, spill_file_bytes=8 * MiB)
+    ctx = cpu_offload(pool, prefetch_bytes=64 * MiB, batch_below=1024, batch_bytes=4096)
+    torch.manual_seed(0)
+    model, x = Chain(n=6), torch.randn(512, 512)
+    small = torch.randn(8, 8, requires_grad=True)
+    ref = step_grads(model, x)
+    model.zero_grad(set_to_none=True)
+    with ctx:
+        y = model(x)
+        z = (small * small).sum()  # 256 bytes: batched
+    ((y * y).sum() + z).backward()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_bit_identical(ref, got)
+    # A prefetch that raises (backward reloads that tensor when asked) ...
+    _C.testing.fail_next_prefetches(1)
+    try:
+        with ctx:
+            y = model(x)
+        (y * y).sum().backward()
+    finally:
+        _C.testing.fail_next_prefetches(0)
+    # ... and prefetches nobody takes: backward stops at a middle activation, so the tensors
+    # packed before it were prefetched for nothing.
+    with ctx:
+        h = torch.tanh(model.layers[0](x))
+        h.retain_grad()
+        mid = torch.tanh(model.layers[1](h))
+        y = torch.tanh(model.layers[2](mid))
+    torch.autograd.grad((y * y).sum(), [mid])
+    del h, mid, y
+    co.synchronize()
+    return ctx
+
+
+def test_reset_stats_zeroes_every_counter_of_the_table(tmp_path):
+    ctx = _busy_steps(str(tmp_path))
+    s = ctx.stats()
+    zero = [k for k in COUNTS if not isinstance(s[k], dict) and s[k] == 0]
+    assert zero == [], f"the steps left these counters at 0, so the test would not see a missing reset: {zero}"
+    assert s["tensors_spilled"] > 0 and s["bytes_spilled"] > 0 and s["disk_prefetches"] > 0
+    assert sum(s["kept_by_reason"].values()) > 0
+    ctx.reset_stats()
+    after = ctx.stats()
+    for k in COUNTS:
+        if isinstance(after[k], dict):
+            assert set(after[k].values()) == {0}, k
+        else:
+            assert after[k] == 0, k
+    # The window the prefetcher learned is state, not a count: reset leaves it.
+    assert after["prefetch_window_bytes"] == s["prefetch_window_bytes"]
+
+
+def test_docs_list_every_stats_key_and_keep_reason():
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        api = f.read()
+    named = set(re.findall(r"`([a-z_0-9]+)`", api))
+    missing = [k for k, _ in _C.stats_keys() if k not in named] + [r for r in _C.keep_reasons() if r not in named]
+    assert missing == [], f"docs/api.md does not name {missing}"
+    doc = co.offload.stats.__doc__
+    missing = [k for k, _ in _C.stats_keys() if f"``{k}``" not in doc] + \
+              [r for r in _C.keep_reasons() if f"``{r}``" not in doc]
+    assert missing == [], f"co.offload.stats's docstring does not name {missing}"
+
+
+# ---------------------------------------------------------------- per-handle stats
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+def _model(n=4):
+    torch.manual_seed(0)
+    return nn.Sequential(*[_Layer() for _ in range(n)])
+
+
+def _step(model):
+    model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+
+
+def _two_models_count_apart(wrap):
+    """``wrap(model)`` -> handle, for two models with equal options: a step of the second leaves
+    the first handle's counts as they were, and each counts its own blocks."""
+    pool = co.HostPool(pinned=False)
+    a, b = _model(), _model()
+    ha, hb = wrap(a, pool), wrap(b, pool)
+    _step(a)
+    alone = ha.stats()
+    assert alone["tensors_offloaded"] > 0
+    _step(b)
+    assert ha.stats()["tensors_offloaded"] == alone["tensors_offloaded"]
+    assert ha.stats()["bytes_offloaded"] == alone["bytes_offloaded"]
+    assert hb.stats()["tensors_offloaded"] == alone["tensors_offloaded"]
+    hb.reset_stats()
+    assert ha.stats()["tensors_offloaded"] == alone["tensors_offloaded"]  # b's reset is b's own
+    ha.remove()
+    hb.remove()
+
+
+def test_apply_handles_with_equal_options_count_apart():
+    _two_models_count_apart(lambda m, pool: co.apply(m, offload=_cpu(pool)))
+
+
+def test_apply_handles_with_the_default_pool_count_apart():
+    _two_models_count_apart(lambda m, pool: co.apply(m, offload=_cpu()))
+
+
+def test_segment_handles_count_apart():
+    _two_models_count_apart(lambda m, pool: co.apply(m, segments=2, offload=_cpu(pool)))
+
+
+def test_plan_handles_count_their_blocks_apart():
+    from ckpt_offload.planner.apply import apply_units
+    from ckpt_offload.planner.simulator import Unit
+
+    def wrap(model, pool):
+        blocks = list(model.named_children())
+        units = [Unit(0, 0, "offload"), Unit(1, 1, "recompute_offload"), Unit(2, 3, "recompute_offload")]
+        return apply_units(model, blocks, units, _cpu(pool))
+
+    _two_models_count_apart(wrap)
+
+
+def test_plan_handle_stats_were_zero_before_and_count_now():
+    from ckpt_offload.planner.apply import apply_units
+    from ckpt_offload.planner.simulator import Unit
+
+    pool = co.HostPool(pinned=False)
+    model = _model()
+    handle = apply_units(model, list(model.named_children()), [Unit(i, i, "offload") for i in range(4)], _cpu(pool))
+    _step(model)
+    s = handle.stats()
+    # Every saved tensor of the four offloaded blocks: each Linear's input and tanh's output.
+    assert s["tensors_offloaded"] >= 4 and s["bytes_offloaded"] == pool.stats()["peak_bytes_in_use"] > 0
+    assert 0 < s["pool_peak_bytes"] <= pool.stats()["peak_bytes_in_use"]
+    handle.remove()
+
+
+def test_handle_pool_peak_is_its_own():
+    pool = co.HostPool(pinned=False)
+    a, b = _model(), _model(n=8)
+    hb = co.apply(b, offload=_cpu(pool))
+    _step(b)  # the pool's peak is now b's
+    ha = co.apply(a, offload=_cpu(pool, min_bytes=1 << 40))  # offloads nothing
+    _step(a)
+    assert pool.stats()["peak_bytes_in_use"] > 0
+    assert ha.stats()["pool_peak_bytes"] == 0
+    assert ha.stats()["tensors_offloaded"] == 0
+    assert 0 < hb.stats()["pool_peak_bytes"] <= pool.stats()["peak_bytes_in_use"]
+    hb.reset_stats()
+    assert hb.stats()["pool_peak_bytes"] == 0
+    ha.remove()
+    hb.remove()
+
+
+def test_gradients_unchanged_with_two_handles():
+    ref_model = _model()
+    x = torch.randn(8, 32, requires_grad=True)
+    ref_model(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in ref_model.named_parameters()}
+    a, b = _model(), _model()
+    ha, hb = co.apply(a, offload=_cpu()), co.apply(b, offload=_cpu())
+    for m in (a, b):
+        m(x).sum().backward()
+        assert_bit_identical(ref, {n: p.grad for n, p in m.named_parameters()})
+    ha.remove()
+    hb.remove()
+
+
+def test_hf_enable_handles_count_apart():
+    pytest.importorskip("transformers")
+    from helpers import gpt2, loss_of
+
+    pool = co.HostPool(pinned=False)
+    torch.manual_seed(0)
+    a, b = gpt2().train(), gpt2().train()
+    for m in (a, b):
+        m.config.use_cache = False
+    ha = co.hf.enable(a, offload=_cpu(pool))
+    hb = co.hf.enable(b, offload=_cpu(pool))
+    loss_of(a).backward()
+    alone = ha.stats()["tensors_offloaded"]
+    assert alone > 0
+    loss_of(b).backward()
+    assert ha.stats()["tensors_offloaded"] == alone
+    assert hb.stats()["tensors_offloaded"] == alone
+    ha.remove()
+    hb.remove()
+
+
+def _trainer_logs(tmp_path, model, callback) -> list:
+    """The log entries (as the callbacks after ours see them) of a 3-step train() of ``model``."""
+    from helpers import train
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logs.append(dict(logs))
+
+    recorder = Recorder()
+    train(tmp_path, model, [callback, recorder])
+    return recorder.logs
+
+
+def _logged(logs, key):
+    return [e[f"ckpt_offload/{key}"] for e in logs if f"ckpt_offload/{key}" in e]
+
+
+def _hf_model():
+    from helpers import gpt2
+
+    torch.manual_seed(0)
+    model = gpt2()
+    model.config.use_cache = False
+    return model
+
+
+@pytest.mark.parametrize("kind", ["checkpoint", "offload"])
+def test_trainer_logs_describe_each_run(tmp_path, kind):
+    pytest.importorskip("transformers")
+    pool = co.HostPool(pinned=False)
+    model = _hf_model()
+    if kind == "checkpoint":
+        cb = co.hf.OffloadCheckpointCallback(offload=_cpu(pool))
+    else:
+        cb = co.hf.OffloadCallback(**_cpu(pool))
+    first = _trainer_logs(tmp_path, model, cb)
+    second = _trainer_logs(tmp_path, model, cb)  # the same callback (and handle), a second run
+    for key in ("tensors_offloaded", "bytes_offloaded"):
+        assert _logged(first, key)[0] > 0
+        assert _logged(second, key) == _logged(first, key), key  # per run, not carried over
+    if kind == "checkpoint":
+        assert _logged(second, "pool_peak_bytes")[0] > 0
+
+
+def test_trainer_pool_peak_is_this_runs(tmp_path):
+    pytest.importorskip("transformers")
+    pool = co.HostPool(pinned=False)
+    _trainer_logs(tmp_path, _hf_model(), co.hf.OffloadCheckpointCallback(offload=_cpu(pool)))
+    assert pool.stats()["peak_bytes_in_use"] > 0
+    # A later run, on another model, whose callback offloads nothing into the same pool: the
+    # pool's peak from the run before is not this run's.
+    quiet = co.hf.OffloadCheckpointCallback(offload=_cpu(pool, min_bytes=1 << 40))
+    logs = _trainer_logs(tmp_path, _hf_model(), quiet)
+    for key in ("bytes_offloaded", "pool_peak_bytes"):
+        values = _logged(logs, key)
+        assert len(values) >= 3 and set(values) == {0}, (key, values)
+
+
+# ---------------------------------------------------------------- size strings
+
+
+def test_parse_bytes_is_one_function():
+    from ckpt_offload._args import parse_bytes
+
+    assert co.planner.parse_bytes is parse_bytes
+    assert parse_bytes("x", "1GiB") == 1 << 30
+    assert parse_bytes("x", "512MiB") == 512 << 20
+    assert parse_bytes("x", "1.5 kb") == 1500
+    assert parse_bytes("x", "64") == 64
+
+
+def test_offload_takes_size_strings():
+    ctx = co.offload(devices=["cpu"], min_bytes="1KiB", prefetch_bytes="2MiB", batch_below="4KiB", batch_bytes="1MiB")
+    assert (ctx.min_bytes, ctx.prefetch_bytes, ctx.batch_below, ctx.batch_bytes) == (1024, 2 * MiB, 4096, MiB)
+    x = torch.randn(64, 64, requires_grad=True)  # 16 KiB: offloaded; the 4-element one is too small
+    small = torch.randn(2, 2, requires_grad=True)
+    with ctx:
+        y = (x * x).sum() + (small * small).sum()
+    y.backward()
+    assert torch.equal(x.grad, 2 * x) and torch.equal(small.grad, 2 * small)
+    s = ctx.stats()
+    assert s["tensors_offloaded"] >= 1 and s["kept_by_reason"]["too_small"] >= 1
+    assert s["prefetch_window_bytes"] == 2 * MiB
+
+
+def test_offload_option_dicts_take_size_strings_and_share_a_context():
+    from ckpt_offload._checkpoint_core import context_for, offload_options
+
+    given = offload_options({"devices": ["cpu"], "min_bytes": "64KiB"})
+    assert given["min_bytes"] == 64 * 1024
+    assert context_for(given) is context_for(offload_options({"devices": ["cpu"], "min_bytes": 65536}))
+    model = _model()
+    handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": "0B", "batch_bytes": "1MiB"})
+    _step(model)
+    assert handle.stats()["tensors_offloaded"] > 0
+    handle.remove()
+
+
+def test_host_pool_takes_size_strings(tmp_path):
+    pool = co.HostPool(pinned=False, max_bytes="4MiB", segment_bytes="1MiB")
+    assert pool.max_bytes == 4 * MiB and pool._impl.segment_bytes == MiB
+    pool.set_max_bytes("8MiB")
+    assert pool.max_bytes == 8 * MiB
+    pool.max_bytes = "2 MiB"
+    assert pool.max_bytes == 2 * MiB
+    assert pool.reserve("1MiB") >= MiB
+    spill = co.HostPool(pinned=False, max_bytes="1MiB", spill_dir=str(tmp_path), spill_max_bytes="64MiB",
+                        spill_file_bytes="8MiB", spill_staging_bytes="2MiB")
+    assert spill.max_bytes == MiB
+
+
+def test_plan_takes_size_strings():
+    from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel
+
+    model = _model()
+    costs = CostModel(blocks=[BlockCost(name=str(i)) for i in range(4)], bandwidth=Bandwidth(1e9, 1e9))
+    co.plan(model, lambda: None, budget="1MiB", devices=["cpu"], costs=costs, min_bytes="1KiB")
+    assert costs.min_bytes == 1024
+    with pytest.raises(ValueError, match=r"min_bytes: cannot read 'lots' as bytes"):
+        co.plan(model, lambda: None, budget="1MiB", devices=["cpu"], costs=costs, min_bytes="lots")
+
+
+@pytest.mark.parametrize("call", [
+    lambda: co.offload(devices=["cpu"], min_bytes="lots"),
+    lambda: co.HostPool(pinned=False, max_bytes="12 parsecs"),
+    lambda: co.HostPool(pinned=False).set_max_bytes("-1MiB"),
+])
+def test_bad_size_strings_name_the_argument(call):
+    with pytest.raises(ValueError, match=r"(min_bytes|max_bytes): cannot read .* as bytes; write e.g. '2GiB'"):
+        call()
+
+
+def test_size_below_minimum_names_the_argument():
+    with pytest.raises(ValueError, match=r"batch_bytes must be >= 1, got 0"):
+        co.offload(devices=["cpu"], batch_bytes="0KiB")
+    with pytest.raises(TypeError, match=r"max_bytes must be an int or None \(or a size string such as '512MiB'\)"):
+        co.HostPool(pinned=False, max_bytes=[1])
