@@ -186,3 +186,188 @@ def test_segments_refuse_blocks_called_with_other_arguments():
         handle.remove()
         model.train()
     assert torch.equal(got, model(x))
+
+
+# ---- the planner offers only choices it can run exactly (issue 23, items 2-4) ------------------------
+
+
+class HazardBlock(nn.Module):
+    """A block valid without a plan that a recompute may not repeat exactly: it writes its input in
+    place (``input_write``), writes a matmul's output in place (``saved_mutation``: torch's selective
+    checkpoint raises), or holds a BatchNorm whose running statistics a recompute updates twice
+    (``running_stats``); ``None``: none of these."""
+
+    def __init__(self, d, hazard):
+        super().__init__()
+        self.hazard = hazard
+        self.lin = nn.Linear(d, d)
+        self.bn = nn.BatchNorm1d(d) if hazard == "running_stats" else None
+
+    def forward(self, x):
+        if self.hazard == "input_write":
+            x.mul_(0.5)  # nothing saved x yet; the Linear saves the written value
+        h = self.lin(x)
+        if self.hazard == "saved_mutation":
+            h.add_(0.25)  # nothing saved h yet; selective recompute saved it as the matmul's output
+        if self.bn is not None:
+            h = self.bn(h)
+        return torch.tanh(h) * torch.sigmoid(h)  # two saved outputs selective recompute drops
+
+
+class HazardChain(nn.Module):
+    def __init__(self, hazard, n=6, d=32, every=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(HazardBlock(d, hazard if i % every == 0 else None) for i in range(n))
+
+    def forward(self, x):
+        h = x * 1.0  # the first block may write its input: not the caller's tensor
+        for b in self.blocks:
+            h = b(h)
+        return h.pow(2).mean()
+
+
+HAZARDS = {
+    # hazard: (the kinds the plan may use, the kinds the hazard rules out, the reason's name)
+    "input_write": (("keep", "recompute"), {"recompute", "recompute_offload", "selective"}, "input_write"),
+    "saved_mutation": (("keep", "selective"), {"selective"}, "saved_mutation"),
+    "running_stats": (("keep", "recompute"), {"recompute", "recompute_offload", "selective"}, "state_write"),
+}
+
+
+def _hazard_case(hazard):
+    import copy
+
+    torch.manual_seed(0)
+    model = HazardChain(hazard)
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))  # saved tensors >> the RNG state a checkpoint keeps
+
+    def step_of(m):
+        def step():
+            loss = m(x)
+            loss.backward()
+            return loss.detach()
+
+        return step
+
+    return model, copy.deepcopy(model), step_of
+
+
+@pytest.mark.parametrize("hazard", list(HAZARDS))
+@pytest.mark.parametrize("levels", [1, 3])
+def test_plan_never_gives_an_inexact_choice(hazard, levels):
+    kinds, ruled_out, reason = HAZARDS[hazard]
+    model, reference, step_of = _hazard_case(hazard)
+    before = [b.clone() for b in model.buffers()]
+    ref = _run(reference, step_of(reference))
+    opts = dict(devices=["cpu"], min_bytes=0, kinds=kinds, levels=levels, bandwidth=math.inf)
+    with pytest.raises(co.planner.InfeasibleBudget) as info:
+        co.plan(model, step_of(model), budget=1, **opts)
+    # The least memory the plan reaches recomputes what it may: never a hazardous block.
+    plan = co.plan(model, step_of(model), budget=info.value.minimum, **opts)
+    assert any(k != "keep" for k in plan.choices.values())
+    hazardous = [n for n, b in _select_blocks(model, None) if b.hazard]
+    for name in hazardous:
+        assert not set(plan.choices[name].split(">")) & (ruled_out | {k + "_segment" for k in ruled_out}), plan.choices
+        assert set(plan.excluded[name]) == ruled_out
+        assert all(f"({reason})" in why for why in plan.excluded[name].values())
+    assert set(plan.excluded) == set(hazardous)
+    text = plan.summary()
+    assert "excluded, since their recompute would not be exact" in text and f"({reason})" in text, text
+    # co.plan's own runs of the step left the model's state (running statistics) alone
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), before))
+    handle = plan.apply()
+    try:
+        got = _run(model, step_of(model))
+    finally:
+        handle.remove()
+    assert_same_step(ref, got)  # loss, gradients, running_mean/var and num_batches_tracked
+
+
+@pytest.mark.parametrize("hazard", ["input_write", "running_stats"])
+def test_allow_inexact_lets_the_plan_recompute_them(hazard):
+    kinds, ruled_out, reason = HAZARDS[hazard]
+    model, _, step_of = _hazard_case(hazard)
+    opts = dict(devices=["cpu"], min_bytes=0, kinds=kinds, levels=1, bandwidth=math.inf)
+    with pytest.raises(co.planner.InfeasibleBudget) as strict:
+        co.plan(model, step_of(model), budget=1, **opts)
+    with pytest.raises(co.planner.InfeasibleBudget) as loose:
+        co.plan(model, step_of(model), budget=1, allow_inexact=[reason], **opts)
+    assert loose.value.minimum < strict.value.minimum
+    plan = co.plan(model, step_of(model), budget=loose.value.minimum, allow_inexact=True, **opts)
+    assert not plan.excluded
+    assert any(plan.choices[n] != "keep" for n, b in _select_blocks(model, None) if b.hazard)
+
+
+def test_allow_inexact_bad_values():
+    model, _, step_of = _hazard_case(None)
+    with pytest.raises(ValueError, match=r"allow_inexact: unknown reason\(s\) \['bn'\]; allowed: \['input_write'"):
+        co.plan(model, step_of(model), allow_inexact=["bn"])
+    with pytest.raises(TypeError, match="allow_inexact must be True, False or a collection"):
+        co.plan(model, step_of(model), allow_inexact=3)
+
+
+@pytest.mark.parametrize("hazard, match", [
+    ("input_write", r"recomputes blocks.0 in backward, but it writes its input in place"),
+    ("running_stats", r"recomputes blocks.0 in backward, but it updates its buffer\(s\) 'bn.running_mean', 'bn.running_var', 'bn.num_batches_tracked' in forward"),
+])
+def test_apply_segments_refuse_inexact_blocks(hazard, match):
+    # Blocks 0, 2, 4 hold the hazard; two segments of 3 blocks recompute them. Without the refusal
+    # the statistics were updated twice (or torch raised its in-place error in backward).
+    model, reference, step_of = _hazard_case(hazard)
+    handle = co.apply(model, segments=2)
+    try:
+        with pytest.raises(RuntimeError, match=match + r".*co.plan excludes such blocks"):
+            step_of(model)()
+    finally:
+        handle.remove()
+
+
+# ---- co.plan refuses a step it cannot plan (issue 26) -----------------------------------------------
+
+
+def _small():
+    torch.manual_seed(0)
+    model = HazardChain(None, n=3)
+    return model, torch.randn(8, 32)
+
+
+def test_plan_refuses_a_step_without_backward():
+    model, x = _small()
+    with pytest.raises(ValueError, match=r"step\(\) never ran backward through the blocks.*\.backward\(\)"):
+        co.plan(model, lambda: model(x), bandwidth=math.inf)
+
+
+def test_plan_refuses_a_step_under_no_grad():
+    model, x = _small()
+
+    def step():
+        with torch.no_grad():
+            model(x)
+
+    with pytest.raises(ValueError, match=r"gradients disabled \(under torch.no_grad\(\) or torch.inference_mode"):
+        co.plan(model, step, bandwidth=math.inf)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no output of the blocks requires a gradient"):
+        co.plan(model, lambda: model(x).requires_grad_().backward(), bandwidth=math.inf)
+
+
+def test_plan_refuses_a_model_already_wrapped():
+    model, x = _small()
+    handle = co.apply(model)
+    try:
+        with pytest.raises(RuntimeError, match=r"co.plan: the model is already wrapped by co.apply.*\.remove\(\)"):
+            co.plan(model, lambda: model(x).backward(), bandwidth=math.inf)
+    finally:
+        handle.remove()
+    plan = co.plan(model, lambda: model(x).backward(), bandwidth=math.inf, budget="1GiB")  # removed: plans
+    assert set(plan.choices.values()) == {"keep"}
+
+
+def test_plan_without_repeated_blocks_speaks_about_planning():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match=r"^co.plan found no blocks to plan in Sequential: .*Pass layers="):
+        co.plan(model, lambda: model(x).sum().backward(), bandwidth=math.inf)
+    with pytest.raises(ValueError, match=r"^co.plan found no blocks to plan in Sequential: layers=<class "):
+        co.plan(model, lambda: model(x).sum().backward(), layers=nn.Conv1d, bandwidth=math.inf)

@@ -148,6 +148,15 @@ def _same_rest(got, expected) -> bool:
     return g_spec == e_spec and all(_same_leaf(a, b) for a, b in zip(g_leaves, e_leaves))
 
 
+def _running_stats(module):
+    """Prefixes (``"bn."``) of the submodules of ``module`` that update running statistics in
+    forward (BatchNorm and the like in training mode, tracking them)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [f"{n}." if n else "" for n, m in module.named_modules()
+            if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+
+
 class _Segment:
     """Blocks ``a..b`` as one checkpoint. The model calls them one after another; the first block's
     wrapper runs all of them inside the checkpoint (each next block gets the previous one's hidden
@@ -163,10 +172,41 @@ class _Segment:
     only the inner checkpoints' inputs, and each inner one recomputes its blocks when backward
     reaches it."""
 
-    def __init__(self, originals, names, offload, unit):
+    def __init__(self, originals, names, offload, unit, blocks=(), allow=frozenset()):
         self.originals, self.names, self.offload = originals, names, offload
         self.unit = unit
+        self.blocks = list(blocks)  # the modules, whose buffers a recompute must not write again
+        self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
         self._reset()
+
+    def _checked(self, j, args, kwargs):
+        """Runs block ``j`` of the segment in forward, refusing what its recompute would not
+        repeat exactly: an in-place write to one of its inputs, or to one of its buffers (running
+        statistics, which the recompute would update a second time)."""
+        from torch.utils._pytree import tree_flatten
+
+        watch = []
+        if "input_write" not in self.allow:
+            watch += [("input", t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if "state_write" not in self.allow and j < len(self.blocks):
+            watch += [(f"buffer {n!r}", t) for n, t in self.blocks[j].named_buffers()]
+        before = [t._version for _, t in watch]
+        out = self.originals[j](*args, **kwargs)
+        changed = [what for (what, t), v in zip(watch, before) if t._version != v]
+        if changed:
+            buffers = [w[len("buffer "):] for w in changed if w != "input"]
+            # BatchNorm's kernels update running_mean/var without bumping their version counter:
+            # only num_batches_tracked shows it; name the statistics too.
+            stats = [repr(f"{name}{stat}") for name in (_running_stats(self.blocks[j]) if j < len(self.blocks) else ())
+                     for stat in ("running_mean", "running_var")]
+            buffers = [b for b in stats if b not in buffers] + buffers
+            why = ("writes its input in place: its recompute would read the written value" if "input" in changed
+                   else f"updates its buffer(s) {', '.join(buffers)} in forward (running statistics): its recompute "
+                   "would update them a second time")
+            raise RuntimeError(
+                f"a segment recomputes {self.names[j]} in backward, but it {why}. Keep this block out of segments "
+                "(co.plan excludes such blocks by itself; co.plan(..., allow_inexact=...) allows them)")
+        return out
 
     def _reset(self):
         # outs: the outputs not yet handed out (None once handed); prev: the last one handed out,
@@ -180,9 +220,12 @@ class _Segment:
 
         def chain(*a, **kw):
             outs = []
+            forward = not _in_backward()
             for j, p in enumerate(parts):
                 args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw)
-                if p.kind == "keep":
+                if p.kind == "keep" and forward:
+                    outs.append(self._checked(p.start - base, args, kwargs))
+                elif p.kind == "keep":
                     outs.append(originals[p.start - base](*args, **kwargs))
                 else:  # an inner checkpoint, its inputs kept by the enclosing one's recompute only
                     outs.extend(checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs))
@@ -224,10 +267,11 @@ class _Segment:
         return out
 
 
-def apply_units(model, named_blocks, units, offload_options):
+def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
     """Wraps the blocks of ``named_blocks`` as ``units`` say; returns a :class:`PlanHandle`.
 
-    ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input.
+    ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input;
+    ``allow``: the reasons of ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse.
     """
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
@@ -255,7 +299,8 @@ def apply_units(model, named_blocks, units, offload_options):
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
-                           offload_options if u.kind == "recompute_offload" else False, u)
+                           offload_options if u.kind == "recompute_offload" else False, u,
+                           blocks=[b for _, b in members], allow=frozenset(allow))
             for j, (name, block) in enumerate(members):
                 original = block.forward
                 if j == 0:

@@ -99,6 +99,17 @@ def _terms6(cm, u):
             0, 0)
 
 
+def allowed(cm, u) -> bool:
+    """Whether unit ``u`` gives no block a kind ``cm.excluded`` rules out for it (a segment
+    recomputes every block it holds: each must allow ``"recompute"``)."""
+    ex = getattr(cm, "excluded", None)
+    if not ex:
+        return True
+    if u.start == u.end:
+        return u.kind not in ex[u.start]
+    return all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+
+
 def _unit_options(n, kinds, max_segment, inners=None):
     """Units starting at each block: singles of every kind, segments (of at most ``max_segment``
     blocks) of SEGMENT_KINDS; ``inners`` gives the nestings of each segment (``{(i, j): [inner,
@@ -133,7 +144,7 @@ def _nested_options(cm, n, kinds, max_segment, levels, max_points=None):
             max_points = 4 if long else MAX_NESTINGS
         f = fronts(cm, levels, min(max_segment, MAX_NESTED_SEGMENT // 2 if long else MAX_NESTED_SEGMENT), max_points)
         options = _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
-    return [[(u, _unit_terms(cm, u, 0)) for u in opts] for opts in options]
+    return [[(u, _unit_terms(cm, u, 0)) for u in opts if allowed(cm, u)] for opts in options]
 
 
 def chain_cost(cm, units, prefetch):
@@ -266,6 +277,8 @@ def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, leve
     :func:`chain_dp` must equal (tests)."""
     best = None
     for units in _all_unit_lists(len(cm.blocks), kinds, max_segment, levels):
+        if not all(allowed(cm, u) for u in units):
+            continue
         peak, time = chain_cost(cm, units, prefetch)
         if peak <= budget and math.isfinite(time) and (best is None or (time, peak) < best[0]):
             best = ((time, peak), list(units))
@@ -328,8 +341,11 @@ def _prefetch_options(cm, units_hint=None):
 
 
 def evaluate(cm, units, prefetch, source=""):
+    """The simulator's verdict on ``units`` as a :class:`Candidate`; one giving a block a kind
+    ``cm.excluded`` rules out is never chosen (its step time is infinite)."""
     r = simulate(cm, list(units), prefetch)
-    return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if r.feasible else math.inf, source)
+    ok = r.feasible and all(allowed(cm, u) for u in units)
+    return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if ok else math.inf, source)
 
 
 def _local_search(cm, cand, budget, kinds, rounds=3):
