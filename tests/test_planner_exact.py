@@ -371,3 +371,40 @@ def test_plan_without_repeated_blocks_speaks_about_planning():
         co.plan(model, lambda: model(x).sum().backward(), bandwidth=math.inf)
     with pytest.raises(ValueError, match=r"^co.plan found no blocks to plan in Sequential: layers=<class "):
         co.plan(model, lambda: model(x).sum().backward(), layers=nn.Conv1d, bandwidth=math.inf)
+
+
+# ---- InfeasibleBudget.minimum is the least peak a plan reaches (issue 23, item 8) -------------------
+
+
+def _exhaustive_minimum(cm, kinds, levels):
+    from ckpt_offload.planner.solver import _all_unit_lists, _prefetch_options, evaluate
+
+    n, best = len(cm.blocks), math.inf
+    for units in _all_unit_lists(n, kinds, n, levels):
+        for p in _prefetch_options(cm):
+            c = evaluate(cm, units, p)
+            if math.isfinite(c.step_s):
+                best = min(best, c.peak_bytes)
+    return best
+
+
+@pytest.mark.parametrize("seed, kinds, levels", [
+    (1, ("keep", "recompute"), 3), (3, ("keep", "recompute"), 3), (4, ("keep", "recompute"), 2),
+    (7, ("keep", "offload", "recompute", "recompute_offload"), 1),
+    (17, ("keep", "offload", "recompute", "recompute_offload"), 1),
+    (19, ("keep", "offload", "recompute", "recompute_offload"), 1),
+])
+def test_infeasible_minimum_equals_exhaustive_search(seed, kinds, levels):
+    import random
+
+    from test_planner_nested import _random_costs
+
+    from ckpt_offload.planner import solve
+
+    rng = random.Random(seed)
+    cm = _random_costs(rng, 5, rng.choice([0.0, 1e7, math.inf]) if "offload" in kinds else 0.0)
+    with pytest.raises(co.planner.InfeasibleBudget) as info:
+        solve(cm, 1, kinds=kinds, levels=levels)  # 5 blocks: beyond the solver's own enumeration
+    truth = _exhaustive_minimum(cm, kinds, levels)
+    assert info.value.minimum == truth
+    assert solve(cm, truth, kinds=kinds, levels=levels).peak_bytes <= truth  # and a plan reaches it

@@ -131,7 +131,7 @@ def _same_leaf(a, b) -> bool:
         return False
     try:
         return bool(a == b)
-    except Exception:  # an object whose == raises or is not a bool: only itself is the same
+    except (TypeError, ValueError, RuntimeError):  # == raises or is not a bool: only itself is the same
         return False
 
 

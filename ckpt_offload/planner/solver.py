@@ -232,6 +232,41 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, ob
     return None if best is None else best[1]
 
 
+def least_peak_plans(cm, prefetch=0, kinds=KINDS, max_segment=None, levels=1, ties=8, limit=256, _options=None):
+    """The chain model's lowest-peak plans (at most ``limit``, lowest chain-model peak first): the
+    least-peak DP keeping, per state, up to ``ties`` plans that reach it (the chain model does not
+    tell them apart; the simulator may: its peak is what a budget is checked against).
+
+    Example::
+
+        candidates = least_peak_plans(cm, 0, levels=3)
+    """
+    n = len(cm.blocks)
+    max_segment = n if max_segment is None else max_segment
+    options = _options or _nested_options(cm, n, kinds, max_segment, levels)
+    fronts = [dict() for _ in range(n + 1)]  # position -> {state: [units, ...]}
+    fronts[0][_initial(cm)] = [()]
+    for i in range(n):
+        if not fronts[i]:
+            continue
+        for state, plans in _pareto(fronts[i], by_peak=True):
+            for u, t in options[i]:
+                s = _advance(cm, state, u, prefetch, t)
+                if s is None or not math.isfinite(s[6]):
+                    continue
+                at = fronts[u.end + 1].setdefault(s, [])
+                for units in plans:
+                    if len(at) >= ties:
+                        break
+                    at.append(units + (u,))
+    done = []
+    for state, plans in fronts[n].items():
+        peak, time = _finish(cm, state)
+        done += [((peak, time), list(units)) for units in plans]
+    done.sort(key=lambda x: x[0])
+    return [units for _, units in done[:limit]]
+
+
 #: Largest Pareto front kept per block (the fastest states): the DP is exact while fronts stay
 #: smaller, which they do for chains of tens of blocks with measured costs.
 MAX_FRONT = 4000
@@ -435,6 +470,11 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
             for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
     fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
+    if not fits and n > exhaustive_max_blocks:
+        # Near the least peak the chain model's bound can miss plans that fit: the lowest-peak
+        # plans it sees, judged and improved by the simulator, are what reaches the true minimum.
+        cands += least_peak_candidates(cm, kinds, windows, segments, levels, options)
+        fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
     if fits:
         fits.sort(key=Candidate.key)
         best = fits[0]
@@ -444,11 +484,43 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
                 if c.key() < best.key():
                     best = c
         return best
-    smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the DP's least peak
+    smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the least-peak ones
     raise InfeasibleBudget(
         budget, smallest,
         f"budget={_fmt(budget)} is below the smallest peak of saved activations any plan reaches here, "
         f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)")
+
+
+def least_peak_candidates(cm, kinds, windows, segments, levels, options=None):
+    """The chain model's lowest-peak plans for each prefetch window (:func:`least_peak_plans`),
+    judged by the simulator, then improved for the simulated peak one block at a time."""
+    n = len(cm.blocks)
+    out = []
+    for p in windows:
+        for units in least_peak_plans(cm, p, kinds, n if segments else 1, levels if segments else 1,
+                                      _options=options):
+            out.append(evaluate(cm, units, p, "least_peak"))
+    finite = sorted((c for c in out if math.isfinite(c.step_s)), key=lambda c: (c.peak_bytes, c.step_s))
+    out += [_lower_peak(cm, c, kinds) for c in finite[:3]]
+    return out
+
+
+def _lower_peak(cm, cand, kinds, rounds=3):
+    """Changes one block's kind at a time while that lowers the simulated peak."""
+    best = cand
+    for _ in range(rounds):
+        improved = False
+        kinds_now = _per_block(best.units)
+        for i in range(len(cm.blocks)):
+            for k in kinds:
+                if k == kinds_now[i]:
+                    continue
+                c = evaluate(cm, _replace(best.units, i, k), best.prefetch_bytes, best.source + "+lp")
+                if math.isfinite(c.step_s) and (c.peak_bytes, c.step_s) < (best.peak_bytes, best.step_s):
+                    best, improved = c, True
+        if not improved:
+            break
+    return best
 
 
 def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=2):
@@ -459,11 +531,7 @@ def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=
     n = len(cm.blocks)
     pool = list(cands)
     if levels:
-        for p in windows:
-            units = chain_dp(cm, math.inf, p, kinds=kinds, max_segment=n if segments else 1,
-                             levels=levels if segments else 1, objective="peak")
-            if units:
-                pool.append(evaluate(cm, units, p))
+        pool += least_peak_candidates(cm, kinds, windows, segments, levels)
     for p in windows:
         for kind in kinds:
             pool.append(evaluate(cm, singles([kind] * n), p))
