@@ -408,3 +408,26 @@ def test_infeasible_minimum_equals_exhaustive_search(seed, kinds, levels):
     truth = _exhaustive_minimum(cm, kinds, levels)
     assert info.value.minimum == truth
     assert solve(cm, truth, kinds=kinds, levels=levels).peak_bytes <= truth  # and a plan reaches it
+
+
+class TwiceChain(nn.Module):
+    """Runs its blocks twice per step (one instance, two calls)."""
+
+    def __init__(self, n=3, d=32):
+        super().__init__()
+        self.blocks = nn.ModuleList(HazardBlock(d, None) for _ in range(n))
+
+    def forward(self, x):
+        h = x * 1.0
+        for _ in range(2):
+            for b in self.blocks:
+                h = b(h)
+        return h.sum()
+
+
+def test_plan_warns_about_blocks_called_more_than_once():
+    torch.manual_seed(0)
+    model, x = TwiceChain(), torch.randn(64, 32)
+    with pytest.warns(UserWarning, match=r"calls block\(s\) blocks.0 \(2 times\), blocks.1 \(2 times\).*overstates"):
+        plan = co.plan(model, lambda: model(x).backward(), budget="1GiB", bandwidth=math.inf)
+    assert [b.calls for b in plan.costs.blocks] == [2, 2, 2]

@@ -94,7 +94,8 @@ class BlockCost:
     ``selective_recompute_s``:
     seconds to recompute what selective drops; ``inexact``: what the measured step showed makes a
     recompute of the block differ from its forward, ``{reason: what was seen}`` with reason in
-    :data:`INEXACT_REASONS` (empty: every choice is exact).
+    :data:`INEXACT_REASONS` (empty: every choice is exact); ``calls``: how many times the step called
+    the block (its calls' costs are summed: see docs/planner.md, "Accuracy and limits").
     """
 
     name: str
@@ -109,6 +110,7 @@ class BlockCost:
     backward_s: float = 0.0
     selective_recompute_s: float = 0.0
     inexact: dict = field(default_factory=dict)
+    calls: int = 1
 
     @property
     def saved_bytes(self) -> int:
@@ -249,6 +251,7 @@ class _BlockRecord:
         self.selective_uses = {}
         self.saved_op_s = 0.0
         self.op_s = 0.0
+        self.calls = 0
         self.own = set()  # storages the block's ops allocated
         self.arg_keys = {}  # storage key -> which argument ("input 0", "hidden_states")
         self.state_names = {}  # storage key -> name of a parameter or buffer of the block
@@ -307,6 +310,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
             state["current"] = i
             state["started"] = True
             r = recs[i]
+            r.calls += 1
             state["grad"] |= torch.is_grad_enabled()
             r.own = set()
             r.arg_keys = {}
@@ -429,6 +433,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                          "cannot be measured: pass a step that runs forward and backward, e.g. "
                          "lambda: loss_fn(model(x)).backward()")
     for r in recs:
+        r.cost.calls = r.calls
         r.cost.selective_recompute_s = 0.0
         r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
     pre = sum(outside["pre"].values())
