@@ -1,6 +1,8 @@
 """Property-based tests (hypothesis): random autograd graphs and random checkpointed models give
-bit-identical gradients with ckpt_offload and without it, and a random sequence of HostPool
-operations keeps the pool's accounting exact.
+bit-identical gradients with ckpt_offload and without it; random plans and co.apply options on
+blocks that return tuples, write their inputs or a matmul's output in place, or hold running
+statistics never change a loss, a gradient or a module's state (or are refused with a clear
+error); and a random sequence of HostPool operations keeps the pool's accounting exact.
 
 CI runs the derandomized "ci" profile (tests/conftest.py); CKPT_OFFLOAD_HYPOTHESIS_PROFILE=thorough
 draws ten times as many fresh examples. A failure prints the smallest example hypothesis found
@@ -9,6 +11,7 @@ and an @reproduce_failure line to replay it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -449,3 +452,157 @@ class HostPoolMachine(RuleBasedStateMachine):
 
 TestHostPoolMachine = HostPoolMachine.TestCase
 TestHostPoolMachine.settings = settings(max_examples=hypothesis_examples(60), stateful_step_count=25)
+
+
+# --- random plans and co.apply segments on blocks that are hard to recompute exactly ------------
+
+
+class HBlock(nn.Module):
+    """A block whose ``spec`` may make it return ``(h, aux)`` (the model's loss uses every aux),
+    write its input in place, write a matmul's output in place, or hold a BatchNorm (running
+    statistics): each valid without a plan, each a trap for recompute."""
+
+    def __init__(self, dim: int, spec: dict):
+        super().__init__()
+        self.spec = spec
+        self.lin = nn.Linear(dim, dim, dtype=torch.float64)
+        self.bn = nn.BatchNorm1d(dim, dtype=torch.float64) if spec["bn"] else None
+
+    def forward(self, x):
+        if self.spec["inplace_input"]:
+            x.mul_(0.75)  # nothing has saved x yet (the previous block's output is a fresh product)
+        h = self.lin(x)
+        if self.spec["mutate_matmul"]:
+            h.add_(0.5)  # nothing has saved the matmul's output yet; selective recompute would
+        if self.bn is not None:
+            h = self.bn(h)
+        h = torch.tanh(h) * torch.sigmoid(h)
+        if self.spec["aux"]:
+            return h, h.mean()  # saves nothing: the next block may write h in place
+        return h
+
+
+class HModel(nn.Module):
+    def __init__(self, specs, dim):
+        super().__init__()
+        self.blocks = nn.ModuleList(HBlock(dim, s) for s in specs)
+
+    def forward(self, x):
+        h, aux = x * 1.0, []
+        for b in self.blocks:
+            out = b(h)
+            if isinstance(out, tuple):
+                h, a = out
+                aux.append(a)
+            else:
+                h = out
+        return h.sum() + sum((i + 2) * a for i, a in enumerate(aux))
+
+
+_spec = st.fixed_dictionaries({"aux": st.booleans(), "inplace_input": st.booleans(), "mutate_matmul": st.booleans(),
+                               "bn": st.booleans()})
+
+
+@dataclass
+class HCase:
+    specs: list
+    rows: int
+    seed: int
+
+
+@st.composite
+def h_cases(draw):
+    n = draw(st.integers(2, 4))
+    return HCase(specs=draw(st.lists(_spec, min_size=n, max_size=n)), rows=draw(st.integers(32, 64)),
+                 seed=draw(st.integers(0, 2**31 - 1)))
+
+
+_DIM = 32  # with rows >= 32, saved tensors (8 KiB+) outweigh the RNG state (5 KiB) a CPU checkpoint keeps
+
+
+def _h_models(c: HCase, copies: int):
+    import copy
+
+    torch.manual_seed(c.seed)
+    model = HModel(c.specs, _DIM)
+    x = torch.randn(c.rows, _DIM, generator=torch.Generator().manual_seed(c.seed), dtype=torch.float64)
+    return [copy.deepcopy(model) for _ in range(copies)], x
+
+
+def _h_step(model, x):
+    model.zero_grad(set_to_none=True)
+    loss = model(x)
+    loss.backward()
+    state = {f"grad {n}": p.grad for n, p in model.named_parameters() if p.grad is not None}
+    state.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+    return loss.detach(), state
+
+
+def _assert_same_step(ref, got, what):
+    (l1, s1), (l2, s2) = ref, got
+    assert torch.equal(l1, l2), f"{what}: loss {l1.item()} vs {l2.item()}"
+    assert s1.keys() == s2.keys(), what
+    differing = [k for k in s1 if not torch.equal(s1[k], s2[k])]
+    assert not differing, f"{what}: {differing} differ"
+
+
+_plan_options = st.fixed_dictionaries({
+    "fraction": st.sampled_from((0.0, 0.5, 0.8)),  # of the peak without a plan; 0: the least any plan reaches
+    "kinds": st.sampled_from((("keep", "recompute"), ("keep", "selective"), ("keep", "offload", "recompute",
+                                                                           "recompute_offload", "selective"))),
+    "levels": st.integers(1, 2),
+    "segments": st.booleans(),
+})
+
+
+@settings(max_examples=hypothesis_examples(8))
+@given(c=h_cases(), o=_plan_options)
+def test_random_plans_never_change_loss_gradients_or_state(c, o):
+    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.planner import Bandwidth, measure_costs, simulate, singles
+
+    (ref_model, planned, probe), x = _h_models(c, 3)
+    ref = _h_step(ref_model, x)
+    costs = measure_costs(lambda: probe(x).backward(), _select_blocks(probe, None), "cpu",
+                          bandwidth=Bandwidth(math.inf, math.inf, 0.0), min_bytes=0)
+    full = simulate(costs, singles(["keep"] * len(costs.blocks))).peak_bytes
+    opts = dict(devices=["cpu"], min_bytes=0, kinds=o["kinds"], levels=o["levels"], segments=o["segments"],
+                costs=costs)
+    try:
+        plan = co.plan(planned, lambda: None, budget=max(1, int(full * o["fraction"])), **opts)
+    except co.planner.InfeasibleBudget as e:
+        plan = co.plan(planned, lambda: None, budget=e.minimum, **opts)
+    handle = plan.apply()
+    try:
+        got = _h_step(planned, x)
+    finally:
+        handle.remove()
+    _assert_same_step(ref, got, f"plan {plan.choices}")
+
+
+_apply_options = st.one_of(
+    st.fixed_dictionaries({"segments": st.sampled_from((1, 2, "sqrt")), "offload": st.booleans()}),
+    st.fixed_dictionaries({"every_n_layers": st.integers(1, 2), "offload": st.booleans()}),
+)
+
+
+@settings(max_examples=hypothesis_examples(15))
+@given(c=h_cases(), o=_apply_options)
+def test_random_apply_options_never_change_loss_gradients_or_state(c, o):
+    if "every_n_layers" in o:
+        # co.apply without segments is torch's checkpoint per block: it updates running statistics
+        # in its recompute as torch's does (documented); the planner and segments refuse that.
+        c.specs = [dict(s, bn=False) for s in c.specs]
+    (ref_model, applied), x = _h_models(c, 2)
+    ref = _h_step(ref_model, x)
+    offload = {"devices": ["cpu"], "min_bytes": 0} if o["offload"] else False
+    handle = co.apply(applied, layers=HBlock, offload=offload, **{k: v for k, v in o.items() if k != "offload"})
+    try:
+        got = _h_step(applied, x)
+    except RuntimeError as e:  # refused: a block a recompute cannot repeat (an in-place write)
+        msg = str(e)
+        assert "in place" in msg or "inplace" in msg or "running statistics" in msg, msg
+        return
+    finally:
+        handle.remove()
+    _assert_same_step(ref, got, f"co.apply({o})")

@@ -136,64 +136,163 @@ def _next_args(out, args, kwargs):
     return (), kwargs
 
 
+def _rest(args, kwargs):
+    """What a segment's block gets besides its hidden state (the first argument, or
+    ``hidden_states=``)."""
+    if args:
+        return args[1:], kwargs
+    return (), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+
+def _same_leaf(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # == raises or is not a bool: only itself is the same
+        return False
+
+
+def _same_rest(got, expected) -> bool:
+    """Whether a later block of a segment got the arguments (besides its hidden state) the segment
+    ran it with: the first block's, the same tensors (by identity) and equal other values."""
+    from torch.utils._pytree import tree_flatten
+
+    (ga, gk), (ea, ek) = got, expected
+    if len(ga) != len(ea) or set(gk) != set(ek):
+        return False
+    g_leaves, g_spec = tree_flatten((ga, gk))
+    e_leaves, e_spec = tree_flatten((ea, {k: ek[k] for k in gk}))
+    return g_spec == e_spec and all(_same_leaf(a, b) for a, b in zip(g_leaves, e_leaves))
+
+
+def _running_stats(module):
+    """Prefixes (``"bn."``) of the submodules of ``module`` that update running statistics in
+    forward (BatchNorm and the like in training mode, tracking them)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [f"{n}." if n else "" for n, m in module.named_modules()
+            if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+
+
 class _Segment:
     """Blocks ``a..b`` as one checkpoint. The model calls them one after another; the first block's
     wrapper runs all of them inside the checkpoint (each next block gets the previous one's hidden
-    state as its first argument, the other arguments unchanged) and the others hand back that
-    result. Needs blocks chained through their first argument, as in a transformer's layer loop.
+    state as its first argument, the other arguments unchanged), which returns every block's own
+    output; each later block's wrapper hands back its own. So a model that uses more than the
+    first output of each block (an auxiliary loss, attention weights) or collects every block's
+    output (``output_hidden_states``) sees what it would without the segment. Needs blocks
+    chained through their first argument and called with the same other arguments, as in a
+    transformer's layer loop; a call that breaks this raises.
 
     A nested segment (``unit.inner``) runs its inner checkpoints as ``co.checkpoint`` calls inside
     the outer one's function: torch's non-reentrant checkpoint nests, so the outer recompute keeps
     only the inner checkpoints' inputs, and each inner one recomputes its blocks when backward
     reaches it."""
 
-    def __init__(self, originals, names, offload, unit, collector):
+    def __init__(self, originals, names, offload, unit, collector, blocks=(), allow=frozenset()):
         self.originals, self.names, self.offload = originals, names, offload
         self.unit = unit
-        self.collector = collector
-        self.stash = None
+        self.collector = collector  # the plan handle's StatsCollector
+        self.blocks = list(blocks)  # the modules, whose buffers a recompute must not write again
+        self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
+        self._reset()
+
+    def _checked(self, j, args, kwargs):
+        """Runs block ``j`` of the segment in forward, refusing what its recompute would not
+        repeat exactly: an in-place write to one of its inputs, or to one of its buffers (running
+        statistics, which the recompute would update a second time)."""
+        from torch.utils._pytree import tree_flatten
+
+        watch = []
+        if "input_write" not in self.allow:
+            watch += [("input", t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if "state_write" not in self.allow and j < len(self.blocks):
+            watch += [(f"buffer {n!r}", t) for n, t in self.blocks[j].named_buffers()]
+        before = [t._version for _, t in watch]
+        out = self.originals[j](*args, **kwargs)
+        changed = [what for (what, t), v in zip(watch, before) if t._version != v]
+        if changed:
+            buffers = [w[len("buffer "):] for w in changed if w != "input"]
+            # BatchNorm's kernels update running_mean/var without bumping their version counter:
+            # only num_batches_tracked shows it; name the statistics too.
+            stats = [repr(f"{name}{stat}") for name in (_running_stats(self.blocks[j]) if j < len(self.blocks) else ())
+                     for stat in ("running_mean", "running_var")]
+            buffers = [b for b in stats if b not in buffers] + buffers
+            why = ("writes its input in place: its recompute would read the written value" if "input" in changed
+                   else f"updates its buffer(s) {', '.join(buffers)} in forward (running statistics): its recompute "
+                   "would update them a second time")
+            raise RuntimeError(
+                f"a segment recomputes {self.names[j]} in backward, but it {why}. Keep this block out of segments "
+                "(co.plan excludes such blocks by itself; co.plan(..., allow_inexact=...) allows them)")
+        return out
+
+    def _reset(self):
+        # outs: the outputs not yet handed out (None once handed); prev: the last one handed out,
+        # whose hidden state the next block must get; rest: the arguments the segment ran with.
+        self.outs, self.prev, self.rest, self.next = None, None, None, 0
 
     def _runner(self, parts):
-        """A function running ``parts`` (units, block indices absolute) one after another."""
+        """A function running ``parts`` (units, block indices absolute) one after another and
+        returning every block's output, in order (a tuple, one entry per block)."""
         base, originals = self.unit.start, self.originals
 
         def chain(*a, **kw):
-            out = None
+            outs = []
+            forward = not _in_backward()
             for j, p in enumerate(parts):
-                args, kwargs = (a, kw) if j == 0 else _next_args(out, a, kw)
-                if p.kind == "keep":
-                    out = originals[p.start - base](*args, **kwargs)
+                args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw)
+                if p.kind == "keep" and forward:
+                    outs.append(self._checked(p.start - base, args, kwargs))
+                elif p.kind == "keep":
+                    outs.append(originals[p.start - base](*args, **kwargs))
                 else:  # an inner checkpoint, its inputs kept by the enclosing one's recompute only
-                    out = checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs)
-            return out
+                    outs.extend(checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs))
+            return tuple(outs)
 
         return chain
 
     def first(self, args, kwargs):
-        out = _checkpoint(_ranged(self._runner(self.unit.parts)), args, kwargs, self.offload, self.collector)
-        self.stash = [out, 1]
-        return out
+        outs = _checkpoint(_ranged(self._runner(self.unit.parts)), args, kwargs, self.offload, self.collector)
+        self.outs, self.prev, self.rest, self.next = list(outs), outs[0], _rest(args, kwargs), 1
+        self.outs[0] = None
+        del outs
+        return self.prev
+
+    def _refuse(self, j, why):
+        self._reset()
+        raise RuntimeError(
+            f"a plan segment ({self.names[0]} .. {self.names[-1]}) runs its blocks one after another, each with the "
+            f"previous one's output as its first argument and the other arguments the first block got; "
+            f"{self.names[j]} {why}. Plan without segments (co.plan(..., segments=False)), or apply without "
+            "segments, for this model")
 
     def later(self, j, original, args, kwargs):
-        if self.stash is None:
+        if self.outs is None:
             return original(*args, **kwargs)
-        out, _ = self.stash
+        if j != self.next:
+            self._refuse(j, f"was called out of order (after {self.names[self.next - 1]})")
         given = args[0] if args else kwargs.get("hidden_states")
-        if given is not _hidden(out):
-            self.stash = None
-            raise RuntimeError(
-                f"a plan segment ({self.names[0]} .. {self.names[-1]}) expects its blocks to be called one after "
-                f"another, each with the previous one's output; {self.names[j]} got another input. Plan without "
-                "segments (co.plan(..., segments=False)) for this model")
+        if given is not _hidden(self.prev):
+            self._refuse(j, "got another input")
+        if not _same_rest(_rest(args, kwargs), self.rest):
+            self._refuse(j, "got other arguments than the first block")
+        out = self.outs[j]
+        self.outs[j] = None  # handed out: the segment no longer holds it
         if j == len(self.originals) - 1:
-            self.stash = None
+            self._reset()
+        else:
+            self.prev, self.next = out, j + 1
         return out
 
 
-def apply_units(model, named_blocks, units, offload_options):
+def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
     """Wraps the blocks of ``named_blocks`` as ``units`` say; returns a :class:`PlanHandle`.
 
-    ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input.
+    ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input;
+    ``allow``: the reasons of ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse.
     """
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
@@ -222,7 +321,8 @@ def apply_units(model, named_blocks, units, offload_options):
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
-                           offload_options if u.kind == "recompute_offload" else None, u, collector)
+                           offload_options if u.kind == "recompute_offload" else None, u, collector,
+                           blocks=[b for _, b in members], allow=frozenset(allow))
             for j, (name, block) in enumerate(members):
                 original = block.forward
                 if j == 0:

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
-           "SELECTIVE_SAVE_OPS"]
+           "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
 
 # What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
 # whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
@@ -33,6 +33,37 @@ SELECTIVE_SAVE_OPS = tuple(
     ) if op is not None
 )
 _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
+
+#: Why a recompute of a block can differ from its forward, and the choices each reason rules out:
+#: ``input_write``: the block writes one of its inputs in place (a checkpoint's recompute then
+#: reads the written value: torch raises for a single checkpoint and nested ones give wrong
+#: gradients); ``state_write``: it writes a tensor from outside itself in forward -- a module's
+#: running statistics (BatchNorm), a parameter, a cache -- which a recompute writes a second time;
+#: ``saved_mutation``: it writes in place the output of an op selective recompute saves (torch's
+#: selective checkpoint raises "... has been mutated").
+INEXACT_REASONS = {
+    "input_write": ("recompute", "recompute_offload", "selective"),
+    "state_write": ("recompute", "recompute_offload", "selective"),
+    "saved_mutation": ("selective",),
+}
+
+
+def _written(func, args, kwargs):
+    """The tensors ``func`` writes in place (its schema's mutable arguments, ``out=`` included)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    out = []
+    for i, a in enumerate(schema.arguments):
+        info = a.alias_info
+        if info is None or not info.is_write:
+            continue
+        if a.kwarg_only or i >= len(args):
+            v = kwargs.get(a.name)
+        else:
+            v = args[i]
+        out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+    return out
 _NO_COMPUTE = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
 
 
@@ -61,7 +92,10 @@ class BlockCost:
     index), -1 if not, and ``selective_last_use``: how many tensors the block had saved when the last op
     reading them ran (a recompute frees them there); ``forward_s`` / ``backward_s``: compute seconds;
     ``selective_recompute_s``:
-    seconds to recompute what selective drops.
+    seconds to recompute what selective drops; ``inexact``: what the measured step showed makes a
+    recompute of the block differ from its forward, ``{reason: what was seen}`` with reason in
+    :data:`INEXACT_REASONS` (empty: every choice is exact); ``calls``: how many times the step called
+    the block (its calls' costs are summed: see docs/planner.md, "Accuracy and limits").
     """
 
     name: str
@@ -75,6 +109,8 @@ class BlockCost:
     forward_s: float = 0.0
     backward_s: float = 0.0
     selective_recompute_s: float = 0.0
+    inexact: dict = field(default_factory=dict)
+    calls: int = 1
 
     @property
     def saved_bytes(self) -> int:
@@ -112,7 +148,10 @@ class CostModel:
     stay on the device when offloading, as in co.offload) and ``checkpoint_bytes``: what every
     checkpoint keeps on the device from its forward to its backward besides its inputs -- torch's
     copy of the CPU random state when the device is the CPU (``preserve_rng_state``; on a GPU the
-    random states are copied to host memory: 0). A nested segment has one per checkpoint."""
+    random states are copied to host memory: 0). A nested segment has one per checkpoint.
+    ``excluded``: per block, ``{kind: why}`` for the kinds no plan may give it (set by
+    :func:`ckpt_offload.plan` from the blocks' ``inexact``; empty: none excluded); a segment is
+    excluded where one of its blocks excludes ``"recompute"``."""
 
     blocks: list
     bandwidth: Bandwidth
@@ -125,6 +164,7 @@ class CostModel:
     baseline_step_s: float = 0.0
     device: str = "cpu"
     checkpoint_bytes: int = 0
+    excluded: list = field(default_factory=list)
 
     @property
     def names(self) -> list:
@@ -171,6 +211,8 @@ class _Recorder(TorchDispatchMode):
                     block.selective_uses[k] = len(block.cost.packs)
             self.sync()
             t0 = time.perf_counter()
+        if block is not None and getattr(func, "_schema", None) is not None and func._schema.is_mutable:
+            block.note_writes(func, _written(func, args, kwargs))
         out = func(*args, **kwargs)
         if not getattr(func, "is_view", False) and func.overloadpacket not in _NO_COMPUTE:
             self.count += 1  # views: unpacking a saved view re-creates it; not a node's work
@@ -186,6 +228,8 @@ class _Recorder(TorchDispatchMode):
                 k = _storage_key(o)
                 if k is not None and k not in in_keys:
                     self.fresh.add(k)
+                    if block is not None:
+                        block.own.add(k)
                     if block is not None and keep:
                         block.selective_refs[k] = o  # held, as selective recompute would
         return out
@@ -207,6 +251,30 @@ class _BlockRecord:
         self.selective_uses = {}
         self.saved_op_s = 0.0
         self.op_s = 0.0
+        self.calls = 0
+        self.own = set()  # storages the block's ops allocated
+        self.arg_keys = {}  # storage key -> which argument ("input 0", "hidden_states")
+        self.state_names = {}  # storage key -> name of a parameter or buffer of the block
+
+    def note_writes(self, func, tensors):
+        """An op of the block writes ``tensors`` in place: record why that makes a recompute
+        inexact, if it does (a write to what the block allocated itself is repeated identically)."""
+        inexact = self.cost.inexact
+        op = str(getattr(func, "overloadpacket", func))
+        for t in tensors:
+            k = _storage_key(t)
+            if k is None:
+                continue
+            if k in self.selective_refs:
+                inexact.setdefault("saved_mutation", f"{op} writes the output of a matmul/convolution/attention op")
+            elif k in self.own:
+                continue
+            elif k in self.arg_keys:
+                inexact.setdefault("input_write", f"{op} writes its {self.arg_keys[k]} in place")
+            elif k in self.state_names:
+                inexact.setdefault("state_write", f"{op} updates {self.state_names[k]!r} in forward")
+            else:
+                inexact.setdefault("state_write", f"{op} writes a tensor made outside the block in place")
 
 
 def _sync_for(device: str):
@@ -226,7 +294,13 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
     recs = [_BlockRecord(n) for n, _ in named_blocks]
     owner = {}  # storage key -> ("block", i) | ("pre",) | ("post",)
     outside = {"pre": {}, "post": {}}
-    state = {"current": None, "done": set(), "started": False}
+    # grad: a block ran with gradients enabled; requires_grad: a block's output needs a gradient;
+    # backward: a gradient reached one
+    state = {"current": None, "done": set(), "started": False, "grad": False, "requires_grad": False,
+             "backward": False}
+
+    def reached(_):
+        state["backward"] = True
     rec_mode = _Recorder(sync)
 
     def pre_hook(i):
@@ -236,6 +310,28 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
             state["current"] = i
             state["started"] = True
             r = recs[i]
+            r.calls += 1
+            state["grad"] |= torch.is_grad_enabled()
+            r.own = set()
+            r.arg_keys = {}
+            named_args = [(f"input {j}", a) for j, a in enumerate(args)] + [
+                (f"argument {name!r}", v) for name, v in kwargs.items()]
+            for where, a in named_args:
+                for t in _tensors(a):
+                    k = _storage_key(t)
+                    if k is not None:
+                        r.arg_keys.setdefault(k, where)
+            from ckpt_offload.planner.apply import _running_stats
+
+            for prefix in _running_stats(module):
+                # BatchNorm's kernels write running_mean/var without an op that says so
+                r.cost.inexact.setdefault(
+                    "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward")
+            r.state_names = {}
+            for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+                k = _storage_key(t)
+                if k is not None:
+                    r.state_names.setdefault(k, f"{named_blocks[i][0]}.{name}")
             for t in _tensors((args, kwargs)):
                 k = _storage_key(t)
                 if k is not None and k in rec_mode.fresh and k not in owner and k not in r.input_keys:
@@ -255,6 +351,11 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                 r.cost.selective_saved.append(r.keys.get(k, -1))
                 r.cost.selective_last_use.append(r.selective_uses.get(k, len(r.cost.packs)))
             r.selective_refs = {}
+            for t in _tensors(output):
+                if t.requires_grad:
+                    state["requires_grad"] = True
+                    t.register_hook(reached)
+                    break
             state["current"] = None
             state["done"].add(i)
             rec_mode.block = None
@@ -318,7 +419,21 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
     if missing:
         raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
                          "that step() calls, or a step that runs the model's forward and backward")
+    if not state["grad"]:
+        raise ValueError("co.plan: step() ran the blocks with gradients disabled (under torch.no_grad() or "
+                         "torch.inference_mode()), so they save nothing for backward and there is nothing to plan: "
+                         "pass a training step, e.g. lambda: loss_fn(model(x)).backward(), run with gradients "
+                         "enabled")
+    if not state["requires_grad"]:
+        raise ValueError("co.plan: no output of the blocks requires a gradient (their parameters are frozen and "
+                         "their inputs need none), so backward never reaches them and there is nothing to plan: "
+                         "plan a step that trains parameters of the blocks (or whose input requires grad)")
+    if not state["backward"]:
+        raise ValueError("co.plan: step() never ran backward through the blocks, so what they save for backward "
+                         "cannot be measured: pass a step that runs forward and backward, e.g. "
+                         "lambda: loss_fn(model(x)).backward()")
     for r in recs:
+        r.cost.calls = r.calls
         r.cost.selective_recompute_s = 0.0
         r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
     pre = sum(outside["pre"].values())

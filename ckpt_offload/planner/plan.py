@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from ckpt_offload._args import check_bytes, check_int, device_types, parse_bytes
-from ckpt_offload.planner.costs import Bandwidth, CostModel, measure_costs
+from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
@@ -68,8 +68,9 @@ class Plan:
     """
 
     def __init__(self, model, named_blocks, costs: CostModel, units, prefetch_bytes, budget, offload_options,
-                 sim: SimResult, baseline: dict, source: str):
+                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset()):
         self.model = model
+        self.allow_inexact = frozenset(allow_inexact)  #: the inexact reasons the plan was allowed
         self._named_blocks = named_blocks
         self.costs = costs
         self.units = list(units)
@@ -82,6 +83,9 @@ class Plan:
         self.choices = {name: kind for (name, _), kind in zip(named_blocks, choice_names(self.units))}
         self.predicted_peak_bytes = sim.peak_bytes
         self.predicted_step_seconds = sim.step_s
+        #: ``{block name: {kind: why}}``: the choices the plan could not give a block because the
+        #: measured step showed they would not be exact (see ``allow_inexact`` of :func:`plan`)
+        self.excluded = {name: dict(ex) for (name, _), ex in zip(named_blocks, costs.excluded or []) if ex}
 
     def apply(self):
         """Installs the plan on the model (like ``co.apply``); returns a handle whose ``remove()``
@@ -96,7 +100,7 @@ class Plan:
         """
         from ckpt_offload.planner.apply import apply_units
 
-        return apply_units(self.model, self._named_blocks, self.units, self.offload_options)
+        return apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact)
 
     def summary(self) -> str:
         """A table: per block its choice, device bytes kept through forward, bytes sent to the pool,
@@ -121,6 +125,17 @@ class Plan:
         lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
                      f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
                      f"{slow:+.1f}%)")
+        if self.excluded:
+            lines.append("excluded, since their recompute would not be exact (co.plan(..., allow_inexact=...) "
+                         "allows them):")
+            for name, ex in self.excluded.items():
+                by_why = {}
+                for kind, why in ex.items():
+                    by_why.setdefault(why, []).append(kind)
+                for why, kinds in by_why.items():
+                    if "recompute" in kinds:
+                        kinds = kinds + ["segments"]
+                    lines.append(f"  {name}: no {', '.join(kinds)}: {why}")
         return "\n".join(lines)
 
     def _inner_lines(self, u, depth):
@@ -151,7 +166,7 @@ def _model_device(model) -> str:
 
 def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
-         costs: CostModel | None = None, pool=None):
+         costs: CostModel | None = None, pool=None, allow_inexact=False):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective (and segments of blocks recomputed as one) so that the device
     peak of saved activations fits ``budget`` with the least predicted step time.
@@ -184,6 +199,16 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         pool: the :class:`~ckpt_offload.HostPool` the plan's offloads use when applied (default:
             ``co.default_pool()``); e.g. a pool with ``spill_dir=`` so what exceeds its cap goes to
             disk. The plan's costs assume the host link, not the disk.
+        allow_inexact: ``False`` (default): a block is never given a choice the measured step shows
+            would not be exact -- no recompute (single, in a segment, selective) for a block that
+            writes one of its inputs in place (``"input_write"``) or a tensor from outside itself,
+            such as BatchNorm's running statistics, which a recompute would update twice
+            (``"state_write"``), and no selective recompute for one that writes a matmul's output in
+            place (``"saved_mutation"``); :meth:`Plan.summary` lists what was excluded and why.
+            ``True`` allows all of them, or a collection of those reason names allows those.
+
+    The measuring runs of ``step`` leave the model's buffers (running statistics) as they found
+    them.
 
     Returns:
         a :class:`Plan`.
@@ -218,11 +243,43 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     bw = parse_bandwidth(bandwidth)
     device = _model_device(model)
     dev_types = [device] if devices is None else device_types("devices", devices)
-    named = _select_blocks(model, layers)
+    allow = _allowed_reasons(allow_inexact)
+    _check_not_wrapped(model)
+    try:
+        named = _select_blocks(model, layers)
+    except ValueError as e:
+        if "found no" not in str(e):
+            raise
+        what = ("the blocks it plans are the largest list of identical blocks (an nn.ModuleList or nn.Sequential "
+                "of 2 or more modules of one class), and there is none" if layers is None
+                else f"layers={layers!r} selects no submodule")
+        raise ValueError(
+            f"co.plan found no blocks to plan in {type(model).__name__}: {what}. Pass layers=<the block class> (for "
+            "example layers=type(model.layers[0])) or a predicate layers=lambda name, module: ... selecting the "
+            "blocks whose saved activations the plan chooses for") from None
+    for name, block in named:
+        if "_ckpt_offload_wrapped" in block.__dict__:
+            _check_not_wrapped(block, name)
     if costs is None:
-        costs = measure_costs(step, named, device=device, bandwidth=bw, min_bytes=min_bytes)
+        state = [(b, b.detach().clone()) for b in model.buffers()]
+        try:
+            costs = measure_costs(step, named, device=device, bandwidth=bw, min_bytes=min_bytes)
+        finally:
+            # The measuring runs are not training steps: running statistics stay as they were.
+            with torch.no_grad():
+                for b, before in state:
+                    if b.shape == before.shape:
+                        b.copy_(before)
+            del state
     elif len(costs.blocks) != len(named):
         raise ValueError(f"costs has {len(costs.blocks)} blocks, the model {len(named)}; measure them again")
+    costs.excluded = _excluded(costs, allow)
+    repeated = [(b.name, getattr(b, "calls", 1)) for b in costs.blocks if getattr(b, "calls", 1) > 1]
+    if repeated:
+        warnings.warn(
+            f"co.plan: step() calls block(s) {', '.join(f'{n} ({k} times)' for n, k in repeated[:4])} more than once; "
+            "the cost model sums their calls, which overstates the peak of recomputing them, so a budget a plan "
+            "would fit may be refused", stacklevel=2)
     if bw is not None:
         costs.bandwidth = bw
     costs.min_bytes = min_bytes
@@ -232,6 +289,11 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
 
     if create_selective_checkpoint_contexts is None:
         kinds = tuple(k for k in kinds if k != "selective")
+    for (name, _), ex in zip(named, costs.excluded):
+        if all(k in ex for k in kinds):
+            raise ValueError(
+                f"co.plan: block {name!r} can have none of kinds={kinds}: {'; '.join(sorted(set(ex.values())))}. "
+                "Add 'keep' (or 'offload') to kinds, or pass allow_inexact=True to allow it anyway")
     try:
         best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments,
                      levels=levels)
@@ -256,7 +318,52 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if pool is not None:
         options["pool"] = pool
     return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
-                best.source)
+                best.source, allow)
+
+
+def _allowed_reasons(allow_inexact) -> set:
+    if allow_inexact is True:
+        return set(INEXACT_REASONS)
+    if allow_inexact is False or allow_inexact is None:
+        return set()
+    if isinstance(allow_inexact, str):
+        allow_inexact = [allow_inexact]
+    try:
+        reasons = set(allow_inexact)
+    except TypeError:
+        raise TypeError(f"allow_inexact must be True, False or a collection of {sorted(INEXACT_REASONS)}, got "
+                        f"{type(allow_inexact).__name__}") from None
+    bad = sorted(str(r) for r in reasons - set(INEXACT_REASONS))
+    if bad:
+        raise ValueError(f"allow_inexact: unknown reason(s) {bad}; allowed: {sorted(INEXACT_REASONS)} "
+                         "(or True for all)")
+    return reasons
+
+
+def _excluded(costs, allow) -> list:
+    """Per block ``{kind: why}``: the kinds its measured ``inexact`` reasons rule out, less those
+    ``allow`` allows."""
+    out = []
+    for b in costs.blocks:
+        ex = {}
+        for reason, what in (getattr(b, "inexact", None) or {}).items():
+            if reason in allow:
+                continue
+            for kind in INEXACT_REASONS.get(reason, ()):
+                ex.setdefault(kind, f"{what} ({reason})")
+        out.append(ex)
+    return out
+
+
+def _check_not_wrapped(module, name=None):
+    handle = getattr(module, "_ckpt_offload_handle", None)
+    wrapped = "_ckpt_offload_wrapped" in module.__dict__
+    if (handle is not None and not handle.removed) or wrapped:
+        what = f"block {name!r}" if name else "the model"
+        raise RuntimeError(
+            f"co.plan: {what} is already wrapped by co.apply, co.hf.enable or a plan; measuring it would measure "
+            "those checkpoints, not the model (every block would be 'keep'). Call .remove() on the handle they "
+            "returned (model._ckpt_offload_handle.remove()) before planning")
 
 
 __all__ += ["InfeasibleBudget"]

@@ -99,6 +99,17 @@ def _terms6(cm, u):
             0, 0)
 
 
+def allowed(cm, u) -> bool:
+    """Whether unit ``u`` gives no block a kind ``cm.excluded`` rules out for it (a segment
+    recomputes every block it holds: each must allow ``"recompute"``)."""
+    ex = getattr(cm, "excluded", None)
+    if not ex:
+        return True
+    if u.start == u.end:
+        return u.kind not in ex[u.start]
+    return all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+
+
 def _unit_options(n, kinds, max_segment, inners=None):
     """Units starting at each block: singles of every kind, segments (of at most ``max_segment``
     blocks) of SEGMENT_KINDS; ``inners`` gives the nestings of each segment (``{(i, j): [inner,
@@ -133,7 +144,7 @@ def _nested_options(cm, n, kinds, max_segment, levels, max_points=None):
             max_points = 4 if long else MAX_NESTINGS
         f = fronts(cm, levels, min(max_segment, MAX_NESTED_SEGMENT // 2 if long else MAX_NESTED_SEGMENT), max_points)
         options = _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
-    return [[(u, _unit_terms(cm, u, 0)) for u in opts] for opts in options]
+    return [[(u, _unit_terms(cm, u, 0)) for u in opts if allowed(cm, u)] for opts in options]
 
 
 def chain_cost(cm, units, prefetch):
@@ -221,6 +232,41 @@ def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, ob
     return None if best is None else best[1]
 
 
+def least_peak_plans(cm, prefetch=0, kinds=KINDS, max_segment=None, levels=1, ties=8, limit=256, _options=None):
+    """The chain model's lowest-peak plans (at most ``limit``, lowest chain-model peak first): the
+    least-peak DP keeping, per state, up to ``ties`` plans that reach it (the chain model does not
+    tell them apart; the simulator may: its peak is what a budget is checked against).
+
+    Example::
+
+        candidates = least_peak_plans(cm, 0, levels=3)
+    """
+    n = len(cm.blocks)
+    max_segment = n if max_segment is None else max_segment
+    options = _options or _nested_options(cm, n, kinds, max_segment, levels)
+    fronts = [dict() for _ in range(n + 1)]  # position -> {state: [units, ...]}
+    fronts[0][_initial(cm)] = [()]
+    for i in range(n):
+        if not fronts[i]:
+            continue
+        for state, plans in _pareto(fronts[i], by_peak=True):
+            for u, t in options[i]:
+                s = _advance(cm, state, u, prefetch, t)
+                if s is None or not math.isfinite(s[6]):
+                    continue
+                at = fronts[u.end + 1].setdefault(s, [])
+                for units in plans:
+                    if len(at) >= ties:
+                        break
+                    at.append(units + (u,))
+    done = []
+    for state, plans in fronts[n].items():
+        peak, time = _finish(cm, state)
+        done += [((peak, time), list(units)) for units in plans]
+    done.sort(key=lambda x: x[0])
+    return [units for _, units in done[:limit]]
+
+
 #: Largest Pareto front kept per block (the fastest states): the DP is exact while fronts stay
 #: smaller, which they do for chains of tens of blocks with measured costs.
 MAX_FRONT = 4000
@@ -266,6 +312,8 @@ def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, leve
     :func:`chain_dp` must equal (tests)."""
     best = None
     for units in _all_unit_lists(len(cm.blocks), kinds, max_segment, levels):
+        if not all(allowed(cm, u) for u in units):
+            continue
         peak, time = chain_cost(cm, units, prefetch)
         if peak <= budget and math.isfinite(time) and (best is None or (time, peak) < best[0]):
             best = ((time, peak), list(units))
@@ -328,8 +376,11 @@ def _prefetch_options(cm, units_hint=None):
 
 
 def evaluate(cm, units, prefetch, source=""):
+    """The simulator's verdict on ``units`` as a :class:`Candidate`; one giving a block a kind
+    ``cm.excluded`` rules out is never chosen (its step time is infinite)."""
     r = simulate(cm, list(units), prefetch)
-    return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if r.feasible else math.inf, source)
+    ok = r.feasible and all(allowed(cm, u) for u in units)
+    return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if ok else math.inf, source)
 
 
 def _local_search(cm, cand, budget, kinds, rounds=3):
@@ -419,6 +470,11 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
             for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
     fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
+    if not fits and n > exhaustive_max_blocks:
+        # Near the least peak the chain model's bound can miss plans that fit: the lowest-peak
+        # plans it sees, judged and improved by the simulator, are what reaches the true minimum.
+        cands += least_peak_candidates(cm, kinds, windows, segments, levels, options)
+        fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
     if fits:
         fits.sort(key=Candidate.key)
         best = fits[0]
@@ -428,11 +484,43 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
                 if c.key() < best.key():
                     best = c
         return best
-    smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the DP's least peak
+    smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the least-peak ones
     raise InfeasibleBudget(
         budget, smallest,
         f"budget={_fmt(budget)} is below the smallest peak of saved activations any plan reaches here, "
         f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)")
+
+
+def least_peak_candidates(cm, kinds, windows, segments, levels, options=None):
+    """The chain model's lowest-peak plans for each prefetch window (:func:`least_peak_plans`),
+    judged by the simulator, then improved for the simulated peak one block at a time."""
+    n = len(cm.blocks)
+    out = []
+    for p in windows:
+        for units in least_peak_plans(cm, p, kinds, n if segments else 1, levels if segments else 1,
+                                      _options=options):
+            out.append(evaluate(cm, units, p, "least_peak"))
+    finite = sorted((c for c in out if math.isfinite(c.step_s)), key=lambda c: (c.peak_bytes, c.step_s))
+    out += [_lower_peak(cm, c, kinds) for c in finite[:3]]
+    return out
+
+
+def _lower_peak(cm, cand, kinds, rounds=3):
+    """Changes one block's kind at a time while that lowers the simulated peak."""
+    best = cand
+    for _ in range(rounds):
+        improved = False
+        kinds_now = _per_block(best.units)
+        for i in range(len(cm.blocks)):
+            for k in kinds:
+                if k == kinds_now[i]:
+                    continue
+                c = evaluate(cm, _replace(best.units, i, k), best.prefetch_bytes, best.source + "+lp")
+                if math.isfinite(c.step_s) and (c.peak_bytes, c.step_s) < (best.peak_bytes, best.step_s):
+                    best, improved = c, True
+        if not improved:
+            break
+    return best
 
 
 def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=2):
@@ -443,11 +531,7 @@ def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=
     n = len(cm.blocks)
     pool = list(cands)
     if levels:
-        for p in windows:
-            units = chain_dp(cm, math.inf, p, kinds=kinds, max_segment=n if segments else 1,
-                             levels=levels if segments else 1, objective="peak")
-            if units:
-                pool.append(evaluate(cm, units, p))
+        pool += least_peak_candidates(cm, kinds, windows, segments, levels)
     for p in windows:
         for kind in kinds:
             pool.append(evaluate(cm, singles([kind] * n), p))
