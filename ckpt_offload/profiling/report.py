@@ -26,7 +26,8 @@ from ckpt_offload.profiling.summary import format_summary
 __all__ = ["KEEP_REASONS", "ProfileReport"]
 
 #: Why a saved tensor can stay on the device (``ProfileReport.to_dict()["totals"]["kept_by_reason"]``).
-KEEP_REASONS = ("parameter", "buffer", "too_small", "device", "layout", "subclass", "pool_full", "cuda_graph_capture")
+KEEP_REASONS = ("parameter", "buffer", "too_small", "device", "layout", "subclass", "pool_full", "cuda_graph_capture",
+                "disk_full", "autocast_cast", "no_data")
 
 
 class ProfileReport:

@@ -15,6 +15,7 @@ const char* keep_reason_name(KeepReason r) {
     case KeepReason::GraphCapture: return "cuda_graph_capture";
     case KeepReason::DiskFull: return "disk_full";
     case KeepReason::AutocastCast: return "autocast_cast";
+    case KeepReason::NoData: return "no_data";
     default: return "unknown";
   }
 }

@@ -18,7 +18,7 @@ class PoolFull : public std::runtime_error {
 
 // Why a saved tensor stayed where it was.
 enum class KeepReason : int { Parameter = 0, Buffer, TooSmall, Device, Layout, Subclass, PoolFull, GraphCapture, DiskFull,
-                        AutocastCast, kCount };
+                        AutocastCast, NoData, kCount };
 const char* keep_reason_name(KeepReason r);
 
 struct PackerCounters {
