@@ -543,14 +543,14 @@ def test_keep_dedup_keyword():
 
 
 def _full_batched_context():
-    # A batch block (64 KiB) cannot be copied into a pool capped at one page.
+    # A batch of one 16 KiB tensor cannot be copied into a pool capped at one page.
     pool = co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096)
     return co.offload(pool=pool, on_full="raise", batch_below=64 * 1024, batch_bytes=64 * 1024, **CPU)
 
 
 def test_flush_pool_full_error_without_exception_in_body():
     ctx = _full_batched_context()
-    x = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
     with pytest.raises(co.PoolFullError):
         with ctx:
             y = x.exp()
@@ -562,7 +562,7 @@ def test_flush_pool_full_error_without_exception_in_body():
 @pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
 def test_exception_in_body_is_not_replaced_by_the_flush(error):
     ctx = _full_batched_context()
-    x = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
     with pytest.raises(error):
         with ctx:
             y = x.exp()
