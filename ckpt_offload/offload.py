@@ -89,6 +89,81 @@ class _Activation:
 
 _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
 
+# Note [Exits that cannot pop]
+# torch's saved-tensor hooks live on a per-thread stack, and torch's own contexts pop whatever
+# is on top when they exit, so any sequence of exits ends with an empty stack. A co.offload
+# exited out of order, on another thread, or inside a backward it was not entered in cannot
+# pop its entry with a plain pop; refusing (raising and leaving it installed) left it on that
+# thread's stack for good when nobody called __exit__ again (a @contextmanager scope closed out
+# of order), and later plain ops were offloaded into its pool. So such an exit always exits,
+# and warns:
+#  - out of order on the thread that entered it: exactly its own entry is taken out of the
+#    stack (the entries above are popped and pushed back, in order), so the contexts entered
+#    after it stay in force and exit normally;
+#  - on another thread, or inside another backward (whose stack is a copy): that stack cannot
+#    be reached from here. The entry's pack function is closed (_C.close_hook: it hands every
+#    tensor back as it is, offloading nothing), and the entry is dropped from the entering
+#    thread's stack as soon as it is on top there, at the next co.offload enter or exit on that
+#    thread (_drop_stale_entries).
+_stale_lock = threading.Lock()
+_stale: dict[int, list] = {}  # thread id -> the _Activation entries left on its stack, closed
+
+
+def _pop_own_entry(pack, unpack) -> bool:
+    """Takes the (pack, unpack) entry out of this thread's hooks stack, wherever it is, leaving
+    the others as they were. False (and the stack unchanged) when it is not on the stack."""
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None or not autograd._saved_tensors_hooks_is_enabled():
+        return False  # cannot read the stack, or cannot push the others back
+    above = []
+    found = False
+    try:
+        while True:
+            entry = top(True)
+            if entry is None:
+                break
+            autograd._pop_saved_tensors_default_hooks()
+            if entry[0] is pack and entry[1] is unpack:
+                found = True
+                break
+            above.append(entry)
+    finally:
+        for p, u in reversed(above):
+            autograd._push_saved_tensors_default_hooks(p, u)
+    return found
+
+
+def _drop_stale_entries() -> None:
+    """Pops the closed entries (Note [Exits that cannot pop]) on top of this thread's stack."""
+    if not _stale:
+        return
+    me = threading.get_ident()
+    with _stale_lock:
+        entries = _stale.get(me)
+    if not entries:
+        return
+    task = _graph_task_id()
+    while True:
+        top = _top_hooks()
+        if not top:
+            break
+        match = next((a for a in entries if a.pack is top[0] and a.unpack is top[1] and a.graph_task == task), None)
+        if match is None:
+            break
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        entries.remove(match)
+    with _stale_lock:
+        if not entries and _stale.get(me) is entries:
+            del _stale[me]
+
+
+def _leave_stale(state: "_Activation", record: bool) -> None:
+    _C.close_hook(state.pack)
+    if record:
+        with _stale_lock:
+            _stale.setdefault(state.thread, []).append(state)
+
 
 def _default_devices() -> list[str]:
     return ["cuda"] if (_C.cuda_compiled() and torch.cuda.is_available()) else []
@@ -140,15 +215,21 @@ class offload:
     One context object is active at most once at a time: entering it again (also from another
     thread) before it exits raises ``RuntimeError``; nest a new ``co.offload()`` instead.
     Contexts exit in the reverse order of entering, on the thread that entered them, outside
-    the backward they were not entered in; otherwise ``__exit__`` raises ``RuntimeError`` and
-    changes nothing. A second ``__exit__`` does nothing. Where saved-tensor hooks are disabled
+    the backward they were not entered in. An exit that breaks this still exits, with a
+    ``RuntimeWarning``, and leaves nothing installed: out of order, exactly its own hooks are
+    taken off the stack (the contexts entered after it stay in force); from another thread or
+    another backward, its hooks stop offloading at once and are dropped from the entering
+    thread's stack at the next ``co.offload`` enter or exit there. A second ``__exit__`` does
+    nothing; ``__exit__()`` takes no arguments too. Where saved-tensor hooks are disabled
     (inside ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) the block runs without
     offload, with a one-time warning.
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
     ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other devices, sparse / nested / quantized
-    / conjugate-view tensors, tensor subclasses, and tensors smaller than ``min_bytes``. Several
+    / conjugate-view tensors, tensor subclasses, tensors with no data of their own (``no_data``: ZeroTensors,
+    such as forward-mode AD's zero tangents, and tensors whose storage was freed), and tensors smaller than
+    ``min_bytes``. Several
     saved tensors that view one storage are offloaded once. A saved tensor modified in place
     after it was saved makes backward raise, as autograd does without hooks.
 
@@ -257,6 +338,7 @@ class offload:
         return self
 
     def _activate(self) -> _Activation:
+        _drop_stale_entries()  # Note [Exits that cannot pop]
         state = _Activation()
         reason = hooks_disabled_reason()
         if reason is not None:
@@ -279,36 +361,49 @@ class offload:
             raise
         return state
 
-    def _check_exit(self, state: _Activation) -> None:
-        where = None
+    def _uninstall(self, state: _Activation) -> str | None:
+        """Takes this activation's hooks off (Note [Exits that cannot pop]); returns what to warn
+        about, or None for a normal exit."""
+        if state.hooks is None:
+            return None
         if state.thread != threading.get_ident():
-            where = "on a different thread than the one that entered it (saved-tensor hooks are per thread)"
-        elif state.graph_task != _graph_task_id():
-            where = ("inside a backward it was not entered in (or outside the backward it was entered in): "
-                     "autograd drops the hooks stack of a backward when it ends")
-        elif state.hooks is not None:
-            top = _top_hooks()
-            if top is not False and (top is None or top[0] is not state.pack or top[1] is not state.unpack):
-                where = ("while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint "
-                         "region, torch's save_on_cpu, ...) is still active: contexts exit in the reverse order "
-                         "of entering")
-        if where is not None:
-            raise RuntimeError(
-                f"co.offload().__exit__ called {where}. Nothing was changed: this context is still active; exit "
-                "the contexts entered after it first, on the thread that entered them."
-            )
+            _leave_stale(state, record=True)
+            return ("on a different thread than the one that entered it (saved-tensor hooks are per thread): its "
+                    "hooks stay on that thread's stack, offloading nothing, until the next co.offload enters or "
+                    "exits there")
+        if state.graph_task != _graph_task_id():
+            # Entered outside backward: the entry is on this thread's own stack, out of reach
+            # until backward ends. Entered in a backward: it lived in that backward's copy of the
+            # stack, which autograd drops when the backward ends.
+            _leave_stale(state, record=state.graph_task == -1)
+            return ("inside a backward it was not entered in (or outside the backward it was entered in): autograd "
+                    "keeps a separate hooks stack for each backward; its hooks offload nothing from now on and "
+                    "are dropped when they can be")
+        top = _top_hooks()
+        if top is False or (top is not None and top[0] is state.pack and top[1] is state.unpack):
+            state.hooks.__exit__(None, None, None)
+            return None
+        if _pop_own_entry(state.pack, state.unpack):
+            return ("while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint "
+                    "region, torch's save_on_cpu, ...) is still active: its own hooks were taken out from under "
+                    "that context, which stays in force")
+        _leave_stale(state, record=True)
+        return "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing from now on"
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
         with self._lock:
             state = self._state
-            if state is None or state is _CLAIMED:
-                return  # not active (a second __exit__), or another thread is entering/exiting it
-            self._check_exit(state)
-            self._state = _CLAIMED  # not re-enterable until the teardown below is done
+            if state is _CLAIMED:
+                return  # another thread is entering/exiting it
+            if state is not None:
+                self._state = _CLAIMED  # not re-enterable until the teardown below is done
+        if state is None:  # not active (a second __exit__)
+            _drop_stale_entries()
+            return
         flush_error = None
+        misuse = None
         try:
-            if state.hooks is not None:
-                state.hooks.__exit__(None, None, None)
+            misuse = self._uninstall(state)
         finally:
             try:
                 if state.hooks is not None:
@@ -320,6 +415,14 @@ class offload:
             finally:
                 with self._lock:
                     self._state = None
+                _drop_stale_entries()
+        if misuse is not None:
+            warnings.warn(
+                f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
+                "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # An exception raised in the block (a KeyboardInterrupt, an OOM) is the one the caller
         # must see; the flush's PoolFullError only when the block itself succeeded. Its tensors
         # were kept on the device either way, so backward still works.
@@ -354,7 +457,7 @@ class offload:
         that reused an offloaded storage), ``bytes_deduplicated``, ``tensors_kept``, ``bytes_kept``,
         ``kept_by_reason`` (counts by ``parameter``, ``buffer``, ``too_small``, ``device``,
         ``layout``, ``subclass``, ``pool_full``, ``cuda_graph_capture``, ``disk_full``,
-        ``autocast_cast``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
+        ``autocast_cast``, ``no_data``), ``kept_bytes_by_reason``, ``tensors_reloaded``,
         ``bytes_reloaded``, ``tensors_reload_shared`` (unpacks served by an already reloaded copy),
         ``tensors_batched`` and ``batches`` (small tensors gathered into shared copies, and those
         copies), ``prefetches`` / ``bytes_prefetched`` (reloads started ahead of need),
@@ -455,7 +558,10 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
     copy is asynchronous on ``stream="side"``, the exact layout (sizes, strides, storage offset)
     comes back, an expanded tensor is stored at the size of its source, and the pool block is
     returned when the handle dies, after its last copy has finished. Raises
-    :class:`~ckpt_offload.PoolFullError` when the pool is at its cap.
+    :class:`~ckpt_offload.PoolFullError` when the pool is at its cap, and ``ValueError`` for a
+    tensor whose bytes are not one plain strided span of its own storage -- among them a
+    ZeroTensor (forward-mode AD's zero tangents, ``torch._efficientzerotensor``), which has no
+    data to copy: keep it as it is (``co.offload`` does, as ``kept_by_reason["no_data"]``).
 
     With ``stream="side"`` the copy waits only for work already enqueued when this is called:
     do not modify ``tensor`` in place before :func:`ckpt_offload.synchronize` (``reload`` raises
@@ -486,6 +592,13 @@ def _check_copyable(tensor: torch.Tensor) -> None:
     kind = None
     if tensor.is_meta:
         kind = "a meta tensor (it has no data)"
+    elif tensor._is_zerotensor():
+        # Its values are implied, not stored (a null data pointer): nothing to copy.
+        # co.offload keeps such tensors (kept reason "no_data").
+        raise ValueError(
+            "tensor: is a ZeroTensor (e.g. a zero tangent of forward-mode AD, or torch._efficientzerotensor), "
+            "which has no data to copy; keep it as it is, or materialize it first (torch.zeros_like(tensor))"
+        )
     elif tensor.is_nested:
         kind = "a nested tensor"
     elif tensor.is_quantized:

@@ -27,6 +27,23 @@ SpillError = _C.SpillError
 #: before the next offload waits for one to finish.
 DEFAULT_SPILL_STAGING_BYTES = 64 << 20
 
+#: The smallest cap a pool takes (``max_bytes``): one page, the smallest segment a block can live
+#: in (the core's kSegmentAlignment). A smaller cap could never hold a block.
+MIN_MAX_BYTES = 4096
+#: The smallest ``spill_max_bytes``: one file page (the core's kFileAlignment), the least disk
+#: space a spilled block takes; caps are rounded down to whole pages.
+MIN_SPILL_MAX_BYTES = 4096
+
+
+def _check_cap(name: str, value, minimum: int, unlimited: str):
+    value = check_bytes(name, value, minimum=1, allow_none=True)  # sizes may be strings ("8GiB")
+    if value is not None and value < minimum:
+        raise ValueError(
+            f"{name}={value} is below the minimum of {minimum} bytes, so nothing could ever be stored under it; "
+            f"pass {name} >= {minimum}, or None for {unlimited}"
+        )
+    return value
+
 
 def pinned_available() -> bool:
     """True when this build can pin host memory: CUDA compiled in and a usable GPU present."""
@@ -42,7 +59,8 @@ class HostPool:
     still touch it is reused only once that copy has finished.
 
     Args:
-        max_bytes: cap on the host memory the pool reserves, in bytes; ``None`` for no cap.
+        max_bytes: cap on the host memory the pool reserves, in bytes (at least
+            :data:`MIN_MAX_BYTES`, one page); ``None`` for no cap.
             At the cap, :func:`ckpt_offload.offload` keeps tensors on the device (``on_full="keep"``)
             or raises :class:`PoolFullError` (``on_full="raise"``).
         pinned: ``True`` for page-locked memory (``cudaHostAlloc``; needs a GPU), ``False`` for
@@ -58,7 +76,8 @@ class HostPool:
             nameless files there, written and read back by I/O threads with a CRC32C per chunk;
             backward's prefetch starts the reads early. Needs ``max_bytes``. See
             docs/disk_tier.md.
-        spill_max_bytes: cap on the disk space the spill files take; ``None``: what the disk
+        spill_max_bytes: cap on the disk space the spill files take (at least
+            :data:`MIN_SPILL_MAX_BYTES`, rounded down to whole 4096-byte pages); ``None``: what the disk
             has. At the cap (or a full disk) the tensor is kept on the device (kept reason
             ``"disk_full"``) or :class:`PoolFullError` is raised under ``on_full="raise"``.
         spill_file_bytes: size of each preallocated spill file (default 256 MiB).
@@ -97,8 +116,8 @@ class HostPool:
         spill_staging_bytes: int | None = None,
     ):
         # Sizes may be strings ("8GiB"); from here on they are ints.
-        max_bytes = check_bytes("max_bytes", max_bytes, minimum=1, allow_none=True)
-        spill_max_bytes = check_bytes("spill_max_bytes", spill_max_bytes, minimum=1, allow_none=True)
+        max_bytes = _check_cap("max_bytes", max_bytes, MIN_MAX_BYTES, "no cap")
+        spill_max_bytes = _check_cap("spill_max_bytes", spill_max_bytes, MIN_SPILL_MAX_BYTES, "what the disk has")
         spill_file_bytes = check_bytes("spill_file_bytes", spill_file_bytes, minimum=1, allow_none=True)
         check_native_int("spill_io_threads", spill_io_threads, minimum=1, allow_none=True)
         spill_staging_bytes = check_bytes("spill_staging_bytes", spill_staging_bytes, minimum=1, allow_none=True)
@@ -179,7 +198,7 @@ class HostPool:
 
     @max_bytes.setter
     def max_bytes(self, value: int | None):
-        self._impl.set_max_bytes(check_bytes("max_bytes", value, minimum=1, allow_none=True) or 0)
+        self._impl.set_max_bytes(_check_cap("max_bytes", value, MIN_MAX_BYTES, "no cap") or 0)
 
     def set_max_bytes(self, value: int | None) -> None:
         """Same as assigning :attr:`max_bytes`."""

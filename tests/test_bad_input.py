@@ -167,6 +167,13 @@ CASES = [
     C("pool-cap-negative", "pool.max_bytes = -1", ValueError, "max_bytes", ">= 1"),
     C("pool-cap-2**64", f"pool.max_bytes = {HUGE}", ValueError, "max_bytes", "2**63 - 1"),
     C("pool-set_max_bytes-float", "pool.set_max_bytes(1.5)", TypeError, "max_bytes", "an int or None"),
+    # issue 23: a cap below one page could never hold a block (and spill_max_bytes rounded to "no cap")
+    C("pool-max_bytes-below-page", "co.HostPool(pinned=False, max_bytes=128)", ValueError, "max_bytes=128",
+      "4096", "None"),
+    C("pool-cap-below-page", "pool.max_bytes = 4095", ValueError, "max_bytes=4095", "4096"),
+    C("pool-set_max_bytes-below-page", "pool.set_max_bytes(1)", ValueError, "max_bytes=1", "4096"),
+    C("pool-spill_max_bytes-below-page", "co.HostPool(pinned=False, max_bytes=1 << 20, spill_dir=__import__('tempfile').gettempdir(), "
+      "spill_max_bytes=100)", ValueError, "spill_max_bytes=100", "4096", "None"),
     # co.offload_tensor
     C("offload_tensor-not-tensor", "co.offload_tensor([1, 2], pool)", TypeError, "tensor", "torch.Tensor"),
     C("offload_tensor-pool-str", "co.offload_tensor(x, 'pool')", TypeError, "pool", "HostPool"),

@@ -124,37 +124,40 @@ def test_second_exit_is_harmless(pool):
     assert_clean(a, b)
 
 
-def test_out_of_order_exit_raises_and_changes_nothing(pool):
+def test_out_of_order_exit_warns_and_takes_off_only_its_own_hooks(pool):
+    # issue 23 item 9: refusing the exit (the old behaviour) left `a` installed for good when
+    # nobody called __exit__ again; now it exits, and `b` stays in force.
     a, b = cpu_offload(pool), cpu_offload(pool)
     a.__enter__()
     b.__enter__()
-    with pytest.raises(RuntimeError, match="reverse order"):
+    with pytest.warns(RuntimeWarning, match="reverse order"):
         a.__exit__(None, None, None)
-    # Nothing changed: saves still go to the innermost context, b.
+    assert not a.active and b.active
     x = torch.randn(32, 32, requires_grad=True)
     y = x.exp()
     assert b.stats()["tensors_offloaded"] == 1 and a.stats()["tensors_offloaded"] == 0
     b.__exit__(None, None, None)
-    z = x.sin()
-    assert a.stats()["tensors_offloaded"] == 1
-    a.__exit__(None, None, None)
+    z = x.sin()  # no context left: nobody offloads it
+    assert a.stats()["tensors_offloaded"] == 0 and b.stats()["tensors_offloaded"] == 1
+    a.__exit__(None, None, None)  # a second exit does nothing
     assert_clean(a, b)
     (y.sum() + z.sum()).backward()
 
 
-def test_out_of_order_exit_with_torch_hooks_inside_raises(pool):
+def test_out_of_order_exit_with_torch_hooks_inside_warns(pool):
     a = cpu_offload(pool)
     a.__enter__()
     inner = torch.autograd.graph.save_on_cpu()
     inner.__enter__()
-    with pytest.raises(RuntimeError, match="reverse order"):
+    with pytest.warns(RuntimeWarning, match="reverse order"):
         a.__exit__(None, None, None)
+    assert top_hooks() is not None  # save_on_cpu's
     inner.__exit__(None, None, None)
     a.__exit__(None, None, None)
     assert_clean(a)
 
 
-def test_exit_from_inside_backward_raises_and_leaves_the_context_exitable(pool):
+def test_exit_from_inside_backward_warns_and_exits(pool):
     ctx = cpu_offload(pool)
 
     class ExitInBackward(torch.autograd.Function):
@@ -170,31 +173,28 @@ def test_exit_from_inside_backward_raises_and_leaves_the_context_exitable(pool):
     x = torch.randn(8, requires_grad=True)
     ctx.__enter__()
     y = ExitInBackward.apply(x).sum()
-    with pytest.raises(RuntimeError, match="inside a backward"):
+    with pytest.warns(RuntimeWarning, match="inside a backward"):
         y.backward()
-    assert ctx.active and top_hooks() is not None  # still ours, on the caller's stack
-    ctx.__exit__(None, None, None)
+    assert not ctx.active
+    assert top_hooks() is not None  # its entry, closed, on the caller's stack until the next co.offload
+    with cpu_offload(pool):
+        pass
     assert_clean(ctx)
-    run_a_backward()  # releases the nodes the raising backward left queued
 
 
-def test_exit_from_another_thread_raises(pool):
+def test_exit_from_another_thread_warns_and_exits(pool):
     ctx = cpu_offload(pool)
     ctx.__enter__()
-    errors = []
 
     def other():
-        try:
+        with pytest.warns(RuntimeWarning, match="different thread"):
             ctx.__exit__(None, None, None)
-        except RuntimeError as e:
-            errors.append(str(e))
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert errors and "different thread" in errors[0]
-    assert ctx.active
-    ctx.__exit__(None, None, None)
+    assert not ctx.active
+    ctx.__exit__(None, None, None)  # does nothing, and drops the stale entry here
     assert_clean(ctx)
 
 
@@ -543,14 +543,14 @@ def test_keep_dedup_keyword():
 
 
 def _full_batched_context():
-    # A batch of one 1 KiB tensor cannot be copied into a pool capped at 512 bytes.
-    pool = co.HostPool(pinned=False, max_bytes=512, segment_bytes=512)
+    # A batch of one 16 KiB tensor cannot be copied into a pool capped at one page.
+    pool = co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096)
     return co.offload(pool=pool, on_full="raise", batch_below=64 * 1024, batch_bytes=64 * 1024, **CPU)
 
 
 def test_flush_pool_full_error_without_exception_in_body():
     ctx = _full_batched_context()
-    x = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
     with pytest.raises(co.PoolFullError):
         with ctx:
             y = x.exp()
@@ -562,7 +562,7 @@ def test_flush_pool_full_error_without_exception_in_body():
 @pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
 def test_exception_in_body_is_not_replaced_by_the_flush(error):
     ctx = _full_batched_context()
-    x = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(64, 64, requires_grad=True)
     with pytest.raises(error):
         with ctx:
             y = x.exp()

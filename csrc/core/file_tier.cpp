@@ -33,6 +33,13 @@ std::shared_ptr<FileTier> FileTier::create(FileTierOptions o) {
                                 std::to_string(kFileAlignment) + " up to 1 GiB, got " + std::to_string(o.chunk_bytes));
   if (o.file_bytes == 0) throw std::invalid_argument("ckpt_offload: file_bytes must be positive");
   o.file_bytes = (o.file_bytes + kFileAlignment - 1) / kFileAlignment * kFileAlignment;
+  // Rounded down to whole file pages; a cap below one page would round to 0, which means
+  // "no cap": refused instead.
+  if (o.max_bytes != 0 && o.max_bytes < kFileAlignment)
+    throw std::invalid_argument("ckpt_offload: spill_max_bytes=" + std::to_string(o.max_bytes) +
+                                " is below the disk tier's minimum of " + std::to_string(kFileAlignment) +
+                                " bytes (one file page, the least a spilled block takes); pass spill_max_bytes >= " +
+                                std::to_string(kFileAlignment) + ", or None for what the disk has");
   o.max_bytes = o.max_bytes / kFileAlignment * kFileAlignment;
   auto core = std::make_shared<Core>(std::move(o));
   core->stats.max_bytes = core->options.max_bytes;
@@ -57,7 +64,22 @@ FileTier::FileTier(std::shared_ptr<Core> core) : core_(std::move(core)) {
   }
 }
 
+void FileTier::Core::check_process(const char* what) const {
+  if (!forked()) return;
+  throw FileTierError("ckpt_offload: " + std::string(what) + " in process " + std::to_string(::getpid()) +
+                      " with a disk tier (spill_dir=" + options.dir + ") made in process " + std::to_string(pid) +
+                      " before it forked: a forked child has none of its I/O threads and shares its spill files "
+                      "with the parent, so it cannot spill to it or read from it. Make a new co.HostPool(spill_dir=...) "
+                      "in the child (or use the 'spawn' start method).");
+}
+
 FileTier::~FileTier() {
+  if (core_->forked()) {
+    // Note [Fork]: the threads do not exist in this process; joining them would wait forever.
+    // Their std::thread objects are leaked (destroying a joinable one terminates).
+    new std::vector<std::thread>(std::move(threads_));
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(core_->qmu);
     core_->stop = true;
@@ -79,6 +101,7 @@ FileTier::~FileTier() {
 
 std::shared_ptr<FileTier::Spill> FileTier::write(const void* src, size_t bytes, std::shared_ptr<void> keepalive,
                                                  std::shared_ptr<Event> after, uint64_t handle) {
+  core_->check_process("a spill write");
   if (bytes > std::numeric_limits<size_t>::max() / 2) return nullptr;
   auto state = std::make_shared<SpillState>();
   {
@@ -119,6 +142,7 @@ std::shared_ptr<FileTier::Spill> FileTier::write(const void* src, size_t bytes, 
 std::shared_ptr<FileTier::Ticket> FileTier::read(const std::shared_ptr<Spill>& spill, void* dst,
                                                  std::shared_ptr<void> keepalive, bool prefetch) {
   if (!spill) throw std::invalid_argument("ckpt_offload: FileTier::read of a null spill");
+  core_->check_process("a spill read");
   if (spill->tier_.get() != this) throw std::invalid_argument("ckpt_offload: FileTier::read of another tier's spill");
   auto& state = spill->state_;
   auto t = std::make_shared<Ticket>();
@@ -174,6 +198,7 @@ void FileTier::reset_peak() {
 }
 
 size_t FileTier::reserve(size_t bytes) {
+  core_->check_process("reserving spill space");
   if (bytes == 0 || bytes > std::numeric_limits<size_t>::max() / 2) return 0;
   std::lock_guard<std::mutex> lock(core_->mu);
   const size_t before = core_->stats.bytes_reserved;
@@ -191,16 +216,20 @@ size_t FileTier::reserve(size_t bytes) {
 }
 
 size_t FileTier::empty_cache() {
+  if (core_->forked()) return 0;  // the files are the parent's too
   std::lock_guard<std::mutex> lock(core_->mu);
   return core_->close_free_files_locked();
 }
 
 void FileTier::synchronize() {
+  if (core_->forked()) return;  // Note [Fork]: nothing of this process is queued on it
   std::unique_lock<std::mutex> lock(core_->qmu);
   core_->idle_cv.wait(lock, [&] { return core_->queue.empty() && core_->running == 0; });
 }
 
 const FileTierOptions& FileTier::options() const { return core_->options; }
+
+bool FileTier::forked() const { return core_->forked(); }
 
 std::vector<FileTier::FileInfo> FileTier::files() {
   std::lock_guard<std::mutex> lock(core_->mu);

@@ -81,6 +81,13 @@ struct FileTierStats {
   bool direct_io = false;  // the last file opened uses O_DIRECT
 };
 
+// Note [Fork]
+// fork() copies memory, not threads: in a fork child the tier's I/O threads do not exist (a
+// queued read or write would never run, and joining them would never return), and its spill
+// files are open descriptors shared with the parent (both would write the same ranges). So a
+// tier is used only in the process that made it: in a child, write(), read() and reserve()
+// raise FileTierError saying so, synchronize() and empty_cache() do nothing, and the
+// destructor leaks the threads instead of joining them. A child makes a pool of its own.
 class FileTier : public std::enable_shared_from_this<FileTier> {
  public:
   class Spill;
@@ -118,6 +125,8 @@ class FileTier : public std::enable_shared_from_this<FileTier> {
   // Blocks until every read and write queued before the call has finished.
   void synchronize();
   const FileTierOptions& options() const;
+  // True in a fork child of the process that made the tier (Note [Fork]).
+  bool forked() const;
 
   struct FileInfo {
     int fd;

@@ -2,6 +2,9 @@
 // the allocator over them and the I/O threads (the Notes are in file_tier.h).
 #pragma once
 
+#include <sys/types.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -43,6 +46,12 @@ struct FileTier::Core {
   ~Core();
 
   FileTierOptions options;
+  // The process that made the tier. Note [Fork] in file_tier.h: a fork child has none of its
+  // I/O threads and shares its files' descriptors with the parent; it must not use it.
+  const pid_t pid = ::getpid();
+  bool forked() const { return ::getpid() != pid; }
+  // Throws FileTierError in a fork child (what: the operation refused).
+  void check_process(const char* what) const;
 
   // Space: files, the allocator over them, stats. Guarded by mu.
   std::mutex mu;

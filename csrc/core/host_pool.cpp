@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <stdexcept>
+#include <string>
 
 namespace ckpt_offload {
 
@@ -43,7 +45,18 @@ HostPool::HostPool(std::unique_ptr<Backend> backend, size_t max_bytes, size_t se
     : backend_(std::move(backend)),
       max_bytes_(max_bytes),
       segment_bytes_(round_up(std::max<size_t>(segment_bytes, kSegmentAlignment), kSegmentAlignment)) {
+  check_max_bytes(max_bytes);
   stats_.max_bytes = max_bytes_;
+}
+
+void HostPool::check_max_bytes(size_t max_bytes) {
+  // Segments are whole pages: a cap below one page could never hold a block, and every
+  // offload would be refused while the pool looked configured.
+  if (max_bytes != 0 && max_bytes < kSegmentAlignment)
+    throw std::invalid_argument("ckpt_offload: max_bytes=" + std::to_string(max_bytes) +
+                                " is below the pool's minimum of " + std::to_string(kSegmentAlignment) +
+                                " bytes (one page, the smallest segment a block can live in); pass max_bytes >= " +
+                                std::to_string(kSegmentAlignment) + ", or 0 / None for no cap");
 }
 
 HostPool::~HostPool() {
@@ -359,6 +372,7 @@ void HostPool::reset_peak() {
 }
 
 void HostPool::set_max_bytes(size_t max_bytes) {
+  check_max_bytes(max_bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     max_bytes_ = max_bytes;

@@ -108,6 +108,9 @@ class HostPool {
   void synchronize();
   // A lower cap releases wholly free segments at once; the rest go back as they are freed.
   void set_max_bytes(size_t max_bytes);
+  // Throws std::invalid_argument for a cap (non-zero) below kSegmentAlignment, which no
+  // block could fit under.
+  static void check_max_bytes(size_t max_bytes);
   const char* backend_name() const { return backend_->name(); }
   size_t segment_bytes() const { return segment_bytes_; }
 

@@ -1,6 +1,8 @@
 // pybind11 bindings: a thin list of defs, no logic.
 #include <torch/extension.h>
 
+#include <atomic>
+
 #include "../core/host_pool.h"
 #include "../core/profiler.h"
 #include "profiling.h"
@@ -59,13 +61,29 @@ PyObject* raise_translated() noexcept {
   return nullptr;
 }
 
-Packer* capsule_packer(PyObject* capsule) {
-  return static_cast<std::shared_ptr<Packer>*>(PyCapsule_GetPointer(capsule, "ckpt_offload.Packer"))->get();
+// What each hook function carries. `closed`: set by close_hook when the context that pushed
+// the function was exited where its entry could not be popped (another thread, another
+// backward): from then on pack hands every tensor back as it is (a detached alias, which
+// unpack returns), so the entry left on that thread's stack offloads nothing.
+struct HookHolder {
+  std::shared_ptr<Packer> packer;
+  std::atomic<bool> closed{false};
+};
+
+HookHolder* capsule_holder(PyObject* capsule) {
+  return static_cast<HookHolder*>(PyCapsule_GetPointer(capsule, "ckpt_offload.Packer"));
 }
+
+Packer* capsule_packer(PyObject* capsule) { return capsule_holder(capsule)->packer.get(); }
 
 PyObject* hook_pack(PyObject* capsule, PyObject* arg) {
   try {
-    return capsule_packer(capsule)->pack(arg).release().ptr();
+    HookHolder* holder = capsule_holder(capsule);
+    if (holder->closed.load(std::memory_order_relaxed)) {
+      if (!THPVariable_Check(arg)) return py::reinterpret_borrow<py::object>(arg).release().ptr();
+      return THPVariable_Wrap(THPVariable_Unpack(arg).detach());
+    }
+    return holder->packer->pack(arg).release().ptr();
   } catch (...) {
     return raise_translated();
   }
@@ -84,8 +102,10 @@ PyMethodDef unpack_def{"unpack", hook_unpack, METH_O, "co.offload's unpack hook:
 
 // A new function object calling `def` on `packer` (which it keeps alive).
 py::object hook_function(std::shared_ptr<Packer> packer, PyMethodDef* def) {
-  py::capsule holder(new std::shared_ptr<Packer>(std::move(packer)), "ckpt_offload.Packer",
-                     [](PyObject* c) { delete static_cast<std::shared_ptr<Packer>*>(PyCapsule_GetPointer(c, "ckpt_offload.Packer")); });
+  auto* h = new HookHolder();
+  h->packer = std::move(packer);
+  py::capsule holder(h, "ckpt_offload.Packer",
+                     [](PyObject* c) { delete static_cast<HookHolder*>(PyCapsule_GetPointer(c, "ckpt_offload.Packer")); });
   PyObject* fn = PyCFunction_New(def, holder.ptr());
   if (!fn) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(fn);
@@ -160,6 +180,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_version", &cuda_runtime_version);
   m.def("synchronize", &synchronize_side_streams, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "close_hook",
+      [](py::handle fn) {
+        PyObject* self = PyCFunction_Check(fn.ptr()) ? PyCFunction_GET_SELF(fn.ptr()) : nullptr;
+        if (!self || !PyCapsule_IsValid(self, "ckpt_offload.Packer"))
+          throw py::type_error("ckpt_offload: close_hook takes a Packer's pack function");
+        capsule_holder(self)->closed.store(true);
+      },
+      py::arg("pack"), "Makes a Packer's pack function hand tensors back unchanged from now on (see HookHolder).");
   m.def("poll", [] { engine().poll(); });
   m.def("num_keepalives", [] { return engine().num_keepalives(); });
   m.def("profiler_start", &profiler_start);

@@ -64,7 +64,9 @@ class PoolFull : public std::runtime_error {
   X(PoolFull, "pool_full")              \
   X(GraphCapture, "cuda_graph_capture") \
   X(DiskFull, "disk_full")              \
-  X(AutocastCast, "autocast_cast")
+  X(AutocastCast, "autocast_cast")     \
+  /* ZeroTensors, tensors without storage or data: nothing to copy */ \
+  X(NoData, "no_data")
 
 // The keys stats() adds that are not counters: totals over the keep reasons, the per-reason
 // dicts (PerReason: a dict of sums), and the prefetch window backward used last (State: what

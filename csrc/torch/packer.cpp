@@ -157,6 +157,41 @@ bool is_autocast_weight_cast(const at::TensorBase& root) {
   return parameter;
 }
 
+// Note [Selective checkpoint cache mutation]
+// torch's selective activation checkpoint (SAC) with respect_saved_tensors_hooks=True hands the
+// tensors it caches to our pack hook, and in backward calls our unpack from
+// _VersionWrapper.get_val(allow_cache_entry_mutation). With allow_cache_entry_mutation=True
+// torch lets a cached tensor be modified in place after it was cached (its own check is off),
+// so ours must be too: the unpack then returns what it holds -- a kept tensor as it is now, an
+// offloaded one as it was saved, as torch's save_on_cpu does. Read only on the path where the
+// version check would raise, so it costs nothing otherwise.
+bool sac_allows_mutation() {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this unpack hook
+  if (!frame) return false;
+  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+  bool allowed = false;
+  PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_name");
+  PyObject* file = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
+  if (name && file && PyUnicode_Check(name) && PyUnicode_Check(file) &&
+      PyUnicode_CompareWithASCIIString(name, "get_val") == 0) {
+    const char* path = PyUnicode_AsUTF8(file);
+    const std::string suffix = "checkpoint.py";
+    const std::string p = path ? path : "";
+    if (p.size() >= suffix.size() && p.compare(p.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      PyObject* locals = PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals");
+      PyObject* flag = locals ? PyMapping_GetItemString(locals, "allow_cache_entry_mutation") : nullptr;
+      allowed = flag && PyObject_IsTrue(flag) == 1;
+      Py_XDECREF(flag);
+      Py_XDECREF(locals);
+    }
+  }
+  Py_XDECREF(name);
+  Py_XDECREF(file);
+  Py_DECREF(code);
+  PyErr_Clear();
+  return allowed;
+}
+
 }  // namespace
 
 std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::TensorBase& root) {
@@ -272,7 +307,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   // by its own node does not form a reference cycle that would leak the graph. For a plain
   // strided tensor made directly (what the detach op does, without its dispatch); subclasses
   // and other layouts go through their own detach.
-  if (why == KeepReason::Subclass || why == KeepReason::Layout) {
+  if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData) {
     saved->kept_ = t.detach();
   } else {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -305,6 +340,10 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   if (is_parameter_object(o)) return KeepReason::Parameter;
   if (!THPVariable_CheckExact(o) || wrapped_tensor(t)) return KeepReason::Subclass;
   if (unsupported_layout(t)) return KeepReason::Layout;
+  if (without_data(t)) {  // Note [Tensors without data]: nothing to copy, nothing held
+    *keep_bytes = 0;
+    return KeepReason::NoData;
+  }
   const c10::Device device = t.device();
   const bool device_ok = (device.is_cpu() && options_.offload_cpu) || (device.is_cuda() && options_.offload_cuda);
   if (!device_ok) return KeepReason::Device;
@@ -466,6 +505,8 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
+  if (saved.version_.enabled() && saved.version_.current_version() != saved.saved_version_ && sac_allows_mutation())
+    saved.saved_version_ = saved.version_.current_version();  // Note [Selective checkpoint cache mutation]
   at::Tensor out = saved.unpack();
   counters_->note_device_peak();
   return out;

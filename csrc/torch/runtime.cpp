@@ -2,6 +2,9 @@
 // a copy to them or to the device implementation (runtime_backend.h) the build chose.
 #include "runtime.h"
 
+#include <pthread.h>
+
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -18,19 +21,87 @@ int64_t initial_delay() {
 }
 
 struct CpuStreams {
+  CpuStreams(int64_t delay_us, uint64_t generation_)
+      : d2h(delay_us), h2d(delay_us), h2d_demand(delay_us), generation(generation_) {}
   InlineStream compute;
-  WorkerStream d2h{initial_delay()};
-  WorkerStream h2d{initial_delay()};
-  WorkerStream h2d_demand{initial_delay()};  // Note [Stream ordering] rule 4
+  WorkerStream d2h;
+  WorkerStream h2d;
+  WorkerStream h2d_demand;  // Note [Stream ordering] rule 4
+  const uint64_t generation;  // the fork generation they were made in (Note [Fork])
+
+  void drain() {
+    d2h.drain();
+    h2d.drain();
+    h2d_demand.drain();
+  }
 };
 
+// Note [Fork]
+// fork() copies the memory of the process, not its threads: in the child, the CPU copy
+// streams' worker threads do not exist, so a copy queued there never runs and a fence never
+// fires (backward, or co.synchronize(), would wait forever). DataLoader workers and
+// multiprocessing pools fork. So, with pthread_atfork:
+//  - before the fork, in the parent, every copy already queued on the CPU streams is run to
+//    its end (drain), so that every fence the child inherits has fired and every host block
+//    holds its bytes; the lock that guards the streams is held across the fork, so that no
+//    other thread of the parent is halfway through making them;
+//  - in the child, the handler only bumps a counter (what runs between fork and exec must stay
+//    simple); the next use of the streams makes fresh ones, with fresh worker threads. The old
+//    ones are leaked: their threads cannot be joined, they do not exist there;
+//  - the child never calls CUDA on our behalf when the parent had initialised it (torch refuses
+//    CUDA in such a child anyway, and a call fails there): the capture probe answers "not
+//    capturing" without asking the driver.
+// The disk tier's I/O threads are the same case (see Note [Fork] in csrc/core/file_tier.h).
+std::atomic<uint64_t> g_fork_generation{0};  // forks this process has come out of, as a child
+std::atomic<bool> g_cuda_touched{false};     // this process (or its parent before a fork) called CUDA
+std::atomic<bool> g_cuda_unusable{false};    // a fork child of a process that had called CUDA
+std::mutex g_streams_mu;                     // making / replacing the CPU streams
+std::atomic<CpuStreams*> g_streams{nullptr};
+
+void before_fork() {
+  g_streams_mu.lock();
+  if (CpuStreams* s = g_streams.load(std::memory_order_acquire)) s->drain();
+}
+
+void after_fork_in_parent() { g_streams_mu.unlock(); }
+
+void after_fork_in_child() {
+  g_fork_generation.fetch_add(1, std::memory_order_acq_rel);
+  if (g_cuda_touched.load(std::memory_order_relaxed)) g_cuda_unusable.store(true, std::memory_order_relaxed);
+  g_streams_mu.unlock();  // held by this thread (the one that forked) since before_fork
+}
+
+void install_fork_handlers() {
+  static std::once_flag once;
+  std::call_once(once, [] { pthread_atfork(before_fork, after_fork_in_parent, after_fork_in_child); });
+}
+
 CpuStreams& cpu_streams() {
-  // Leaked on purpose: worker threads must not be joined during interpreter teardown.
-  static CpuStreams* s = new CpuStreams();
+  // Two acquire loads per copy on the fast path; the generation only moves in a fork child.
+  const uint64_t generation = g_fork_generation.load(std::memory_order_acquire);
+  CpuStreams* s = g_streams.load(std::memory_order_acquire);
+  if (s && s->generation == generation) return *s;
+  install_fork_handlers();
+  std::lock_guard<std::mutex> lock(g_streams_mu);
+  s = g_streams.load(std::memory_order_acquire);
+  if (!s || s->generation != generation) {
+    // Leaked on purpose: worker threads must not be joined during interpreter teardown, and
+    // the streams a fork left behind have no threads to join (Note [Fork]).
+    s = new CpuStreams(s ? s->d2h.delay_us() : initial_delay(), generation);
+    g_streams.store(s, std::memory_order_release);
+  }
   return *s;
 }
 
 }  // namespace
+
+bool cuda_unusable_after_fork() { return g_cuda_unusable.load(std::memory_order_relaxed); }
+
+void note_cuda_used() { g_cuda_touched.store(true, std::memory_order_relaxed); }
+
+void ensure_fork_handlers() { install_fork_handlers(); }
+
+uint64_t fork_generation() { return g_fork_generation.load(std::memory_order_acquire); }
 
 CopyEngine& engine() {
   static CopyEngine* e = new CopyEngine();  // leaked: keepalives must outlive every pool user
@@ -71,10 +142,8 @@ void set_cpu_copy_delay_us(int64_t us) {
 int64_t cpu_copy_delay_us() { return cpu_streams().d2h.delay_us(); }
 
 void synchronize_side_streams() {
-  cpu_streams().d2h.drain();
-  cpu_streams().h2d.drain();
-  cpu_streams().h2d_demand.drain();
-  device_runtime::synchronize_streams();
+  cpu_streams().drain();
+  device_runtime::synchronize_streams();  // skips CUDA in a fork child (Note [Fork])
   engine().synchronize();
 }
 

@@ -113,6 +113,9 @@ void set_cpu_copy_delay_us(int64_t us);
 int64_t cpu_copy_delay_us();
 // Waits until every copy enqueued on the side streams has finished.
 void synchronize_side_streams();
+// How many forks this process came out of as the child (0 in the original process). See
+// Note [Fork] in runtime.cpp.
+uint64_t fork_generation();
 
 // Note [Graph capture]
 // While a stream captures a CUDA graph, an event query, a stream synchronize or a pinned

@@ -14,6 +14,13 @@
 #include "runtime.h"
 
 namespace ckpt_offload {
+// Note [Fork] (runtime.cpp): true in a fork child of a process that had called CUDA, which must
+// not call CUDA; note_cuda_used() marks this process as one that has. ensure_fork_handlers()
+// registers the fork handlers once (install_capture_probe calls it, at import).
+bool cuda_unusable_after_fork();
+void note_cuda_used();
+void ensure_fork_handlers();
+
 namespace device_runtime {
 
 // The streams of a copy on a non-CPU device (Note [Stream ordering]): sets `*compute` (owned

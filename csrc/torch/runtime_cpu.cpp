@@ -21,7 +21,9 @@ int64_t device_allocated_bytes(const c10::Device& device) {
   return -1;
 }
 
-void install_capture_probe() {}  // no CUDA graphs: the core's default probe (never capturing) stays
+// No CUDA graphs: the core's default probe (never capturing) stays; the fork handlers are
+// registered here, at import, as in the CUDA build (Note [Fork]).
+void install_capture_probe() { ensure_fork_handlers(); }
 
 bool cuda_compiled() { return false; }
 

@@ -70,17 +70,28 @@ int64_t device_allocated_bytes(const c10::Device& device) {
 }
 
 void install_capture_probe() {
+  ensure_fork_handlers();  // Note [Fork]
   set_capture_probe([]() -> bool {
+    // A fork child of a process that had called CUDA cannot use CUDA (and must not try):
+    // nothing there captures. Note [Fork].
+    if (cuda_unusable_after_fork()) return false;
     // No device, no capture; and no CUDA context is created just to ask. May throw (reading the
     // current device after a CUDA error): capture_active() turns that into "capturing".
-    static const bool has_device = cuda::device_count() > 0;
+    static const bool has_device = [] {
+      note_cuda_used();
+      return cuda::device_count() > 0;
+    }();
     return has_device && current_stream_capturing(c10::Device(c10::kCUDA, c10::cuda::current_device()));
   });
 }
 
 bool cuda_compiled() { return true; }
 
-int cuda_device_count() { return cuda::device_count(); }
+int cuda_device_count() {
+  if (cuda_unusable_after_fork()) return 0;  // Note [Fork]
+  note_cuda_used();
+  return cuda::device_count();
+}
 
 std::string cuda_runtime_version() { return cuda::runtime_version(); }
 
@@ -101,10 +112,12 @@ void range_push(const char* name) { cuda::nvtx_push(name); }
 
 void range_pop() { cuda::nvtx_pop(); }
 
-void synchronize_streams() { cuda::synchronize_side_streams(); }
+void synchronize_streams() {
+  if (!cuda_unusable_after_fork()) cuda::synchronize_side_streams();  // Note [Fork]
+}
 
 std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
-  if (cuda::device_count() == 0)
+  if (cuda_device_count() == 0)
     throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
                                 "' (pinned memory) needs a usable CUDA device, and none was found; pass "
                                 "pinned=False / backend='pageable' (or pinned=None to choose automatically)");

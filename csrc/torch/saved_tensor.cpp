@@ -143,6 +143,13 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
                                 t.device().str());
   if (t.device().is_cuda() && !cuda_compiled())
     throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
+  // Note [Tensors without data]: nothing to copy (a resized storage gets the message below).
+  if (t._is_zerotensor() || !t.has_storage() ||
+      (t.numel() > 0 && t.storage().nbytes() > 0 && t.storage().data() == nullptr))
+    throw std::invalid_argument(
+        "ckpt_offload.offload_tensor: tensor has no data of its own to copy (a ZeroTensor, e.g. a zero tangent of "
+        "forward-mode AD, or a tensor without storage); keep it as it is, or materialize it first "
+        "(torch.zeros_like(tensor))");
   // The Python wrapper checks this first; here it keeps any other caller from copying past the
   // end of a storage resized below the tensor's span (resize_(0) leaves sizes and strides as
   // they were), which reads freed memory on the copy thread.

@@ -32,7 +32,22 @@ std::string human_bytes(size_t bytes) {
 
 bool unsupported_layout(const at::Tensor& t) {
   return t.layout() != c10::kStrided || t.is_nested() || t.is_quantized() || t.is_mkldnn() || t.is_meta() ||
-         t.is_conj() || t.is_neg() || !t.has_storage();
+         t.is_conj() || t.is_neg();
+}
+
+// Note [Tensors without data]
+// A ZeroTensor (forward-mode AD's zero tangents, at::_efficientzerotensor) is strided and has a
+// storage, but its data pointer is null: its values are implied, not stored. A tensor whose
+// storage was freed under it (resize_(0), as FSDP and torch.compile do) or that has no storage
+// at all is the same to a copy. Copying any of them reads address 0 (or freed memory), so
+// they are kept as they are (KeepReason::NoData) and offload_tensor refuses them.
+bool without_data(const at::Tensor& t) {
+  if (t._is_zerotensor() || !t.has_storage()) return true;
+  if (t.numel() == 0) return false;  // nothing to read: an empty tensor may have a null pointer
+  const c10::Storage& st = t.storage();
+  return st.data() == nullptr ||
+         static_cast<size_t>((t.storage_offset() + extent_elements(t)) * static_cast<int64_t>(t.dtype().itemsize())) >
+             st.nbytes();
 }
 
 // Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a

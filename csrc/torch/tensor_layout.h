@@ -14,6 +14,9 @@ namespace ckpt_offload {
 
 // Layouts whose bytes are not plain strided memory, or whose flags a raw copy would drop.
 bool unsupported_layout(const at::Tensor& t);
+// True for a tensor with no bytes of its own to copy: a ZeroTensor, no storage, a null data
+// pointer, or a storage smaller than the tensor's span. Note [Tensors without data].
+bool without_data(const at::Tensor& t);
 // Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
 // storage that is not theirs to copy.
 bool wrapped_tensor(const at::Tensor& t);
