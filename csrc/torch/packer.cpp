@@ -497,6 +497,8 @@ at::Tensor Packer::unpack(py::handle obj) {
   // A tensor modified in place after it was saved raises here, before this backward has a
   // callback queued or anything of the saved tensor is touched: the raising unpack leaves the
   // state as it found it (the graph is torn down later, maybe on autograd's device thread).
+  if (saved.version_.enabled() && saved.version_.current_version() != saved.saved_version_ && sac_allows_mutation())
+    saved.saved_version_ = saved.version_.current_version();  // Note [Selective checkpoint cache mutation]
   saved.check_version();
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {
@@ -505,8 +507,6 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
-  if (saved.version_.enabled() && saved.version_.current_version() != saved.saved_version_ && sac_allows_mutation())
-    saved.saved_version_ = saved.version_.current_version();  // Note [Selective checkpoint cache mutation]
   at::Tensor out = saved.unpack();
   counters_->note_device_peak();
   return out;
