@@ -56,13 +56,30 @@ def _user_frame():
     return None
 
 
+def mirror_to_logger(message: str) -> None:
+    """Repeats a warning on the ``ckpt_offload`` logger, but only where logging is set up: without
+    a handler, logging's last-resort handler would print the message a second time next to the
+    warning itself; under ``logging.captureWarnings(True)`` the warning already is a log record."""
+    if getattr(logging, "_warnings_showwarning", None) is not None:
+        return  # captureWarnings(True): warnings go to the 'py.warnings' logger already
+    if logger.hasHandlers() and logger.isEnabledFor(logging.WARNING):
+        logger.warning(message)
+
+
+def warn(message: str, category=UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` (one channel), mirrored to the logger where logging is configured."""
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    mirror_to_logger(message)
+
+
 def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> None:
     """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
     on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
-    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object)."""
+    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object).
+    The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`)."""
     frame = _user_frame()
     if frame is None:
-        warnings.warn(message, category, stacklevel=2)
+        warn(message, category, stacklevel=2)
         return
     if key is not None:
         site = (key, frame.f_code.co_filename, frame.f_lineno)
@@ -73,6 +90,7 @@ def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> No
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"),
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    mirror_to_logger(message)
 
 
 def _usable_types() -> set:

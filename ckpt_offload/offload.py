@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 
 import torch
 
@@ -29,6 +28,7 @@ from ckpt_offload._offload_options import (  # noqa: F401
     hooks_disabled_reason,
     logger,
     option_bytes,
+    warn,
     warn_at_user_line,
 )
 from ckpt_offload.pool import HostPool, default_pool
@@ -52,10 +52,11 @@ def _warn_hooks_disabled(reason: str) -> None:
         if reason in _warned_hooks_disabled:
             return
         _warned_hooks_disabled.add(reason)
-    warnings.warn(
+    warn(
         f"ckpt_offload.offload(): saved-tensor hooks are disabled here ({reason!r}; torch.func.grad, vjp, "
         "jacrev and hessian disable them), so the tensors saved inside this block are not offloaded. "
-        "Gradients are unaffected. (Warned once per reason.)",
+        "Gradients are unaffected. To offload them, run this forward outside the torch.func transform "
+        "(or outside torch.autograd.graph.disable_saved_tensors_hooks). (Warned once per reason.)",
         stacklevel=4,  # the user's `with`: _warn_hooks_disabled <- _activate <- __enter__
     )
 
@@ -213,6 +214,10 @@ class offload:
         self._state = None
         self._lock = threading.Lock()
         self._warned_full = False  # the pool-cap warning is given once per context
+        self._warned_disk_full = False  # and so is the disk-full one
+        # The offloaded-nothing check (Note [Offloaded nothing]) runs at exits until this context
+        # has offloaded something or has warned.
+        self._noop_check = True
 
     @property
     def active(self) -> bool:
@@ -327,6 +332,65 @@ class offload:
             raise flush_error
         if not self._warned_full and self.on_full == "keep":
             self._warn_if_pool_was_full()
+        if state.hooks is not None and (self._noop_check or (
+                not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
+            self._check_exit_stats()
+
+    # Note [Offloaded nothing]
+    # A context that offloads nothing costs its hooks and frees no memory, and a user who sees
+    # training run has no reason to look at stats(): at an exit where this context has kept tensors
+    # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
+    # none, it warns once, naming the reason and the fix. stats() builds a dict, so the check runs
+    # only until the context has offloaded something (then never again) or has warned. Tensors it
+    # never offloads by design (parameters, buffers, autocast's casts) do not count. With no device
+    # selected at all (devices=[] or the default without a GPU) the construction already warned.
+    def _check_exit_stats(self) -> None:
+        s = self._packer.stats()
+        kept = s["kept_by_reason"]
+        if self._noop_check:
+            if s["tensors_offloaded"] or s["tensors_deduplicated"]:
+                self._noop_check = False
+            else:
+                self._warn_if_offloaded_nothing(s)
+        disk_full = kept.get("disk_full", 0)
+        if disk_full and not self._warned_disk_full and self.on_full == "keep":
+            self._warned_disk_full = True
+            limit = self.pool._tier.stats().get("max_bytes") if self.pool._tier is not None else None
+            warn_at_user_line(
+                f"co.offload(): the pool's disk tier is full (spill_dir={self.pool.spill_dir!r}, spill_max_bytes="
+                f"{limit or 'none: what the disk has'}), so {disk_full} saved tensors "
+                f"({s['kept_bytes_by_reason'].get('disk_full', 0)} bytes) stayed on the device "
+                "(kept_by_reason['disk_full']). Raise spill_max_bytes or free disk space, raise the pool's "
+                "max_bytes, offload fewer tensors (a larger min_bytes), or pass on_full='raise' to fail "
+                "instead. (Warned once per context.)",
+                key=None,
+            )
+
+    def _warn_if_offloaded_nothing(self, s: dict) -> None:
+        kept = s["kept_by_reason"]
+        small = kept.get("too_small", 0)
+        other_device = kept.get("device", 0) if self.devices else 0
+        if not (small or other_device):
+            return
+        self._noop_check = False
+        reasons = []
+        if small:
+            size = s["kept_bytes_by_reason"].get("too_small", 0)
+            reasons.append(
+                f"{small} saved tensors ({size} bytes) were each under min_bytes={self.min_bytes} "
+                "(kept_by_reason['too_small']): lower it, e.g. co.offload(min_bytes=0) or "
+                "offload={'min_bytes': 0} (docs/api.md, 'Choosing min_bytes'), or add batch_below= to "
+                "copy small tensors in shared blocks")
+        if other_device:
+            reasons.append(
+                f"{other_device} saved tensors were on a device this context does not offload "
+                f"(devices={list(self.devices)}; kept_by_reason['device']): add their device type, "
+                "e.g. devices=['cpu'] for CPU tensors")
+        warn_at_user_line(
+            "co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
+            + "; ".join(reasons) + ". (Warned once per context and line.)",
+            key="co.offload-offloaded-nothing",
+        )
 
     def _warn_if_pool_was_full(self) -> None:
         # Two counters, not stats(): this runs at every exit, and stats() builds a dict of ~30 keys.
@@ -342,7 +406,6 @@ class offload:
             "pool.set_max_bytes(...)), offload fewer tensors (a larger min_bytes), or pass on_full='raise' "
             "to fail instead. (Warned once per context.)"
         )
-        logger.warning(message)
         # Once per context through self._warned_full; a key with id(self) would silence a later
         # context that happens to get the same id.
         warn_at_user_line(message, key=None)
@@ -388,6 +451,7 @@ class offload:
         """
         self._packer.reset_stats()
         self._warned_full = False
+        self._warned_disk_full = False
 
     def __repr__(self) -> str:
         return (

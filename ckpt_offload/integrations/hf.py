@@ -72,7 +72,7 @@ from ckpt_offload._checkpoint_core import (
     offload_options,
     run_checkpoint,
 )
-from ckpt_offload.offload import _quiet, check_offloads_something
+from ckpt_offload.offload import _quiet, check_offloads_something, warn
 
 __all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback",
            "OffloadCallback"]
@@ -323,7 +323,7 @@ class HFCheckpointHandle:
             if k not in ("every_n_layers", "offload") and ours.get(k, _MISSING) != v:
                 ignored.append(f"{k}={v!r}")
         if ignored:
-            warnings.warn(
+            warn(
                 f"{name}() on a model with co.hf.enable active keeps ckpt_offload's checkpoint (every_n_layers="
                 f"{self.every_n_layers}, offload={self.offload!r}) and ignores {', '.join(ignored)}. To change "
                 "the settings, call handle.remove() and co.hf.enable(...) again.",
@@ -518,7 +518,8 @@ from ckpt_offload.integrations._hf_trainer import (  # noqa: E402,F401  (after e
     LOG_KEYS,
     OffloadCallback,
     OffloadCheckpointCallback,
-    _add_to_logs,
+    PEAK_KEYS,
+    PER_STEP_KEYS,
     _args_checkpoint_kwargs,
     _OffloadedForward,
 )
