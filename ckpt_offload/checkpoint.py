@@ -319,10 +319,10 @@ def _largest_block_list(model: torch.nn.Module):
 def _select_blocks(model: torch.nn.Module, layers):
     if layers is None:
         found = _largest_block_list(model)
-        what = "a list of identical blocks (an nn.ModuleList or nn.Sequential of one class, 2 or more)"
+        what = "list of identical blocks (an nn.ModuleList or nn.Sequential of 2 or more modules of one class)"
     elif isinstance(layers, type) and issubclass(layers, torch.nn.Module):
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, layers) and m is not model]
-        what = f"a submodule of class {layers.__name__}"
+        what = f"submodule of class {layers.__name__}"
     elif isinstance(layers, type):
         # A class is callable, but calling it as a predicate would fail with an unrelated error.
         raise TypeError(
@@ -331,7 +331,7 @@ def _select_blocks(model: torch.nn.Module, layers):
         )
     elif callable(layers):
         found = [(n, m) for n, m in model.named_modules() if m is not model and layers(n, m)]
-        what = "a submodule for which layers(name, module) is true"
+        what = "submodule for which layers(name, module) is true"
     else:
         raise TypeError(
             "layers must be None, an nn.Module subclass, or a predicate layers(name, module) -> bool; "

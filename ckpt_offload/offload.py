@@ -23,15 +23,17 @@ from ckpt_offload._offload_options import (  # noqa: F401
     _user_frame,
     _warn_lock,
     _warned_sites,
+    check_not_devices,
     check_offloads_something,
     check_options,
+    graph_break_if_compiling,
     hooks_disabled_reason,
     logger,
     option_bytes,
     warn,
     warn_at_user_line,
 )
-from ckpt_offload.pool import HostPool, default_pool
+from ckpt_offload.pool import HostPool, PoolFullError, default_pool
 
 __all__ = [
     "offload",
@@ -175,6 +177,8 @@ class offload:
         *,
         keep_dedup: bool = False,
     ):
+        graph_break_if_compiling()
+        check_not_devices("min_bytes", min_bytes)  # co.offload("cpu"): say a device was meant
         # Sizes may be strings ("512KiB"); from here on they are ints.
         min_bytes, prefetch_bytes, batch_below, batch_bytes = (
             option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
@@ -245,6 +249,7 @@ class offload:
         return wrapper
 
     def __enter__(self) -> "offload":
+        graph_break_if_compiling()
         with self._lock:
             if self._state is not None:
                 raise RuntimeError(
@@ -304,6 +309,7 @@ class offload:
             )
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        graph_break_if_compiling()
         with self._lock:
             state = self._state
             if state is None or state is _CLAIMED:
@@ -542,6 +548,22 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
         return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
     except ValueError as e:
         raise ValueError(f"tensor: {e}") from None
+    except PoolFullError as e:
+        raise PoolFullError(_offload_tensor_full_message(str(e))) from None
+
+
+def _offload_tensor_full_message(message: str) -> str:
+    """The engine's pool-full message names co.offload's remedies (on_full="keep", min_bytes),
+    which offload_tensor does not take: keep its numbers, give offload_tensor's own remedies."""
+    facts = message.split(". Raise", 1)[0].replace("for a saved tensor", "for the tensor")
+    disk = "its disk tier has no room" in facts
+    return (
+        f"{facts}. co.offload_tensor stores every tensor it is given, so at the cap it raises: "
+        + ("raise spill_max_bytes or free space on the disk, " if disk else "")
+        + "raise the pool's cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), pass a larger pool "
+        "(pool=...), drop handles you no longer need (a handle's block returns to the pool when it dies), or "
+        "catch co.PoolFullError and keep the tensor where it is."
+    )
 
 
 def _check_copyable(tensor: torch.Tensor) -> None:

@@ -516,10 +516,10 @@ def disable(model) -> None:
 # The Trainer callbacks live in their own module (file size); their names stay importable from here.
 from ckpt_offload.integrations._hf_trainer import (  # noqa: E402,F401  (after enable & co.: it reads them)
     LOG_KEYS,
-    OffloadCallback,
-    OffloadCheckpointCallback,
     PEAK_KEYS,
     PER_STEP_KEYS,
+    OffloadCallback,
+    OffloadCheckpointCallback,
     _args_checkpoint_kwargs,
     _OffloadedForward,
 )
