@@ -295,6 +295,12 @@ def _check_out(out: str, parser) -> None:
 
     if os.path.exists(out) and not os.path.isdir(out):
         parser.error(f"--out: {out!r} exists and is not a folder; pass a folder path")
+    # The topmost folder this check creates: removed again, so that a run stopped by a later
+    # argument error leaves nothing behind (the run itself creates the folder when it writes).
+    created = None
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        created, path = path, os.path.dirname(path)
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".ckpt_offload_write_check_")
@@ -302,6 +308,11 @@ def _check_out(out: str, parser) -> None:
         os.remove(probe)
     except OSError as e:
         parser.error(f"--out: cannot write to {out!r} ({e.strerror or e}); pass a folder you can write to")
+    finally:
+        if created is not None:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
 
 
 #: Exit status when an output file cannot be written at the end (the disk filled up, the folder
