@@ -146,7 +146,9 @@ class offload:
     the backward they were not entered in; otherwise ``__exit__`` raises ``RuntimeError`` and
     changes nothing. A second ``__exit__`` does nothing. Where saved-tensor hooks are disabled
     (inside ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) the block runs without
-    offload, with a one-time warning.
+    offload, with a one-time warning. A context that saw saved tensors and offloaded none of
+    them (all under ``min_bytes``, or on a device it does not offload) warns once, naming the
+    reason and the fix (Note [Offloaded nothing]).
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an

@@ -202,3 +202,21 @@ def test_integrations_md_names_every_logged_trainer_key():
     text = (ROOT / "docs" / "integrations.md").read_text()
     missing = [k for k in [f"{k}_per_step" for k in co.hf.PER_STEP_KEYS] + list(co.hf.PEAK_KEYS) if k not in text]
     assert not missing, f"docs/integrations.md does not name the logged keys {missing}"
+
+
+def test_ci_runs_the_readmes_test_command_first_then_the_release_checks():
+    ci = (ROOT / ".ci" / "run").read_text()
+    dev = (ROOT / "scripts" / "dev.sh").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "exec bash scripts/dev.sh ci" in ci
+    assert "bash scripts/dev.sh test" in readme and "`bash scripts/dev.sh ci`" in readme
+    ci_branch = dev[dev.index("\n  ci)"):]
+    ci_branch = ci_branch[: ci_branch.index(";;")]
+    assert ci_branch.index("run_tests") < ci_branch.index("run_release_checks"), ci_branch
+    test_branch = dev[dev.index("\n  test)"):]
+    test_branch = test_branch[: test_branch.index(";;")]
+    assert "run_release_checks" not in test_branch  # the user's command stays the fast one
+    release = dev[dev.index("run_release_checks() {"):]
+    release = release[: release.index("\n}\n")]
+    for check in ("CKPT_OFFLOAD_TSAN=ON", "check_torch_headers.sh", "check_sdist.sh"):
+        assert check in release and check not in dev[dev.index("run_tests() {"):dev.index("run_release_checks() {")]
