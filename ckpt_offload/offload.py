@@ -91,6 +91,7 @@ class _Activation:
 
 
 _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
+_NOOP_CHECKS = 64  # exits a context checks for having offloaded nothing (Note [Offloaded nothing])
 
 
 def _default_devices() -> list[str]:
@@ -221,9 +222,9 @@ class offload:
         self._lock = threading.Lock()
         self._warned_full = False  # the pool-cap warning is given once per context
         self._warned_disk_full = False  # and so is the disk-full one
-        # The offloaded-nothing check (Note [Offloaded nothing]) runs at exits until this context
-        # has offloaded something or has warned.
-        self._noop_check = True
+        # Exits left for the offloaded-nothing check (Note [Offloaded nothing]); none without a
+        # device to offload (the construction warned about that already).
+        self._noop_checks_left = _NOOP_CHECKS if self.devices else 0
 
     @property
     def active(self) -> bool:
@@ -340,7 +341,7 @@ class offload:
             raise flush_error
         if not self._warned_full and self.on_full == "keep":
             self._warn_if_pool_was_full()
-        if state.hooks is not None and (self._noop_check or (
+        if state.hooks is not None and (self._noop_checks_left or (
                 not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
             self._check_exit_stats()
 
@@ -349,15 +350,17 @@ class offload:
     # training run has no reason to look at stats(): at an exit where this context has kept tensors
     # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
     # none, it warns once, naming the reason and the fix. stats() builds a dict, so the check runs
-    # only until the context has offloaded something (then never again) or has warned. Tensors it
-    # never offloads by design (parameters, buffers, autocast's casts) do not count. With no device
-    # selected at all (devices=[] or the default without a GPU) the construction already warned.
+    # only until the context has offloaded something (then never again), has warned, or has exited
+    # _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
+    # buffers, autocast's casts -- those do not count). With no device selected at all (devices=[]
+    # or the default without a GPU) the construction already warned, and the check is off.
     def _check_exit_stats(self) -> None:
         s = self._packer.stats()
         kept = s["kept_by_reason"]
-        if self._noop_check:
+        if self._noop_checks_left:
+            self._noop_checks_left -= 1
             if s["tensors_offloaded"] or s["tensors_deduplicated"]:
-                self._noop_check = False
+                self._noop_checks_left = 0
             else:
                 self._warn_if_offloaded_nothing(s)
         disk_full = kept.get("disk_full", 0)
@@ -380,7 +383,7 @@ class offload:
         other_device = kept.get("device", 0) if self.devices else 0
         if not (small or other_device):
             return
-        self._noop_check = False
+        self._noop_checks_left = 0
         reasons = []
         if small:
             size = s["kept_bytes_by_reason"].get("too_small", 0)
