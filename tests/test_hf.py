@@ -340,7 +340,9 @@ def _train_logged(tmp_path, cb, max_steps, logging_steps, model=None):
 def test_callback_logs_per_step_stats_not_running_totals(tmp_path):
     # A tiny GPT-2 built from a config, 3 steps, one log entry per step: each step offloads the
     # same tensors, so each entry reports the same per-step counts (not 1x, 2x, 3x of them).
-    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0})
+    # A pool of its own: the checkpoint context of these options is then this run's alone (the
+    # shared context of an option set counts every handle's use of it).
+    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)})
     logged = _train_logged(tmp_path, cb, max_steps=3, logging_steps=1)
     assert [e["step"] for e in logged] == [1, 2, 3]
     total = cb.handle.stats()
