@@ -126,3 +126,52 @@ def device_types(name: str, value) -> list[str]:
         if dev.type not in out:
             out.append(dev.type)
     return out
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance with transpositions counted as one edit (``offlaod`` -> ``offload``: 1)."""
+    a, b = a.lower(), b.lower()
+    prev2, prev = None, list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+            if prev2 is not None and i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def closest(name: str, choices: Iterable[str]) -> str | None:
+    """The choice ``name`` is most likely a typo of: within 2 edits (1 for names of up to 4
+    characters), or differing only in case, ``_`` or a plural ``s``; None when none is that close."""
+    best, best_d = None, None
+    for choice in choices:
+        if name == choice:
+            continue
+        if name.lower().replace("_", "").rstrip("s") == choice.lower().replace("_", "").rstrip("s"):
+            return choice
+        if len(name) >= 6 and choice.startswith(name):  # cut short: preserve_rng -> preserve_rng_state
+            return choice
+        d = edit_distance(name, choice)
+        if d <= (1 if len(choice) <= 4 else 2) and (best_d is None or d < best_d):
+            best, best_d = choice, d
+    return best
+
+
+def check_keywords(route: str, given: Iterable[str], valid: Iterable[str], *, elsewhere: dict | None = None) -> None:
+    """Raises TypeError naming the keywords of ``given`` that ``route`` does not take, the closest
+    valid one (a typo), and every valid option; ``elsewhere`` maps a keyword that belongs to
+    another API to a sentence saying where it goes."""
+    valid = tuple(valid)
+    unknown = [k for k in given if k not in valid]
+    if not unknown:
+        return
+    for k in unknown:
+        if elsewhere and k in elsewhere:
+            raise TypeError(f"{route} got {k}=, which it does not take: {elsewhere[k]}")
+    hints = [f"{k!r} (did you mean {closest(k, valid)!r}?)" if closest(k, valid) else repr(k) for k in unknown]
+    raise TypeError(
+        f"{route} got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
+        f"its options are: {', '.join(valid)}"
+    )

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload._offload_options import BYTE_OPTIONS, option_bytes
 from ckpt_offload.offload import check_options as check_offload_options
-from ckpt_offload.offload import _quiet, hooks_disabled_reason, offload as offload_context
+from ckpt_offload.offload import _quiet, graph_break_if_compiling, hooks_disabled_reason, offload as offload_context
 from ckpt_offload.pool import HostPool
 
 __all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "check_checkpoint_keywords", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
@@ -293,6 +293,7 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
     wait in the host pool -- also those inside ``kwargs`` and containers."""
     if use_reentrant or options is None:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **torch_kwargs, **kwargs)
+    graph_break_if_compiling()  # fullgraph=True: say what works (the offload context is C++)
     if hooks_disabled_reason() is not None:
         # Inside torch.func.grad / vjp / jacrev / hessian: torch's checkpoint itself refuses
         # there, with its own clear error; entering our context first would only add noise.

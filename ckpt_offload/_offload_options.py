@@ -56,13 +56,30 @@ def _user_frame():
     return None
 
 
+def mirror_to_logger(message: str) -> None:
+    """Repeats a warning on the ``ckpt_offload`` logger, but only where logging is set up: without
+    a handler, logging's last-resort handler would print the message a second time next to the
+    warning itself; under ``logging.captureWarnings(True)`` the warning already is a log record."""
+    if getattr(logging, "_warnings_showwarning", None) is not None:
+        return  # captureWarnings(True): warnings go to the 'py.warnings' logger already
+    if logger.hasHandlers() and logger.isEnabledFor(logging.WARNING):
+        logger.warning(message)
+
+
+def warn(message: str, category=UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` (one channel), mirrored to the logger where logging is configured."""
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    mirror_to_logger(message)
+
+
 def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> None:
     """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
     on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
-    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object)."""
+    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object).
+    The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`)."""
     frame = _user_frame()
     if frame is None:
-        warnings.warn(message, category, stacklevel=2)
+        warn(message, category, stacklevel=2)
         return
     if key is not None:
         site = (key, frame.f_code.co_filename, frame.f_lineno)
@@ -73,6 +90,7 @@ def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> No
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"),
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    mirror_to_logger(message)
 
 
 def _usable_types() -> set:
@@ -105,6 +123,27 @@ def check_offloads_something(devices, route: str) -> None:
     )
 
 
+FULLGRAPH_MESSAGE = (
+    "ckpt_offload inside a torch.compile(fullgraph=True) graph: its offload contexts and checkpoints "
+    "are C++ objects that Dynamo cannot trace into a graph. What works: torch.compile without "
+    "fullgraph (the default; Dynamo breaks the graph around ckpt_offload, which runs eagerly, with "
+    "gradients unchanged), or compile inside each block -- block.forward = torch.compile(block.forward, "
+    "fullgraph=True) for each block, then co.apply(model, offload=True), or the compiled code inside "
+    "`with co.offload():` (docs/scale_out.md, 'torch.compile')."
+)
+
+
+def graph_break_if_compiling() -> None:
+    """Where Dynamo traces ckpt_offload's Python code, break the graph here with a message that
+    says what works: under fullgraph=True that message is the error, instead of Dynamo's about
+    the pybind11 function it would reach next; without fullgraph the graph breaks as it would
+    anyway, and ckpt_offload runs eagerly. Eager callers pay one ``is_compiling()`` call."""
+    if torch.compiler.is_compiling():
+        graph_break = getattr(getattr(torch, "_dynamo", None), "graph_break", None)
+        if graph_break is not None:
+            graph_break(msg=FULLGRAPH_MESSAGE)
+
+
 def hooks_disabled_reason() -> str | None:
     """torch's message when saved-tensor hooks cannot be entered on this thread (inside
     ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``, or
@@ -130,6 +169,22 @@ def option_bytes(name: str, value):
     return check_bytes(name, value, **BYTE_OPTIONS[name])
 
 
+def check_not_devices(name: str, value) -> None:
+    """``co.offload("cpu")`` puts a device where the first positional argument, ``min_bytes``,
+    goes: say so, instead of only that an int was expected."""
+    items = [value] if isinstance(value, (str, torch.device)) else value
+    if not isinstance(items, (list, tuple, set, frozenset)) or not items:
+        return
+    try:
+        types = device_types(name, items)
+    except (TypeError, ValueError):
+        return  # not devices: the size check's own message
+    raise TypeError(
+        f"{name} must be an int (bytes), got {value!r}, which names a device: co.offload's first positional "
+        f"argument is min_bytes. To choose what is offloaded pass devices=, e.g. co.offload(devices={types!r})"
+    )
+
+
 def check_options(
     min_bytes: int = DEFAULT_MIN_BYTES,
     stream: str = "side",
@@ -153,6 +208,7 @@ def check_options(
         check_options(min_bytes="64KiB")              # sizes may be strings; -> None
         check_options(stream="gpu")                   # ValueError: stream must be one of ('side', 'compute')
     """
+    check_not_devices("min_bytes", min_bytes)
     min_bytes = option_bytes("min_bytes", min_bytes)
     check_choice("stream", stream, STREAM_MODES)
     check_choice("on_full", on_full, ON_FULL_POLICIES)

@@ -13,8 +13,9 @@ from typing import Any, Callable
 
 import torch
 
-from ckpt_offload._args import check_int
+from ckpt_offload._args import check_int, closest
 from ckpt_offload._checkpoint_core import (
+    OFFLOAD_KEYS,
     TORCH_KEYWORDS,
     check_checkpoint_keywords,
     check_reentrant,
@@ -61,7 +62,49 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     if options is not None:
         check_offloads_something(options.get("devices"), "co.checkpoint(offload=...)")
     torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
+    if kwargs:
+        _check_function_keywords(function, kwargs)
     return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
+
+
+_OUR_KEYWORDS = ("offload", "use_reentrant", *TORCH_KEYWORDS)
+
+
+def _named_parameters(function) -> set | None:
+    """The keyword names ``function`` declares (a module: its forward's), or None when its
+    signature cannot be read (a builtin)."""
+    import inspect
+
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_function_keywords(function, kwargs: dict) -> None:
+    """co.checkpoint passes unknown keywords on to ``function``; one that ``function`` does not
+    declare and that looks like a keyword of co.checkpoint (a typo: ``offlaod=True``) or is a
+    co.offload option is far more likely a mistake than an argument for ``function`` (silently
+    passed on it would turn offload off, or fail inside the function with an unrelated error)."""
+    suspects = {k: closest(k, _OUR_KEYWORDS) for k in kwargs if k in OFFLOAD_KEYS or closest(k, _OUR_KEYWORDS)}
+    if not suspects:
+        return
+    declared = _named_parameters(function)
+    for k, near in suspects.items():
+        if declared is not None and k in declared:
+            continue
+        name = getattr(function, "__name__", type(function).__name__)
+        if k in OFFLOAD_KEYS:
+            raise TypeError(
+                f"co.checkpoint: {k}= is a co.offload option, which {name} does not take; pass it inside "
+                f"offload={{...}}, e.g. co.checkpoint(f, x, offload={{{k!r}: ...}})"
+            )
+        raise TypeError(
+            f"co.checkpoint: unknown keyword {k}= (did you mean {near}=?). {name} does not declare it, so "
+            f"it would be passed on to {name}. co.checkpoint's own keywords: {', '.join(_OUR_KEYWORDS)}. "
+            f"To pass {k}= to the function, declare it in its signature or bind it with functools.partial."
+        )
 
 
 def checkpoint_sequential(functions, segments, input, offload=False, use_reentrant: bool | None = None,
@@ -276,10 +319,10 @@ def _largest_block_list(model: torch.nn.Module):
 def _select_blocks(model: torch.nn.Module, layers):
     if layers is None:
         found = _largest_block_list(model)
-        what = "a list of identical blocks (an nn.ModuleList or nn.Sequential of one class, 2 or more)"
+        what = "list of identical blocks (an nn.ModuleList or nn.Sequential of 2 or more modules of one class)"
     elif isinstance(layers, type) and issubclass(layers, torch.nn.Module):
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, layers) and m is not model]
-        what = f"a submodule of class {layers.__name__}"
+        what = f"submodule of class {layers.__name__}"
     elif isinstance(layers, type):
         # A class is callable, but calling it as a predicate would fail with an unrelated error.
         raise TypeError(
@@ -288,7 +331,7 @@ def _select_blocks(model: torch.nn.Module, layers):
         )
     elif callable(layers):
         found = [(n, m) for n, m in model.named_modules() if m is not model and layers(n, m)]
-        what = "a submodule for which layers(name, module) is true"
+        what = "submodule for which layers(name, module) is true"
     else:
         raise TypeError(
             "layers must be None, an nn.Module subclass, or a predicate layers(name, module) -> bool; "

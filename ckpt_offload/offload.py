@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import warnings
 
 import torch
 
@@ -24,14 +23,17 @@ from ckpt_offload._offload_options import (  # noqa: F401
     _user_frame,
     _warn_lock,
     _warned_sites,
+    check_not_devices,
     check_offloads_something,
     check_options,
+    graph_break_if_compiling,
     hooks_disabled_reason,
     logger,
     option_bytes,
+    warn,
     warn_at_user_line,
 )
-from ckpt_offload.pool import HostPool, default_pool
+from ckpt_offload.pool import HostPool, PoolFullError, default_pool
 
 __all__ = [
     "offload",
@@ -52,10 +54,11 @@ def _warn_hooks_disabled(reason: str) -> None:
         if reason in _warned_hooks_disabled:
             return
         _warned_hooks_disabled.add(reason)
-    warnings.warn(
+    warn(
         f"ckpt_offload.offload(): saved-tensor hooks are disabled here ({reason!r}; torch.func.grad, vjp, "
         "jacrev and hessian disable them), so the tensors saved inside this block are not offloaded. "
-        "Gradients are unaffected. (Warned once per reason.)",
+        "Gradients are unaffected. To offload them, run this forward outside the torch.func transform "
+        "(or outside torch.autograd.graph.disable_saved_tensors_hooks). (Warned once per reason.)",
         stacklevel=4,  # the user's `with`: _warn_hooks_disabled <- _activate <- __enter__
     )
 
@@ -88,6 +91,7 @@ class _Activation:
 
 
 _CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
+_NOOP_CHECKS = 64  # exits a context checks for having offloaded nothing (Note [Offloaded nothing])
 
 # Note [Exits that cannot pop]
 # torch's saved-tensor hooks live on a per-thread stack, and torch's own contexts pop whatever
@@ -222,7 +226,9 @@ class offload:
     thread's stack at the next ``co.offload`` enter or exit there. A second ``__exit__`` does
     nothing; ``__exit__()`` takes no arguments too. Where saved-tensor hooks are disabled
     (inside ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) the block runs without
-    offload, with a one-time warning.
+    offload, with a one-time warning. A context that saw saved tensors and offloaded none of
+    them (all under ``min_bytes``, or on a device it does not offload) warns once, naming the
+    reason and the fix (Note [Offloaded nothing]).
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
@@ -255,6 +261,8 @@ class offload:
         *,
         keep_dedup: bool = False,
     ):
+        graph_break_if_compiling()
+        check_not_devices("min_bytes", min_bytes)  # co.offload("cpu"): say a device was meant
         # Sizes may be strings ("512KiB"); from here on they are ints.
         min_bytes, prefetch_bytes, batch_below, batch_bytes = (
             option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
@@ -294,6 +302,10 @@ class offload:
         self._state = None
         self._lock = threading.Lock()
         self._warned_full = False  # the pool-cap warning is given once per context
+        self._warned_disk_full = False  # and so is the disk-full one
+        # Exits left for the offloaded-nothing check (Note [Offloaded nothing]); none without a
+        # device to offload (the construction warned about that already).
+        self._noop_checks_left = _NOOP_CHECKS if self.devices else 0
 
     @property
     def active(self) -> bool:
@@ -321,6 +333,7 @@ class offload:
         return wrapper
 
     def __enter__(self) -> "offload":
+        graph_break_if_compiling()
         with self._lock:
             if self._state is not None:
                 raise RuntimeError(
@@ -391,6 +404,7 @@ class offload:
         return "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing from now on"
 
     def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
+        graph_break_if_compiling()
         with self._lock:
             state = self._state
             if state is _CLAIMED:
@@ -430,6 +444,67 @@ class offload:
             raise flush_error
         if not self._warned_full and self.on_full == "keep":
             self._warn_if_pool_was_full()
+        if state.hooks is not None and (self._noop_checks_left or (
+                not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
+            self._check_exit_stats()
+
+    # Note [Offloaded nothing]
+    # A context that offloads nothing costs its hooks and frees no memory, and a user who sees
+    # training run has no reason to look at stats(): at an exit where this context has kept tensors
+    # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
+    # none, it warns once, naming the reason and the fix. stats() builds a dict, so the check runs
+    # only until the context has offloaded something (then never again), has warned, or has exited
+    # _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
+    # buffers, autocast's casts -- those do not count). With no device selected at all (devices=[]
+    # or the default without a GPU) the construction already warned, and the check is off.
+    def _check_exit_stats(self) -> None:
+        s = self._packer.stats()
+        kept = s["kept_by_reason"]
+        if self._noop_checks_left:
+            self._noop_checks_left -= 1
+            if s["tensors_offloaded"] or s["tensors_deduplicated"]:
+                self._noop_checks_left = 0
+            else:
+                self._warn_if_offloaded_nothing(s)
+        disk_full = kept.get("disk_full", 0)
+        if disk_full and not self._warned_disk_full and self.on_full == "keep":
+            self._warned_disk_full = True
+            limit = self.pool._tier.stats().get("max_bytes") if self.pool._tier is not None else None
+            warn_at_user_line(
+                f"co.offload(): the pool's disk tier is full (spill_dir={self.pool.spill_dir!r}, spill_max_bytes="
+                f"{limit or 'none: what the disk has'}), so {disk_full} saved tensors "
+                f"({s['kept_bytes_by_reason'].get('disk_full', 0)} bytes) stayed on the device "
+                "(kept_by_reason['disk_full']). Raise spill_max_bytes or free disk space, raise the pool's "
+                "max_bytes, offload fewer tensors (a larger min_bytes), or pass on_full='raise' to fail "
+                "instead. (Warned once per context.)",
+                key=None,
+            )
+
+    def _warn_if_offloaded_nothing(self, s: dict) -> None:
+        kept = s["kept_by_reason"]
+        small = kept.get("too_small", 0)
+        other_device = kept.get("device", 0) if self.devices else 0
+        if not (small or other_device):
+            return
+        self._noop_checks_left = 0
+        reasons = []
+        if small:
+            size = s["kept_bytes_by_reason"].get("too_small", 0)
+            reasons.append(
+                f"{small} saved tensors ({size} bytes) were each under min_bytes={self.min_bytes} "
+                "(kept_by_reason['too_small']): lower it, e.g. co.offload(min_bytes=0) or "
+                "offload={'min_bytes': 0} (docs/api.md, 'Choosing min_bytes'), or add batch_below= to "
+                "copy small tensors in shared blocks")
+        if other_device:
+            reasons.append(
+                f"{other_device} saved tensors were on a device this context does not offload "
+                f"(devices={list(self.devices)}; kept_by_reason['device']): add their device type, "
+                "e.g. devices=['cpu'] for CPU tensors")
+        warn_at_user_line(
+            "co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
+            + "; ".join(reasons) + ". (Warned once per context and line.)",
+            key="co.offload-offloaded-nothing",
+        )
 
     def _warn_if_pool_was_full(self) -> None:
         # Two counters, not stats(): this runs at every exit, and stats() builds a dict of ~30 keys.
@@ -445,7 +520,6 @@ class offload:
             "pool.set_max_bytes(...)), offload fewer tensors (a larger min_bytes), or pass on_full='raise' "
             "to fail instead. (Warned once per context.)"
         )
-        logger.warning(message)
         # Once per context through self._warned_full; a key with id(self) would silence a later
         # context that happens to get the same id.
         warn_at_user_line(message, key=None)
@@ -491,6 +565,7 @@ class offload:
         """
         self._packer.reset_stats()
         self._warned_full = False
+        self._warned_disk_full = False
 
     def __repr__(self) -> str:
         return (
@@ -584,6 +659,22 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
         return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
     except ValueError as e:
         raise ValueError(f"tensor: {e}") from None
+    except PoolFullError as e:
+        raise PoolFullError(_offload_tensor_full_message(str(e))) from None
+
+
+def _offload_tensor_full_message(message: str) -> str:
+    """The engine's pool-full message names co.offload's remedies (on_full="keep", min_bytes),
+    which offload_tensor does not take: keep its numbers, give offload_tensor's own remedies."""
+    facts = message.split(". Raise", 1)[0].replace("for a saved tensor", "for the tensor")
+    disk = "its disk tier has no room" in facts
+    return (
+        f"{facts}. co.offload_tensor stores every tensor it is given, so at the cap it raises: "
+        + ("raise spill_max_bytes or free space on the disk, " if disk else "")
+        + "raise the pool's cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), pass a larger pool "
+        "(pool=...), drop handles you no longer need (a handle's block returns to the pool when it dies), or "
+        "catch co.PoolFullError and keep the tensor where it is."
+    )
 
 
 def _check_copyable(tensor: torch.Tensor) -> None:

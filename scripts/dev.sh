@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (Python 3.11, the version CI runs; a C++ compiler; nvcc optional):
-#   bash scripts/dev.sh test   # install everything, build, run the native and Python tests
+#   bash scripts/dev.sh test   # install everything, build, native tests (ASan+UBSan), Python tests
+#   bash scripts/dev.sh ci     # `test`, then the release checks: native tests under TSan, the torch
+#                              # 2.11 header check, the sdist check (CI runs this: .ci/run)
 #   bash scripts/dev.sh demo   # install everything, build, run the demo
 #   bash scripts/dev.sh setup  # install everything and build only
-# Environment: VENV (default .venv), TORCH_SPEC (default torch==2.14.1), MAX_JOBS (default 2),
-# CKPT_OFFLOAD_CUDA=0|1 to force the C++-only or the CUDA build.
+# Environment: VENV (default .venv), TORCH_SPEC (default torch==2.14.1; a pip requirement, e.g. a
+# CPU-only torch, which installs faster and takes far less disk), MAX_JOBS (default 2),
+# CKPT_OFFLOAD_CUDA=0|1 to force the C++-only or the CUDA build (default: CUDA when nvcc and a CUDA
+# torch are there, GPU or not), PYTEST_ARGS (extra pytest arguments, e.g. "-x" or "-k hf").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv}
@@ -16,8 +20,8 @@ setup() {
     python3 -m venv "$VENV"
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
-  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build "$TORCH_SPEC" numpy ninja pytest hypothesis \
-      matplotlib tqdm transformers accelerate peft > pip.log 2>&1; then
+  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build "$TORCH_SPEC" numpy ninja pytest \
+      pytest-xdist hypothesis matplotlib tqdm transformers accelerate peft > pip.log 2>&1; then
     tail -n 40 pip.log
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
     exit 1
@@ -32,32 +36,57 @@ setup() {
   (cd / && "$VENV/bin/python" -c "import ckpt_offload as co, json; print(json.dumps(co.build_info(), indent=1))")
 }
 
+# What a user runs: the native tests under one sanitizer and the Python tests.
+run_tests() {
+  local start=$SECONDS
+  echo "== native tests (C++ core under AddressSanitizer + UndefinedBehaviorSanitizer)"
+  bash scripts/native_tests.sh
+  echo "== Python tests"
+  # Two worker processes when pytest-xdist is there (each test builds its own pools and contexts;
+  # the once-per-site warning state and the session fixtures are per process).
+  local workers=()
+  if "$VENV/bin/python" -c "import xdist" 2>/dev/null; then
+    workers=(-n "${PYTEST_WORKERS:-2}")
+  fi
+  read -r -a extra <<< "${PYTEST_ARGS:-}"
+  # The pytest script (not python -m pytest) keeps ./ off sys.path, so the tests import the
+  # installed package.
+  "$VENV/bin/pytest" tests -q -ra "${workers[@]}" "${extra[@]}"
+  echo "== tests passed in $((SECONDS - start)) s (after set-up)"
+}
+
+# The release checks CI adds: slower, and about the build and the package more than the code.
+run_release_checks() {
+  local start=$SECONDS
+  echo "== native tests (C++ core under ThreadSanitizer; cannot share a build with ASan)"
+  BUILD_DIR=build-native-tsan CMAKE_ARGS="-DCKPT_OFFLOAD_SANITIZE=OFF -DCKPT_OFFLOAD_TSAN=ON" \
+    bash scripts/native_tests.sh
+  echo "== torch-layer sources against torch 2.11.0's and the installed torch's headers (syntax only)"
+  PYTHON="$VENV/bin/python" JOBS="$MAX_JOBS" bash scripts/check_torch_headers.sh
+  echo "== packaging: sdist -> wheel -> install outside the tree -> offload (one C++-only build)"
+  PYTHON="$VENV/bin/python" bash scripts/check_sdist.sh
+  echo "== release checks passed in $((SECONDS - start)) s"
+}
+
 case "${1:-}" in
   setup)
     setup
     ;;
   test)
     setup
-    echo "== native tests (C++ core under AddressSanitizer + UndefinedBehaviorSanitizer)"
-    bash scripts/native_tests.sh
-    echo "== native tests (C++ core under ThreadSanitizer; cannot share a build with ASan)"
-    BUILD_DIR=build-native-tsan CMAKE_ARGS="-DCKPT_OFFLOAD_SANITIZE=OFF -DCKPT_OFFLOAD_TSAN=ON" \
-      bash scripts/native_tests.sh
-    echo "== torch-layer sources against torch 2.11.0's and the installed torch's headers (syntax only)"
-    PYTHON="$VENV/bin/python" JOBS="$MAX_JOBS" bash scripts/check_torch_headers.sh
-    echo "== packaging: sdist -> wheel -> install outside the tree -> offload (one C++-only build)"
-    PYTHON="$VENV/bin/python" bash scripts/check_sdist.sh
-    echo "== Python tests"
-    # The pytest script (not python -m pytest) keeps ./ off sys.path, so the tests import the
-    # installed package.
-    "$VENV/bin/pytest" tests -q -ra
+    run_tests
+    ;;
+  ci)
+    setup
+    run_tests
+    run_release_checks
     ;;
   demo)
     setup
     (cd / && "$VENV/bin/python" -m ckpt_offload demo "${@:2}")
     ;;
   *)
-    echo "usage: bash scripts/dev.sh test|demo|setup" >&2
+    echo "usage: bash scripts/dev.sh test|ci|demo|setup" >&2
     exit 2
     ;;
 esac

@@ -226,7 +226,25 @@ CASES = [
     C("hf-callback-offload-devices", "co.hf.OffloadCheckpointCallback(offload={'devices': 'tpu'})", ValueError,
       "devices", "'cpu'", hf=True),
     C("hf-callback-unknown-kwarg", "co.hf.OffloadCheckpointCallback(use_reentrantt=False)", TypeError,
-      "use_reentrantt", "allowed", hf=True),
+      "use_reentrantt", "did you mean 'use_reentrant'", "its options are: every_n_layers, offload", hf=True),
+    C("hf-offload-callback-typo", "co.hf.OffloadCallback(min_byte=0)", TypeError,
+      "'min_byte' (did you mean 'min_bytes'?)", "its options are: min_bytes, stream, devices", hf=True),
+    C("hf-offload-callback-every_n_layers", "co.hf.OffloadCallback(every_n_layers=2)", TypeError,
+      "every_n_layers", "co.hf.OffloadCheckpointCallback(every_n_layers=", hf=True),
+    # First-hour mistakes: each says what was meant.
+    C("offload-device-as-min_bytes", "co.offload('cpu')", TypeError, "min_bytes", "names a device",
+      "co.offload(devices=['cpu'])"),
+    C("offload-devices-list-as-min_bytes", "co.offload(['cpu'])", TypeError, "min_bytes", "devices=['cpu']"),
+    C("checkpoint-keyword-typo", "co.checkpoint(torch.sin, x, offlaod=True)", TypeError, "offlaod=",
+      "did you mean offload=", "functools.partial"),
+    C("checkpoint-offload-option-as-keyword", "co.checkpoint(model, x, min_bytes=0)", TypeError, "min_bytes",
+      "offload={'min_bytes'"),
+    C("apply-no-blocks", "co.apply(nn.Linear(2, 2))", ValueError, "co.apply found no list of identical blocks",
+      "layers="),
+    C("offload_tensor-past-the-cap", "co.offload_tensor(torch.randn(1 << 16), pool=co.HostPool(max_bytes=1 << 12, "
+      "pinned=False))", co.PoolFullError, "cap 4.0 KiB", "co.offload_tensor stores every tensor", "max_bytes"),
+    C("plan-bandwidth-word", "co.plan(model, lambda: model(x).sum().backward(), budget='1MiB', bandwidth='fast')",
+      ValueError, "bandwidth", "bytes per second", "'25GB/s'"),
     C("hf-callback-reentrant-offload", "co.hf.OffloadCheckpointCallback(offload=True, use_reentrant=True)",
       ValueError, "use_reentrant=False", hf=True),
 ]
@@ -359,3 +377,122 @@ def test_offload_dict_takes_a_set_of_devices(pool):
     x = torch.randn(3, 5, requires_grad=True)
     co.checkpoint(torch.sin, x, offload={"devices": {"cpu"}, "min_bytes": 0, "pool": pool}).sum().backward()
     assert torch.equal(x.grad, torch.cos(x.detach()))
+
+
+def test_offload_tensor_past_the_cap_names_no_option_it_does_not_take():
+    with pytest.raises(co.PoolFullError) as info:
+        co.offload_tensor(torch.randn(1 << 16), pool=co.HostPool(max_bytes=1 << 12, pinned=False))
+    assert "on_full" not in str(info.value) and "min_bytes" not in str(info.value), str(info.value)
+
+
+def test_compile_fullgraph_over_ckpt_offload_says_what_works():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+
+    def around_offload(t):
+        with co.offload(devices=["cpu"], min_bytes=0):
+            return model(t).sum()
+
+    handle = None
+    try:
+        for make in ("around co.offload", "over co.apply"):
+            torch._dynamo.reset()
+            if make == "over co.apply":
+                handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": 0})
+                fn = model
+            else:
+                fn = around_offload
+            with pytest.raises(Exception) as info:
+                torch.compile(fn, fullgraph=True, backend="eager")(x)
+            message = str(info.value)
+            assert "torch.compile(fullgraph=True)" in message, (make, message)
+            assert "without fullgraph" in message and "block.forward = torch.compile(" in message, make
+            assert "pybind11" not in message.split("Developer debug")[0], (make, message)
+        # Without fullgraph the same model runs (graph breaks around ckpt_offload), as documented.
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="eager")(x)
+        out.sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+        torch._dynamo.reset()
+
+
+# -- the command line: errors print the subcommand's usage and come before any measuring ----------
+
+
+def _cli(argv, capsys):
+    from ckpt_offload.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def test_plan_negative_budget_is_named_not_expected_one_argument(capsys):
+    code, _, err = _cli(["plan", "--size", "tiny", "--device", "cpu", "--budget", "-5MiB"], capsys)
+    assert code == 2
+    assert "argument --budget: must be an amount of bytes >= 0" in err and "'-5MiB'" in err, err
+    assert "expected one argument" not in err and "usage: python -m ckpt_offload plan" in err
+
+
+def test_plan_bad_bandwidth_fails_before_planning_with_the_bandwidth_format(capsys):
+    code, out, err = _cli(["plan", "--size", "tiny", "--device", "cpu", "--budget", "1MiB", "--bandwidth", "fast"],
+                          capsys)
+    assert code == 2 and "'25GB/s'" in err and "'2GiB'" not in err, err
+    assert "planning" not in err + out  # nothing was measured
+
+
+def test_plan_unwritable_out_is_a_clear_error_before_measuring(tmp_path, capsys, monkeypatch):
+    import tempfile as tempfile_module
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code, out, err = _cli(["plan", "--size", "tiny", "--device", "cpu", "--budget", "1MiB", "--out",
+                           str(blocker / "sub")], capsys)
+    assert code == 2 and "--out: cannot write to" in err and "usage: python -m ckpt_offload plan" in err, err
+    assert "planning" not in err + out
+
+    # A read-only folder (permission bits do not stop root, so the write itself is made to fail).
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile_module, "mkstemp", read_only)
+    code, _, err = _cli(["plan", "--size", "tiny", "--device", "cpu", "--budget", "1MiB", "--out",
+                         str(tmp_path / "ro")], capsys)
+    assert code == 2 and "Permission denied" in err and "pass a folder you can write to" in err, err
+
+
+def test_plan_write_failure_at_the_end_exits_3_not_over_budget(tmp_path, capsys, monkeypatch):
+    from ckpt_offload.__main__ import main
+    from ckpt_offload.planner import cli as plan_cli
+
+    seen = {}
+    real_plan = co.plan
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_plan(*args, **kwargs)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(co, "plan", spy)
+    monkeypatch.setattr(plan_cli.json, "dump", disk_full)
+    status = main(["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--steps", "1", "--levels", "1",
+                   "--bandwidth", "inf", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert status == 3, (out, err)
+    assert "cannot write the plan files" in err and "No space left on device" in err, err
+    assert "measured with the plan" in out  # the results were printed before
+    assert seen["levels"] == 1  # --levels reaches co.plan
+    assert "3 when OUT/plan.json" in plan_cli.PLAN_DESCRIPTION
+
+
+def test_subcommand_errors_after_parsing_print_the_subcommands_usage(tmp_path, capsys):
+    code, _, err = _cli(["plan", "--script", str(tmp_path / "none.py") + ":f", "--budget", "1MiB",
+                         "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "usage: python -m ckpt_offload plan" in err and "no such file" in err, err
+    code, _, err = _cli(["profile", "--script", "nocolon", "--out", str(tmp_path / "p")], capsys)
+    assert code == 2 and "usage: python -m ckpt_offload profile" in err, err

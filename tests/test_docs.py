@@ -5,11 +5,16 @@ stay there), in the test process: starting an interpreter and importing torch an
 for each of them would cost several seconds per block. conftest's checks apply to every block (no
 bytes left in the default pool, no hooks left registered). Tracebacks point at the Markdown file
 and its line numbers. A block that cannot run on CPU (it needs a GPU or several processes) is
-preceded by the line ``<!-- docs-test: skip REASON -->``; keep such blocks few, and say why.
+preceded by the line ``<!-- docs-test: skip REASON -->``; keep such blocks few, and say why. A
+skipped block must still be complete (every name it uses defined in it) and, run here, fail only
+for the reason stated (no process group, no GPU). Prose is checked too: a paragraph that stops
+mid-sentence (no closing punctuation before a blank line or a heading) fails.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import gc
 import re
 from pathlib import Path
@@ -77,3 +82,141 @@ def test_relative_links_point_into_the_repository():
                 dead.append(f"{path.relative_to(ROOT)} -> {target}")
     assert not dead, f"links to files that do not exist: {dead}"
     assert "docs/" in (ROOT / "README.md").read_text()
+
+
+# -- skipped blocks: complete, and failing here only for the reason they state -------------------
+
+# What a skip reason may say the block needs, and how its absence shows in the error raised here.
+NEEDS = {
+    "process group": r"process group|RANK|WORLD_SIZE|MASTER_ADDR|init_process_group|torch\.distributed",
+    "GPU": r"CUDA|cuda|GPU|NVIDIA|nccl|NCCL",
+}
+
+
+def undefined_names(code: str) -> set:
+    """Names a block reads that it never defines (imports, assignments, loops, defs, arguments,
+    ``with ... as``, ``except ... as``) and that are not builtins: the NameError it would hit
+    once past what it is skipped for."""
+    tree = ast.parse(code)
+    bound, loaded = set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            bound.add(node.name)
+    return loaded - bound
+
+
+def test_undefined_names_finds_what_a_block_does_not_define():
+    assert undefined_names("import os\nx = os.sep\nprint(x, model(batch))") == {"model", "batch"}
+    assert undefined_names("def f(a):\n    return [b for b in a]\nwith open('f') as g:\n    f(g)") == set()
+
+
+SKIPPED = [(p, line, code, reason) for p, line, code, reason in SNIPPETS if reason is not None]
+
+
+@pytest.mark.parametrize("path,line,code,skip", SKIPPED,
+                         ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _, _ in SKIPPED])
+def test_skipped_snippet_fails_only_for_its_stated_reason(path, line, code, skip, tmp_path, monkeypatch):
+    where = f"{path.relative_to(ROOT)}:{line}"
+    missing = undefined_names(code)
+    assert not missing, f"{where}: the block uses {sorted(missing)} without defining them: make it complete"
+    stated = [pattern for need, pattern in NEEDS.items() if need in skip]
+    assert stated, f"{where}: the skip reason {skip!r} names none of {list(NEEDS)}"
+    monkeypatch.chdir(tmp_path)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)  # not launched by torchrun here
+    compiled = compile("\n" * line + code, str(path), "exec")
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compiled, namespace)  # noqa: S102  (the block, as test_snippet_runs runs it)
+    except Exception as e:  # noqa: BLE001  (expected: what the reason says is missing here)
+        message = f"{type(e).__name__}: {e}"
+        assert any(re.search(p, message) for p in stated), \
+            f"{where} fails for a reason its skip does not state ({skip!r}): {message}"
+    else:
+        pytest.fail(f"{where} runs here: remove its skip marker")
+    finally:
+        namespace.clear()
+        gc.collect()
+
+
+# -- prose: no paragraph stops mid-sentence -----------------------------------------------------
+
+PROSE = [*DOCS, ROOT / "benchmarks" / "README.md"]
+# A paragraph's last line ends a sentence, a code span, a parenthesis, a list lead-in (":"), an
+# emphasis or a table cell.
+ENDS_A_SENTENCE = re.compile(r"[.:!?)`*>|]$")
+
+
+def unfinished_paragraphs(text: str) -> list:
+    """(line, last line) of every paragraph outside code fences, tables, headings and HTML
+    comments whose last line does not end a sentence."""
+    out, current, fence = [], None, False
+    lines = text.split("\n")
+    for i, raw in enumerate(lines + [""], 1):
+        line = raw.strip()
+        if line.startswith("```"):
+            fence = not fence
+        if fence or not line or line.startswith(("```", "#", "|", "<!--")):
+            if current is not None and not ENDS_A_SENTENCE.search(current[1]):
+                out.append(current)
+            current = None
+            continue
+        current = (i, line)
+    return out
+
+
+def test_unfinished_paragraphs_finds_a_truncated_sentence():
+    assert unfinished_paragraphs("Cap each pool with\n\n## Next\nDone.\n") == [(1, "Cap each pool with")]
+    assert unfinished_paragraphs("A list:\n\n- one\n- two.\n\n```python\nx = 1\n```\n") == []
+
+
+@pytest.mark.parametrize("path", PROSE, ids=[str(p.relative_to(ROOT)) for p in PROSE])
+def test_no_paragraph_stops_mid_sentence(path):
+    bad = unfinished_paragraphs(path.read_text())
+    assert not bad, f"{path.relative_to(ROOT)}: paragraphs that stop mid-sentence: {bad}"
+
+
+# -- reference lists that must follow the code --------------------------------------------------
+
+
+def test_api_md_lists_every_stats_key_and_reason():
+    import ckpt_offload as co
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    stats = co.offload(devices=["cpu"]).stats()
+    missing = [k for k in [*stats, *stats["kept_by_reason"]] if f"`{k}`" not in text]
+    assert not missing, f"docs/api.md's ctx.stats() list lacks {missing}"
+
+
+def test_integrations_md_names_every_logged_trainer_key():
+    co = pytest.importorskip("ckpt_offload")
+    pytest.importorskip("transformers")
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    missing = [k for k in [f"{k}_per_step" for k in co.hf.PER_STEP_KEYS] + list(co.hf.PEAK_KEYS) if k not in text]
+    assert not missing, f"docs/integrations.md does not name the logged keys {missing}"
+
+
+def test_ci_runs_the_readmes_test_command_first_then_the_release_checks():
+    ci = (ROOT / ".ci" / "run").read_text()
+    dev = (ROOT / "scripts" / "dev.sh").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "exec bash scripts/dev.sh ci" in ci
+    assert "bash scripts/dev.sh test" in readme and "`bash scripts/dev.sh ci`" in readme
+    ci_branch = dev[dev.index("\n  ci)"):]
+    ci_branch = ci_branch[: ci_branch.index(";;")]
+    assert ci_branch.index("run_tests") < ci_branch.index("run_release_checks"), ci_branch
+    test_branch = dev[dev.index("\n  test)"):]
+    test_branch = test_branch[: test_branch.index(";;")]
+    assert "run_release_checks" not in test_branch  # the user's command stays the fast one
+    release = dev[dev.index("run_release_checks() {"):]
+    release = release[: release.index("\n}\n")]
+    for check in ("CKPT_OFFLOAD_TSAN=ON", "check_torch_headers.sh", "check_sdist.sh"):
+        assert check in release and check not in dev[dev.index("run_tests() {"):dev.index("run_release_checks() {")]

@@ -327,17 +327,43 @@ def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path
     assert cb.handle.function.options is None
 
 
-def test_callback_adds_stats_to_trainer_logs(tmp_path):
-    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0})
+def _train_logged(tmp_path, cb, max_steps, logging_steps, model=None):
     targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], max_steps=2, per_device_train_batch_size=2, use_cpu=True,
-        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(tmp_path), report_to=[], max_steps=max_steps, per_device_train_batch_size=2, use_cpu=True,
+        logging_steps=logging_steps, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
     )
-    trainer = transformers.Trainer(model=gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=[cb])
+    trainer = transformers.Trainer(model=model or gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=[cb])
     trainer.train()
-    logged = [e for e in trainer.state.log_history if "ckpt_offload/bytes_offloaded" in e]
-    assert logged and logged[-1]["ckpt_offload/bytes_offloaded"] > 0
-    assert 0 < logged[-1]["ckpt_offload/device_saved_peak_bytes"] == cb.handle.stats()["device_saved_peak_bytes"]
+    return [e for e in trainer.state.log_history if "ckpt_offload/bytes_offloaded_per_step" in e]
+
+
+def test_callback_logs_per_step_stats_not_running_totals(tmp_path):
+    # A tiny GPT-2 built from a config, 3 steps, one log entry per step: each step offloads the
+    # same tensors, so each entry reports the same per-step counts (not 1x, 2x, 3x of them).
+    # A pool of its own: the checkpoint context of these options is then this run's alone (the
+    # shared context of an option set counts every handle's use of it).
+    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)})
+    logged = _train_logged(tmp_path, cb, max_steps=3, logging_steps=1)
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    total = cb.handle.stats()
+    for key in co.hf.PER_STEP_KEYS:
+        values = [e[f"ckpt_offload/{key}_per_step"] for e in logged]
+        assert values == [values[0]] * 3, (key, values)
+        assert sum(values) == total[key]  # stats() keeps the total
+        assert f"ckpt_offload/{key}" not in logged[0]  # no key without its unit
+    assert logged[0]["ckpt_offload/tensors_offloaded_per_step"] > 0
+    assert logged[0]["ckpt_offload/bytes_reloaded_per_step"] == logged[0]["ckpt_offload/bytes_offloaded_per_step"] > 0
+    assert 0 < logged[-1]["ckpt_offload/device_saved_peak_bytes"] == total["device_saved_peak_bytes"]
+    assert logged[-1]["ckpt_offload/pool_peak_bytes"] == total["pool_peak_bytes"] > 0
+
+
+def test_offload_callback_logs_per_step_averages_over_the_logging_interval(tmp_path):
+    cb = co.hf.OffloadCallback(devices=["cpu"], min_bytes=0)
+    logged = _train_logged(tmp_path, cb, max_steps=4, logging_steps=2)
+    assert [e["step"] for e in logged] == [2, 4]
+    total = cb.stats()
+    per_step = [e["ckpt_offload/tensors_offloaded_per_step"] for e in logged]
+    assert per_step[0] == per_step[1] == total["tensors_offloaded"] / 4 > 0
 
 
 def test_hf_disable_method_removes_the_handle_and_enable_works_again():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -37,7 +38,7 @@ co.offload(devices=["cpu"]): CPU tensors copied into a pageable host pool. There
 gradient equality are real; the time ratio is CPU copy overhead, not GPU behaviour.
 
 Exit status: 0 when gradients and losses match in every run, 1 when they do not, 2 for bad
-arguments."""
+arguments, 3 when --out's demo.json cannot be written."""
 
 _PROFILE_DESCRIPTION = """\
 Run a few training steps under co.profile() and write what ckpt_offload did: summary.txt (the
@@ -55,7 +56,8 @@ With --script path/to/file.py:function the file is imported and function() is ca
 step, with no arguments: it is your whole training step and uses co.offload / co.checkpoint /
 co.apply itself (the profiler records what they do; nothing is offloaded for you).
 
-Exit status: 0 on success, 2 for bad arguments."""
+Exit status: 0 on success, 2 for bad arguments (an --out folder that cannot be written included),
+3 when the files cannot be written at the end (e.g. the disk is full)."""
 
 
 def _int_at_least(minimum: int):
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ckpt_offload import __version__
 
     parser.add_argument("--version", action="version", version=f"ckpt_offload {__version__}")
+    parser.epilog = "Run 'python -m ckpt_offload COMMAND --help' for a command's options and exit status."
     sub = parser.add_subparsers(dest="command", metavar="{demo,profile,plan,info}")
     sub.required = True
 
@@ -135,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help=_PREFETCH_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(_parser=demo)  # its errors print its own usage
 
     prof = sub.add_parser(
         "profile",
@@ -181,17 +185,35 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help="built-in model: " + _PREFETCH_HELP)
     prof.add_argument("--top", type=_positive_int, default=None, help="summary: show the N heaviest modules only")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prof.set_defaults(_parser=prof)
 
     from ckpt_offload.planner.cli import add_plan_parser
 
     add_plan_parser(sub, CONFIGS, DEFAULT_MIN_BYTES)
 
-    sub.add_parser(
+    info = sub.add_parser(
         "info",
         help="print co.build_info() and the default pool's configuration and counters",
         description="Print how ckpt_offload was built (co.build_info()) and the default host pool's state.",
     )
+    info.set_defaults(_parser=info)
     return parser
+
+
+_NEGATIVE = re.compile(r"-[0-9.]")
+
+
+def _join_negative_values(argv: list) -> list:
+    """``--budget -5MiB`` -> ``--budget=-5MiB``: argparse reads a value that starts with '-' (and
+    is not a plain number) as an option, and answers "expected one argument"; joined, the value
+    reaches its own check, which says what is wrong with it. No option of ours starts with a digit."""
+    out = []
+    for arg in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _NEGATIVE.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+            continue
+        out.append(arg)
+    return out
 
 
 def _info() -> int:
@@ -266,14 +288,44 @@ def _progress(steps: int, enabled: bool):
 
 def _check_out(out: str, parser) -> None:
     """A parser error before any step runs when ``out`` cannot be the output folder: minutes of
-    profiling would otherwise be lost at the end."""
+    profiling (or planning) would otherwise be lost at the end. Creates the folder and writes a
+    file in it (removed at once): permission bits alone do not say whether a write will work
+    (root ignores them; a read-only file system does not)."""
+    import tempfile
+
     if os.path.exists(out) and not os.path.isdir(out):
         parser.error(f"--out: {out!r} exists and is not a folder; pass a folder path")
-    parent = out if os.path.isdir(out) else (os.path.dirname(os.path.abspath(out)) or ".")
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.access(parent, os.W_OK):
-        parser.error(f"--out: {out!r} is not writable here; pass a folder you can write to")
+    # The topmost folder this check creates: removed again, so that a run stopped by a later
+    # argument error leaves nothing behind (the run itself creates the folder when it writes).
+    created = None
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        created, path = path, os.path.dirname(path)
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".ckpt_offload_write_check_")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        parser.error(f"--out: cannot write to {out!r} ({e.strerror or e}); pass a folder you can write to")
+    finally:
+        if created is not None:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
+
+
+#: Exit status when an output file cannot be written at the end (the disk filled up, the folder
+#: went away): distinct from 1 (a failed check) and 2 (bad arguments).
+EXIT_WRITE_FAILED = 3
+
+
+def write_failed(what: str, error: OSError) -> int:
+    """Prints why ``what`` could not be written and returns :data:`EXIT_WRITE_FAILED`."""
+    print(f"ckpt_offload: cannot write {what}: {error.strerror or error} "
+          f"({getattr(error, 'filename', None) or what}); the results above are complete, only the files are missing",
+          file=sys.stderr)
+    return EXIT_WRITE_FAILED
 
 
 def _gpu_or_error(device: str, parser) -> None:
@@ -348,6 +400,8 @@ def _profile(args, parser) -> int:
         paths = prof.save(args.out)
     except ValueError as e:
         parser.error(f"--out: {e}")
+    except OSError as e:
+        return write_failed(f"the profile files in {args.out!r}", e)
     if "memory" not in paths:
         print("memory.png not written: matplotlib is not installed (`pip install matplotlib`)")
     print(f"wrote {', '.join(paths[k] for k in ('summary', 'trace', 'csv', 'json', 'memory') if k in paths)}")
@@ -358,6 +412,8 @@ def _demo(args, parser) -> int:
     from ckpt_offload.demo import runner as demo
 
     _gpu_or_error(args.device, parser)
+    if args.out is not None:
+        _check_out(args.out, parser)
     result = demo.run_demo(
         size=args.size,
         steps=args.steps,
@@ -370,7 +426,10 @@ def _demo(args, parser) -> int:
     )
     print(demo.format_report(result))
     if args.out is not None:
-        path = demo.write_json(result, args.out)
+        try:
+            path = demo.write_json(result, args.out)
+        except OSError as e:
+            return write_failed(f"demo.json in {args.out!r}", e)
         print(f"wrote {path}")
     recipe = result.get("recipe") or {}
     ok = result["grads_match"] and result["losses_match"] and recipe.get("grads_match", True) \
@@ -388,16 +447,18 @@ def main(argv=None) -> int:
         status = main(["profile", "--size", "tiny", "--steps", "2", "--device", "cpu", "--out", "prof"])
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_join_negative_values(list(sys.argv[1:] if argv is None else argv)))
+    # Errors found after parsing print the subcommand's usage, not the top-level one.
+    sub_parser = args._parser
     if args.command == "info":
         return _info()
     if args.command == "profile":
-        return _profile(args, parser)
+        return _profile(args, sub_parser)
     if args.command == "plan":
         from ckpt_offload.planner.cli import run_plan
 
-        return run_plan(args, parser)
-    return _demo(args, parser)
+        return run_plan(args, sub_parser)
+    return _demo(args, sub_parser)
 
 
 if __name__ == "__main__":

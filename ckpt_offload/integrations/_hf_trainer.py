@@ -12,8 +12,14 @@ import inspect
 import torch
 from transformers import TrainerCallback  # co.hf, imported first, explains a missing transformers
 
-from ckpt_offload._args import check_int
-from ckpt_offload._checkpoint_core import check_checkpoint_keywords, check_reentrant, offload_options
+from ckpt_offload._args import check_int, check_keywords
+from ckpt_offload._checkpoint_core import (
+    OFFLOAD_KEYS,
+    TORCH_KEYWORDS,
+    check_checkpoint_keywords,
+    check_reentrant,
+    offload_options,
+)
 from ckpt_offload.offload import _quiet, check_offloads_something
 
 def _args_checkpoint_kwargs(args) -> dict:
@@ -28,20 +34,51 @@ def _args_checkpoint_kwargs(args) -> dict:
     return {}
 
 
-#: The keys of a handle's ``stats()`` the callbacks add to the Trainer's logs, as ``ckpt_offload/<key>``.
-LOG_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded", "pool_peak_bytes",
-            "device_saved_peak_bytes", "peak_prefetch_bytes")
+#: Counters of a handle's ``stats()`` the callbacks log per optimizer step, as
+#: ``ckpt_offload/<key>_per_step``: what the steps since the previous log entry did, divided by
+#: their number (Trainer averages the loss over the same steps); ``stats()`` keeps the totals.
+PER_STEP_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_kept", "bytes_reloaded")
+#: Peaks of ``stats()`` the callbacks log as they are, ``ckpt_offload/<key>``: the largest value
+#: since training began (a peak has no per-step sum).
+PEAK_KEYS = ("pool_peak_bytes", "device_saved_peak_bytes", "peak_prefetch_bytes")
+#: Every ``stats()`` key the callbacks log.
+LOG_KEYS = PER_STEP_KEYS + PEAK_KEYS
 
 
-def _add_to_logs(logs: dict, state, stats: dict) -> None:
-    """Adds ``stats`` to the log entry being made: to ``logs`` (what the callbacks after ours
-    see) and to the entry Trainer already put in ``state.log_history`` (it copies ``logs``
-    before calling on_log)."""
-    extra = {f"ckpt_offload/{k}": stats[k] for k in LOG_KEYS if k in stats}
-    logs.update(extra)
-    history = getattr(state, "log_history", None)
-    if history and all(history[-1].get(k) == v for k, v in logs.items() if k not in extra):
-        history[-1].update(extra)
+class _StepLog:
+    """Turns a callback's running totals into what each Trainer log entry reports: the counters
+    per optimizer step since the previous entry, the peaks as they are."""
+
+    def __init__(self):
+        self.totals: dict = {}
+        self.step = 0
+
+    def start(self, state, stats: dict) -> None:
+        """At train begin: what the counters held before training is not any step's."""
+        self.totals = {k: stats.get(k, 0) for k in PER_STEP_KEYS}
+        self.step = getattr(state, "global_step", 0) or 0
+
+    def add_to_logs(self, logs: dict, state, stats: dict) -> None:
+        """Adds the entries to the log entry being made: to ``logs`` (what the callbacks after
+        ours see) and to the entry Trainer already put in ``state.log_history`` (it copies
+        ``logs`` before calling on_log)."""
+        step = getattr(state, "global_step", 0) or 0
+        steps = step - self.step
+        extra = {}
+        if steps > 0:  # Trainer's end-of-training summary comes at the step already logged
+            for k in PER_STEP_KEYS:
+                if k in stats:
+                    before = self.totals.get(k, 0)
+                    # reset_stats() between two entries: the counter started again from zero.
+                    done = stats[k] - before if stats[k] >= before else stats[k]
+                    extra[f"ckpt_offload/{k}_per_step"] = done / steps
+            self.totals = {k: stats.get(k, 0) for k in PER_STEP_KEYS}
+            self.step = step
+        extra.update({f"ckpt_offload/{k}": stats[k] for k in PEAK_KEYS if k in stats})
+        logs.update(extra)
+        history = getattr(state, "log_history", None)
+        if history and all(history[-1].get(k) == v for k, v in logs.items() if k not in extra):
+            history[-1].update(extra)
 
 
 class OffloadCheckpointCallback(TrainerCallback):
@@ -75,13 +112,18 @@ class OffloadCheckpointCallback(TrainerCallback):
         # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else False.
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
-        # Bad or misplaced options fail here, not at the first step.
-        check_checkpoint_keywords(checkpoint_kwargs, "OffloadCheckpointCallback")
+        # Bad or misplaced options fail here, not at the first step: a co.offload option is told
+        # to go inside offload={...}; anything else lists every option the callback takes.
+        check_checkpoint_keywords({k: v for k, v in checkpoint_kwargs.items() if k in OFFLOAD_KEYS},
+                                  "OffloadCheckpointCallback")
+        check_keywords("OffloadCheckpointCallback", checkpoint_kwargs,
+                       ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS))
         options = offload_options(offload)
         check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
         if options is not None:
             check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
         self.handle: _hf.HFCheckpointHandle | None = None
+        self._log = _StepLog()
 
     def _settings(self, args):
         from_args = _args_checkpoint_kwargs(args)
@@ -132,13 +174,15 @@ class OffloadCheckpointCallback(TrainerCallback):
         if self.handle is not None and not self.handle.removed:
             # The logs describe this run: a handle kept from an earlier train() starts from zero.
             self.handle.reset_stats()
+            self._log.start(state, self.handle.stats())
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Adds this run's offload statistics to what the Trainer logs (``ckpt_offload/...``):
-        totals since this ``train()`` began, peaks since then."""
+        """Adds this run's offload statistics to what the Trainer logs: ``ckpt_offload/<counter>_per_step``
+        (since the previous entry, per optimizer step) and ``ckpt_offload/<peak>`` (peaks since this
+        ``train()`` began; see ``PER_STEP_KEYS`` and ``PEAK_KEYS``)."""
         if logs is None or self.handle is None or self.handle.removed or self.handle.function.options is None:
             return
-        _add_to_logs(logs, state, self.handle.stats())
+        self._log.add_to_logs(logs, state, self.handle.stats())
 
 
 class _OffloadedForward:
@@ -178,6 +222,10 @@ class OffloadCallback(TrainerCallback):
     def __init__(self, **options):
         from ckpt_offload.offload import offload as offload_context
 
+        recompute = ("OffloadCallback offloads without recompute; to checkpoint as well use "
+                     "co.hf.OffloadCheckpointCallback(every_n_layers=..., offload={...}) instead")
+        check_keywords("OffloadCallback", options, OFFLOAD_KEYS,
+                       elsewhere={k: recompute for k in ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS)})
         check_offloads_something(options.get("devices"), "OffloadCallback")
         _quiet.on = True  # warned just above, at the user's line
         try:
@@ -185,6 +233,7 @@ class OffloadCallback(TrainerCallback):
         finally:
             _quiet.on = False
         self._model = None
+        self._log = _StepLog()
 
     def _install(self, model) -> None:
         if model is None or isinstance(model.__dict__.get("forward"), _OffloadedForward):
@@ -216,6 +265,7 @@ class OffloadCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._install(model)
         self.context.reset_stats()  # the logs describe this run, not an earlier train()
+        self._log.start(state, self.stats())
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self.remove()
@@ -223,7 +273,7 @@ class OffloadCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:
             return
-        _add_to_logs(logs, state, self.stats())
+        self._log.add_to_logs(logs, state, self.stats())
 
 
 # Last: co.hf imports this module at its end, so each finds the other's names defined whichever

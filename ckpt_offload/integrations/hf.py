@@ -72,7 +72,7 @@ from ckpt_offload._checkpoint_core import (
     offload_options,
     run_checkpoint,
 )
-from ckpt_offload.offload import _quiet, check_offloads_something
+from ckpt_offload.offload import _quiet, check_offloads_something, warn
 
 __all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback",
            "OffloadCallback"]
@@ -323,7 +323,7 @@ class HFCheckpointHandle:
             if k not in ("every_n_layers", "offload") and ours.get(k, _MISSING) != v:
                 ignored.append(f"{k}={v!r}")
         if ignored:
-            warnings.warn(
+            warn(
                 f"{name}() on a model with co.hf.enable active keeps ckpt_offload's checkpoint (every_n_layers="
                 f"{self.every_n_layers}, offload={self.offload!r}) and ignores {', '.join(ignored)}. To change "
                 "the settings, call handle.remove() and co.hf.enable(...) again.",
@@ -516,9 +516,10 @@ def disable(model) -> None:
 # The Trainer callbacks live in their own module (file size); their names stay importable from here.
 from ckpt_offload.integrations._hf_trainer import (  # noqa: E402,F401  (after enable & co.: it reads them)
     LOG_KEYS,
+    PEAK_KEYS,
+    PER_STEP_KEYS,
     OffloadCallback,
     OffloadCheckpointCallback,
-    _add_to_logs,
     _args_checkpoint_kwargs,
     _OffloadedForward,
 )

@@ -21,7 +21,38 @@ FUNCTION() is called once and must return (model, step): the model whose blocks 
 function of no arguments running one forward and backward.
 
 Exit status: 0 when the measured peak is within the budget, 1 when it is not, 2 for bad arguments
-(an impossible budget included: the message names the smallest feasible one)."""
+(an impossible budget included: the message names the smallest feasible one; an --out folder that
+cannot be written too, found before anything is measured), 3 when OUT/plan.json or
+OUT/plan_memory.png cannot be written at the end (e.g. the disk is full)."""
+
+
+def _budget_arg(text: str) -> str:
+    """argparse type of --budget: checked when the arguments are read (before any measuring);
+    the text itself is kept for the messages."""
+    import argparse
+
+    from ckpt_offload.planner.plan import parse_bytes
+
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"must be an amount of bytes >= 0 such as 20MiB or 2GiB, got {text!r}")
+    try:
+        parse_bytes("--budget", text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--budget: ", "")) from None
+    return text
+
+
+def _bandwidth_arg(text: str) -> str:
+    """argparse type of --bandwidth: checked when the arguments are read, not after measuring."""
+    import argparse
+
+    from ckpt_offload.planner.plan import parse_bandwidth
+
+    try:
+        parse_bandwidth(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def builtin_model(size: str = "small", device: str = "cpu", seed: int = 0, **overrides):
@@ -49,21 +80,29 @@ def add_plan_parser(sub, configs, default_min_bytes):
 
     p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
                        description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--budget", required=True, help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
+    from ckpt_offload.demo.cli import _non_negative_int, _positive_int
+
+    p.add_argument("--budget", required=True, type=_budget_arg,
+                   help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
     p.add_argument("--size", choices=tuple(configs), default="small",
                    help=f"built-in model preset (default: small). {sizes}")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)")
     p.add_argument("--script", metavar="FILE.py:FUNCTION", default=None,
                    help="plan your own model: FUNCTION() returns (model, step)")
-    p.add_argument("--bandwidth", default=None,
+    p.add_argument("--bandwidth", default=None, type=_bandwidth_arg,
                    help="host link bytes/s both ways (e.g. 25GB/s, inf, 0) instead of measuring it")
-    p.add_argument("--min-bytes", type=int, default=None,
+    p.add_argument("--min-bytes", type=_non_negative_int, default=None,
                    help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)")
     p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
-    p.add_argument("--out", metavar="DIR", default="ckpt_offload_plan", help="folder for plan.json and plan_memory.png")
-    p.add_argument("--seed", type=int, default=0, help="built-in model: seed (default: 0)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement (default: 3)")
+    p.add_argument("--levels", type=int, choices=(1, 2, 3), default=2,
+                   help="how deep segments may nest (co.plan(levels=...)): 1 flat segments, 2 (default) a "
+                        "segment whose recompute checkpoints inner segments, 3 one more level (slower search)")
+    p.add_argument("--out", metavar="DIR", default="ckpt_offload_plan",
+                   help="folder for plan.json and plan_memory.png (default: ./ckpt_offload_plan)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
+    p.add_argument("--steps", type=_positive_int, default=3, help="timed steps per measurement (default: 3)")
+    p.set_defaults(_parser=p)  # its errors print its own usage
     return p
 
 
@@ -130,8 +169,10 @@ def run_plan(args, parser) -> int:
     import torch
 
     import ckpt_offload as co
+    from ckpt_offload.demo.cli import _check_out, write_failed
     from ckpt_offload.planner import InfeasibleBudget, parse_bytes
 
+    _check_out(args.out, parser)  # before minutes of measuring, not after
     if args.script is not None:
         from ckpt_offload.demo.cli import load_script as _load_script
 
@@ -158,15 +199,13 @@ def run_plan(args, parser) -> int:
     print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
     try:
         plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth, min_bytes=min_bytes,
-                       segments=not args.no_segments)
+                       segments=not args.no_segments, levels=args.levels)
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     print(plan.summary())
     model.zero_grad(set_to_none=True)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
     base_s, base_mem = _measure(step, device, args.steps)
     handle = plan.apply()
     try:
@@ -180,7 +219,6 @@ def run_plan(args, parser) -> int:
           f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms "
           f"(predicted {plan.predicted_step_seconds * 1e3:.2f} ms)")
     print(f"measured without: peak {base_mem.peak_bytes / 2**20:.2f} MiB, step {base_s * 1e3:.2f} ms")
-    os.makedirs(args.out, exist_ok=True)
     result = {
         "model": what, "device": device, "budget_bytes": budget, "choices": plan.choices,
         "prefetch_bytes": plan.prefetch_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -189,11 +227,16 @@ def run_plan(args, parser) -> int:
                                                             measured_step_seconds=base_s),
         "bandwidth": vars(plan.costs.bandwidth), "within_budget": ok,
     }
-    with open(os.path.join(args.out, "plan.json"), "w") as f:
-        json.dump(result, f, indent=1, default=float)
     png = os.path.join(args.out, "plan_memory.png")
-    if plot_memory(png, plan.simulation.timeline, plan_mem.timeline, base_mem.timeline, budget,
-                   f"{what}: budget {budget / 2**20:.1f} MiB"):
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "plan.json"), "w") as f:
+            json.dump(result, f, indent=1, default=float)
+        plotted = plot_memory(png, plan.simulation.timeline, plan_mem.timeline, base_mem.timeline, budget,
+                              f"{what}: budget {budget / 2**20:.1f} MiB")
+    except OSError as e:
+        return write_failed(f"the plan files in {args.out!r}", e)
+    if plotted:
         print(f"wrote {os.path.join(args.out, 'plan.json')}, {png}")
     else:
         print(f"wrote {os.path.join(args.out, 'plan.json')} (plan_memory.png needs matplotlib)")

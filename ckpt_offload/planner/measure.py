@@ -20,6 +20,7 @@ parameters and anything allocated before the step, the host pool (its memory is 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -52,6 +53,24 @@ def _device_type_code(device: str):
     return 1 if device.startswith("cuda") else 0
 
 
+@contextlib.contextmanager
+def _quiet_kineto():
+    """A CUDA build of torch on a machine without a usable GPU: kineto (torch.profiler's native
+    side) prints "ERROR: ... gpuGetDeviceCount failed with code 35" and "USDT ... profiler_start"
+    lines to stderr at every profiled step, about a GPU nobody asked for. Its log level is read
+    from KINETO_LOG_LEVEL when the profiler first starts in the process; 6 is above every level it
+    logs at. Left alone where a GPU is usable (its messages may matter there), where torch has no
+    CUDA, or when the user set the variable. Restored after: child processes inherit no change."""
+    if os.environ.get("KINETO_LOG_LEVEL") is not None or not torch.version.cuda or torch.cuda.is_available():
+        yield
+        return
+    os.environ["KINETO_LOG_LEVEL"] = "6"
+    try:
+        yield
+    finally:
+        os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
     """Runs ``step()`` once under torch.profiler and returns the device memory of saved activations
     over it (see the module docstring for what is counted).
@@ -65,7 +84,7 @@ def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
     if device.startswith("cuda"):
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    with profile(activities=activities, profile_memory=True) as prof:
+    with _quiet_kineto(), profile(activities=activities, profile_memory=True) as prof:
         step()
         if device.startswith("cuda"):
             torch.cuda.synchronize()

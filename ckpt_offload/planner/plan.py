@@ -26,6 +26,7 @@ def parse_bandwidth(value) -> Bandwidth | None:
         return value
 
     def one(key, v):
+        original = v
         if isinstance(v, float) and math.isinf(v) and v > 0:
             return math.inf
         if isinstance(v, str):
@@ -33,7 +34,14 @@ def parse_bandwidth(value) -> Bandwidth | None:
             if v.lower() in ("inf", "infinite"):
                 return math.inf
             v = v[:-2] if v.lower().endswith("/s") else v
-        return float(parse_bytes(f"bandwidth{key}", v))
+        try:
+            return float(parse_bytes(f"bandwidth{key}", v))
+        except (TypeError, ValueError) as e:
+            # parse_bytes' own hint shows sizes ('2GiB'); a bandwidth is bytes per second.
+            raise type(e)(
+                f"bandwidth{key}: cannot read {original!r} as bytes per second; write e.g. '25GB/s', "
+                "'12.5GiB/s', 'inf' (no copy cost), 0, a number of bytes/s, or None to measure it"
+            ) from None
 
     if isinstance(value, dict):
         unknown = sorted(set(value) - {"d2h", "h2d", "latency"})
