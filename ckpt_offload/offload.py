@@ -431,7 +431,7 @@ class offload:
                     self._state = None
                 _drop_stale_entries()
         if misuse is not None:
-            warnings.warn(
+            warn(
                 f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
                 "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
                 RuntimeWarning,
