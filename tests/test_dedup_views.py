@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import assert_bit_identical, cpu_offload, grads_of, hypothesis_examples, run_a_backward
 
 import ckpt_offload as co
-from conftest import assert_bit_identical, cpu_offload, grads_of, hypothesis_examples, run_a_backward
 
 CELL = 512  # the pool's alignment: every block is rounded to it
 
@@ -36,7 +36,7 @@ class Saves(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, *views = ctx.saved_tensors
+        _, *views = ctx.saved_tensors
         for got, (val, size, stride, offset) in zip(views, ctx.expected):
             per_cell = CELL // got.element_size()
             assert got.size() == size and got.stride() == stride
@@ -253,7 +253,7 @@ def test_chunk_attention_grads_bit_identical(pool, stream):
 
 def test_gpt2_grads_bit_identical(pool, stream):
     pytest.importorskip("transformers")
-    from helpers import B, T, VOCAB, gpt2
+    from helpers import VOCAB, B, T, gpt2
 
     torch.manual_seed(6)
     model = gpt2()  # a tiny config: no download
@@ -268,8 +268,8 @@ def test_gpt2_grads_bit_identical(pool, stream):
 # Property: any views of one storage, packed in any order.
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 @st.composite
@@ -310,7 +310,56 @@ def test_property_random_views_of_one_storage_copied_once(shared_pool, case, sid
     them), every block back after backward."""
     base, views = case
     pool = shared_pool
-    in_use, requested, s, storages = save_views(pool, "side" if side else "compute", views)
+    in_use, requested, s, _ = save_views(pool, "side" if side else "compute", views)
     storage_bytes = base.untyped_storage().nbytes()
     assert in_use <= round_up(storage_bytes) and requested <= storage_bytes
     assert s["tensors_offloaded"] + s["tensors_deduplicated"] == len(views) + 1
+
+
+# The other paths a joined copy goes through: prefetch, the disk tier, batching.
+
+
+@pytest.mark.parametrize("prefetch_bytes", [0, 1 << 20])
+def test_joined_copies_with_and_without_prefetch(pool, prefetch_bytes):
+    """Two bridged copies and a grown one, each saved by its own node, so that backward prefetches the joined
+    copies (an absorbed copy has nothing left to prefetch) before their unpacks."""
+    base = torch.randn(4000)
+    x = torch.randn(3, requires_grad=True)
+    with cpu_offload(pool, prefetch_bytes=prefetch_bytes) as ctx:
+        y = Saves.apply(x, base[0:100])
+        y = Saves.apply(y, base[3000:3100])
+        y = Saves.apply(y, base[50:3050])  # bridges the two copies above
+        y = Saves.apply(y, base[1::2])  # grows the joined copy to the whole storage
+        y = Saves.apply(y, torch.randn(1000))  # another storage in between
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 5 * CELL + round_up(4000) + round_up(16000)  # x, y..., the other, base once
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 32.0))
+    s = ctx.stats()
+    assert s["tensors_reloaded"] == 1 + 1 + 5  # base's joined copy once, the other storage, x's five
+    if prefetch_bytes:
+        assert s["prefetches"] > 0
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_joined_copy_spilled_to_disk(tmp_path, stream):
+    """Pieces of one copy may land in the pool or on the disk tier; the reload reads each back."""
+    spill = co.HostPool(pinned=False, max_bytes=8192, spill_dir=str(tmp_path), spill_file_bytes=1 << 20)
+    base = torch.randn(8192)  # 32 KiB: most of it spills
+    _, _, s, storages = save_views(spill, stream, [base[::2], base[1::2], base[100:5000]])
+    assert s["tensors_offloaded"] == 2 and s["tensors_deduplicated"] == 2 and len(set(storages)) == 1
+    assert s["bytes_spilled"] > 0
+
+
+def test_batched_small_views_come_back_right(pool, stream):
+    """A batch member cannot grow: an interleaved view of it gets a copy of its own (correct, not minimal)."""
+    base = torch.randn(64, 6)
+    views = list(base.chunk(3, dim=1))
+    x = torch.randn(3, requires_grad=True)
+    with cpu_offload(pool, stream=stream, batch_below=4096) as ctx:
+        y = Saves.apply(x, *views)
+    y.sum().backward()
+    assert ctx.stats()["tensors_batched"] >= 3
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
