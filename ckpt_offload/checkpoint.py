@@ -210,6 +210,16 @@ class CheckpointHandle:
         return f"CheckpointHandle({len(self.names)} blocks, every_n_layers={self.every_n_layers}, removed={self.removed})"
 
 
+# Note [The last block's input]
+# Every checkpointed block's input goes to the host pool, the last one's too, although backward
+# needs it first (prefetch starts after the first unpack, so its reload is always on demand: one
+# stall of one input's bytes over the host link per step, ~5 ms for 256 MiB at 55 GB/s, about
+# 0.1-0.2% of such a model's step). DeepSpeed keeps it on the device (keep_last_count=1). Here
+# co.checkpoint cannot tell which call is a step's last (only deferring every input's copy to the
+# next call could, holding each input a block longer), and co.apply could (its last block) at the
+# cost of one input's device bytes from that block's forward through the loss, where the logits
+# often set the peak. Not measured on a GPU against that cost yet, so the default stays, and the
+# memory formula in docs/api.md holds exactly. See docs/api.md, "The last block's input".
 class _CheckpointedForward:
     """The ``forward`` that :func:`apply` sets on a block (in its ``__dict__``).
 

@@ -176,13 +176,16 @@ def test_deduplication_of_views_of_one_storage(pool):
     y.sum().backward()  # Probe checks values and layouts
 
 
-def test_view_outside_offloaded_span_is_offloaded_separately(pool):
+def test_view_reaching_past_offloaded_span_joins_its_copy(pool):
+    """base[5:60] reaches past base[:10]'s span but shares its 512-byte cell: it joins that copy (widened to the
+    cell, here the whole 400-byte storage) instead of copying its bytes again (Note [One copy per storage])."""
     base = torch.randn(100)
     x = torch.randn(3, requires_grad=True)
     with cpu_offload(pool) as ctx:
         y = Probe.apply(x, base[:10], base[5:60])
     s = ctx.stats()
-    assert s["tensors_offloaded"] == 3 and s["tensors_deduplicated"] == 0
+    assert s["tensors_offloaded"] == 2 and s["tensors_deduplicated"] == 1
+    assert saved_bytes_in_pool(pool) == 3 * 4 + 100 * 4
     y.sum().backward()
 
 

@@ -101,7 +101,10 @@ def test_records_complete_and_match_stats(tiny_profile):
     # One handle per offloaded storage, one D2H copy per handle, one H2D per reload.
     assert len(handles) == len(r["handles"]) == stats["tensors_offloaded"]
     assert Counter(c["handle"] for c in d2h) == Counter({h: 1 for h in handles})
-    assert sum(c["bytes"] for c in d2h) == stats["bytes_offloaded"]
+    # Each copy is its tensor's span widened to the 512-byte cells of its storage it touches (Note [One copy per
+    # storage]): a view of a larger storage moves up to 511 bytes more on each side.
+    moved = sum(c["bytes"] for c in d2h)
+    assert stats["bytes_offloaded"] <= moved <= stats["bytes_offloaded"] + 2 * 511 * len(handles)
     assert len(h2d) == stats["tensors_reloaded"]
     assert sum(c["bytes"] for c in h2d) == stats["bytes_reloaded"]
     assert {c["handle"] for c in h2d} == set(handles)  # one backward: every storage came back
@@ -125,7 +128,7 @@ def test_records_complete_and_match_stats(tiny_profile):
 
     # Totals agree with the records and the stats.
     t = prof.to_dict()["totals"]
-    assert t["d2h_bytes"] == stats["bytes_offloaded"] and t["h2d_bytes"] == stats["bytes_reloaded"]
+    assert t["d2h_bytes"] == moved and t["h2d_bytes"] == stats["bytes_reloaded"]
     assert t["tensors_offloaded"] == stats["tensors_offloaded"]
     assert t["tensors_reloaded"] == stats["tensors_reloaded"]
     assert t["tensors_kept"] == stats["tensors_kept"]

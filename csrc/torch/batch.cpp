@@ -60,7 +60,7 @@ std::shared_ptr<OffloadedStorage> Batch::add(const at::Tensor& t, int64_t lo, in
   // both ways (the reload destination keeps that alignment too: its pad is lo mod 512).
   const size_t offset = (block_bytes_ + 15) / 16 * 16 + reinterpret_cast<uintptr_t>(src) % 16;
   const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
-  auto member = std::make_shared<OffloadedStorage>(shared_from_this(), device_, pad, static_cast<size_t>(span),
+  auto member = std::make_shared<OffloadedStorage>(shared_from_this(), device_, lo, pad, static_cast<size_t>(span),
                                                    side_stream_, counters_);
   Member m;
   m.storage = member;

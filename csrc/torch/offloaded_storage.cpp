@@ -1,5 +1,7 @@
 #include "offloaded_storage.h"
 
+#include <algorithm>
+
 #include "../core/profiler.h"
 #include "batch.h"
 #include "device_memory.h"
@@ -8,27 +10,101 @@
 
 namespace ckpt_offload {
 
-OffloadedStorage::OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad,
+OffloadedStorage::OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, int64_t lo, size_t pad,
                                    bool side_stream, uint64_t handle, std::shared_ptr<PackerCounters> counters)
-    : buffer_(std::move(buffer)),
-      device_(device),
+    : device_(device),
       pad_(pad),
-      nbytes_(buffer_->nbytes()),
+      nbytes_(buffer->nbytes()),
       side_stream_(side_stream),
       handle_(handle),
-      counters_(std::move(counters)) {}
+      counters_(std::move(counters)) {
+  lo_ = lo;
+  pieces_.push_back(Piece{std::move(buffer), lo});
+}
 
-OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes,
-                                   bool side_stream, std::shared_ptr<PackerCounters> counters)
+OffloadedStorage::OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, int64_t lo, size_t pad,
+                                   size_t nbytes, bool side_stream, std::shared_ptr<PackerCounters> counters)
     : batch_(std::move(batch)),
       device_(device),
       pad_(pad),
       nbytes_(nbytes),
       side_stream_(side_stream),
       handle_(batch_->handle()),
-      counters_(std::move(counters)) {}
+      counters_(std::move(counters)) {
+  lo_ = lo;
+}
 
-HostPool* OffloadedStorage::pool() const { return buffer_ ? buffer_->pool() : batch_->pool(); }
+HostPool* OffloadedStorage::pool() const { return batch_ ? batch_->pool() : pieces_.front().buffer->pool(); }
+
+bool OffloadedStorage::extendable() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return extendable_locked();
+}
+
+bool OffloadedStorage::extend(std::vector<Piece> pieces, int pending) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!extendable_locked()) return false;
+  int64_t lo = lo_, hi = lo_ + static_cast<int64_t>(nbytes_);
+  for (auto& p : pieces) {
+    lo = std::min(lo, p.from);
+    hi = std::max(hi, p.from + static_cast<int64_t>(p.buffer->nbytes()));
+    pieces_.push_back(std::move(p));
+  }
+  lo_ = lo;
+  pad_ = static_cast<size_t>(lo) % kReloadAlignment;
+  nbytes_ = static_cast<size_t>(hi - lo);
+  pending_ += pending;
+  return true;
+}
+
+bool OffloadedStorage::absorb_into(const std::shared_ptr<OffloadedStorage>& into, std::vector<Piece>* pieces,
+                                   int* pending) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!extendable_locked()) return false;
+  *pieces = std::move(pieces_);
+  pieces_.clear();
+  *pending = pending_;
+  pending_ = 0;
+  merged_into_ = into;
+  return true;
+}
+
+void OffloadedStorage::restore(std::vector<Piece> pieces, int pending) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pieces_ = std::move(pieces);
+  pending_ += pending;
+  merged_into_.reset();
+}
+
+std::shared_ptr<OffloadedStorage> OffloadedStorage::resolve(std::shared_ptr<OffloadedStorage> self) {
+  for (;;) {
+    std::shared_ptr<OffloadedStorage> next;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      next = self->merged_into_;
+    }
+    if (!next) return self;
+    self = std::move(next);
+  }
+}
+
+bool OffloadedStorage::any_spilled_locked() const {
+  for (const auto& p : pieces_)
+    if (p.buffer->spilled()) return true;
+  return false;
+}
+
+std::shared_ptr<Event> OffloadedStorage::reload_pieces_locked(c10::Storage& storage, Stream& compute, Stream& copy,
+                                                              bool consumer_waits, const CopyTag& tag) {
+  char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
+  std::shared_ptr<Event> last;
+  for (const auto& p : pieces_) {
+    // A spilled piece is read back first (waiting for the disk; SpillError on a bad checksum).
+    last = engine().reload(*p.buffer->host(), dst + (p.from - lo_), compute, copy, consumer_waits, tag);
+    if (p.buffer->spilled() && consumer_waits) p.buffer->release_host();  // the host block goes after the copy
+  }
+  return last;
+}
 
 OffloadedStorage::~OffloadedStorage() {
   // Never throws (Note [No throw on teardown], core/stream.h): a failure here leaves the staged
@@ -44,7 +120,8 @@ OffloadedStorage::~OffloadedStorage() {
 void OffloadedStorage::drop_disk_prefetch_locked() {
   if (!disk_prefetch_) return;
   disk_prefetch_ = false;
-  buffer_->release_host();  // a read still running keeps its host block until it ends
+  for (auto& p : pieces_)
+    if (p.buffer->spilled()) p.buffer->release_host();  // a read still running keeps its host block until it ends
   if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));
   if (counters_) counters_->prefetches_unused++;
 }
@@ -77,8 +154,13 @@ void OffloadedStorage::link() {
 }
 
 void OffloadedStorage::unlink() {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (--pending_ == 0 && staged_.held) drop_staged_locked();
+  std::shared_ptr<OffloadedStorage> into;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    into = merged_into_;  // its pending saved tensors moved there (Note [One copy per storage])
+    if (!into && --pending_ == 0 && staged_.held) drop_staged_locked();
+  }
+  if (into) into->unlink();
 }
 
 bool OffloadedStorage::wants_reload(bool prefetch) {
@@ -129,10 +211,12 @@ int64_t OffloadedStorage::start_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
   if (batch_ || pending_ <= 0 || !side_stream_ || resident_locked() || disk_prefetch_) return 0;
   maybe_fail_prefetch();
-  if (buffer_->spilled()) {
+  sealed_ = true;  // Note [One copy per storage]
+  if (any_spilled_locked()) {
     // Note [Spilling offloaded blocks]: the disk is the slow leg, so a prefetch starts the read
     // back into host memory (I/O threads, nothing waits); the H2D copy follows on demand.
-    buffer_->start_read(/*prefetch=*/true);
+    for (auto& p : pieces_)
+      if (p.buffer->spilled()) p.buffer->start_read(/*prefetch=*/true);
     disk_prefetch_ = true;
     counters_->disk_prefetches++;
     return static_cast<int64_t>(nbytes_);
@@ -142,9 +226,8 @@ int64_t OffloadedStorage::start_prefetch() {
   CopyRange range("ckpt_offload::prefetch", device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
   c10::Storage storage = device_storage(device_, pad_ + nbytes_);
-  char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
   CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
-  auto done = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
+  auto done = reload_pieces_locked(storage, streams.compute(), streams.copy(), /*consumer_waits=*/false, tag);
   stage_locked(Staged{std::move(storage), done, &streams.copy(), true});
   counters_->prefetches++;
   counters_->bytes_prefetched += static_cast<int64_t>(nbytes_);
@@ -163,6 +246,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
   DeviceScope scope(device_);
   {
     std::lock_guard<std::mutex> lock(mu_);
+    sealed_ = true;  // Note [One copy per storage]: a device copy exists from here on
     if (on_device_) {
       // Kept on the device when its batch found the pool full: the same copy, for every unpack
       // (retain_graph, double backward); it has no host bytes to reload from.
@@ -243,12 +327,11 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
       // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
       c10::Storage storage = device_storage(device_, pad_ + nbytes_);
-      char* dst = static_cast<char*>(storage.mutable_data()) + pad_;
       CopyTag tag{handle_, device_index(device_), false, 1};
-      // A spilled buffer is read back first (waiting for the disk; SpillError on a bad checksum).
-      reloaded_ready_ = engine().reload(*buffer_->host(), dst, streams.compute(), streams.copy(), true, tag);
-      if (buffer_->spilled()) {
-        buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
+      // Spilled pieces are read back first; the disk keeps their bytes, their host blocks go
+      // after the copies.
+      reloaded_ready_ = reload_pieces_locked(storage, streams.compute(), streams.copy(), true, tag);
+      if (any_spilled_locked()) {
         if (disk_prefetch_) {
           disk_prefetch_ = false;
           if (prefetcher_) prefetcher_->release(static_cast<int64_t>(nbytes_));

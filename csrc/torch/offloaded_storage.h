@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "../core/copy_engine.h"
 #include "../core/host_pool.h"
@@ -20,17 +21,42 @@ namespace ckpt_offload {
 class Batch;
 
 // The host copy of one span of a storage, shared by every saved tensor that views it. Its
-// bytes live in a buffer of its own (a pool block, or spilled to the pool's disk tier), or at an
+// bytes live in buffers of its own (pool blocks, or spilled to the pool's disk tier), or at an
 // offset of a Batch's.
+//
+// Note [One copy per storage]
+// Views of one storage (q, k, v chunked from one projection; x[::2] and x[1::2]) reach
+// overlapping or interleaved spans of it. Each byte is copied to the host once and all of them
+// come back in one device storage:
+//  - a span is copied widened to the 512-byte cells of its storage it touches (its pool block
+//    is rounded to 512 anyway; the extra bytes are the reload pad and at most 511 bytes after
+//    the span, never past the storage's end), so the pieces of one storage tile its cells and
+//    their pool blocks add up to at most the storage's bytes rounded to 512;
+//  - a later view whose widened span shares a cell with this copy's span (of the same version)
+//    is deduplicated onto it: if it reaches past the span, only the missing cells are copied,
+//    as extra pieces of this same storage (extend); if it bridges two copies, the second's
+//    pieces and pending saved tensors move into the first, which the second then forwards to
+//    (absorb, resolve). Nothing already copied is copied again or changes: the earlier saved
+//    tensors' reloads hold the same values, at their offset from base(), read at unpack;
+//  - this only happens before the storage is sealed: its first reload (or prefetch) seals it,
+//    since a device copy that exists cannot grow. A view that would need a sealed (or batched)
+//    copy to grow gets a copy of its own, as before;
+//  - views in disjoint cells stay separate copies: chunks of a batch reload (and are freed)
+//    one at a time in backward instead of all at the first unpack.
 class OffloadedStorage : public Reloadable {
  public:
-  // `pad` bytes precede the span in a reloaded storage, so the data pointer keeps its original
-  // alignment (mod kReloadAlignment): kernels choose code paths by alignment, and a different
-  // path could change the result's bits.
-  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, size_t pad, bool side_stream,
-                   uint64_t handle, std::shared_ptr<PackerCounters> counters);
-  OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, size_t pad, size_t nbytes, bool side_stream,
-                   std::shared_ptr<PackerCounters> counters);
+  // One host buffer and the byte of the original storage it starts at.
+  struct Piece {
+    std::shared_ptr<TieredBuffer> buffer;
+    int64_t from = 0;
+  };
+  // `lo`: the byte of the original storage the host copy starts at. `pad` bytes precede it in a
+  // reloaded storage, so the data pointer keeps its original alignment (mod kReloadAlignment):
+  // kernels choose code paths by alignment, and a different path could change the result's bits.
+  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, int64_t lo, size_t pad,
+                   bool side_stream, uint64_t handle, std::shared_ptr<PackerCounters> counters);
+  OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, int64_t lo, size_t pad, size_t nbytes,
+                   bool side_stream, std::shared_ptr<PackerCounters> counters);
   ~OffloadedStorage() override;
   static constexpr size_t kReloadAlignment = 512;
 
@@ -58,6 +84,25 @@ class OffloadedStorage : public Reloadable {
   void unlink();
   size_t nbytes() const { return nbytes_; }
   size_t pad() const { return pad_; }
+  // The byte of the original storage that byte 0 of a reloaded storage stands for: a saved
+  // tensor's element offset there is (its byte offset - base()) / itemsize. Fixed once sealed
+  // (read it after materialize).
+  int64_t base() const { return lo_ - static_cast<int64_t>(pad_); }
+
+  // Note [One copy per storage]. Whether more pieces can still be added (not sealed, not a
+  // batch member, not absorbed).
+  bool extendable();
+  // Adds pieces covering bytes next to this copy's span (the caller makes the union one
+  // contiguous span with no overlap), and `pending` saved tensors that view them; false (and
+  // nothing changes) when no longer extendable.
+  bool extend(std::vector<Piece> pieces, int pending);
+  // Gives this copy's pieces and pending saved tensors to `into`, which it forwards to from now
+  // on; false (and nothing changes) when not extendable.
+  bool absorb_into(const std::shared_ptr<OffloadedStorage>& into, std::vector<Piece>* pieces, int* pending);
+  // Puts back what absorb_into gave, when `into` refused them.
+  void restore(std::vector<Piece> pieces, int pending);
+  // This copy, or the one it was absorbed into.
+  static std::shared_ptr<OffloadedStorage> resolve(std::shared_ptr<OffloadedStorage> self);
   uint64_t handle() const { return handle_; }
   HostPool* pool() const;
   void set_order(std::shared_ptr<Prefetcher> prefetcher, uint64_t seq);
@@ -86,9 +131,19 @@ class OffloadedStorage : public Reloadable {
 
   // Lets a disk prefetch go that no unpack consumed (budget and counters).
   void drop_disk_prefetch_locked();
+  bool extendable_locked() const { return !sealed_ && !batch_ && !merged_into_ && !pieces_.empty(); }
+  bool any_spilled_locked() const;
+  // Copies every piece to its place in `storage` (pad_ + nbytes_ bytes); the event of the last
+  // copy (they run in order on `copy`).
+  std::shared_ptr<Event> reload_pieces_locked(c10::Storage& storage, Stream& compute, Stream& copy,
+                                              bool consumer_waits, const CopyTag& tag);
 
-  std::shared_ptr<TieredBuffer> buffer_;  // a storage of its own (in the pool or spilled)
-  std::shared_ptr<Batch> batch_;          // or a member of a batch
+  // A storage of its own (in the pool or spilled), in pieces (Note [One copy per storage]).
+  std::vector<Piece> pieces_;
+  std::shared_ptr<Batch> batch_;  // or a member of a batch
+  int64_t lo_ = 0;                // the original storage's byte at pad_
+  bool sealed_ = false;           // reloaded or prefetched once: no more pieces
+  std::shared_ptr<OffloadedStorage> merged_into_;  // absorbed: forwards there
   // A prefetch that only started the disk read of a spilled buffer: counted in the prefetch
   // budget until an unpack consumes it (the H2D copy then runs on demand).
   bool disk_prefetch_ = false;

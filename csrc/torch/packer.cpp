@@ -378,22 +378,113 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   return std::nullopt;
 }
 
-std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const Span& span) {
+std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
+                                                    std::vector<Touched>* touched) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
   auto it = dedup_.find(storage);
   if (it == dedup_.end()) return nullptr;
   DedupEntry& e = it->second;
   auto alive = e.storage.lock();
-  auto held = e.offloaded.lock();
-  if (alive.get() != storage || !held || e.version != span.version || span.lo < e.lo || span.hi > e.hi ||
-      (span.lo - e.lo) % span.itemsize != 0)
-    return nullptr;
+  if (alive.get() != storage) return nullptr;  // another storage at a freed one's address: remember resets it
+  std::shared_ptr<OffloadedStorage> held;
+  for (size_t i = 0; i < e.groups.size();) {
+    DedupGroup& g = e.groups[i];
+    auto copy = g.offloaded.lock();
+    if (!copy) {  // every saved tensor of that copy is gone
+      e.groups.erase(e.groups.begin() + i);
+      continue;
+    }
+    ++i;
+    if (g.version != span.version) continue;
+    if (span.lo >= g.lo && span.hi <= g.hi) {
+      held = std::move(copy);
+      break;
+    }
+    // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
+    if (wide.lo < g.hi && wide.hi > g.lo) touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable});
+  }
+  if (!held) return nullptr;
+  touched->clear();
   auto saved = SavedTensor::describe_layout(t, counters_);
   saved->side_stream_ = options_.side_stream;
   saved->storage_ = std::move(held);
   saved->storage_->link();
-  saved->offset_ = static_cast<int64_t>(saved->storage_->pad() + (span.lo - e.lo)) / span.itemsize;
+  counters_->tensors_deduplicated++;
+  counters_->bytes_deduplicated += span.bytes();
+  return saved;
+}
+
+std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const Span& span, const Span& wide,
+                                                    std::vector<Touched>& touched, const CurrentStream& current,
+                                                    TieredRefusal* refused) {
+  for (const auto& g : touched)
+    if (!g.extendable || !g.held->extendable()) return nullptr;
+  std::sort(touched.begin(), touched.end(), [](const Touched& a, const Touched& b) { return a.lo < b.lo; });
+  // The bytes of `wide` no copy holds: below the first, between copies, above the last. Every
+  // copy touched shares a cell with `wide`, so the union is one span.
+  const int64_t lo = std::min(wide.lo, touched.front().lo);
+  int64_t hi = lo;
+  std::vector<std::pair<int64_t, int64_t>> missing;
+  for (const auto& g : touched) {
+    if (g.lo > hi) missing.emplace_back(hi, g.lo);
+    hi = std::max(hi, g.hi);
+  }
+  if (wide.hi > hi) missing.emplace_back(hi, wide.hi);
+  hi = std::max(hi, wide.hi);
+  std::shared_ptr<OffloadedStorage> target = touched.front().held;
+  std::vector<OffloadedStorage::Piece> pieces;
+  for (const auto& m : missing) {
+    // Copied as pieces of the first copy: the same handle in the profile.
+    auto buffer = offload_bytes(t, m.first, m.second, options_.pool, options_.side_stream, &current, target->handle(),
+                                refused);
+    if (!buffer) return nullptr;
+    if (buffer->spilled()) counters_->bytes_spilled += m.second - m.first;
+    pieces.push_back(OffloadedStorage::Piece{std::move(buffer), m.first});
+  }
+  auto saved = SavedTensor::describe_layout(t, counters_);
+  saved->side_stream_ = options_.side_stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = dedup_.find(t.storage().unsafeGetStorageImpl());
+    if (it == dedup_.end()) return nullptr;
+    auto& groups = it->second.groups;
+    // Another thread may have changed these copies since find_duplicate: then this view gets a
+    // copy of its own (correct, if not minimal).
+    std::vector<size_t> at;
+    for (const auto& g : touched) {
+      size_t i = 0;
+      while (i < groups.size() && !(groups[i].offloaded.lock() == g.held && groups[i].lo == g.lo &&
+                                    groups[i].hi == g.hi && groups[i].version == span.version))
+        ++i;
+      if (i == groups.size()) return nullptr;
+      at.push_back(i);
+    }
+    std::vector<std::pair<std::shared_ptr<OffloadedStorage>, std::pair<std::vector<OffloadedStorage::Piece>, int>>>
+        absorbed;
+    int pending = 0;
+    bool ok = true;
+    for (size_t k = 1; k < touched.size() && ok; ++k) {
+      std::vector<OffloadedStorage::Piece> theirs;
+      int their_pending = 0;
+      ok = touched[k].held->absorb_into(target, &theirs, &their_pending);
+      if (!ok) break;
+      pending += their_pending;
+      for (const auto& p : theirs) pieces.push_back(p);
+      absorbed.push_back({touched[k].held, {std::move(theirs), their_pending}});
+    }
+    ok = ok && target->extend(std::move(pieces), pending);
+    if (!ok) {
+      for (auto& a : absorbed) a.first->restore(std::move(a.second.first), a.second.second);
+      return nullptr;
+    }
+    groups[at[0]].lo = lo;
+    groups[at[0]].hi = hi;
+    std::sort(at.begin() + 1, at.end());
+    for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
+  }
+  saved->storage_ = std::move(target);
+  saved->storage_->link();
   counters_->tensors_deduplicated++;
   counters_->bytes_deduplicated += span.bytes();
   return saved;
@@ -428,35 +519,46 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
       break;
     }
   }
-  saved->offset_ = static_cast<int64_t>(saved->storage_->pad()) / span.itemsize;
   counters_->tensors_batched++;
   return saved;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, const CurrentStream& current,
+std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, const Span& wide, const CurrentStream& current,
                                                  TieredRefusal* why) {
-  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why, &current);
+  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why, &current, wide.lo, wide.hi);
   if (saved && prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
   return saved;
 }
 
-void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved) {
+void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved,
+                      bool extendable) {
   std::lock_guard<std::mutex> lock(mu_);
   if (dedup_.size() >= prune_at_) {
     for (auto it = dedup_.begin(); it != dedup_.end();) {
-      if (it->second.offloaded.expired() || it->second.storage.expired())
+      auto& groups = it->second.groups;
+      groups.erase(std::remove_if(groups.begin(), groups.end(),
+                                  [](const DedupGroup& g) { return g.offloaded.expired(); }),
+                   groups.end());
+      if (groups.empty() || it->second.storage.expired())
         it = dedup_.erase(it);
       else
         ++it;
     }
     prune_at_ = std::max<size_t>(1024, 2 * dedup_.size());
   }
-  DedupEntry& e = dedup_[t.storage().unsafeGetStorageImpl()];
-  e.storage = t.storage().getWeakStorageImpl();
-  e.offloaded = saved->storage_;
-  e.version = span.version;
-  e.lo = span.lo;
-  e.hi = span.hi;
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  DedupEntry& e = dedup_[storage];
+  if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
+    e.storage = t.storage().getWeakStorageImpl();
+    e.groups.clear();
+  }
+  DedupGroup g;
+  g.offloaded = saved->storage_;
+  g.version = span.version;
+  g.lo = span.lo;
+  g.hi = span.hi;
+  g.extendable = extendable;
+  e.groups.push_back(std::move(g));
 }
 
 py::object Packer::pack(py::handle obj) {
@@ -467,14 +569,33 @@ py::object Packer::pack(py::handle obj) {
   int64_t keep_bytes = 0;
   std::optional<CurrentStream> current;
   if (auto why = classify(o, t, &span, &keep_bytes, &current)) return keep(t, *why, keep_bytes);
-  if (auto dup = find_duplicate(t, span)) return wrap_saved(std::move(dup));
+  // Note [One copy per storage]: the span widened to the 512-byte cells of its storage.
+  Span wide = span;
+  wide.lo = span.lo / static_cast<int64_t>(kAlignment) * static_cast<int64_t>(kAlignment);
+  wide.hi = std::min(static_cast<int64_t>(round_up(static_cast<size_t>(span.hi), kAlignment)),
+                     static_cast<int64_t>(t.storage().nbytes()));
+  std::vector<Touched> touched;
+  if (auto dup = find_duplicate(t, span, wide, &touched)) return wrap_saved(std::move(dup));
+  if (!touched.empty()) {
+    TieredRefusal why = TieredRefusal::None;
+    if (auto joined = pack_extension(t, span, wide, touched, *current, &why)) {
+      sample_memory(options_.pool.get(), t.device());
+      counters_->note_device_peak();
+      return wrap_saved(std::move(joined));
+    }
+    if (why != TieredRefusal::None) {
+      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
+      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
+    }
+  }
 
   std::shared_ptr<SavedTensor> saved;
-  if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
+  const bool batched = options_.batch_below > 0 && span.bytes() < options_.batch_below;
+  if (batched) {
     saved = pack_batched(t, span, *current);
   } else {
     TieredRefusal why = TieredRefusal::None;
-    saved = pack_single(t, *current, &why);
+    saved = pack_single(t, wide, *current, &why);
     if (!saved) {
       if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
       return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
@@ -482,7 +603,7 @@ py::object Packer::pack(py::handle obj) {
   }
   counters_->tensors_offloaded++;
   counters_->bytes_offloaded += span.bytes();
-  remember(t, span, saved);
+  remember(t, batched ? span : wide, saved, !batched);
   sample_memory(options_.pool.get(), t.device());
   counters_->note_device_peak();
   return wrap_saved(std::move(saved));

@@ -13,6 +13,9 @@
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
+
+#include <c10/util/SmallVector.h>
 
 #include "../core/host_pool.h"
 #include "batch.h"
@@ -101,19 +104,39 @@ class Packer {
                                      std::optional<CurrentStream>* current);
   // Note [Parameters and buffers]: why a tensor whose view root is a leaf is kept, or none.
   std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
-  // A saved tensor viewing an already offloaded span of the same storage, or null.
-  std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span);
+  // A copy of t's storage that a new view joins (Note [One copy per storage]).
+  struct Touched {
+    std::shared_ptr<OffloadedStorage> held;
+    int64_t lo = 0, hi = 0;
+    bool extendable = false;
+  };
+  // A saved tensor viewing an already offloaded span of the same storage, or null; then
+  // `touched` gets the copies of that storage (same version) whose cells `wide` shares.
+  std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
+                                              std::vector<Touched>* touched);
+  // Joins t to the copies it touches, copying only the bytes of `wide` that none holds yet.
+  // Null when it cannot (a batch member or a reloaded copy among them: t then gets a copy of
+  // its own), and also with `*refused` set when the pool refused the missing bytes.
+  std::shared_ptr<SavedTensor> pack_extension(const at::Tensor& t, const Span& span, const Span& wide,
+                                              std::vector<Touched>& touched, const CurrentStream& current,
+                                              TieredRefusal* refused);
   std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span, const CurrentStream& current);
   // Null when the pool is full.
-  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, const CurrentStream& current, TieredRefusal* why);
-  void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved);
+  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, const Span& wide, const CurrentStream& current,
+                                           TieredRefusal* why);
+  void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved, bool extendable);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
 
-  struct DedupEntry {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  // One host copy of a span of a storage (Note [One copy per storage]).
+  struct DedupGroup {
     std::weak_ptr<OffloadedStorage> offloaded;
     uint32_t version = 0;
-    int64_t lo = 0, hi = 0;  // byte range of the storage held on the host
+    int64_t lo = 0, hi = 0;   // byte range of the storage held on the host
+    bool extendable = false;  // a copy of its own (not a batch member): can take more pieces
+  };
+  struct DedupEntry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    c10::SmallVector<DedupGroup, 1> groups;  // disjoint copies of one storage (or of other versions)
   };
 
   PackerOptions options_;

@@ -45,6 +45,9 @@ at::Tensor SavedTensor::unpack() {
         "on " + device_.str() + "; reloads cannot be captured. Run the backward outside the capture, or capture "
         "the forward under the capture too (tensors saved during capture stay on the device), or leave this "
         "region out of co.offload.");
+  // A copy absorbed into another since this was packed forwards there (Note [One copy per
+  // storage]); its pending count moved along, so the destructor's unlink goes there too.
+  storage_ = OffloadedStorage::resolve(std::move(storage_));
   bool shared = false;
   int64_t fresh = 0;
   c10::Storage st = storage_->materialize(!unpacked_, &shared, &fresh);
@@ -61,7 +64,8 @@ at::Tensor SavedTensor::unpack() {
     device_held_.set(device_held_.bytes() + fresh);
   }
   sample_memory(storage_->pool(), device_);
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset_);
+  const int64_t offset = (lo_ - storage_->base()) / static_cast<int64_t>(c10::elementSize(dtype_));
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
 }
 
 std::shared_ptr<SavedTensor> SavedTensor::describe_version(const at::Tensor& t,
@@ -84,40 +88,50 @@ std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
   saved->sizes_ = at::DimVector(t.sizes());
   saved->strides_ = at::DimVector(t.strides());
   saved->nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
+  saved->lo_ = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
   return saved;
+}
+
+std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
+                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                            const CurrentStream* current, uint64_t handle, TieredRefusal* why) {
+  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
+  StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
+  CopyRange range("ckpt_offload::offload", t.device());
+  const int64_t bytes = to - from;
+  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
+  auto keepalive = tracked_keepalive(t.storage(), bytes);
+  const char* src = static_cast<const char*>(t.storage().data()) + from;
+  CopyTag tag{handle, device_index(t.device()), false, 1};
+  TieredRefusal refusal = TieredRefusal::None;
+  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
+    return engine().offload(into, src, static_cast<size_t>(bytes), streams.compute(), streams.copy(), keepalive, tag);
+  }, &refusal);
+  if (why) *why = refusal;
+  return buffer;
 }
 
 std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                                   bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                                  TieredRefusal* why, const CurrentStream* current) {
+                                                  TieredRefusal* why, const CurrentStream* current, int64_t from,
+                                                  int64_t to) {
   auto saved = describe_layout(t, counters);
   saved->side_stream_ = side_stream;
-  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
-  const int64_t lo = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
-  StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
-  CopyRange range("ckpt_offload::offload", t.device());
-  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
-  auto keepalive = tracked_keepalive(t.storage(), saved->nbytes_);
-  const char* src = static_cast<const char*>(t.storage().data()) + lo;
+  if (from < 0) {
+    from = saved->lo_;
+    to = saved->lo_ + saved->nbytes_;
+  }
   const uint64_t handle = profiler::next_handle_id();
-  CopyTag tag{handle, device_index(t.device()), false, 1};
-  TieredRefusal refusal = TieredRefusal::None;
-  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
-    return engine().offload(into, src, static_cast<size_t>(saved->nbytes_), streams.compute(), streams.copy(),
-                            keepalive, tag);
-  }, &refusal);
-  keepalive.reset();
-  if (why) *why = refusal;
+  auto buffer = offload_bytes(t, from, to, pool, side_stream, current, handle, why);
   if (!buffer) return nullptr;
   if (buffer->spilled() && counters) {
     counters->tensors_spilled++;
-    counters->bytes_spilled += saved->nbytes_;
+    counters->bytes_spilled += to - from;
   }
-  const size_t pad = static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment;
+  const size_t pad = static_cast<size_t>(from) % OffloadedStorage::kReloadAlignment;
   saved->storage_ =
-      std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), pad, side_stream, handle, counters);
+      std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), from, pad, side_stream, handle, counters);
   saved->storage_->link();
-  saved->offset_ = static_cast<int64_t>(pad) / static_cast<int64_t>(t.dtype().itemsize());
   if (profiler::enabled()) {
     profiler::HandleRecord h;
     h.handle = handle;

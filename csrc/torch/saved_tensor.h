@@ -23,9 +23,12 @@ class SavedTensor {
   // Copies t's bytes (the span of its storage it reaches) into `pool` (or, at its cap, through
   // its disk tier: Note [Spilling offloaded blocks]), keeping its layout. Returns nullptr when
   // neither can take them; `why` (optional) then says which refused.
+  // `from`, `to` (bytes of t's storage, covering t's span; -1: t's span): what to copy
+  // (Note [One copy per storage]).
   static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                               bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                              TieredRefusal* why = nullptr, const CurrentStream* current = nullptr);
+                                              TieredRefusal* why = nullptr, const CurrentStream* current = nullptr,
+                                              int64_t from = -1, int64_t to = -1);
   ~SavedTensor();
   // A SavedTensor with t's layout and version filled in, holding nothing yet.
   static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
@@ -48,7 +51,9 @@ class SavedTensor {
   c10::Device device_{c10::kCPU};
   // Inline up to 5 dimensions: no heap allocation per saved tensor for the usual ranks.
   at::DimVector sizes_, strides_;
-  int64_t offset_ = 0;  // in elements, from the start of the reloaded storage
+  // t's first byte in its original storage; its element offset in the reloaded storage is
+  // (lo_ - storage_->base()) / itemsize, read at unpack (the copy may grow until then).
+  int64_t lo_ = 0;
   int64_t nbytes_ = 0;
   c10::VariableVersion version_;  // shares the counter, not the tensor
   uint32_t saved_version_ = 0;
@@ -56,6 +61,12 @@ class SavedTensor {
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
 };
+
+// Copies bytes [from, to) of t's storage into `pool` (or its disk tier), in t's device's stream
+// order (`current`, or read here). Null when neither can take them; `why` says which refused.
+std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
+                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                            const CurrentStream* current, uint64_t handle, TieredRefusal* why);
 
 // The standalone engine entry point (co.offload_tensor): validates, offloads, raises PoolFull.
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
