@@ -26,6 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, multiple, rule  # noqa: E402
 
 import ckpt_offload as co  # noqa: E402
+from ckpt_offload.pool import MIN_MAX_BYTES  # noqa: E402
 from conftest import cpu_offload, hypothesis_examples, nonzero  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
@@ -391,7 +392,8 @@ class HostPoolMachine(RuleBasedStateMachine):
         assert back.dtype == src.dtype and back.shape == src.shape
         assert torch.equal(back, src)
 
-    @rule(cap=st.one_of(st.none(), st.integers(1, 8 * _SEGMENT)))
+    # A cap below one page is refused (MIN_MAX_BYTES): nothing could ever be stored under it.
+    @rule(cap=st.one_of(st.none(), st.integers(MIN_MAX_BYTES, 8 * _SEGMENT)))
     def set_cap(self, cap):
         before = self._stats()
         self.pool.max_bytes = cap

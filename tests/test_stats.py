@@ -288,7 +288,8 @@ def test_trainer_logs_describe_each_run(tmp_path, kind):
         cb = co.hf.OffloadCallback(**_cpu(pool))
     first = _trainer_logs(tmp_path, model, cb)
     second = _trainer_logs(tmp_path, model, cb)  # the same callback (and handle), a second run
-    for key in ("tensors_offloaded", "bytes_offloaded"):
+    # Counters are logged per step (``<key>_per_step``), peaks as they are (both since train() began).
+    for key in ("tensors_offloaded_per_step", "bytes_offloaded_per_step"):
         assert _logged(first, key)[0] > 0
         assert _logged(second, key) == _logged(first, key), key  # per run, not carried over
     if kind == "checkpoint":
@@ -304,7 +305,7 @@ def test_trainer_pool_peak_is_this_runs(tmp_path):
     # pool's peak from the run before is not this run's.
     quiet = co.hf.OffloadCheckpointCallback(offload=_cpu(pool, min_bytes=1 << 40))
     logs = _trainer_logs(tmp_path, _hf_model(), quiet)
-    for key in ("bytes_offloaded", "pool_peak_bytes"):
+    for key in ("bytes_offloaded_per_step", "pool_peak_bytes"):
         values = _logged(logs, key)
         assert len(values) >= 3 and set(values) == {0}, (key, values)
 
