@@ -16,6 +16,7 @@ Each script does::
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import sys
@@ -55,3 +56,14 @@ def save_report(out_dir: str, stem: str, report: dict, markdown: str, default=st
 
 
 __all__ = ["co", "checkout_is_built", "ROOT", "save_report"]
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type of ``--seq-lens``: comma-separated positive integers ("512,1024")."""
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seq-lens: expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--seq-lens: expected positive integers, got {text!r}")
+    return values

@@ -84,7 +84,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from _package import ROOT, co, save_report
+from _package import ROOT, co, positive_int_list, save_report
 from llama_decoder import DecoderConfig, LlamaDecoder, random_tokens, rotary_tables
 from overlap_measure import raw_copy_bandwidth
 from overlap_strategies import SaveCounter, hf_checkpoint_fn
@@ -985,16 +985,6 @@ def write_outputs(report: dict, out: str) -> None:
 
 # --------------------------------------------------------------------------------------- main
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _float_list(text: str) -> list[float]:
     try:
         return [float(v) for v in text.replace(" ", "").split(",") if v]
@@ -1019,7 +1009,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes, every arm's code path, seconds")
     p.add_argument("--out", default=None, help="write long_context.json, .md and .png into this folder")
-    p.add_argument("--seq-lens", type=_int_list, default=None, help="default 8192,16384,32768")
+    p.add_argument("--seq-lens", type=positive_int_list, default=None, help="default 8192,16384,32768")
     p.add_argument("--layers", type=int, default=None,
                    help="layers at every length (default: the most the budget allows, per length)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")

@@ -75,7 +75,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-from _package import co  # noqa: E402  (the checkout's build when it has one, else the installed package)
+from _package import co, positive_int_list  # noqa: E402  (the checkout's build when it has one, else the installed package)
 
 from llama_decoder import DECODER_CONFIGS, LlamaDecoder, make_decoder_config, random_tokens  # noqa: E402
 from overlap_measure import finish_rows, grads_check, raw_copy_bandwidth, run_strategy  # noqa: E402
@@ -100,16 +100,6 @@ CPU_DEFAULTS = {"model": "tiny", "seq_lens": [64, 128, 256], "batch": 2, "steps"
 CPU_QUICK = {"model": "tiny", "seq_lens": [64, 128], "batch": 2, "steps": 3, "warmup": 1, "dtype": "float32"}
 
 
-def _positive_int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--seq-lens: expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"--seq-lens: expected positive integers, got {text!r}")
-    return values
-
-
 def _strategy_list(text: str) -> list[str]:
     names = [v for v in text.replace(" ", "").split(",") if v]
     unknown = [n for n in names if n not in STRATEGIES]
@@ -127,7 +117,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short smoke run (CPU: ~seconds)")
-    p.add_argument("--seq-lens", type=_positive_int_list, default=None,
+    p.add_argument("--seq-lens", type=positive_int_list, default=None,
                    help="comma-separated sequence lengths, e.g. 512,1024,2048,4096")
     p.add_argument("--batch", type=int, default=None, help="batch size")
     p.add_argument("--steps", type=int, default=None, help="timed steps per strategy")
