@@ -227,6 +227,26 @@ def test_checkpoint_route_stores_its_inputs_narrower():
     assert not torch.equal(got, lin.weight.grad)  # the exact gradient differs: the option reached the context
 
 
+def test_apply_and_hf_routes_store_narrower_and_merge_stats():
+    pytest.importorskip("transformers")
+    from helpers import gpt2
+
+    options = {"devices": ["cpu"], "min_bytes": 0, "store_dtype": torch.bfloat16, "measure_error": True}
+    tokens = torch.randint(0, 100, (2, 16))
+    for enable in (co.apply, co.hf.enable):
+        torch.manual_seed(0)
+        model = gpt2()  # training mode: checkpointing is on
+        handle = enable(model, offload=options)
+        model(tokens, labels=tokens).loss.backward()
+        stats = handle.stats()  # merged over the layers' contexts
+        assert stats["store_dtype"] == "bfloat16", enable
+        assert stats["tensors_converted"] > 0
+        assert stats["bytes_stored"] < stats["bytes_offloaded"]
+        err = stats["store_error"]["float32->bfloat16"]
+        assert err["tensors"] == stats["tensors_converted"] and 0 < err["mean_rel_error"] <= err["max_rel_error"] < 2.0 ** -8
+        handle.remove()
+
+
 # --- a tiny GPT-2 trained with each storage ----------------------------------------------------------------------
 
 
