@@ -155,6 +155,14 @@ def test_excluded_tensors_are_stored_exactly():
     assert stats["tensors_converted"] == 1
 
 
+def test_converted_tensors_take_the_single_copy_path():
+    xs = [torch.randn(1024), torch.randn(2048), torch.randint(0, 9, (1024,))]
+    got, stats, xs = roundtrip(xs, store_dtype=torch.bfloat16, batch_below=1 << 20)
+    assert stats["tensors_converted"] == 2 and stats["tensors_batched"] == 1  # only the exact int tensor
+    assert torch.equal(got[2], xs[2])
+    assert torch.equal(bits(got[1]), bits(xs[1].detach().to(torch.bfloat16).float()))
+
+
 def test_none_is_exact_and_counts_equal_bytes():
     x = torch.randn(4096, dtype=torch.float64)
     got, stats, xs = roundtrip([x])
@@ -182,6 +190,20 @@ def test_measure_error_per_class():
         assert 1e-4 < e["max_rel_error"] < 2.0 ** -8  # bf16: 8 significant bits
     _, stats, _ = roundtrip(xs, store_dtype=torch.bfloat16)
     assert stats["store_error"] == {}  # off unless asked
+
+
+def test_measure_error_classes_name_the_module_under_profile():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    x = torch.randn(128, 256)
+    with co.profile(model):
+        with co.offload(devices=["cpu"], min_bytes=0, store_dtype=torch.bfloat16, measure_error=True) as ctx:
+            loss = model(x).square().mean()  # square() saves its input outside every module
+        loss.backward()
+    err = ctx.stats()["store_error"]
+    assert set(err) == {"float32->bfloat16", "float32->bfloat16 @ 0", "float32->bfloat16 @ 1",
+                        "float32->bfloat16 @ 2"}
+    assert sum(e["tensors"] for e in err.values()) == ctx.stats()["tensors_converted"]
 
 
 def test_measure_error_fp8_larger_than_bf16():
