@@ -163,6 +163,24 @@ def test_converted_tensors_take_the_single_copy_path():
     assert torch.equal(bits(got[1]), bits(xs[1].detach().to(torch.bfloat16).float()))
 
 
+@pytest.mark.parametrize("fmt", [torch.bfloat16, torch.float8_e4m3fn])
+def test_retain_graph_converts_again_and_nothing_leaks(fmt):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    pool = co.HostPool()
+    ctx = co.offload(devices=["cpu"], min_bytes=0, store_dtype=fmt, pool=pool)
+    with ctx:
+        y = torch.tanh(lin(x * 2)).sum()
+    assert pool.stats()["bytes_in_use"] > 0
+    g1 = torch.autograd.grad(y, lin.weight, retain_graph=True)[0]
+    g2 = torch.autograd.grad(y, lin.weight)[0]
+    assert torch.equal(g1, g2)
+    assert ctx.stats()["tensors_converted"] == 2  # lin's input and tanh's output
+    del y, g1, g2
+    assert pool.stats()["bytes_in_use"] == 0
+
+
 def test_none_is_exact_and_counts_equal_bytes():
     x = torch.randn(4096, dtype=torch.float64)
     got, stats, xs = roundtrip([x])
