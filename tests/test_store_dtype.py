@@ -181,6 +181,21 @@ def test_retain_graph_converts_again_and_nothing_leaks(fmt):
     assert pool.stats()["bytes_in_use"] == 0
 
 
+def test_reset_stats_zeroes_the_storage_counters():
+    x = torch.randn(4096)
+    leaf = torch.zeros((), requires_grad=True)
+    ctx = co.offload(devices=["cpu"], min_bytes=0, store_dtype=torch.bfloat16, measure_error=True)
+    with ctx:
+        y = Grab.apply(x + leaf)
+    y.sum().backward()
+    s = ctx.stats()
+    assert s["tensors_converted"] == 1 and s["bytes_stored"] == 2 * 4096 and s["store_error"]
+    ctx.reset_stats()
+    s = ctx.stats()
+    assert s["tensors_converted"] == 0 and s["bytes_stored"] == 0 and s["store_error"] == {}
+    assert s["store_dtype"] == "bfloat16"  # the option, not a count
+
+
 def test_none_is_exact_and_counts_equal_bytes():
     x = torch.randn(4096, dtype=torch.float64)
     got, stats, xs = roundtrip([x])
