@@ -162,7 +162,7 @@ def hooks_disabled_reason() -> str | None:
 #: The byte-valued options of co.offload and how each is bounded: each takes an int or a size
 #: string such as ``"512KiB"`` (ckpt_offload._args.parse_bytes).
 BYTE_OPTIONS = {"min_bytes": {}, "prefetch_bytes": {"allow_none": True}, "batch_below": {},
-                "batch_bytes": {"minimum": 1}}
+                "batch_bytes": {"minimum": 1}, "store_min_bytes": {}}
 
 
 def option_bytes(name: str, value):
@@ -226,7 +226,7 @@ def check_options(
             "has to fit in a batch block; raise batch_bytes or lower batch_below"
         )
     check_store_dtype(store_dtype)
-    check_native_int("store_min_bytes", store_min_bytes)
+    option_bytes("store_min_bytes", store_min_bytes)
     if not isinstance(measure_error, bool):
         raise TypeError(f"measure_error must be True or False, got {type(measure_error).__name__}")
     if pool is not None and not isinstance(pool, HostPool):

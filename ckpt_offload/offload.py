@@ -285,9 +285,10 @@ class offload:
         graph_break_if_compiling()
         check_not_devices("min_bytes", min_bytes)  # co.offload("cpu"): say a device was meant
         # Sizes may be strings ("512KiB"); from here on they are ints.
-        min_bytes, prefetch_bytes, batch_below, batch_bytes = (
+        min_bytes, prefetch_bytes, batch_below, batch_bytes, store_min_bytes = (
             option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
-                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes)))
+                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes),
+                                                          ("store_min_bytes", store_min_bytes)))
         types = check_options(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, on_full=on_full,
                               prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes,
                               store_dtype=store_dtype, store_min_bytes=store_min_bytes, measure_error=measure_error)
