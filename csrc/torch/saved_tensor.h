@@ -70,7 +70,7 @@ class SavedTensor {
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
   // When stored narrower (Note [Low-precision storage]): the offloaded staging bytes, and how
-  // to convert them back into store_elems_ elements after offset_ of a new storage.
+  // to convert them back into store_elems_ elements of a new storage (aligned as lo_ was).
   at::Tensor unpack_converted();
   std::shared_ptr<SavedTensor> stored_;
   lowp::Format store_format_ = lowp::Format::None;

@@ -162,9 +162,6 @@ std::shared_ptr<SavedTensor> SavedTensor::offload_converted(const at::Tensor& t,
   saved->store_format_ = f;
   saved->store_source_ = s;
   saved->store_elems_ = n;
-  // The reloaded data pointer keeps the original alignment mod kReloadAlignment, as exact
-  // reloads do (OffloadedStorage's pad).
-  saved->offset_ = static_cast<int64_t>(static_cast<size_t>(lo) % OffloadedStorage::kReloadAlignment) / item;
   return saved;
 }
 
@@ -173,15 +170,18 @@ at::Tensor SavedTensor::unpack_converted() {
   DeviceScope scope(device_);
   const CurrentStream cur = CurrentStream::of(device_);
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype_));
-  const int64_t bytes = (offset_ + store_elems_) * item;
+  // The new storage keeps the original data pointer's alignment mod kReloadAlignment, as exact
+  // reloads do (lo_ is the tensor's first byte in its original storage).
+  const int64_t offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
+  const int64_t bytes = (offset + store_elems_) * item;
   c10::Storage st = device_storage(device_, static_cast<size_t>(bytes));
-  store_up(store_source_, static_cast<char*>(st.mutable_data()) + offset_ * item, store_elems_, store_format_, narrow,
+  store_up(store_source_, static_cast<char*>(st.mutable_data()) + offset * item, store_elems_, store_format_, narrow,
            cur);
   if (!unpacked_) {
     unpacked_ = true;
     device_held_.set(device_held_.bytes() + bytes);
   }
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset_);
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
 }
 
 }  // namespace ckpt_offload
