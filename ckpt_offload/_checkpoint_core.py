@@ -27,7 +27,8 @@ from ckpt_offload.pool import HostPool
 
 __all__ = ["OFFLOAD_KEYS", "TORCH_KEYWORDS", "check_checkpoint_keywords", "offload_options", "check_reentrant", "run_checkpoint", "context_for"]
 
-OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes")
+OFFLOAD_KEYS = ("min_bytes", "stream", "devices", "pool", "on_full", "prefetch_bytes", "batch_below", "batch_bytes",
+                "store_dtype", "store_min_bytes", "measure_error")
 _CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
 # Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
 # preserve_rng_state is one in every torch, but before 2.14 it is read from **kwargs, not named
@@ -168,7 +169,8 @@ def context_for(options: dict, owner: "StatsCollector | None" = None) -> offload
 
 @functools.cache
 def _stats_merge() -> dict:
-    """Key -> how several contexts' values of it combine ("sum", "max", "per_reason", "state"), from the
+    """Key -> how several contexts' values of it combine ("sum", "max", "per_reason", "state", "name",
+    "by_class"), from the
     native table (Note [Stats table] in csrc/torch/counters.h)."""
     from ckpt_offload import _C
 
@@ -182,7 +184,11 @@ def merge_stats(stats: list) -> dict:
     out: dict = {}
     for s in stats:
         for k, v in s.items():
-            if isinstance(v, dict):
+            if merge.get(k) == "name":  # the storage dtype: the contexts share one option dict
+                out[k] = out.get(k) or v
+            elif merge.get(k) == "by_class":
+                _merge_by_class(out.setdefault(k, {}), v)
+            elif isinstance(v, dict):
                 d = out.setdefault(k, {})
                 for r, n in v.items():
                     d[r] = d.get(r, 0) + n
@@ -193,13 +199,27 @@ def merge_stats(stats: list) -> dict:
     return out
 
 
+def _merge_by_class(into: dict, more: dict) -> None:
+    """Adds one context's ``store_error`` classes to ``into``: tensors add, means are weighted."""
+    for cls, e in more.items():
+        have = into.get(cls)
+        if have is None:
+            into[cls] = dict(e)
+            continue
+        n = have["tensors"] + e["tensors"]
+        have["mean_rel_error"] = (have["mean_rel_error"] * have["tensors"] + e["mean_rel_error"] * e["tensors"]) / max(n, 1)
+        have["max_rel_error"] = max(have["max_rel_error"], e["max_rel_error"])
+        have["tensors"] = n
+
+
 def zero_stats() -> dict:
     """Every key of :meth:`ckpt_offload.offload.stats` at zero (nested reason dicts included):
     what a handle reports before its first offloading checkpoint, or with offload off."""
     from ckpt_offload import _C
 
     reasons = _C.keep_reasons()
-    return {k: ({r: 0 for r in reasons} if merge == "per_reason" else 0) for k, merge in _C.stats_keys()}
+    zeros = {"per_reason": lambda: {r: 0 for r in reasons}, "name": lambda: None, "by_class": dict}
+    return {k: zeros.get(merge, int)() for k, merge in _C.stats_keys()}
 
 
 class StatsCollector:

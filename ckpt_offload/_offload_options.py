@@ -26,6 +26,8 @@ DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
+#: The narrower formats ``store_dtype`` accepts (besides None: exact storage).
+STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 ON_FULL_POLICIES = ("keep", "raise")
 
 _warn_lock = threading.Lock()
@@ -160,7 +162,7 @@ def hooks_disabled_reason() -> str | None:
 #: The byte-valued options of co.offload and how each is bounded: each takes an int or a size
 #: string such as ``"512KiB"`` (ckpt_offload._args.parse_bytes).
 BYTE_OPTIONS = {"min_bytes": {}, "prefetch_bytes": {"allow_none": True}, "batch_below": {},
-                "batch_bytes": {"minimum": 1}}
+                "batch_bytes": {"minimum": 1}, "store_min_bytes": {}}
 
 
 def option_bytes(name: str, value):
@@ -194,6 +196,9 @@ def check_options(
     prefetch_bytes: int | None = None,
     batch_below: int = 0,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    store_dtype: torch.dtype | None = None,
+    store_min_bytes: int = 0,
+    measure_error: bool = False,
 ) -> list[str] | None:
     """Checks :class:`~ckpt_offload.offload.offload`'s arguments (each error names the argument and what it accepts)
     and returns ``devices`` as a list of device types, or None when it was not given.
@@ -220,6 +225,10 @@ def check_options(
             f"batch_below ({batch_below}) must not exceed batch_bytes ({batch_bytes}): a batched tensor "
             "has to fit in a batch block; raise batch_bytes or lower batch_below"
         )
+    check_store_dtype(store_dtype)
+    option_bytes("store_min_bytes", store_min_bytes)
+    if not isinstance(measure_error, bool):
+        raise TypeError(f"measure_error must be True or False, got {type(measure_error).__name__}")
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     if devices is None:
@@ -232,3 +241,21 @@ def check_options(
             "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
         )
     return types
+
+
+def check_store_dtype(store_dtype) -> str:
+    """Checks ``store_dtype`` and returns the engine's name for it (``""`` for None: exact).
+
+    Example::
+
+        check_store_dtype(torch.bfloat16)   # -> "bfloat16"
+        check_store_dtype(torch.int8)       # ValueError: store_dtype must be None or one of ...
+    """
+    if store_dtype is None:
+        return ""
+    accepted = "None (exact), " + ", ".join(str(d) for d in STORE_DTYPES)
+    if not isinstance(store_dtype, torch.dtype):
+        raise TypeError(f"store_dtype must be None or a torch.dtype ({accepted}), got {type(store_dtype).__name__}")
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store_dtype must be None or one of {accepted}; got {store_dtype}")
+    return str(store_dtype).removeprefix("torch.")

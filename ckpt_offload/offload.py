@@ -26,6 +26,7 @@ from ckpt_offload._offload_options import (  # noqa: F401
     check_not_devices,
     check_offloads_something,
     check_options,
+    check_store_dtype,
     graph_break_if_compiling,
     hooks_disabled_reason,
     logger,
@@ -215,6 +216,23 @@ class offload:
             next (default ``False``: each entry starts afresh), so that a tensor saved in several
             entries -- an input every checkpointed layer receives -- is stored once. The table
             holds no tensor. ``co.checkpoint`` uses this for the context it shares across layers.
+        store_dtype: ``None`` (default): every offloaded byte is stored exactly, and gradients are
+            bit-identical. ``torch.bfloat16`` / ``torch.float16``: a floating-point saved tensor
+            wider than that (fp32, fp64) is converted before its copy to the host and converted back
+            after its reload -- half the host bytes and copy time of fp32, with the rounding error of
+            ``t.to(store_dtype).to(t.dtype)``. ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: a
+            quarter of fp32's bytes, with a per-tensor scale (the absolute maximum / the format's
+            largest value) stored with it; fp16 / bf16 tensors are converted too. Not bit-exact:
+            an accuracy trade-off; :meth:`stats` counts ``bytes_stored`` against
+            ``bytes_offloaded``. Integer, bool and complex tensors, and tensors already at or below
+            the storage width, are stored exactly. Converted tensors are copied one by one (never
+            batched) and not deduplicated against other views of their storage.
+        store_min_bytes: tensors spanning fewer bytes than this are stored exactly even with
+            ``store_dtype`` (default ``0``: every offloaded floating-point tensor is converted).
+        measure_error: with ``store_dtype``, measure the relative error ``||x - stored(x)|| /
+            ||x||`` of every converted tensor into ``stats()["store_error"]``, per class
+            ``"<dtype>-><store dtype>"`` (plus ``" @ <module>"`` under :func:`~ckpt_offload.profile`).
+            Synchronizes with the device once per tensor: for measuring, not for training runs.
 
     One context object is active at most once at a time: entering it again (also from another
     thread) before it exits raises ``RuntimeError``; nest a new ``co.offload()`` instead.
@@ -260,15 +278,20 @@ class offload:
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         *,
         keep_dedup: bool = False,
+        store_dtype: torch.dtype | None = None,
+        store_min_bytes: int = 0,
+        measure_error: bool = False,
     ):
         graph_break_if_compiling()
         check_not_devices("min_bytes", min_bytes)  # co.offload("cpu"): say a device was meant
         # Sizes may be strings ("512KiB"); from here on they are ints.
-        min_bytes, prefetch_bytes, batch_below, batch_bytes = (
+        min_bytes, prefetch_bytes, batch_below, batch_bytes, store_min_bytes = (
             option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
-                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes)))
+                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes),
+                                                          ("store_min_bytes", store_min_bytes)))
         types = check_options(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, on_full=on_full,
-                              prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes)
+                              prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes,
+                              store_dtype=store_dtype, store_min_bytes=store_min_bytes, measure_error=measure_error)
         if types is None:
             types = _default_devices()
         if not getattr(_quiet, "on", False):
@@ -282,6 +305,9 @@ class offload:
         self.prefetch_bytes = prefetch_bytes
         self.batch_below = batch_below
         self.batch_bytes = batch_bytes
+        self.store_dtype = store_dtype
+        self.store_min_bytes = store_min_bytes
+        self.measure_error = measure_error
         self.pool = pool if pool is not None else default_pool()
         self._packer = _C.Packer(
             pool=self.pool._impl,
@@ -294,6 +320,9 @@ class offload:
             batch_below=batch_below,
             batch_bytes=batch_bytes,
             prefetch_auto=prefetch_bytes is None,
+            store_dtype=check_store_dtype(store_dtype),
+            store_min_bytes=store_min_bytes,
+            measure_error=measure_error,
         )
         self.keep_dedup = keep_dedup
         # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
@@ -545,6 +574,10 @@ class offload:
         block it was sized from, and how many blocks ahead the next backward starts copies),
         ``device_saved_peak_bytes`` (the most device bytes of saved activations held, by every
         context of the process, right after one of this context's packs or unpacks).
+        ``bytes_stored`` (bytes the host holds for the offloaded tensors: ``bytes_offloaded`` less
+        what ``store_dtype`` saved), ``tensors_converted`` (tensors stored narrower),
+        ``store_dtype`` (its name, or None) and ``store_error`` (with ``measure_error``: per class,
+        ``tensors``, ``mean_rel_error``, ``max_rel_error``).
         ``kept_by_reason`` and ``kept_bytes_by_reason`` list every reason, zeros included.
         :meth:`reset_stats` starts the counts and peaks over (the ``prefetch_*`` window keys are
         what the prefetcher learned, and stay). ``co._C.stats_keys()`` / ``co._C.keep_reasons()``
@@ -570,7 +603,8 @@ class offload:
     def __repr__(self) -> str:
         return (
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
-            f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below})"
+            f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below}"
+            + (f", store_dtype={self.store_dtype}" if self.store_dtype is not None else "") + ")"
         )
 
 

@@ -150,6 +150,7 @@ bool Batch::flush() {
         }
         counters_->tensors_offloaded--;
         counters_->bytes_offloaded -= static_cast<int64_t>(m.bytes);
+        counters_->bytes_stored -= static_cast<int64_t>(m.bytes);
         counters_->tensors_batched--;
         const int why = static_cast<int>(refusal_ == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull);
         counters_->kept_tensors[why]++;

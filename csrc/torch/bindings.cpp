@@ -10,6 +10,8 @@
 #include "device_bytes.h"
 #include "device_memory.h"
 #include "packer.h"
+#include "store_dtype.h"
+#include "tensor_layout.h"
 #include "saved_tensor.h"
 
 namespace py = pybind11;
@@ -143,12 +145,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reload", &SavedTensor::unpack);
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
+  // For tests of Note [Low-precision storage]: a contiguous copy of `tensor` converted to
+  // `store_dtype` (the stored bytes, the fp8 amax included) and what those bytes read back as,
+  // by the same CPU loops or CUDA kernels that offload uses.
+  m.def(
+      "_store_convert",
+      [](const at::Tensor& tensor, const std::string& store_dtype) {
+        const lowp::Format f = store_format_from_name(store_dtype);
+        const auto s = store_source(tensor, f);
+        if (!s) throw std::invalid_argument("store_dtype " + store_dtype + " does not convert a " +
+                                            dtype_name(tensor.scalar_type()) + " tensor");
+        const at::Tensor c = tensor.contiguous();
+        DeviceScope scope(c.device());
+        const CurrentStream current = CurrentStream::of(c.device());
+        at::Tensor stored = store_down(*s, c.data_ptr(), c.numel(), f, c.device(), current);
+        at::Tensor back = at::empty_like(c);
+        store_up(*s, back.data_ptr(), c.numel(), f, stored, current);
+        return py::make_tuple(stored, back);
+      },
+      py::arg("tensor"), py::arg("store_dtype"));
 
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       .def(py::init([](std::shared_ptr<HostPool> pool, int64_t min_bytes, bool offload_cpu, bool offload_cuda,
                        bool side_stream, bool raise_on_full, int64_t prefetch_bytes, int64_t batch_below,
-                       int64_t batch_bytes, bool prefetch_auto) {
+                       int64_t batch_bytes, bool prefetch_auto, const std::string& store_dtype,
+                       int64_t store_min_bytes, bool measure_error) {
              PackerOptions o;
+             o.store_format = store_format_from_name(store_dtype);
+             o.store_min_bytes = store_min_bytes;
+             o.measure_error = measure_error;
              o.prefetch_auto = prefetch_auto;
              o.prefetch_bytes = prefetch_bytes;
              o.batch_below = batch_below;
@@ -163,7 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
            py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes") = 0,
-           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20, py::arg("prefetch_auto") = false)
+           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20, py::arg("prefetch_auto") = false,
+           py::arg("store_dtype") = "", py::arg("store_min_bytes") = 0, py::arg("measure_error") = false)
       // Note [Hook entry points]: each read gives a new function object; push and compare the
       // same one.
       .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &pack_def); })

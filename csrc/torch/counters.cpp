@@ -20,6 +20,8 @@ constexpr const char* kStatMergeSum = "sum";
 constexpr const char* kStatMergeMax = "max";
 constexpr const char* kStatMergePerReason = "per_reason";
 constexpr const char* kStatMergeState = "state";
+constexpr const char* kStatMergeName = "name";
+constexpr const char* kStatMergeByClass = "by_class";
 }  // namespace
 
 const std::vector<StatKey>& stats_keys() {

@@ -50,7 +50,11 @@ class PoolFull : public std::runtime_error {
   /* the process) seen right after this packer packed or unpacked a tensor: the moments that */  \
   /* count can rise for the tensors it handles (a kept tensor, a reload, the prefetches an */     \
   /* unpack starts) */                                                                           \
-  X(device_saved_peak_bytes, Max)
+  X(device_saved_peak_bytes, Max)                                                                \
+  /* bytes the host holds for offloaded tensors (bytes_offloaded: what exact storage would */    \
+  /* hold), and the tensors stored narrower (Note [Low-precision storage]) */                    \
+  X(bytes_stored, Sum)                                                                           \
+  X(tensors_converted, Sum)
 
 // CKPT_OFFLOAD_KEEP_REASONS(X): X(enumerator, name): why a saved tensor stayed where it was,
 // counted per reason (kept_by_reason / kept_bytes_by_reason, every reason listed, zeros included).
@@ -78,7 +82,11 @@ class PoolFull : public std::runtime_error {
   X(kept_bytes_by_reason, PerReason)  \
   X(prefetch_window_bytes, State)     \
   X(prefetch_block_bytes, State)      \
-  X(prefetch_lead, State)
+  X(prefetch_lead, State)             \
+  /* Note [Low-precision storage]: the storage dtype's name (Name: None or one name), and */ \
+  /* with measure_error the error per tensor class (ByClass: counts add, means weighted) */  \
+  X(store_dtype, Name)                \
+  X(store_error, ByClass)
 
 enum class KeepReason : int {
 #define CKPT_OFFLOAD_KEEP_ENUM(e, name) e,

@@ -590,6 +590,29 @@ py::object Packer::pack(py::handle obj) {
   }
 
   std::shared_ptr<SavedTensor> saved;
+  // Note [Low-precision storage]: converted tensors take the single-copy path, and are not
+  // remembered for deduplication (their host bytes are not the storage's).
+  std::optional<lowp::Source> narrow;
+  if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
+    narrow = store_source(t, options_.store_format);
+  if (narrow) {
+    TieredRefusal why = TieredRefusal::None;
+    saved = SavedTensor::offload_converted(t, *narrow, options_.store_format, options_.pool, options_.side_stream,
+                                           counters_, &why, &*current,
+                                           options_.measure_error ? store_errors_.get() : nullptr);
+    if (!saved) {
+      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
+      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
+    }
+    if (prefetcher_) saved->stored_->storage_->set_order(prefetcher_, prefetcher_->add(saved->stored_->storage_));
+    counters_->tensors_offloaded++;
+    counters_->bytes_offloaded += span.bytes();
+    counters_->tensors_converted++;
+    counters_->bytes_stored += saved->stored_nbytes();
+    sample_memory(options_.pool.get(), t.device());
+    counters_->note_device_peak();
+    return wrap_saved(std::move(saved));
+  }
   const bool batched = options_.batch_below > 0 && span.bytes() < options_.batch_below;
   if (batched) {
     saved = pack_batched(t, span, *current);
@@ -603,6 +626,7 @@ py::object Packer::pack(py::handle obj) {
   }
   counters_->tensors_offloaded++;
   counters_->bytes_offloaded += span.bytes();
+  counters_->bytes_stored += span.bytes();
   remember(t, batched ? span : wide, saved, !batched);
   sample_memory(options_.pool.get(), t.device());
   counters_->note_device_peak();
@@ -666,6 +690,9 @@ py::dict Packer::stats() const {
   d["prefetch_window_bytes"] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
   d["prefetch_block_bytes"] = prefetcher_ ? prefetcher_->block_bytes() : 0;
   d["prefetch_lead"] = prefetcher_ ? prefetcher_->lead() : 0;
+  d["store_dtype"] = options_.store_format == lowp::Format::None ? py::object(py::none())
+                                                                 : py::object(py::str(store_format_name(options_.store_format)));
+  d["store_error"] = store_errors_->to_dict();
   return d;
 }
 

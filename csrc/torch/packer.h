@@ -24,6 +24,7 @@
 #include "prefetcher.h"
 #include "runtime.h"
 #include "saved_tensor.h"
+#include "store_dtype.h"
 
 namespace ckpt_offload {
 
@@ -61,6 +62,12 @@ struct PackerOptions {
   // blocks of about batch_bytes, copied once; 0 turns batching off.
   int64_t batch_below = 0;
   int64_t batch_bytes = 4 << 20;
+  // Note [Low-precision storage]: floating-point tensors wider than this format, spanning at
+  // least store_min_bytes, are stored narrower; None: every byte exact. measure_error: record
+  // the relative error each conversion introduces (synchronizes with the device per tensor).
+  lowp::Format store_format = lowp::Format::None;
+  int64_t store_min_bytes = 0;
+  bool measure_error = false;
   std::shared_ptr<HostPool> pool;
 };
 
@@ -77,7 +84,10 @@ class Packer {
   // Copies the open batches to the host (context exit, or before a batch member is unpacked).
   void flush_batches();
   pybind11::dict stats() const;
-  void reset_stats() { counters_->reset(); }
+  void reset_stats() {
+    counters_->reset();
+    store_errors_->reset();
+  }
   // (tensors, bytes) kept for `why` so far: what a context exit checks, without building stats().
   std::pair<int64_t, int64_t> kept(KeepReason why) const {
     return {counters_->kept_tensors[static_cast<int>(why)].load(), counters_->kept_bytes[static_cast<int>(why)].load()};
@@ -150,6 +160,7 @@ class Packer {
   std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
   std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued
+  std::shared_ptr<StoreErrors> store_errors_ = std::make_shared<StoreErrors>();  // with measure_error
 
 };
 

@@ -36,6 +36,7 @@ SavedTensor::~SavedTensor() {
 
 at::Tensor SavedTensor::unpack() {
   check_version();
+  if (stored_) return unpack_converted();
   if (!storage_) return kept_;
   if (current_stream_capturing(device_))
     // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,

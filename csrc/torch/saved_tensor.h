@@ -13,6 +13,7 @@
 #include "device_bytes.h"
 #include "offloaded_storage.h"
 #include "runtime.h"
+#include "store_dtype.h"
 
 namespace ckpt_offload {
 
@@ -35,8 +36,16 @@ class SavedTensor {
   // A SavedTensor with only t's version filled in: enough for one kept as an alias (`kept_`
   // has the layout), and cheaper on the hot path than describe_layout.
   static std::shared_ptr<SavedTensor> describe_version(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
+  // Note [Low-precision storage]: t (kind s) stored in format f, through a staging tensor that
+  // offload() copies. `errors`: where the error is added, with measure_error (else null).
+  static std::shared_ptr<SavedTensor> offload_converted(const at::Tensor& t, lowp::Source s, lowp::Format f,
+                                                        const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                                        std::shared_ptr<PackerCounters> counters, TieredRefusal* why,
+                                                        const CurrentStream* current, StoreErrors* errors);
   at::Tensor unpack();
-  bool offloaded() const { return storage_ != nullptr; }
+  bool offloaded() const { return storage_ != nullptr || stored_ != nullptr; }
+  // Bytes held on the host for this tensor: the narrow ones when converted.
+  int64_t stored_nbytes() const { return stored_ ? stored_->nbytes() : nbytes_; }
   const c10::Device& device() const { return device_; }
   int64_t nbytes() const { return nbytes_; }
 
@@ -60,6 +69,13 @@ class SavedTensor {
   std::shared_ptr<PackerCounters> counters_;
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
+  // When stored narrower (Note [Low-precision storage]): the offloaded staging bytes, and how
+  // to convert them back into store_elems_ elements of a new storage (aligned as lo_ was).
+  at::Tensor unpack_converted();
+  std::shared_ptr<SavedTensor> stored_;
+  lowp::Format store_format_ = lowp::Format::None;
+  lowp::Source store_source_ = lowp::Source::F32;
+  int64_t store_elems_ = 0;
 };
 
 // Copies bytes [from, to) of t's storage into `pool` (or its disk tier), in t's device's stream

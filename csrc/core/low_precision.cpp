@@ -1,0 +1,65 @@
+#include "low_precision.h"
+
+#include <cmath>
+
+namespace ckpt_offload {
+namespace lowp {
+namespace {
+
+// Every source is read as fp32 first: fp64 -> fp32 -> narrow is what torch's casts do too
+// (double rounding included), so results match `t.to(dtype)` bit for bit.
+float load(Source s, const void* p, int64_t i) {
+  switch (s) {
+    case Source::F32: return static_cast<const float*>(p)[i];
+    case Source::F64: return static_cast<float>(static_cast<const double*>(p)[i]);
+    case Source::F16: return from_f16(static_cast<const uint16_t*>(p)[i]);
+    default: return from_bf16(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+void store(Source s, void* p, int64_t i, float v) {
+  switch (s) {
+    case Source::F32: static_cast<float*>(p)[i] = v; break;
+    case Source::F64: static_cast<double*>(p)[i] = v; break;
+    case Source::F16: static_cast<uint16_t*>(p)[i] = to_f16(v); break;
+    default: static_cast<uint16_t*>(p)[i] = to_bf16(v); break;
+  }
+}
+
+}  // namespace
+
+void down_cpu(Source s, const void* src, int64_t n, Format f, void* dst) {
+  float scale = 1.0f;
+  if (format_scaled(f)) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(load(s, src, i)));  // NaN skipped
+    std::memcpy(static_cast<char*>(dst) + amax_offset(f, n), &amax, 4);
+    scale = scale_from_amax(f, amax);
+  }
+  if (format_bytes(f) == 2) {
+    auto* out = static_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint16_t>(encode(f, load(s, src, i), scale));
+  } else {
+    auto* out = static_cast<uint8_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(encode(f, load(s, src, i), scale));
+  }
+}
+
+void up_cpu(Source s, void* dst, int64_t n, Format f, const void* src) {
+  float scale = 1.0f;
+  if (format_scaled(f)) {
+    float amax;
+    std::memcpy(&amax, static_cast<const char*>(src) + amax_offset(f, n), 4);
+    scale = scale_from_amax(f, amax);
+  }
+  if (format_bytes(f) == 2) {
+    const auto* in = static_cast<const uint16_t*>(src);
+    for (int64_t i = 0; i < n; ++i) store(s, dst, i, decode(f, in[i], scale));
+  } else {
+    const auto* in = static_cast<const uint8_t*>(src);
+    for (int64_t i = 0; i < n; ++i) store(s, dst, i, decode(f, in[i], scale));
+  }
+}
+
+}  // namespace lowp
+}  // namespace ckpt_offload

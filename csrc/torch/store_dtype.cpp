@@ -1,0 +1,187 @@
+#include "store_dtype.h"
+
+#include <stdexcept>
+
+#include "../core/profiler.h"
+#include "device_memory.h"
+#include "tensor_layout.h"
+
+namespace py = pybind11;
+
+namespace ckpt_offload {
+
+lowp::Format store_format_from_name(const std::string& name) {
+  if (name.empty()) return lowp::Format::None;
+  if (name == "bfloat16") return lowp::Format::BF16;
+  if (name == "float16") return lowp::Format::F16;
+  if (name == "float8_e4m3fn") return lowp::Format::E4M3;
+  if (name == "float8_e5m2") return lowp::Format::E5M2;
+  throw std::invalid_argument("store_dtype must be None, torch.bfloat16, torch.float16, torch.float8_e4m3fn or "
+                              "torch.float8_e5m2; got " + name);
+}
+
+const char* store_format_name(lowp::Format f) {
+  switch (f) {
+    case lowp::Format::BF16: return "bfloat16";
+    case lowp::Format::F16: return "float16";
+    case lowp::Format::E4M3: return "float8_e4m3fn";
+    case lowp::Format::E5M2: return "float8_e5m2";
+    default: return "";
+  }
+}
+
+std::optional<lowp::Source> store_source(const at::Tensor& t, lowp::Format f) {
+  if (f == lowp::Format::None) return std::nullopt;
+  lowp::Source s;
+  switch (t.scalar_type()) {
+    case at::kFloat: s = lowp::Source::F32; break;
+    case at::kDouble: s = lowp::Source::F64; break;
+    case at::kHalf: s = lowp::Source::F16; break;
+    case at::kBFloat16: s = lowp::Source::BF16; break;
+    default: return std::nullopt;  // integers, bool, complex, fp8 already: stored exactly
+  }
+  // Only wider than the format: bf16 into fp16 (or the reverse) would lose range or bits for
+  // no bytes saved.
+  if (lowp::source_bytes(s) <= lowp::format_bytes(f)) return std::nullopt;
+  return s;
+}
+
+at::Tensor store_down(lowp::Source s, const void* src, int64_t n, lowp::Format f, const c10::Device& device,
+                      const CurrentStream& current) {
+  // From the caching allocator in the current stream's order: the conversion runs on that
+  // stream, and the D2H copy waits on it.
+  at::Tensor out = device_bytes(device, static_cast<size_t>(lowp::stored_bytes(f, n)));
+  if (device.is_cpu()) {
+    lowp::down_cpu(s, src, n, f, out.data_ptr());
+    return out;
+  }
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda()) {
+    lowp::down_cuda(s, src, n, f, out.data_ptr(), current.cuda_stream());
+    return out;
+  }
+#endif
+  throw std::runtime_error("ckpt_offload: store_dtype has no conversion for tensors on " + device.str());
+}
+
+void store_up(lowp::Source s, void* out, int64_t n, lowp::Format f, const at::Tensor& stored,
+              const CurrentStream& current) {
+  if (stored.device().is_cpu()) {
+    lowp::up_cpu(s, out, n, f, stored.data_ptr());
+    return;
+  }
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (stored.device().is_cuda()) {
+    lowp::up_cuda(s, out, n, f, stored.data_ptr(), current.cuda_stream());
+    return;
+  }
+#endif
+  throw std::runtime_error("ckpt_offload: store_dtype has no conversion for tensors on " + stored.device().str());
+}
+
+namespace {
+at::ScalarType scalar_of(lowp::Source s) {
+  switch (s) {
+    case lowp::Source::F32: return at::kFloat;
+    case lowp::Source::F64: return at::kDouble;
+    case lowp::Source::F16: return at::kHalf;
+    default: return at::kBFloat16;
+  }
+}
+}  // namespace
+
+double store_relative_error(lowp::Source s, const void* src, int64_t n, lowp::Format f, const at::Tensor& stored,
+                            const c10::Device& device, const CurrentStream& current) {
+  const auto opts = at::TensorOptions().dtype(scalar_of(s)).device(device);
+  at::Tensor x = at::from_blob(const_cast<void*>(src), {n}, opts);
+  at::Tensor back = at::empty({n}, opts);
+  store_up(s, back.data_ptr(), n, f, stored, current);
+  const at::Tensor xd = x.to(at::kDouble);
+  const double norm = xd.norm().item<double>();
+  const double diff = (back.to(at::kDouble) - xd).norm().item<double>();
+  return norm > 0.0 ? diff / norm : (diff > 0.0 ? 1.0 : 0.0);
+}
+
+void StoreErrors::add(const std::string& cls, double rel_error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Entry& e = by_class_[cls];
+  e.tensors++;
+  e.sum += rel_error;
+  if (rel_error > e.max || rel_error != rel_error) e.max = rel_error;
+}
+
+py::dict StoreErrors::to_dict() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  py::dict d;
+  for (const auto& [cls, e] : by_class_) {
+    py::dict v;
+    v["tensors"] = e.tensors;
+    v["mean_rel_error"] = e.tensors ? e.sum / static_cast<double>(e.tensors) : 0.0;
+    v["max_rel_error"] = e.max;
+    d[py::str(cls)] = v;
+  }
+  return d;
+}
+
+void StoreErrors::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  by_class_.clear();
+}
+
+}  // namespace ckpt_offload
+
+// SavedTensor's low-precision path lives here, next to the conversions it calls.
+#include "saved_tensor.h"
+
+namespace ckpt_offload {
+
+std::shared_ptr<SavedTensor> SavedTensor::offload_converted(const at::Tensor& t, lowp::Source s, lowp::Format f,
+                                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                                            std::shared_ptr<PackerCounters> counters,
+                                                            TieredRefusal* why, const CurrentStream* current,
+                                                            StoreErrors* errors) {
+  auto saved = describe_layout(t, counters);
+  saved->side_stream_ = side_stream;
+  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
+  const CurrentStream cur = current ? *current : CurrentStream::of(t.device());
+  const int64_t item = static_cast<int64_t>(t.dtype().itemsize());
+  const int64_t lo = t.storage_offset() * item;
+  const int64_t n = saved->nbytes_ / item;
+  const void* src = static_cast<const char*>(t.storage().data()) + lo;
+  at::Tensor staged = store_down(s, src, n, f, t.device(), cur);
+  if (errors) {
+    std::string cls = dtype_name(t.scalar_type()) + "->" + store_format_name(f);
+    if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
+    errors->add(cls, store_relative_error(s, src, n, f, staged, t.device(), cur));
+  }
+  // The staging tensor goes through the exact path; its keep-alive holds it until the copy has
+  // read it, and its copy waits on `cur`, where the conversion ran.
+  auto inner = offload(staged, pool, side_stream, counters, why, &cur);
+  if (!inner) return nullptr;
+  saved->stored_ = std::move(inner);
+  saved->store_format_ = f;
+  saved->store_source_ = s;
+  saved->store_elems_ = n;
+  return saved;
+}
+
+at::Tensor SavedTensor::unpack_converted() {
+  at::Tensor narrow = stored_->unpack();  // ready on the current stream; refuses under graph capture
+  DeviceScope scope(device_);
+  const CurrentStream cur = CurrentStream::of(device_);
+  const int64_t item = static_cast<int64_t>(c10::elementSize(dtype_));
+  // The new storage keeps the original data pointer's alignment mod kReloadAlignment, as exact
+  // reloads do (lo_ is the tensor's first byte in its original storage).
+  const int64_t offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
+  const int64_t bytes = (offset + store_elems_) * item;
+  c10::Storage st = device_storage(device_, static_cast<size_t>(bytes));
+  store_up(store_source_, static_cast<char*>(st.mutable_data()) + offset * item, store_elems_, store_format_, narrow,
+           cur);
+  if (!unpacked_) {
+    unpacked_ = true;
+    device_held_.set(device_held_.bytes() + bytes);
+  }
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
+}
+
+}  // namespace ckpt_offload
