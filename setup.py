@@ -63,6 +63,14 @@ CORE = _sources("csrc/core/*.cpp")
 # by CKPT_OFFLOAD_WITH_CUDA, so the flag below picks the device side (csrc/torch/runtime_backend.h).
 TORCH_LAYER = _sources("csrc/torch/*.cpp")
 CUDA_SOURCES = _sources("csrc/core/*.cu")
+# torch's ninja build names each object after its source's stem (csrc/core/x.cpp and
+# csrc/core/x.cu would both be build/.../csrc/core/x.o: "multiple rules generate"), so two sources
+# of one folder must not share a stem.
+_stems = [os.path.splitext(p)[0] for p in CORE + TORCH_LAYER + CUDA_SOURCES]
+_clash = sorted({s for s in _stems if _stems.count(s) > 1})
+if _clash:
+    sys.exit("ckpt_offload: sources that would build to the same object file: " + ", ".join(
+        f"{s}.*" for s in _clash) + "; rename one of each (e.g. x_kernels.cu next to x.cpp)")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 def _fail(msg):
     sys.exit("ckpt_offload: CUDA build impossible: " + msg)

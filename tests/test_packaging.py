@@ -231,3 +231,16 @@ def test_wheel_check_refuses_tests_and_a_missing_marker(tmp_path):
     assert "tests/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
     assert "ckpt_offload/py.typed: missing from the wheel" in problems
     assert "METADATA Requires-Python: '>=3.9', expected '>=3.11'" in problems
+
+
+def test_no_two_sources_build_to_one_object_file():
+    # torch's ninja build names an object after its source's stem: csrc/core/x.cpp and
+    # csrc/core/x.cu would both write csrc/core/x.o, and the CUDA build fails ("multiple rules
+    # generate"), which a C++-only build never shows. setup.py refuses it; this keeps it so.
+    import glob
+
+    sources = [p for pattern in ("csrc/core/*.cpp", "csrc/core/*.cu", "csrc/torch/*.cpp")
+               for p in glob.glob(os.path.join(SOURCE_ROOT, pattern))]
+    assert sources
+    stems = [os.path.splitext(p)[0] for p in sources]
+    assert sorted({s for s in stems if stems.count(s) > 1}) == []

@@ -1,6 +1,6 @@
 // Low-precision storage of offloaded tensors (co.offload(store_dtype=...)): the element
 // conversions, shared by the CPU loops (low_precision.cpp) and the CUDA kernels
-// (low_precision.cu), so both round every value the same way. No torch here.
+// (low_precision_kernels.cu), so both round every value the same way. No torch here.
 #pragma once
 
 #include <cstdint>
