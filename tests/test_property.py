@@ -408,7 +408,11 @@ class HostPoolMachine(RuleBasedStateMachine):
         before = self._stats()
         released = self.pool.empty_cache()
         after = self._stats()
-        assert after["bytes_reserved"] == before["bytes_reserved"] - released
+        # What it releases: the wholly free segments it retires now, and those retired before
+        # (a grow near the cap retires free segments without releasing them; whether a segment
+        # was wholly free then depends on when its copies finished).
+        assert after["bytes_retired"] == 0
+        assert released == (before["bytes_reserved"] - after["bytes_reserved"]) + before["bytes_retired"]
         if not self.live:
             assert after["bytes_reserved"] == 0 and after["num_segments"] == 0
 
