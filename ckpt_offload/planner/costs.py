@@ -95,7 +95,8 @@ class BlockCost:
     seconds to recompute what selective drops; ``inexact``: what the measured step showed makes a
     recompute of the block differ from its forward, ``{reason: what was seen}`` with reason in
     :data:`INEXACT_REASONS` (empty: every choice is exact); ``calls``: how many times the step called
-    the block (its calls' costs are summed: see docs/planner.md, "Accuracy and limits").
+    the block. A block called several times holds every call's costs, one after another; the
+    :class:`CostModel`'s ``call_blocks`` has each call's own, which is what the simulator runs.
     """
 
     name: str
@@ -151,7 +152,11 @@ class CostModel:
     random states are copied to host memory: 0). A nested segment has one per checkpoint.
     ``excluded``: per block, ``{kind: why}`` for the kinds no plan may give it (set by
     :func:`ckpt_offload.plan` from the blocks' ``inexact``; empty: none excluded); a segment is
-    excluded where one of its blocks excludes ``"recompute"``."""
+    excluded where one of its blocks excludes ``"recompute"``.
+    ``call_order``: the block (index) of every block call of the step, in execution order, and
+    ``call_blocks`` each call's own :class:`BlockCost` -- set only when the step calls a block more
+    than once or out of order (empty: every block once, in order). The simulator then runs the
+    calls, each block's choice applying to each of its calls (one module, one wrapper)."""
 
     blocks: list
     bandwidth: Bandwidth
@@ -165,6 +170,8 @@ class CostModel:
     device: str = "cpu"
     checkpoint_bytes: int = 0
     excluded: list = field(default_factory=list)
+    call_order: list = field(default_factory=list)
+    call_blocks: list = field(default_factory=list)
 
     @property
     def names(self) -> list:
@@ -292,7 +299,10 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
     (a dispatch mode)."""
     sync = _sync_for(device)
     recs = [_BlockRecord(n) for n, _ in named_blocks]
-    owner = {}  # storage key -> ("block", i) | ("pre",) | ("post",)
+    # Every call of a block is recorded on its own (a block called twice saves two sets of tensors,
+    # which backward frees call by call); recs[i] gets block i's calls joined afterwards.
+    calls, call_order = [], []  # per call: its _BlockRecord, its block's index
+    owner = {}  # storage key -> ("block", call) | ("pre",) | ("post",)
     outside = {"pre": {}, "post": {}}
     # grad: a block ran with gradients enabled; requires_grad: a block's output needs a gradient;
     # backward: a gradient reached one
@@ -309,8 +319,11 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                 return  # a block inside a block: attributed to the outer one
             state["current"] = i
             state["started"] = True
-            r = recs[i]
-            r.calls += 1
+            recs[i].calls += 1
+            r = _BlockRecord(named_blocks[i][0])
+            c = state["call"] = len(calls)
+            calls.append(r)
+            call_order.append(i)
             state["grad"] |= torch.is_grad_enabled()
             r.own = set()
             r.arg_keys = {}
@@ -336,7 +349,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                 k = _storage_key(t)
                 if k is not None and k in rec_mode.fresh and k not in owner and k not in r.input_keys:
                     r.input_keys.append(k)
-                    owner[k] = ("block", i)
+                    owner[k] = ("block", c)
                     r.cost.input_sizes.append(k[2])
             rec_mode.block = r
         return hook
@@ -345,7 +358,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         def hook(module, args, kwargs, output):
             if state["current"] != i:
                 return
-            r = recs[i]
+            r = calls[state["call"]]
             for k, _ in r.selective_refs.items():
                 r.cost.selective.append(k[2])
                 r.cost.selective_saved.append(r.keys.get(k, -1))
@@ -363,11 +376,11 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
 
     def pack(t):
         k = _storage_key(t)
-        i = state["current"]
-        if i is not None:
-            recs[i].cost.nodes.append(-1)
-            pack_block(t, k, i)
-            return _Packed(t, i, len(recs[i].cost.nodes) - 1)
+        if state["current"] is not None:
+            c = state["call"]
+            calls[c].cost.nodes.append(-1)
+            pack_block(t, k, c)
+            return _Packed(t, c, len(calls[c].cost.nodes) - 1)
         return _pack_outside(t, k)
 
     def _pack_outside(t, k):
@@ -383,25 +396,25 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         if isinstance(p, _Packed):
             # A node unpacks all its saved tensors before running any op of its backward: tensors
             # unpacked with no op between them belong to one node (and are freed together).
-            recs[p.block].cost.nodes[p.pos] = rec_mode.count
+            calls[p.block].cost.nodes[p.pos] = rec_mode.count
             return p.t
         return p
 
-    def pack_block(t, k, i):
+    def pack_block(t, k, c):
         if k is None or k not in rec_mode.fresh:
-            recs[i].cost.packs.append(-1)
+            calls[c].cost.packs.append(-1)
             return
-        r = recs[i]
+        r = calls[c]
         pos = len(r.cost.packs)
         if k in r.keys:
             idx = r.keys[k]
             r.cost.storages[idx].last = pos
-        elif k not in owner or owner[k] == ("block", i):
-            owner[k] = ("block", i)
+        elif k not in owner or owner[k] == ("block", c):
+            owner[k] = ("block", c)
             idx = r.keys[k] = len(r.cost.storages)
             r.cost.storages.append(Storage(k[2], pos, pos, is_input=k in r.input_keys))
         else:
-            idx = -1  # owned by an earlier block or saved before the blocks
+            idx = -1  # owned by an earlier block (or call) or saved before the blocks
         r.cost.packs.append(idx)
 
     handles = []
@@ -432,29 +445,54 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         raise ValueError("co.plan: step() never ran backward through the blocks, so what they save for backward "
                          "cannot be measured: pass a step that runs forward and backward, e.g. "
                          "lambda: loss_fn(model(x)).backward()")
-    for r in recs:
-        r.cost.calls = r.calls
-        r.cost.selective_recompute_s = 0.0
+    for r in calls:
         r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
+    for i, r in enumerate(recs):
+        r.cost = _joined(r.cost.name, [cr.cost for cr, b in zip(calls, call_order) if b == i])
+        r.cost.calls = r.calls
+        mine = [cr for cr, b in zip(calls, call_order) if b == i]
+        op_s = sum(cr.op_s for cr in mine)
+        r._fraction_dropped = (1.0 - sum(cr.saved_op_s for cr in mine) / op_s) if op_s > 0 else 1.0
     pre = sum(outside["pre"].values())
     post = sum(outside["post"].values())
-    return recs, pre, post
+    return recs, pre, post, calls, call_order
+
+
+def _joined(name, costs) -> BlockCost:
+    """One block's calls as one :class:`BlockCost`: their saved tensors one after another (what
+    the block saves in a step), their times summed."""
+    out = BlockCost(name)
+    for c in costs:
+        s0, p0 = len(out.storages), len(out.packs)
+        out.storages += [Storage(s.nbytes, s.first + p0, s.last + p0, s.is_input) for s in c.storages]
+        out.packs += [p + s0 if p >= 0 else -1 for p in c.packs]
+        out.nodes += c.nodes
+        out.input_sizes += c.input_sizes
+        out.selective += c.selective
+        out.selective_saved += [x + s0 if x >= 0 else -1 for x in c.selective_saved]
+        out.selective_last_use += [u + p0 for u in c.selective_last_use]
+        out.forward_s += c.forward_s
+        out.backward_s += c.backward_s
+        out.selective_recompute_s += c.selective_recompute_s
+        for k, v in c.inexact.items():
+            out.inexact.setdefault(k, v)
+    out.calls = len(costs)
+    return out
 
 
 def _measure_times(step, named_blocks, device):
-    """Run 2: compute seconds per block, forward (hooks) and backward (hooks on the gradients of the
-    block's output and input), and the step's total."""
+    """Run 2: compute seconds per block call, forward (hooks) and backward (hooks on the gradients
+    of the call's output and input), and the step's total. Returns per call (execution order)
+    ``fwd``, ``bwd``, then ``pre``, ``mid``, ``post`` and ``total``."""
     sync = _sync_for(device)
-    n = len(named_blocks)
-    fwd_start, fwd_end = [None] * n, [None] * n
-    bwd_start, bwd_end = [None] * n, [None] * n
+    fwd_start, fwd_end, bwd_start, bwd_end = [], [], [], []  # per call
     active = {"i": None}
 
-    def stamp(arr, i):
+    def stamp(arr, c):
         def hook(*_):
-            if arr[i] is None:
+            if arr[c] is None:
                 sync()
-                arr[i] = time.perf_counter()
+                arr[c] = time.perf_counter()
         return hook
 
     def pre_hook(i):
@@ -462,12 +500,15 @@ def _measure_times(step, named_blocks, device):
             if active["i"] is not None:
                 return
             active["i"] = i
+            c = len(fwd_start)
+            for arr in (fwd_start, fwd_end, bwd_start, bwd_end):
+                arr.append(None)
             for t in _tensors((args, kwargs)):
                 if t.requires_grad:
-                    t.register_hook(stamp(bwd_end, i))
+                    t.register_hook(stamp(bwd_end, c))
                     break
             sync()
-            fwd_start[i] = time.perf_counter()
+            fwd_start[c] = time.perf_counter()
         return hook
 
     def post_hook(i):
@@ -475,11 +516,12 @@ def _measure_times(step, named_blocks, device):
             if active["i"] != i:
                 return
             active["i"] = None
+            c = len(fwd_start) - 1
             sync()
-            fwd_end[i] = time.perf_counter()
+            fwd_end[c] = time.perf_counter()
             for t in _tensors(output):
                 if t.requires_grad:
-                    t.register_hook(stamp(bwd_start, i))
+                    t.register_hook(stamp(bwd_start, c))
                     break
         return hook
 
@@ -496,10 +538,11 @@ def _measure_times(step, named_blocks, device):
     finally:
         for h in handles:
             h.remove()
+    n = len(fwd_start)
     fwd = [max(0.0, (e or 0) - (s or 0)) for s, e in zip(fwd_start, fwd_end)]
     bwd = []
-    for i in range(n):
-        s, e = bwd_start[i], bwd_end[i]
+    for c in range(n):
+        s, e = bwd_start[c], bwd_end[c]
         if s is None or e is None or e < s:
             bwd.append(None)
         else:
@@ -508,9 +551,9 @@ def _measure_times(step, named_blocks, device):
     ratio = (sum(known) / sum(f for f, b in zip(fwd, bwd) if b is not None)) if known and sum(fwd) > 0 else 2.0
     bwd = [b if b is not None else ratio * f for f, b in zip(fwd, bwd)]
     total = t1 - t0
-    pre = (fwd_start[0] - t0) if fwd_start[0] else 0.0
-    last_fwd = fwd_end[n - 1] or t0
-    first_bwd = bwd_start[n - 1] or last_fwd
+    pre = (fwd_start[0] - t0) if n and fwd_start[0] else 0.0
+    last_fwd = (fwd_end[-1] if n else None) or t0
+    first_bwd = (bwd_start[-1] if n else None) or last_fwd
     mid = max(0.0, first_bwd - last_fwd)
     post = max(0.0, total - pre - mid - sum(fwd) - sum(bwd))
     return fwd, bwd, pre, mid, post, total
@@ -572,18 +615,30 @@ def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth 
         cm = measure_costs(lambda: model(x).sum().backward(), list(model.layers.named_children()))
     """
     step()  # warm-up: gradients exist, lazy initialisation done, allocator warm
-    recs, pre_b, post_b = _measure_bytes(step, named_blocks, device, min_bytes)
+    recs, pre_b, post_b, calls, call_order = _measure_bytes(step, named_blocks, device, min_bytes)
     fwd, bwd, pre_s, mid_s, post_s, total = _measure_times(step, named_blocks, device)
-    blocks = []
-    for r, f, b in zip(recs, fwd, bwd):
+    if len(fwd) != len(calls):  # the step ran its blocks differently the second time: no per-call times
+        f1 = {i: f for i, f in enumerate(fwd)}
+        fwd = [f1.get(c, 0.0) for c in range(len(calls))]
+        bwd = [bwd[c] if c < len(bwd) else 2.0 * fwd[c] for c in range(len(calls))]
+    for r, f, b in zip(calls, fwd, bwd):
         c = r.cost
         c.forward_s, c.backward_s = f, b
         c.selective_recompute_s = f * r._fraction_dropped
+    blocks = []
+    for i, r in enumerate(recs):
+        c = r.cost
+        mine = [k for k, b in enumerate(call_order) if b == i]
+        c.forward_s = sum(fwd[k] for k in mine)
+        c.backward_s = sum(bwd[k] for k in mine)
+        c.selective_recompute_s = c.forward_s * r._fraction_dropped
         blocks.append(c)
+    in_order = call_order == list(range(len(recs)))
     if bandwidth is None:
         bandwidth = measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
     bw = bandwidth
     rng = torch.get_rng_state().nbytes if device == "cpu" else 0
     return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
                      pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device,
-                     checkpoint_bytes=rng)
+                     checkpoint_bytes=rng, call_order=[] if in_order else call_order,
+                     call_blocks=[] if in_order else [r.cost for r in calls])

@@ -282,12 +282,6 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     elif len(costs.blocks) != len(named):
         raise ValueError(f"costs has {len(costs.blocks)} blocks, the model {len(named)}; measure them again")
     costs.excluded = _excluded(costs, allow)
-    repeated = [(b.name, getattr(b, "calls", 1)) for b in costs.blocks if getattr(b, "calls", 1) > 1]
-    if repeated:
-        warnings.warn(
-            f"co.plan: step() calls block(s) {', '.join(f'{n} ({k} times)' for n, k in repeated[:4])} more than once; "
-            "the cost model sums their calls, which overstates the peak of recomputing them, so a budget a plan "
-            "would fit may be refused", stacklevel=2)
     if bw is not None:
         costs.bandwidth = bw
     costs.min_bytes = min_bytes

@@ -17,6 +17,7 @@ prefetched, and offloaded ones whose copy has not finished), the quantity
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -184,6 +185,8 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     """
     blocks, bw, min_bytes = costs.blocks, costs.bandwidth, costs.min_bytes
     _check_units(units, len(blocks))
+    if getattr(costs, "call_order", None):
+        return _simulate_calls(costs, units, prefetch_bytes)
     events = []  # (time, order, delta)
     order = [0]
 
@@ -400,6 +403,52 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     if not feasible:
         return SimResult(peak, math.inf, timeline, infos, forward_end, feasible=False)
     return SimResult(int(peak), t, timeline, infos, forward_end)
+
+
+def _shift(u, d):
+    return Unit(u.start + d, u.end + d, u.kind, inner=tuple(_shift(v, d) for v in u.inner))
+
+
+def call_units(costs, units):
+    """``units`` (over blocks) as units over the block calls of ``costs.call_order``: each call of
+    a block gets its block's choice, a segment's blocks called one after another in order are one
+    checkpoint per such run (what the applied plan's wrappers do). Returns ``(units over calls,
+    index in units of each)``, or None when a segment's blocks are not always called that way (the
+    applied segment then refuses the call, or runs blocks outside its checkpoint: not modelled)."""
+    order = costs.call_order
+    unit_of = {}
+    for ui, u in enumerate(units):
+        for b in range(u.start, u.end + 1):
+            unit_of[b] = ui
+    out, owners, p = [], [], 0
+    while p < len(order):
+        ui = unit_of[order[p]]
+        u = units[ui]
+        size = u.end - u.start + 1
+        if size > 1 and order[p:p + size] != list(range(u.start, u.end + 1)):
+            return None
+        out.append(_shift(u, p - u.start))
+        owners.append(ui)
+        p += size
+    return out, owners
+
+
+def _simulate_calls(costs, units, prefetch_bytes):
+    """A step whose blocks are called several times (or out of order): simulated call by call,
+    each call with its own measured costs; per-unit figures are summed over a unit's calls."""
+    mapped = call_units(costs, units)
+    if mapped is None:  # not a plan the model can run: infeasible (the joined costs give a peak to show)
+        r = simulate(dataclasses.replace(costs, call_order=[], call_blocks=[]), units, prefetch_bytes)
+        return SimResult(r.peak_bytes, math.inf, r.timeline, r.units, r.forward_end_s, feasible=False)
+    per_call, owners = mapped
+    calls = dataclasses.replace(costs, blocks=list(costs.call_blocks), call_order=[], call_blocks=[], excluded=[])
+    r = simulate(calls, per_call, prefetch_bytes)
+    infos = [{"device_bytes": 0, "pool_bytes": 0, "recompute_s": 0.0, "copy_s": 0.0, "stall_s": 0.0} for _ in units]
+    for ui, info in zip(owners, r.units):
+        for k, v in info.items():
+            infos[ui][k] += v
+    r.units = infos
+    return r
 
 
 def _node_groups(b):
