@@ -11,33 +11,31 @@ Example::
 
 from __future__ import annotations
 
-import torch
+import importlib
+import importlib.abc
+import sys
 
-from ckpt_offload import _torch_compat
-from ckpt_offload._version import __version__
-
-# Before _C is loaded: under another torch release loading it can fail inside the dynamic loader
-# with an undefined-symbol error that names no version; this says which torch it needs instead.
-_torch_compat.check(torch)
-try:
-    from ckpt_offload import _C
-except ImportError as e:  # pragma: no cover - explained to the user
-    raise ImportError(
-        f"ckpt_offload's native extension could not be loaded ({e}). Build it with "
-        "`pip install --no-build-isolation .` in the source folder; if you run Python from the source "
-        "folder itself, its ckpt_offload/ (without the built extension) shadows the installed one: run "
-        "from elsewhere, or build in place with `python setup.py build_ext --inplace`."
-    ) from e
-from ckpt_offload.checkpoint import CheckpointHandle, apply, checkpoint, checkpoint_sequential
-from ckpt_offload.offload import DEFAULT_MIN_BYTES, keep, offload, offload_tensor
+from ckpt_offload._version import __version__  # noqa: F401  (co.__version__)
+from ckpt_offload._runtime import synchronize  # loads the native extension (a clear error if it cannot)
+from ckpt_offload._info import build_info
+from ckpt_offload.blocks import CheckpointHandle, apply
+from ckpt_offload.checkpointing import checkpoint, checkpoint_sequential
+from ckpt_offload.offloading import keep, offload, offload_tensor
+from ckpt_offload.options import (
+    DEFAULT_BATCH_BYTES,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_PREFETCH_BYTES,
+    OffloadOptions,
+)
 from ckpt_offload.pool import HostPool, PoolFullError, SpillError, default_pool, pinned_available
-from ckpt_offload.profiling import Profile, ProfileReport, profile
+from ckpt_offload.profiling import ProfileReport, profile
 from ckpt_offload.planner import Plan, plan
 
 __all__ = [
     "offload",
     "keep",
     "offload_tensor",
+    "OffloadOptions",
     "checkpoint",
     "checkpoint_sequential",
     "apply",
@@ -46,64 +44,54 @@ __all__ = [
     "PoolFullError",
     "SpillError",
     "default_pool",
+    "pinned_available",
     "build_info",
     "synchronize",
     "DEFAULT_MIN_BYTES",
+    "DEFAULT_PREFETCH_BYTES",
+    "DEFAULT_BATCH_BYTES",
     "profile",
     "ProfileReport",
-    "Profile",  # deprecated alias of ProfileReport
     "plan",
     "Plan",
 ]
 
-
-def build_info() -> dict:
-    """How this ckpt_offload was built and what it can use here.
-
-    Keys: ``version``, ``cuda_compiled`` (the CUDA copy engine is built in), ``gpu_available``,
-    ``torch_version``, ``cuda_version`` (torch's CUDA version when CUDA is compiled in, else None),
-    ``built_with_torch`` and ``built_with_cuda`` (the torch, and the CUDA version when CUDA is compiled
-    in, that the extension was compiled against; None for a build made without setup.py),
-    ``cuda_runtime_version`` (the CUDA runtime ckpt_offload runs against, or None),
-    ``pool_backend`` (``"pinned"`` or ``"pageable"``: what a pool made with ``pinned=None`` uses),
-    ``alignment`` (bytes), ``default_min_bytes``.
-
-    Example::
-
-        >>> co.build_info()["cuda_compiled"]
-        True
-    """
-    cuda = bool(_C.cuda_compiled())
-    config = _torch_compat.build_config()
-    pinned = pinned_available()
-    return {
-        "version": __version__,
-        "cuda_compiled": cuda,
-        "gpu_available": bool(cuda and torch.cuda.is_available() and _C.cuda_device_count() > 0),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda if cuda else None,
-        "built_with_torch": config.TORCH_VERSION if config else None,
-        "built_with_cuda": config.TORCH_CUDA_VERSION if config and cuda else None,
-        "cuda_runtime_version": (_C.cuda_runtime_version() or None) if cuda else None,
-        "pool_backend": "pinned" if pinned else "pageable",
-        "alignment": int(_C.ALIGNMENT),
-        "default_min_bytes": DEFAULT_MIN_BYTES,
-    }
+# Modules renamed in 0.2.0 so that no public name hides a module: `ckpt_offload.offload` and
+# `ckpt_offload.checkpoint` were modules shadowed by the context manager and the function of the
+# same name. An import of an old path says where it went, instead of "No module named ...".
+_MOVED = {
+    "ckpt_offload.offload": "ckpt_offload.offloading",
+    "ckpt_offload.checkpoint": "ckpt_offload.checkpointing (co.apply and CheckpointHandle: ckpt_offload.blocks)",
+    "ckpt_offload.planner.plan": "ckpt_offload.planner.planning",
+    "ckpt_offload.planner.cli": "ckpt_offload.cli.plan",
+    "ckpt_offload.demo.cli": "ckpt_offload.cli",
+    "ckpt_offload.integrations._hf_trainer": "ckpt_offload.integrations.hf.trainer",
+}
 
 
-def synchronize() -> None:
-    """Waits for every copy on ckpt_offload's side streams (all devices, both directions) and
-    releases the source tensors those copies held. Copies made with ``stream="compute"`` run on
-    the compute stream itself; ``torch.cuda.synchronize()`` waits for those."""
-    _C.synchronize()
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        new = _MOVED.get(name)
+        if new is None:
+            return None
+        raise ModuleNotFoundError(
+            f"{name} was renamed in ckpt_offload 0.2.0: import from {new} instead (the public names are "
+            f"also at the top level: co.offload, co.checkpoint, co.apply, co.DEFAULT_MIN_BYTES, ...; see "
+            "CHANGELOG.md)", name=name)
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())
 
 
 def __getattr__(name):
     # co.hf imports transformers only when asked for.
     if name == "hf":
-        import importlib
-
         module = importlib.import_module("ckpt_offload.integrations.hf")
         globals()["hf"] = module
         return module
+    if name == "Profile":  # deprecated alias of ProfileReport (it warns)
+        from ckpt_offload import profiling
+
+        return profiling.__getattr__(name)
     raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""``python -m ckpt_offload {demo,profile,plan,info}``: the command line lives in :mod:`ckpt_offload.demo.cli`.
+"""``python -m ckpt_offload {demo,profile,plan,info}``: the command line lives in :mod:`ckpt_offload.cli`.
 
 Example::
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from ckpt_offload.demo.cli import build_parser, main
+from ckpt_offload.cli import build_parser, main
 
 __all__ = ["main", "build_parser"]
 

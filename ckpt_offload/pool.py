@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
-from ckpt_offload import _C
 from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool
+from ckpt_offload._runtime import _C, gpu_usable
 
 __all__ = ["HostPool", "PoolFullError", "SpillError", "default_pool", "pinned_available", "BACKENDS"]
 
@@ -47,7 +47,7 @@ def _check_cap(name: str, value, minimum: int, unlimited: str):
 
 def pinned_available() -> bool:
     """True when this build can pin host memory: CUDA compiled in and a usable GPU present."""
-    return bool(_C.cuda_compiled() and _C.cuda_device_count() > 0)
+    return gpu_usable()
 
 
 class HostPool:

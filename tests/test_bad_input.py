@@ -466,7 +466,7 @@ def test_plan_unwritable_out_is_a_clear_error_before_measuring(tmp_path, capsys,
 
 def test_plan_write_failure_at_the_end_exits_3_not_over_budget(tmp_path, capsys, monkeypatch):
     from ckpt_offload.__main__ import main
-    from ckpt_offload.planner import cli as plan_cli
+    from ckpt_offload.cli import plan as plan_cli
 
     seen = {}
     real_plan = co.plan

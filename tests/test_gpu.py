@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ckpt_offload as co
-from ckpt_offload.offload import DEFAULT_PREFETCH_BYTES
+from ckpt_offload.options import DEFAULT_PREFETCH_BYTES
 from helpers import GPU_REASON, HAS_GPU, cuda_device
 from helpers import sleep_stream as _sleep
 

@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def case():
-    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.blocks import select_blocks as _select_blocks
 
     cfg = make_config("small", layers=4)
     model = TinyTransformer(**cfg.model_kwargs(), seed=0).cuda().train()

@@ -22,8 +22,14 @@ import ckpt_offload as co
 from conftest import assert_bit_identical, cpu_offload, global_module_hook_counts, grads_of, run_a_backward
 from models_for_tests import Chain, MLP
 
-from ckpt_offload._checkpoint_core import TORCH_KEYWORDS, context_for
-from ckpt_offload.checkpoint import _CheckpointedForward
+from ckpt_offload.blocks import BlockForward
+from ckpt_offload.checkpointing import TORCH_KEYWORDS
+from ckpt_offload.checkpointing import context_for as _context_for
+from ckpt_offload.options import as_options
+
+
+def context_for(options):
+    return _context_for(as_options(options))
 
 CPU = {"devices": ["cpu"], "min_bytes": 0}
 
@@ -42,8 +48,9 @@ def assert_clean(*contexts):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The one-time torch.func warning fires again in this test."""
-    # ckpt_offload.offload is the class (the package exports it over the module's name)
-    monkeypatch.setattr(sys.modules["ckpt_offload.offload"], "_warned_hooks_disabled", set())
+    import ckpt_offload.offloading as offloading
+
+    monkeypatch.setattr(offloading, "_warned_hooks_disabled", set())
 
 
 # --- issue 17 item 1: enter undoes what it started; exit restores exactly its own enter -------
@@ -472,7 +479,7 @@ def test_remove_restores_a_forward_the_block_had_before():
     marker = model[0].forward  # a bound method stored on the instance
     model[0].forward = marker
     handle = co.apply(model)
-    assert isinstance(model[0].__dict__["forward"], _CheckpointedForward)
+    assert isinstance(model[0].__dict__["forward"], BlockForward)
     handle.remove()
     assert model[0].__dict__["forward"] is marker
     assert "forward" not in model[1].__dict__ and "_replicate_for_data_parallel" not in model[1].__dict__

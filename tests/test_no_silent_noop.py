@@ -197,9 +197,7 @@ def test_context_that_sees_only_other_devices_tensors_warns_naming_devices():
 
 
 def test_hooks_disabled_warning_names_the_fix():
-    import sys
-
-    offload_module = sys.modules["ckpt_offload.offload"]
+    import ckpt_offload.offloading as offload_module
 
     offload_module._warned_hooks_disabled.clear()
     ctx = co.offload(devices=["cpu"], min_bytes=0)

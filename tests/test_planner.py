@@ -53,7 +53,7 @@ class _Case:
     """A model, a step, its blocks and its measured costs (once per module)."""
 
     def __init__(self, model, batch, loss_fn):
-        from ckpt_offload.checkpoint import _select_blocks
+        from ckpt_offload.blocks import select_blocks as _select_blocks
 
         self.model, self.batch, self.loss_fn = model, batch, loss_fn
         self.named = _select_blocks(model, None)
@@ -495,7 +495,7 @@ def test_recompute_range_holds_only_recomputed_saved_tensors(tiny):
     # What a recompute leaves alive when its range ends is exactly the block's saved storages less
     # its input: torch's early stop raises through the block, and the frames of that exception
     # (holding the last op's output) are dropped before the range ends.
-    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.blocks import select_blocks as _select_blocks
 
     units = singles(["recompute"] * len(tiny.named))
     handle = apply_units(tiny.model, _select_blocks(tiny.model, None), units, None)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
-from ckpt_offload.checkpoint import _select_blocks
+from ckpt_offload.blocks import select_blocks as _select_blocks
 from ckpt_offload.planner import Unit
 from ckpt_offload.planner.apply import apply_units
 
@@ -500,7 +500,7 @@ def test_blocks_called_twice_predicted_peak_matches_measured(twice, name):
 
 def test_blocks_called_twice_budget_below_joined_estimate_accepted_and_met(twice):
     from ckpt_offload.planner import simulate
-    from ckpt_offload.planner.plan import SLACK_BYTES
+    from ckpt_offload.planner.planning import SLACK_BYTES
     from ckpt_offload.planner.solver import InfeasibleBudget, solve
 
     model, x, named, costs = twice

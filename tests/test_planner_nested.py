@@ -33,7 +33,7 @@ from ckpt_offload.planner import (
     solve,
 )
 from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.plan import SLACK_BYTES
+from ckpt_offload.planner.planning import SLACK_BYTES
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import choice_names
 from ckpt_offload.planner.solver import chain_cost
@@ -65,7 +65,7 @@ NESTED_CASES = {
 
 class _Case:
     def __init__(self):
-        from ckpt_offload.checkpoint import _select_blocks
+        from ckpt_offload.blocks import select_blocks as _select_blocks
 
         cfg = make_config("tiny", layers=4, seq=32, batch=2)
         self.model = TinyTransformer(**cfg.model_kwargs(), seed=0)
@@ -131,7 +131,7 @@ def test_nested_peak_matches_measured_hf_gpt2():
     # A Hugging Face model: blocks take keyword arguments and return tuples, through inner
     # checkpoints too. Blocks 0-2 as one checkpoint around an inner one over 0-1.
     transformers = pytest.importorskip("transformers")
-    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.blocks import select_blocks as _select_blocks
 
     config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=3, n_head=4, use_cache=False)
     torch.manual_seed(0)

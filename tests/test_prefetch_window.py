@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ckpt_offload as co
-from ckpt_offload.offload import DEFAULT_PREFETCH_BYTES
+from ckpt_offload.options import DEFAULT_PREFETCH_BYTES
 from conftest import step_peak_bytes
 
 WIDTH, HIDDEN, ROWS = 256, 1024, 128  # one block saves 0.5 MiB + 0.5 MiB + 0.125 MiB (GELU input/output, Linear input)

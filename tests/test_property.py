@@ -564,7 +564,7 @@ _plan_options = st.fixed_dictionaries({
 @settings(max_examples=hypothesis_examples(8))
 @given(c=h_cases(), o=_plan_options)
 def test_random_plans_never_change_loss_gradients_or_state(c, o):
-    from ckpt_offload.checkpoint import _select_blocks
+    from ckpt_offload.blocks import select_blocks as _select_blocks
     from ckpt_offload.planner import Bandwidth, measure_costs, simulate, singles
 
     (ref_model, planned, probe), x = _h_models(c, 3)

@@ -16,7 +16,7 @@ from models_for_tests import Chain
 
 import ckpt_offload as co
 from ckpt_offload import _C
-from ckpt_offload._checkpoint_core import zero_stats
+from ckpt_offload._stats import zero_stats
 from ckpt_offload.profiling import KEEP_REASONS
 
 MiB = 1 << 20
@@ -341,11 +341,12 @@ def test_offload_takes_size_strings():
 
 
 def test_offload_option_dicts_take_size_strings_and_share_a_context():
-    from ckpt_offload._checkpoint_core import context_for, offload_options
+    from ckpt_offload.checkpointing import context_for
+    from ckpt_offload.options import as_options
 
-    given = offload_options({"devices": ["cpu"], "min_bytes": "64KiB"})
-    assert given["min_bytes"] == 64 * 1024
-    assert context_for(given) is context_for(offload_options({"devices": ["cpu"], "min_bytes": 65536}))
+    given = as_options({"devices": ["cpu"], "min_bytes": "64KiB"})
+    assert given.min_bytes == 64 * 1024
+    assert context_for(given) is context_for(as_options({"devices": ["cpu"], "min_bytes": 65536}))
     model = _model()
     handle = co.apply(model, offload={"devices": ["cpu"], "min_bytes": "0B", "batch_bytes": "1MiB"})
     _step(model)

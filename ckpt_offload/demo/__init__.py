@@ -1,11 +1,11 @@
-"""The demo: a small built-in transformer, the ``demo`` runner and the ``python -m ckpt_offload`` command line.
+"""The demo: a small built-in transformer and the ``demo`` runner.
 
 Nothing here is needed to use ckpt_offload; it shows and measures what :func:`ckpt_offload.offload`
 does on a model that needs no download.
 
 * :mod:`ckpt_offload.demo.model`: :class:`TinyTransformer`, its presets and data.
 * :mod:`ckpt_offload.demo.runner`: :func:`run_demo` (train with and without ``co.offload``, compare).
-* :mod:`ckpt_offload.demo.cli`: ``python -m ckpt_offload {demo,profile,info}``.
+* the command line that runs it: :mod:`ckpt_offload.cli` (``python -m ckpt_offload demo``).
 
 Example::
 

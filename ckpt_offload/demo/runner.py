@@ -45,20 +45,17 @@ import time
 
 import torch
 
-from ckpt_offload import build_info, synchronize
+from ckpt_offload._info import build_info
+from ckpt_offload._runtime import gpu_usable, synchronize
 from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
-from ckpt_offload.offload import DEFAULT_MIN_BYTES, offload
+from ckpt_offload.offloading import offload
+from ckpt_offload.options import DEFAULT_MIN_BYTES
 from ckpt_offload.pool import HostPool
 from ckpt_offload.profiling.summary import saved_line
 
 __all__ = ["run_demo", "format_report", "write_json", "default_device", "gpu_usable", "DEMO_JSON"]
 
 DEMO_JSON = "demo.json"
-
-
-def gpu_usable() -> bool:
-    """True when torch sees a CUDA GPU and this ckpt_offload build can offload CUDA tensors."""
-    return bool(torch.cuda.is_available() and build_info()["cuda_compiled"])
 
 
 def default_device() -> str:
@@ -180,7 +177,7 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
     (left out of the step-time figures) runs under co.profile for the device peak of saved
     activations. Without either, the first step's forward runs under a counting hook. Returns
     losses, times, first-step grads, counts."""
-    from ckpt_offload.checkpoint import apply
+    from ckpt_offload.blocks import apply
     from ckpt_offload.profiling import profile
     torch.manual_seed(seed)  # dropout draws: identical sequence in every run
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)

@@ -14,7 +14,7 @@ See docs/planner.md.
 
 from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel, Storage, measure_bandwidth, measure_costs
 from ckpt_offload.planner.measure import SavedTimeline, saved_activation_peak
-from ckpt_offload.planner.plan import Plan, parse_bandwidth, parse_bytes, plan
+from ckpt_offload.planner.planning import Plan, parse_bandwidth, parse_bytes, plan
 from ckpt_offload.planner.simulator import (
     INNER_KINDS, KINDS, SEGMENT_KINDS, SimResult, Unit, choice_names, simulate, singles,
 )

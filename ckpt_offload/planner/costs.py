@@ -18,20 +18,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ckpt_offload._runtime import synchronize
+from ckpt_offload.blocks import SELECTIVE_SAVE_OPS, running_stats
+from ckpt_offload.offloading import offload_tensor
+from ckpt_offload.pool import HostPool
+
 __all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
            "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
 
-# What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
-# whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
-# recompute attention's cheap pointwise ops).
-SELECTIVE_SAVE_OPS = tuple(
-    op for op in (
-        getattr(torch.ops.aten, name, None)
-        for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu")
-    ) if op is not None
-)
 _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
 
 #: Why a recompute of a block can differ from its forward, and the choices each reason rules out:
@@ -334,9 +328,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                     k = _storage_key(t)
                     if k is not None:
                         r.arg_keys.setdefault(k, where)
-            from ckpt_offload.planner.apply import _running_stats
-
-            for prefix in _running_stats(module):
+            for prefix in running_stats(module):
                 # BatchNorm's kernels write running_mean/var without an op that says so
                 r.cost.inexact.setdefault(
                     "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward")
@@ -568,9 +560,6 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
 
         bw = measure_bandwidth("cuda")      # Bandwidth(d2h=..., h2d=..., latency=...)
     """
-    from ckpt_offload import synchronize
-    from ckpt_offload.offload import offload_tensor
-    from ckpt_offload.pool import HostPool
 
     pool = HostPool(pinned=None if device == "cuda" else False)
     sync = _sync_for(device)

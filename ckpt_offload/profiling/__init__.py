@@ -24,8 +24,15 @@ from __future__ import annotations
 from ckpt_offload.profiling.context import profile
 from ckpt_offload.profiling.report import KEEP_REASONS, ProfileReport
 
-#: Deprecated alias of :class:`ProfileReport` (its name differed from :class:`profile` only by
-#: case); kept for existing code, to be removed in a later release.
-Profile = ProfileReport
+__all__ = ["KEEP_REASONS", "ProfileReport", "profile"]
 
-__all__ = ["KEEP_REASONS", "Profile", "ProfileReport", "profile"]
+
+def __getattr__(name):
+    # Profile: the deprecated alias of ProfileReport (its name differed from profile only by case).
+    if name == "Profile":
+        import warnings
+
+        warnings.warn("Profile is deprecated since 0.1.0 and goes in 0.3.0: use ProfileReport",
+                      DeprecationWarning, stacklevel=2)
+        return ProfileReport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

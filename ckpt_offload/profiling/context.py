@@ -27,7 +27,7 @@ import threading
 
 import torch
 
-from ckpt_offload import _C
+from ckpt_offload._runtime import _C
 from ckpt_offload.profiling.report import ProfileReport
 
 __all__ = ["profile"]

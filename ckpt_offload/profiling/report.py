@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
-from ckpt_offload import _C
+from ckpt_offload._runtime import _C
 from ckpt_offload.profiling import export_table, export_trace, plot
 from ckpt_offload.profiling._aggregate import Row, rows_by_module
 from ckpt_offload.profiling._records import NO_MODULE, fmt_bytes, time_span

@@ -9,6 +9,10 @@ import warnings
 import torch
 
 from ckpt_offload._args import check_bytes, check_int, device_types, parse_bytes
+from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
+from ckpt_offload.options import DEFAULT_MIN_BYTES
+from ckpt_offload.pool import HostPool
+from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
@@ -106,8 +110,6 @@ class Plan:
             step()
             handle.remove()
         """
-        from ckpt_offload.planner.apply import apply_units
-
         return apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact)
 
     def summary(self) -> str:
@@ -227,17 +229,12 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         print(plan.summary())
         handle = plan.apply()
     """
-    from ckpt_offload.checkpoint import _select_blocks
-    from ckpt_offload.offload import DEFAULT_MIN_BYTES
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not callable(step):
         raise TypeError(f"step must be a function of no arguments running forward and backward, got "
                         f"{type(step).__name__}")
     budget_bytes = parse_bytes("budget", budget)
-    from ckpt_offload.pool import HostPool
-
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     kinds = tuple(kinds)
@@ -254,7 +251,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     allow = _allowed_reasons(allow_inexact)
     _check_not_wrapped(model)
     try:
-        named = _select_blocks(model, layers)
+        named = select_blocks(model, layers, route="co.plan")
     except ValueError as e:
         if "found no" not in str(e):
             raise
@@ -265,9 +262,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             f"co.plan found no blocks to plan in {type(model).__name__}: {what}. Pass layers=<the block class> (for "
             "example layers=type(model.layers[0])) or a predicate layers=lambda name, module: ... selecting the "
             "blocks whose saved activations the plan chooses for") from None
-    for name, block in named:
-        if "_ckpt_offload_wrapped" in block.__dict__:
-            _check_not_wrapped(block, name)
+    _check_not_wrapped(model, named)
     if costs is None:
         state = [(b, b.detach().clone()) for b in model.buffers()]
         try:
@@ -287,8 +282,6 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     costs.min_bytes = min_bytes
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
-    from ckpt_offload.planner.apply import create_selective_checkpoint_contexts
-
     if create_selective_checkpoint_contexts is None:
         kinds = tuple(k for k in kinds if k != "selective")
     for (name, _), ex in zip(named, costs.excluded):
@@ -357,15 +350,9 @@ def _excluded(costs, allow) -> list:
     return out
 
 
-def _check_not_wrapped(module, name=None):
-    handle = getattr(module, "_ckpt_offload_handle", None)
-    wrapped = "_ckpt_offload_wrapped" in module.__dict__
-    if (handle is not None and not handle.removed) or wrapped:
-        what = f"block {name!r}" if name else "the model"
-        raise RuntimeError(
-            f"co.plan: {what} is already wrapped by co.apply, co.hf.enable or a plan; measuring it would measure "
-            "those checkpoints, not the model (every block would be 'keep'). Call .remove() on the handle they "
-            "returned (model._ckpt_offload_handle.remove()) before planning")
+def _check_not_wrapped(model, named=()):
+    check_not_applied(model, named, "co.plan", why="; measuring it would measure those checkpoints, not the model "
+                      "(every block would be 'keep')")
 
 
 __all__ += ["InfeasibleBudget"]

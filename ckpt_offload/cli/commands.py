@@ -13,9 +13,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
+
+from ckpt_offload.cli._common import EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, load_script, write_failed  # noqa: F401
+from ckpt_offload.cli.plan import add_plan_parser, run_plan
 
 __all__ = ["main", "build_parser"]
 
@@ -60,26 +62,6 @@ Exit status: 0 on success, 2 for bad arguments (an --out folder that cannot be w
 3 when the files cannot be written at the end (e.g. the disk is full)."""
 
 
-def _int_at_least(minimum: int):
-    """An argparse type: an integer >= minimum, with an error that says so."""
-
-    def parse(text: str) -> int:
-        want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-_positive_int = _int_at_least(1)
-_non_negative_int = _int_at_least(0)
-
-
 _PREFETCH_HELP = (
     "co.offload(prefetch_bytes=...): a fixed window of prefetched bytes in backward, 0 for none "
     "(default: the automatic window, about one block of the model)"
@@ -88,7 +70,7 @@ _PREFETCH_HELP = (
 
 def build_parser() -> argparse.ArgumentParser:
     from ckpt_offload.demo.model import CONFIGS
-    from ckpt_offload.offload import DEFAULT_MIN_BYTES, STREAM_MODES
+    from ckpt_offload.options import DEFAULT_MIN_BYTES, STREAM_MODES
 
     parser = argparse.ArgumentParser(
         prog="python -m ckpt_offload",
@@ -187,8 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     prof.set_defaults(_parser=prof)
 
-    from ckpt_offload.planner.cli import add_plan_parser
-
     add_plan_parser(sub, CONFIGS, DEFAULT_MIN_BYTES)
 
     info = sub.add_parser(
@@ -217,7 +197,8 @@ def _join_negative_values(argv: list) -> list:
 
 
 def _info() -> int:
-    from ckpt_offload import _C, build_info
+    from ckpt_offload._info import build_info
+    from ckpt_offload._runtime import _C
     from ckpt_offload.pool import default_pool
 
     print("build_info:")
@@ -245,87 +226,11 @@ def _info() -> int:
     return 0
 
 
-def load_script(spec: str, parser):
-    """``path/to/file.py:function`` -> the function, or a parser error saying what is wrong."""
-    import importlib.util
-    import os
-
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        parser.error(f"--script: expected FILE.py:FUNCTION, got {spec!r}")
-    if not name.isidentifier():
-        parser.error(f"--script: {name!r} is not a function name (expected FILE.py:FUNCTION)")
-    if not os.path.isfile(path):
-        parser.error(f"--script: no such file: {path!r}")
-    mod_name = "_ckpt_offload_profile_script_" + os.path.splitext(os.path.basename(path))[0].replace("-", "_")
-    module_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if module_spec is None or module_spec.loader is None:
-        parser.error(f"--script: cannot import {path!r} as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    folder = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, folder)  # the script's own imports of its neighbours work as when run directly
-    try:
-        module_spec.loader.exec_module(module)
-    finally:
-        try:
-            sys.path.remove(folder)
-        except ValueError:
-            pass
-    fn = getattr(module, name, None)
-    if fn is None:
-        parser.error(f"--script: {path!r} has no attribute {name!r}")
-    if not callable(fn):
-        parser.error(f"--script: {path}:{name} is a {type(fn).__name__}, not a function")
-    return fn
-
-
 def _progress(steps: int, enabled: bool):
     """range(steps) with a tqdm progress bar when tqdm is installed (stderr), plain otherwise."""
     from ckpt_offload.demo.runner import progress_range
 
     return progress_range(steps, "profiling", enabled)
-
-
-def _check_out(out: str, parser) -> None:
-    """A parser error before any step runs when ``out`` cannot be the output folder: minutes of
-    profiling (or planning) would otherwise be lost at the end. Creates the folder and writes a
-    file in it (removed at once): permission bits alone do not say whether a write will work
-    (root ignores them; a read-only file system does not)."""
-    import tempfile
-
-    if os.path.exists(out) and not os.path.isdir(out):
-        parser.error(f"--out: {out!r} exists and is not a folder; pass a folder path")
-    # The topmost folder this check creates: removed again, so that a run stopped by a later
-    # argument error leaves nothing behind (the run itself creates the folder when it writes).
-    created = None
-    path = os.path.abspath(out)
-    while not os.path.exists(path):
-        created, path = path, os.path.dirname(path)
-    try:
-        os.makedirs(out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".ckpt_offload_write_check_")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        parser.error(f"--out: cannot write to {out!r} ({e.strerror or e}); pass a folder you can write to")
-    finally:
-        if created is not None:
-            import shutil
-
-            shutil.rmtree(created, ignore_errors=True)
-
-
-#: Exit status when an output file cannot be written at the end (the disk filled up, the folder
-#: went away): distinct from 1 (a failed check) and 2 (bad arguments).
-EXIT_WRITE_FAILED = 3
-
-
-def write_failed(what: str, error: OSError) -> int:
-    """Prints why ``what`` could not be written and returns :data:`EXIT_WRITE_FAILED`."""
-    print(f"ckpt_offload: cannot write {what}: {error.strerror or error} "
-          f"({getattr(error, 'filename', None) or what}); the results above are complete, only the files are missing",
-          file=sys.stderr)
-    return EXIT_WRITE_FAILED
 
 
 def _gpu_or_error(device: str, parser) -> None:
@@ -335,7 +240,7 @@ def _gpu_or_error(device: str, parser) -> None:
     if device == "cuda" and not gpu_usable():
         import torch
 
-        from ckpt_offload import build_info
+        from ckpt_offload._info import build_info
 
         parser.error(
             "--device cuda: no usable CUDA GPU here "
@@ -347,7 +252,7 @@ def _gpu_or_error(device: str, parser) -> None:
 def _profile(args, parser) -> int:
     import torch
 
-    from ckpt_offload.offload import offload
+    from ckpt_offload.offloading import offload
     from ckpt_offload.pool import HostPool
     from ckpt_offload.profiling import profile
 
@@ -442,7 +347,7 @@ def main(argv=None) -> int:
 
     Example::
 
-        from ckpt_offload.__main__ import main
+        from ckpt_offload.cli import main
         status = main(["demo", "--size", "tiny", "--steps", "2", "--device", "cpu"])
         status = main(["profile", "--size", "tiny", "--steps", "2", "--device", "cpu", "--out", "prof"])
     """
@@ -455,8 +360,6 @@ def main(argv=None) -> int:
     if args.command == "profile":
         return _profile(args, sub_parser)
     if args.command == "plan":
-        from ckpt_offload.planner.cli import run_plan
-
         return run_plan(args, sub_parser)
     return _demo(args, sub_parser)
 

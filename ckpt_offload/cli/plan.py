@@ -31,7 +31,7 @@ def _budget_arg(text: str) -> str:
     the text itself is kept for the messages."""
     import argparse
 
-    from ckpt_offload.planner.plan import parse_bytes
+    from ckpt_offload.planner.planning import parse_bytes
 
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"must be an amount of bytes >= 0 such as 20MiB or 2GiB, got {text!r}")
@@ -46,7 +46,7 @@ def _bandwidth_arg(text: str) -> str:
     """argparse type of --bandwidth: checked when the arguments are read, not after measuring."""
     import argparse
 
-    from ckpt_offload.planner.plan import parse_bandwidth
+    from ckpt_offload.planner.planning import parse_bandwidth
 
     try:
         parse_bandwidth(text)
@@ -80,7 +80,7 @@ def add_plan_parser(sub, configs, default_min_bytes):
 
     p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
                        description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from ckpt_offload.demo.cli import _non_negative_int, _positive_int
+    from ckpt_offload.cli._common import _non_negative_int, _positive_int
 
     p.add_argument("--budget", required=True, type=_budget_arg,
                    help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
@@ -169,12 +169,12 @@ def run_plan(args, parser) -> int:
     import torch
 
     import ckpt_offload as co
-    from ckpt_offload.demo.cli import _check_out, write_failed
+    from ckpt_offload.cli._common import _check_out, write_failed
     from ckpt_offload.planner import InfeasibleBudget, parse_bytes
 
     _check_out(args.out, parser)  # before minutes of measuring, not after
     if args.script is not None:
-        from ckpt_offload.demo.cli import load_script as _load_script
+        from ckpt_offload.cli._common import load_script as _load_script
 
         fn = _load_script(args.script, parser)
         got = fn()

@@ -2,37 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import threading
 
 import torch
 
-from ckpt_offload import _C
 from ckpt_offload._args import check_choice
-# The constants, the option checks and the warning helpers live in ckpt_offload/_offload_options.py
-# (file size); every name stays importable from here.
-from ckpt_offload._offload_options import (  # noqa: F401
+from ckpt_offload._runtime import _C
+from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, warn, warn_at_user_line, _warn_lock
+from ckpt_offload.options import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_MIN_BYTES,
     DEFAULT_PREFETCH_BYTES,
+    OFFLOAD_KEYS,
     ON_FULL_POLICIES,
+    POSITIONAL_KEYS,
     STREAM_MODES,
-    _LIBRARY_DIRS,
-    _quiet,
-    _usable_types,
-    _user_frame,
-    _warn_lock,
-    _warned_sites,
-    check_not_devices,
+    OffloadOptions,
     check_offloads_something,
-    check_options,
-    check_store_dtype,
-    graph_break_if_compiling,
-    hooks_disabled_reason,
-    logger,
-    option_bytes,
-    warn,
-    warn_at_user_line,
+    from_arguments,
 )
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool
 
@@ -170,10 +160,6 @@ def _leave_stale(state: "_Activation", record: bool) -> None:
             _stale.setdefault(state.thread, []).append(state)
 
 
-def _default_devices() -> list[str]:
-    return ["cuda"] if (_C.cuda_compiled() and torch.cuda.is_available()) else []
-
-
 class offload:
     """Context manager: tensors that autograd saves inside it wait for backward in a host pool.
 
@@ -266,64 +252,30 @@ class offload:
         print(ctx.stats())   # tensors_offloaded, bytes_offloaded, kept_by_reason, ...
     """
 
-    def __init__(
-        self,
-        min_bytes: int = DEFAULT_MIN_BYTES,
-        stream: str = "side",
-        devices: str | list[str] | tuple[str, ...] | None = None,
-        pool: HostPool | None = None,
-        on_full: str = "keep",
-        prefetch_bytes: int | None = None,
-        batch_below: int = 0,
-        batch_bytes: int = DEFAULT_BATCH_BYTES,
-        *,
-        keep_dedup: bool = False,
-        store_dtype: torch.dtype | None = None,
-        store_min_bytes: int = 0,
-        measure_error: bool = False,
-    ):
+    def __init__(self, *args, keep_dedup: bool = False, **options):
         graph_break_if_compiling()
-        check_not_devices("min_bytes", min_bytes)  # co.offload("cpu"): say a device was meant
-        # Sizes may be strings ("512KiB"); from here on they are ints.
-        min_bytes, prefetch_bytes, batch_below, batch_bytes, store_min_bytes = (
-            option_bytes(name, value) for name, value in (("min_bytes", min_bytes), ("prefetch_bytes", prefetch_bytes),
-                                                          ("batch_below", batch_below), ("batch_bytes", batch_bytes),
-                                                          ("store_min_bytes", store_min_bytes)))
-        types = check_options(min_bytes=min_bytes, stream=stream, devices=devices, pool=pool, on_full=on_full,
-                              prefetch_bytes=prefetch_bytes, batch_below=batch_below, batch_bytes=batch_bytes,
-                              store_dtype=store_dtype, store_min_bytes=store_min_bytes, measure_error=measure_error)
-        if types is None:
-            types = _default_devices()
-        if not getattr(_quiet, "on", False):
-            check_offloads_something(devices, "co.offload()")
+        # The options are checked (each error names the option) and normalized by OffloadOptions.
+        self._setup(from_arguments("co.offload()", args, options), keep_dedup)
+        check_offloads_something(self.options.devices, "co.offload()")
+
+    @classmethod
+    def _from_options(cls, options: OffloadOptions, keep_dedup: bool = False) -> "offload":
+        """A context for ``options`` that a route (co.checkpoint, co.apply, co.hf, a plan) makes
+        from inside forward: the route checked at the user's own line that they offload
+        something, so this one does not warn again."""
+        ctx = cls.__new__(cls)
+        ctx._setup(options, keep_dedup)
+        return ctx
+
+    def _setup(self, options: OffloadOptions, keep_dedup: bool) -> None:
         if not isinstance(keep_dedup, bool):
             raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
-        self.min_bytes = min_bytes
-        self.stream = stream
-        self.devices = tuple(types)
-        self.on_full = on_full
-        self.prefetch_bytes = prefetch_bytes
-        self.batch_below = batch_below
-        self.batch_bytes = batch_bytes
-        self.store_dtype = store_dtype
-        self.store_min_bytes = store_min_bytes
-        self.measure_error = measure_error
-        self.pool = pool if pool is not None else default_pool()
-        self._packer = _C.Packer(
-            pool=self.pool._impl,
-            min_bytes=min_bytes,
-            offload_cpu="cpu" in types,
-            offload_cuda="cuda" in types,
-            side_stream=stream == "side",
-            raise_on_full=on_full == "raise",
-            prefetch_bytes=DEFAULT_PREFETCH_BYTES if prefetch_bytes is None else prefetch_bytes,
-            batch_below=batch_below,
-            batch_bytes=batch_bytes,
-            prefetch_auto=prefetch_bytes is None,
-            store_dtype=check_store_dtype(store_dtype),
-            store_min_bytes=store_min_bytes,
-            measure_error=measure_error,
-        )
+        self.options = options  #: the :class:`~ckpt_offload.OffloadOptions` of this context
+        for name in OFFLOAD_KEYS:
+            setattr(self, name, getattr(options, name))
+        self.devices = options.device_types
+        self.pool = options.pool if options.pool is not None else default_pool()
+        self._packer = _C.Packer(pool=self.pool._impl, **options.packer_kwargs())
         self.keep_dedup = keep_dedup
         # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
         # is being entered or exited). Checked and set under the lock, so two threads entering
@@ -606,6 +558,20 @@ class offload:
             f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below}"
             + (f", store_dtype={self.store_dtype}" if self.store_dtype is not None else "") + ")"
         )
+
+
+def _signature() -> inspect.Signature:
+    """co.offload's signature, made from OffloadOptions (where the names and defaults are written)."""
+    P = inspect.Parameter
+    params = [P("self", P.POSITIONAL_OR_KEYWORD)]
+    for f in dataclasses.fields(OffloadOptions):
+        kind = P.POSITIONAL_OR_KEYWORD if f.name in POSITIONAL_KEYS else P.KEYWORD_ONLY
+        params.append(P(f.name, kind, default=f.default, annotation=f.type))
+    params.insert(len(POSITIONAL_KEYS) + 1, P("keep_dedup", P.KEYWORD_ONLY, default=False, annotation="bool"))
+    return inspect.Signature(params)
+
+
+offload.__init__.__signature__ = _signature()
 
 
 def _keep_pack(t):

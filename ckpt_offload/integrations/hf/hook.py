@@ -1,45 +1,5 @@
-"""``co.hf``: ckpt_offload's checkpoint as the gradient-checkpointing function of Hugging Face models.
-
-Hugging Face ``transformers`` checkpoints a model through one hook: its enable method
-(``activation_checkpointing_enable`` in recent releases such as 5.24, ``gradient_checkpointing_enable``
-in earlier ones such as 5.18, where the new name is absent; 5.24 keeps the old name as a deprecated
-alias) sets ``gradient_checkpointing`` on the selected layers and stores a checkpoint function as
-``_gradient_checkpointing_func`` on every module that has that flag. Each
-``GradientCheckpointingLayer`` then calls ``self._gradient_checkpointing_func(partial(forward,
-self, **kwargs), *args)`` (5.24; 5.18 and earlier checkpoint ``partial(super().__call__,
-**kwargs)``). :func:`enable` calls the model's own enable method -- so Hugging Face chooses the
-layers, applies ``every_n_layers`` and turns on input gradients exactly as it does by itself --
-and then puts :func:`ckpt_offload.checkpoint` with your offload options in place of that
-function. Both names, both layer styles, and enable methods without ``every_n_layers`` (5.0,
-4.57) are detected on the model itself, not from the version number.
-
-Hugging Face passes a layer's ``position_embeddings``, masks and ids by keyword, inside the
-``partial``: torch's checkpoint would keep those on the device. Our function opens the
-``partial`` so that they are offloaded too, once for all layers that share them.
-
-Trainer: ``Trainer.train()`` calls the model's enable method again when
-``TrainingArguments(activation_checkpointing=True)`` (``gradient_checkpointing=True`` in releases
-without the new name), which would put Hugging Face's function back. While :func:`enable` is active the model's
-enable methods are wrapped on the instance so that such a call keeps ckpt_offload's function
-(with a warning when it asked for different settings). :class:`OffloadCheckpointCallback` is the
-Trainer route: it enables ckpt_offload when the Trainer is built and checks it again at
-``on_train_begin``. ``activation_checkpointing_kwargs`` cannot carry our function itself (its
-keys go to ``torch.utils.checkpoint.checkpoint`` and it is serialized with the arguments), but
-the callback reads ``every_n_layers``, ``offload`` and torch's checkpoint keywords from it. Its
-``offload`` entry is honoured on the :func:`enable` route too: Trainer passes it to the enable
-call it makes, and a handle made with offload off follows it.
-
-Example::
-
-    import ckpt_offload as co
-
-    handle = co.hf.enable(model, every_n_layers=2, offload=True)
-    model(**batch).loss.backward()
-    handle.remove()
-
-    trainer = Trainer(model, args, train_dataset=ds,
-                      callbacks=[co.hf.OffloadCheckpointCallback(offload=True)])
-"""
+"""``co.hf.enable``: ckpt_offload's checkpoint as the gradient-checkpointing function of a Hugging
+Face model (the package's docstring, :mod:`ckpt_offload.integrations.hf`, says how it plugs in)."""
 
 from __future__ import annotations
 
@@ -51,7 +11,6 @@ import torch
 
 try:
     import transformers
-    from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - explained to the user
     raise ImportError(
         f"co.hf needs Hugging Face transformers ({e}); install it with `pip install transformers`, "
@@ -64,23 +23,18 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload._checkpoint_core import (
-    TORCH_KEYWORDS,
-    StatsCollector,
-    check_checkpoint_keywords,
-    check_reentrant,
-    offload_options,
-    run_checkpoint,
-)
-from ckpt_offload.offload import _quiet, check_offloads_something, warn
+from ckpt_offload._stats import StatsCollector
+from ckpt_offload._warn import warn
+from ckpt_offload.blocks import HANDLE_ATTR, check_not_applied
+from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
+from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback",
-           "OffloadCallback"]
+__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction"]
 
 # New name first: it is the one that does not warn. Feature-detected on each model, not by version.
 _ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 _DISABLE_NAMES = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
-_HANDLE_ATTR = "_ckpt_offload_handle"  # shared with co.apply, so neither stacks on the other
+_HANDLE_ATTR = HANDLE_ATTR  # shared with co.apply and plans, so none stacks on another
 
 
 class HFCheckpointFunction:
@@ -97,7 +51,7 @@ class HFCheckpointFunction:
         assert handle.function.calls > 0
     """
 
-    def __init__(self, options: dict | None, use_reentrant: bool, torch_kwargs: dict):
+    def __init__(self, options: OffloadOptions | None, use_reentrant: bool, torch_kwargs: dict):
         self.options = options
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs)
@@ -202,8 +156,11 @@ class HFCheckpointHandle:
 
     @property
     def offload(self) -> dict | None:
-        """The co.offload options in use, or None when offload is off."""
-        return self.function.options
+        """The co.offload options in use (those that differ from the defaults, as a dict; ``{}``
+        for the defaults), or None when offload is off. ``handle.function.options`` is the
+        :class:`~ckpt_offload.OffloadOptions` itself."""
+        options = self.function.options
+        return None if options is None else options.to_dict()
 
     # -- installing ---------------------------------------------------------------------------
 
@@ -298,10 +255,10 @@ class HFCheckpointHandle:
         if requested is _MISSING:
             return
         where = f"{name}(offload=...) (from TrainingArguments' checkpointing kwargs under Trainer)"
-        options = offload_options(requested, name=where)
+        options = as_options(requested, name=where)
         check_reentrant(self.use_reentrant, options)
         if options is not None and options != self.function.options:
-            check_offloads_something(options.get("devices"), where)
+            check_offloads_something(options.devices, where)
         self.function.options = options
 
     def _warn_ignored(self, name: str, args, kwargs) -> None:
@@ -315,8 +272,8 @@ class HFCheckpointHandle:
             # Kept: enable() was given offload explicitly. Ignored when the call asks for offload
             # that ours is not (True is satisfied by any options; False is what Trainer passes
             # when its arguments have no entry, so it never warns).
-            asked = offload_options(offload, name=f"{name}(offload=...)")
-            if asked is not None and (self.offload is None or (asked and asked != self.offload)):
+            asked = as_options(offload, name=f"{name}(offload=...)")
+            if asked is not None and (self.offload is None or (asked.to_dict() and asked != self.function.options)):
                 ignored.append(f"offload={offload!r}")
         ours = {"use_reentrant": self.use_reentrant, **self.torch_kwargs}
         for k, v in (ckpt_kwargs or {}).items():
@@ -397,7 +354,7 @@ def _snapshot(model) -> list:
             if hasattr(m, "gradient_checkpointing")]
 
 
-def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
+def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions | None = False,
            **checkpoint_kwargs) -> HFCheckpointHandle:
     """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
 
@@ -415,7 +372,7 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
             whose class supports gradient checkpointing through ``_gradient_checkpointing_func``.
         every_n_layers: checkpoint one layer in ``every_n_layers`` (>= 1), starting with the first.
         offload: ``False`` (default, as everywhere in ckpt_offload: offload is opt-in),
-            ``True``, or a dict of :class:`ckpt_offload.offload` options
+            ``True``, a :class:`~ckpt_offload.OffloadOptions`, or a dict of its options
             (``{"devices": ["cpu"], "min_bytes": 0, "pool": pool}``). Off (``False``/``None``), a
             later call of the model's enable method that asks for offload turns it on:
             ``Trainer.train()`` passes the ``offload`` entry of
@@ -447,6 +404,12 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
         model(input_ids=ids, labels=ids).loss.backward()
         handle.remove()
     """
+    return _enable(model, every_n_layers, offload, checkpoint_kwargs, route="co.hf.enable(offload=...)")
+
+
+def _enable(model, every_n_layers, offload, checkpoint_kwargs: dict, route: str | None) -> HFCheckpointHandle:
+    """:func:`enable`; ``route``: the name the offloads-nothing warning gives (None: the caller,
+    a Trainer callback, checked that at the user's own line already)."""
     if not isinstance(model, torch.nn.Module) or not any(hasattr(model, n) for n in _ENABLE_NAMES):
         raise TypeError(
             f"co.hf.enable needs a Hugging Face transformers model (a PreTrainedModel, which has "
@@ -454,11 +417,11 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
             "For any other nn.Module use co.apply(model, layers=<its block class>, every_n_layers=..., offload=...)."
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
-    options = offload_options(offload)
+    options = as_options(offload)
     check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable")
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
-    if options is not None and not getattr(_quiet, "on", False):
-        check_offloads_something(options.get("devices"), "co.hf.enable(offload=...)")
+    if options is not None and route is not None:
+        check_offloads_something(options.devices, route)
     if getattr(model, "supports_gradient_checkpointing", True) is False:
         raise ValueError(
             f"{type(model).__name__} does not support gradient checkpointing in transformers "
@@ -474,12 +437,7 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | None = False,
             "value)), whose layers call torch's checkpoint directly, so co.hf.enable cannot plug in. Use "
             "co.apply(model, layers=<its block class>, every_n_layers=..., offload=...) instead."
         )
-    existing = model.__dict__.get(_HANDLE_ATTR)
-    if existing is not None and not existing.removed:
-        raise RuntimeError(
-            "ckpt_offload is already applied to this model (co.hf.enable or co.apply); call .remove() on the "
-            "handle it returned (model._ckpt_offload_handle.remove()) before enabling again"
-        )
+    check_not_applied(model, route="co.hf.enable")
     handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs,
                                 offload_given=options is not None)
     handle._saved_state = _snapshot(model)
@@ -511,15 +469,3 @@ def disable(model) -> None:
     handle = getattr(model, "__dict__", {}).get(_HANDLE_ATTR)
     if isinstance(handle, HFCheckpointHandle):
         handle.remove()
-
-
-# The Trainer callbacks live in their own module (file size); their names stay importable from here.
-from ckpt_offload.integrations._hf_trainer import (  # noqa: E402,F401  (after enable & co.: it reads them)
-    LOG_KEYS,
-    PEAK_KEYS,
-    PER_STEP_KEYS,
-    OffloadCallback,
-    OffloadCheckpointCallback,
-    _args_checkpoint_kwargs,
-    _OffloadedForward,
-)

@@ -1,9 +1,6 @@
-"""Trainer callbacks of ``co.hf`` (:class:`OffloadCheckpointCallback`, :class:`OffloadCallback`).
-
-Private: import them from :mod:`ckpt_offload.integrations.hf` (``co.hf``), which re-exports them.
-This module reads ``enable`` and ``HFCheckpointHandle`` from ``co.hf`` when a callback runs, and
-imports it at its end, so either module may be imported first.
-"""
+"""The Trainer callbacks of ``co.hf``: :class:`OffloadCheckpointCallback` (checkpointing through
+:func:`~ckpt_offload.integrations.hf.enable`, inputs optionally offloaded) and
+:class:`OffloadCallback` (offload without recompute). Import them as ``co.hf.OffloadCallback``."""
 
 from __future__ import annotations
 
@@ -13,14 +10,12 @@ import torch
 from transformers import TrainerCallback  # co.hf, imported first, explains a missing transformers
 
 from ckpt_offload._args import check_int, check_keywords
-from ckpt_offload._checkpoint_core import (
-    OFFLOAD_KEYS,
-    TORCH_KEYWORDS,
-    check_checkpoint_keywords,
-    check_reentrant,
-    offload_options,
-)
-from ckpt_offload.offload import _quiet, check_offloads_something
+from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant
+from ckpt_offload.integrations.hf.hook import _HANDLE_ATTR, HFCheckpointHandle, _enable
+from ckpt_offload.offloading import offload as offload_context
+from ckpt_offload.options import OFFLOAD_KEYS, as_options, check_offloads_something, from_arguments
+
+__all__ = ["OffloadCheckpointCallback", "OffloadCallback", "PER_STEP_KEYS", "PEAK_KEYS", "LOG_KEYS"]
 
 def _args_checkpoint_kwargs(args) -> dict:
     """The checkpoint kwargs of TrainingArguments, under its new or its deprecated name."""
@@ -118,11 +113,11 @@ class OffloadCheckpointCallback(TrainerCallback):
                                   "OffloadCheckpointCallback")
         check_keywords("OffloadCheckpointCallback", checkpoint_kwargs,
                        ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS))
-        options = offload_options(offload)
+        options = as_options(offload)
         check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
         if options is not None:
-            check_offloads_something(options.get("devices"), "OffloadCheckpointCallback(offload=...)")
-        self.handle: _hf.HFCheckpointHandle | None = None
+            check_offloads_something(options.devices, "OffloadCheckpointCallback(offload=...)")
+        self.handle: HFCheckpointHandle | None = None
         self._log = _StepLog()
 
     def _settings(self, args):
@@ -134,11 +129,11 @@ class OffloadCheckpointCallback(TrainerCallback):
             offload = self.offload
         else:
             # From TrainingArguments (or the default, True): checked now, where it is known.
-            options = offload_options(False if offload is None else offload,
+            options = as_options(False if offload is None else offload,
                                       name="activation_checkpointing_kwargs['offload']")
             offload = False if offload is None else offload
             if options is not None:
-                check_offloads_something(options.get("devices"), "OffloadCheckpointCallback (offload from "
+                check_offloads_something(options.devices, "OffloadCheckpointCallback (offload from "
                                          "TrainingArguments' checkpointing kwargs)")
         return every_n, offload, {**from_args, **self.checkpoint_kwargs}
 
@@ -146,22 +141,19 @@ class OffloadCheckpointCallback(TrainerCallback):
         if model is None:
             return
         every_n, offload, kwargs = self._settings(args)
-        handle = model.__dict__.get(_hf._HANDLE_ATTR)
+        handle = model.__dict__.get(_HANDLE_ATTR)
         if handle is not None and not handle.removed:
             if handle is self.handle:
                 handle._install()  # idempotent; covers a Trainer that changed the model's flags
                 return
-            if not isinstance(handle, _hf.HFCheckpointHandle):
+            if not isinstance(handle, HFCheckpointHandle):
                 raise RuntimeError(
                     "OffloadCheckpointCallback: co.apply is active on this model; remove it "
                     "(model._ckpt_offload_handle.remove()) or drop the callback"
                 )
             handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
-        _quiet.on = True  # checked at the callback's construction, the user's line
-        try:
-            self.handle = _hf.enable(model, every_n_layers=every_n, offload=offload, **kwargs)
-        finally:
-            _quiet.on = False
+        # route=None: the offload options were checked at the callback's construction, the user's line.
+        self.handle = _enable(model, every_n, offload, kwargs, route=None)
         # The callback resolved offload itself (its own argument first, then TrainingArguments'
         # entry): Trainer's later enable call must not turn on what the callback turned off.
         self.handle._offload_given = True
@@ -220,18 +212,13 @@ class OffloadCallback(TrainerCallback):
     """
 
     def __init__(self, **options):
-        from ckpt_offload.offload import offload as offload_context
-
         recompute = ("OffloadCallback offloads without recompute; to checkpoint as well use "
                      "co.hf.OffloadCheckpointCallback(every_n_layers=..., offload={...}) instead")
         check_keywords("OffloadCallback", options, OFFLOAD_KEYS,
                        elsewhere={k: recompute for k in ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS)})
-        check_offloads_something(options.get("devices"), "OffloadCallback")
-        _quiet.on = True  # warned just above, at the user's line
-        try:
-            self.context = offload_context(**options)  # bad options fail here
-        finally:
-            _quiet.on = False
+        opts = from_arguments("OffloadCallback", (), options)  # bad options fail here
+        check_offloads_something(opts.devices, "OffloadCallback")
+        self.context = offload_context._from_options(opts)  # warned just above, at the user's line
         self._model = None
         self._log = _StepLog()
 
@@ -274,8 +261,3 @@ class OffloadCallback(TrainerCallback):
         if logs is None:
             return
         self._log.add_to_logs(logs, state, self.stats())
-
-
-# Last: co.hf imports this module at its end, so each finds the other's names defined whichever
-# is imported first.
-from ckpt_offload.integrations import hf as _hf  # noqa: E402

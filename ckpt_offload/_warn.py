@@ -1,0 +1,110 @@
+"""How ckpt_offload tells the user something: warnings at the user's own line (once per call site),
+mirrored to the ``ckpt_offload`` logger where logging is set up, and the messages of the two places
+where torch itself stops us (``torch.compile(fullgraph=True)``, saved-tensor hooks disabled)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import warnings
+
+import torch
+
+_warn_lock = threading.Lock()
+_warned_sites: set = set()  # (route, filename, lineno) warned that they offload nothing
+
+#: The library's logger: what ckpt_offload decided (windows, blocks chosen, stats) at INFO/DEBUG.
+logger = logging.getLogger("ckpt_offload")
+
+# Frames in these folders are not "the user's line": a warning about what the user asked for
+# points past them (nn.Module's __call__, Trainer's loop, our own wrappers).
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep
+    for path in (__file__, torch.__file__, contextlib.__file__)  # ckpt_offload/, torch/, the stdlib's
+)
+
+
+def _user_frame():
+    """The innermost frame outside ckpt_offload, torch, transformers, accelerate and contextlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith(_LIBRARY_DIRS) or "/transformers/" in name or "/accelerate/" in name
+                or name.startswith("<frozen")):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def mirror_to_logger(message: str) -> None:
+    """Repeats a warning on the ``ckpt_offload`` logger, but only where logging is set up: without
+    a handler, logging's last-resort handler would print the message a second time next to the
+    warning itself; under ``logging.captureWarnings(True)`` the warning already is a log record."""
+    if getattr(logging, "_warnings_showwarning", None) is not None:
+        return  # captureWarnings(True): warnings go to the 'py.warnings' logger already
+    if logger.hasHandlers() and logger.isEnabledFor(logging.WARNING):
+        logger.warning(message)
+
+
+def warn(message: str, category=UserWarning, stacklevel: int = 1) -> None:
+    """``warnings.warn`` (one channel), mirrored to the logger where logging is configured."""
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    mirror_to_logger(message)
+
+
+def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> None:
+    """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
+    on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
+    own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object).
+    The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`)."""
+    frame = _user_frame()
+    if frame is None:
+        warn(message, category, stacklevel=2)
+        return
+    if key is not None:
+        site = (key, frame.f_code.co_filename, frame.f_lineno)
+        with _warn_lock:
+            if site in _warned_sites:
+                return
+            _warned_sites.add(site)
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
+                           module=frame.f_globals.get("__name__"),
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    mirror_to_logger(message)
+
+
+FULLGRAPH_MESSAGE = (
+    "ckpt_offload inside a torch.compile(fullgraph=True) graph: its offload contexts and checkpoints "
+    "are C++ objects that Dynamo cannot trace into a graph. What works: torch.compile without "
+    "fullgraph (the default; Dynamo breaks the graph around ckpt_offload, which runs eagerly, with "
+    "gradients unchanged), or compile inside each block -- block.forward = torch.compile(block.forward, "
+    "fullgraph=True) for each block, then co.apply(model, offload=True), or the compiled code inside "
+    "`with co.offload():` (docs/scale_out.md, 'torch.compile')."
+)
+
+
+def graph_break_if_compiling() -> None:
+    """Where Dynamo traces ckpt_offload's Python code, break the graph here with a message that
+    says what works: under fullgraph=True that message is the error, instead of Dynamo's about
+    the pybind11 function it would reach next; without fullgraph the graph breaks as it would
+    anyway, and ckpt_offload runs eagerly. Eager callers pay one ``is_compiling()`` call."""
+    if torch.compiler.is_compiling():
+        graph_break = getattr(getattr(torch, "_dynamo", None), "graph_break", None)
+        if graph_break is not None:
+            graph_break(msg=FULLGRAPH_MESSAGE)
+
+
+def hooks_disabled_reason() -> str | None:
+    """torch's message when saved-tensor hooks cannot be entered on this thread (inside
+    ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``, or
+    ``torch.autograd.graph.disable_saved_tensors_hooks``), else None."""
+    autograd = torch._C._autograd
+    is_enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    if is_enabled is None or is_enabled():
+        return None
+    get_message = getattr(autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
+    message = get_message() if get_message is not None else None
+    return message or "saved tensor hooks are disabled"

@@ -1,0 +1,290 @@
+"""Recompute (gradient checkpointing) with the checkpoint's inputs optionally offloaded.
+
+``co.checkpoint`` is a drop-in for ``torch.utils.checkpoint.checkpoint`` (non-reentrant). With
+``offload=...`` the tensors the checkpoint keeps for backward -- its inputs, including those
+passed by keyword or inside lists, tuples and dicts, which torch's checkpoint keeps on the
+device -- wait in the host pool instead.
+
+:func:`run_checkpoint` is the one checkpointed call that ``co.checkpoint``, the blocks ``co.apply``
+and plans wrap, and ``co.hf`` share; :func:`context_for` the offload context it enters.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ckpt_offload._args import check_int, closest
+from ckpt_offload._stats import StatsCollector
+from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason
+from ckpt_offload.offloading import offload as offload_context
+from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options, check_offloads_something
+
+__all__ = ["checkpoint", "checkpoint_sequential", "run_checkpoint", "context_for", "TORCH_KEYWORDS",
+           "check_checkpoint_keywords", "check_reentrant"]
+
+_CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
+# Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
+# preserve_rng_state is one in every torch, but before 2.14 it is read from **kwargs, not named
+# in the signature.
+TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
+    name
+    for name in ("context_fn", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
+    if name in _CHECKPOINT_PARAMETERS
+)
+# Selective checkpointing (a context_fn policy) keeps the tensors its policy saves outside
+# autograd's saved tensors; torch 2.14 routes them through the active saved-tensor hooks (ours)
+# only with respect_saved_tensors_hooks=True, and warns on every call when it is left unset.
+_HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in _CHECKPOINT_PARAMETERS
+
+
+def check_checkpoint_keywords(kwargs, route: str) -> None:
+    """Raises TypeError for a keyword of ``route`` that is neither ``use_reentrant`` nor one of
+    torch's checkpoint keywords; a co.offload option there gets told to go inside ``offload={...}``."""
+    unknown = sorted(set(kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
+    misplaced = [k for k in unknown if k in OFFLOAD_KEYS]
+    if misplaced:
+        one = len(misplaced) == 1
+        raise TypeError(
+            f"{route}: {misplaced} {'is a co.offload option' if one else 'are co.offload options'}; pass "
+            f"{'it' if one else 'them'} inside offload={{...}}, e.g. offload={{{misplaced[0]!r}: ...}}"
+        )
+    if unknown:
+        raise TypeError(f"{route}: unknown checkpoint keyword(s) {unknown}; allowed: "
+                        f"{['use_reentrant', *TORCH_KEYWORDS]}")
+
+
+def check_reentrant(use_reentrant, options) -> bool:
+    """``use_reentrant`` as a bool (None -> False); refuses reentrant with offload on."""
+    if use_reentrant is None:
+        return False
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"use_reentrant must be True or False, got {use_reentrant!r}")
+    if use_reentrant and options is not None:
+        raise ValueError(
+            "offload needs use_reentrant=False: the reentrant checkpoint keeps its inputs outside "
+            "autograd's saved tensors, so they could not be offloaded. Pass use_reentrant=False "
+            "(the default of co.checkpoint), or offload=False."
+        )
+    return use_reentrant
+
+
+# Contexts are shared per thread and option set, so that one deduplication table spans all the
+# layers of a forward. Those with the default pool live in this thread-local table; those with a
+# pool passed in the options live in a thread-local table stored on that pool, so that the only
+# references to the context come from the pool itself: a pool the user drops is freed (with its
+# memory) by the garbage collector, instead of being kept alive by the cache forever.
+_local = threading.local()
+_POOL_ATTR = "_ckpt_offload_checkpoint_contexts"
+
+
+def _table_for(pool) -> dict:
+    if pool is None:
+        local = _local
+    else:
+        # dict.setdefault is atomic: two threads get the same thread-local object.
+        local = pool.__dict__.setdefault(_POOL_ATTR, threading.local())
+    table = getattr(local, "contexts", None)
+    if table is None:
+        table = local.contexts = {}
+    return table
+
+
+def context_for(options: OffloadOptions, owner: "StatsCollector | None" = None) -> offload_context:
+    """The co.offload context for a checkpoint with these options: this thread's shared one
+    (kept across calls with ``keep_dedup``, so an input every layer receives is stored once), or
+    a fresh one when the shared one is already active (a checkpoint nested in another one).
+
+    With ``owner`` (a handle's :class:`~ckpt_offload._stats.StatsCollector`) the shared context is
+    that handle's own: two models wrapped with equal options count their blocks apart
+    (``handle.stats()``), and the context lives as long as the handle.
+
+    The routes that get here (co.checkpoint, co.apply, co.hf, a plan) checked at the user's own
+    line that these options offload something, so the contexts made here do not warn again."""
+    pool = options.pool
+    key = options.replace(pool=None)  # frozen and hashable; the pool by identity below
+    if owner is not None:
+        table, key = owner._table(), (key, id(pool))  # the context holds the pool: its id stays its own
+    else:
+        table = _table_for(pool)
+    ctx = table.get(key)
+    if ctx is None:
+        ctx = table[key] = offload_context._from_options(options, keep_dedup=True)
+    if ctx.active:
+        ctx = offload_context._from_options(options)
+    return ctx
+
+
+def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
+                   collector: StatsCollector | None = None):
+    """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
+    options: an :class:`~ckpt_offload.OffloadOptions`) the tensors the checkpoint keeps
+    wait in the host pool -- also those inside ``kwargs`` and containers."""
+    if use_reentrant or options is None:
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **torch_kwargs, **kwargs)
+    graph_break_if_compiling()  # fullgraph=True: say what works (the offload context is C++)
+    if hooks_disabled_reason() is not None:
+        # Inside torch.func.grad / vjp / jacrev / hessian: torch's checkpoint itself refuses
+        # there, with its own clear error; entering our context first would only add noise.
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **torch_kwargs, **kwargs)
+    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
+        # The tensors a selective-checkpoint policy saves go to the pool too (and torch does
+        # not warn that our hooks are in scope).
+        torch_kwargs = {**torch_kwargs, "respect_saved_tensors_hooks": True}
+    # Every tensor input becomes a positional argument of torch's checkpoint, which saves those
+    # through the active saved-tensor hooks (ours). The closure keeps only the non-tensor
+    # leaves: a tensor in it would stay on the device until backward.
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in positions]
+    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    del leaves, args, kwargs
+
+    def run(*inputs):
+        if collector is not None:
+            # Called right after this checkpoint packed its inputs (forward), or unpacked them
+            # for the recompute (backward): Note [Handle device peak].
+            collector.note_device_bytes(ctx.pool)
+        filled = list(skeleton)
+        for i, t in zip(positions, inputs):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        return function(*a, **kw)
+
+    ctx = context_for(options, owner=collector)
+    if collector is not None:
+        collector.add(ctx)
+    with ctx:
+        return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
+
+
+def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: bool | None = None, **kwargs: Any):
+    """Runs ``function(*args, **kwargs)`` without keeping its activations; backward recomputes them.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint`` with non-reentrant semantics: it accepts
+    and honours ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
+    ``early_stop`` (where the installed torch has them); every other keyword goes to
+    ``function``. Gradients equal those without checkpointing, dropout included (the RNG state
+    is restored for the recompute). With ``offload`` and a selective-checkpoint ``context_fn``,
+    the tensors its policy saves go to the host pool too: ``respect_saved_tensors_hooks=True``
+    is passed where torch has it, unless you pass that keyword yourself.
+
+    Args:
+        function: the callable to checkpoint (a module, or a function of tensors).
+        offload: ``False`` (default), ``True``, a :class:`~ckpt_offload.OffloadOptions`, or a
+            dict of its options (``{"devices": ["cpu"], "min_bytes": 0}``). When on, the tensors the
+            checkpoint keeps for backward (its inputs) live in the host pool between forward and
+            backward -- also those passed by keyword and inside lists, tuples and dicts. An input
+            shared by every layer (a rotary table, a mask) is stored once.
+        use_reentrant: ``False`` (default) or ``True`` (torch's reentrant variant, which
+            cannot offload: ``offload`` must then be off).
+
+    Example::
+
+        def block(x, *, mask):
+            return layer(x, mask)
+
+        y = co.checkpoint(block, x, mask=mask, offload=True)
+    """
+    if not callable(function):
+        raise TypeError(f"function must be callable, got {type(function).__name__}")
+    options = as_options(offload)
+    if options is not None:
+        check_offloads_something(options.devices, "co.checkpoint(offload=...)")
+    torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
+    if kwargs:
+        _check_function_keywords(function, kwargs)
+    return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)
+
+
+_OUR_KEYWORDS = ("offload", "use_reentrant", *TORCH_KEYWORDS)
+
+
+def _named_parameters(function) -> set | None:
+    """The keyword names ``function`` declares (a module: its forward's), or None when its
+    signature cannot be read (a builtin)."""
+    try:
+        params = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def _check_function_keywords(function, kwargs: dict) -> None:
+    """co.checkpoint passes unknown keywords on to ``function``; one that ``function`` does not
+    declare and that looks like a keyword of co.checkpoint (a typo: ``offlaod=True``) or is a
+    co.offload option is far more likely a mistake than an argument for ``function`` (silently
+    passed on it would turn offload off, or fail inside the function with an unrelated error)."""
+    suspects = {k: closest(k, _OUR_KEYWORDS) for k in kwargs if k in OFFLOAD_KEYS or closest(k, _OUR_KEYWORDS)}
+    if not suspects:
+        return
+    declared = _named_parameters(function)
+    for k, near in suspects.items():
+        if declared is not None and k in declared:
+            continue
+        name = getattr(function, "__name__", type(function).__name__)
+        if k in OFFLOAD_KEYS:
+            raise TypeError(
+                f"co.checkpoint: {k}= is a co.offload option, which {name} does not take; pass it inside "
+                f"offload={{...}}, e.g. co.checkpoint(f, x, offload={{{k!r}: ...}})"
+            )
+        raise TypeError(
+            f"co.checkpoint: unknown keyword {k}= (did you mean {near}=?). {name} does not declare it, so "
+            f"it would be passed on to {name}. co.checkpoint's own keywords: {', '.join(_OUR_KEYWORDS)}. "
+            f"To pass {k}= to the function, declare it in its signature or bind it with functools.partial."
+        )
+
+
+def checkpoint_sequential(functions, segments, input, offload=False, use_reentrant: bool | None = None,
+                          **kwargs):
+    """Like ``torch.utils.checkpoint.checkpoint_sequential``: splits ``functions`` (an
+    ``nn.Sequential`` or a list of modules/functions run one after another) into ``segments``
+    chunks, checkpoints every chunk but the last, and returns the output. ``segments="sqrt"`` is
+    Chen et al.'s rule: round(sqrt(n)) chunks for n functions. ``offload`` and the checkpoint
+    keywords are as in :func:`checkpoint`.
+
+    Example::
+
+        out = co.checkpoint_sequential(model.layers, 4, x, offload=True)
+        out = co.checkpoint_sequential(model.layers, "sqrt", x)
+    """
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    try:
+        functions = list(functions)
+    except TypeError:
+        raise TypeError(f"functions must be an nn.Sequential or a list of callables, got {type(functions).__name__}") \
+            from None
+    if not functions:
+        raise ValueError("functions is empty")
+    for i, f in enumerate(functions):
+        if not callable(f):
+            raise TypeError(f"functions[{i}] is not callable ({type(f).__name__})")
+    if segments == "sqrt":
+        segments = max(1, round(math.sqrt(len(functions))))
+    elif isinstance(segments, str):
+        raise ValueError(f"segments must be an int >= 1 or 'sqrt', got {segments!r}")
+    check_int("segments", segments, minimum=1)
+    if segments > len(functions):
+        raise ValueError(f"segments ({segments}) cannot exceed the number of functions ({len(functions)})")
+
+    def run_range(start, end):
+        def forward(x):
+            for j in range(start, end + 1):
+                x = functions[j](x)
+            return x
+
+        return forward
+
+    size = len(functions) // segments
+    end = -1
+    for start in range(0, size * (segments - 1), size):
+        end = start + size - 1
+        input = checkpoint(run_range(start, end), input, offload=offload, use_reentrant=use_reentrant, **kwargs)
+    return run_range(end + 1, len(functions) - 1)(input)

@@ -1,0 +1,263 @@
+"""The offload options: one set, :class:`OffloadOptions`, that every route takes.
+
+``co.offload(min_bytes=..., ...)``, ``co.checkpoint(f, x, offload={...})``, ``co.apply``,
+``co.hf.enable``, ``co.hf.OffloadCallback(**options)`` and ``co.plan`` all build (or take) an
+:class:`OffloadOptions`: its fields are the option list, its defaults the defaults, its checks the
+checks (each error names the option), and :meth:`OffloadOptions.packer_kwargs` what the native
+packer receives. Keyword arguments and ``offload={...}`` dicts are spellings of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ckpt_offload._args import check_bytes, check_choice, closest, device_types
+from ckpt_offload._runtime import cuda_compiled, default_devices, usable_device_types
+from ckpt_offload._warn import warn_at_user_line
+from ckpt_offload.pool import HostPool
+
+__all__ = ["OffloadOptions", "as_options", "OFFLOAD_KEYS", "DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH_BYTES",
+           "DEFAULT_BATCH_BYTES", "STREAM_MODES", "STORE_DTYPES", "ON_FULL_POLICIES"]
+
+#: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
+#: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
+#: copy launch plus an event; see README "Choosing min_bytes" for how this was chosen.
+DEFAULT_MIN_BYTES = 256 * 1024
+#: The most bytes of prefetched (reloaded ahead of need, not yet used) tensors the default,
+#: automatic window may hold on the device: by default the window is about one block of the
+#: model (see ``prefetch_bytes`` in :class:`~ckpt_offload.offload.offload`), and never more than this.
+DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
+#: Size of the blocks that batched small tensors are gathered into (``batch_below``).
+DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
+STREAM_MODES = ("side", "compute")
+#: The narrower formats ``store_dtype`` accepts (besides None: exact storage).
+STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+ON_FULL_POLICIES = ("keep", "raise")
+
+
+def check_offloads_something(devices, route: str) -> None:
+    """Warns at the user's line (once per call site) when ``devices`` (a co.offload ``devices``
+    argument; None: the default) selects no device that has tensors here. ``route`` names the
+    API the user called, e.g. ``"co.apply(offload=...)"``."""
+    if devices is None:
+        types = ["cuda"] if "cuda" in usable_device_types() else []
+    else:
+        try:
+            types = device_types("devices", devices)
+        except (TypeError, ValueError):
+            return  # the context raises its own clear error
+    if any(t in usable_device_types() for t in types):
+        return
+    asked = "devices=None (the default: the GPU)" if devices is None else f"devices={list(types)}"
+    warn_at_user_line(
+        f"{route}: {asked} selects no device with tensors here (no usable CUDA GPU: "
+        f"torch.cuda.is_available()={torch.cuda.is_available()}, ckpt_offload cuda_compiled={cuda_compiled()}), "
+        "so nothing is offloaded: every saved tensor stays where it is (kept_by_reason['device']). "
+        "To offload CPU tensors into the host pool pass devices=['cpu'] "
+        "(co.offload(devices=['cpu']), or offload={'devices': ['cpu']}).",
+        key=route,
+    )
+
+
+#: The byte-valued options of co.offload and how each is bounded: each takes an int or a size
+#: string such as ``"512KiB"`` (ckpt_offload._args.parse_bytes).
+BYTE_OPTIONS = {"min_bytes": {}, "prefetch_bytes": {"allow_none": True}, "batch_below": {},
+                "batch_bytes": {"minimum": 1}, "store_min_bytes": {}}
+
+
+def check_not_devices(name: str, value) -> None:
+    """``co.offload("cpu")`` puts a device where the first positional argument, ``min_bytes``,
+    goes: say so, instead of only that an int was expected."""
+    items = [value] if isinstance(value, (str, torch.device)) else value
+    if not isinstance(items, (list, tuple, set, frozenset)) or not items:
+        return
+    try:
+        types = device_types(name, items)
+    except (TypeError, ValueError):
+        return  # not devices: the size check's own message
+    raise TypeError(
+        f"{name} must be an int (bytes), got {value!r}, which names a device: co.offload's first positional "
+        f"argument is min_bytes. To choose what is offloaded pass devices=, e.g. co.offload(devices={types!r})"
+    )
+
+
+def check_store_dtype(store_dtype) -> str:
+    """Checks ``store_dtype`` and returns the engine's name for it (``""`` for None: exact).
+
+    Example::
+
+        check_store_dtype(torch.bfloat16)   # -> "bfloat16"
+        check_store_dtype(torch.int8)       # ValueError: store_dtype must be None or one of ...
+    """
+    if store_dtype is None:
+        return ""
+    accepted = "None (exact), " + ", ".join(str(d) for d in STORE_DTYPES)
+    if not isinstance(store_dtype, torch.dtype):
+        raise TypeError(f"store_dtype must be None or a torch.dtype ({accepted}), got {type(store_dtype).__name__}")
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store_dtype must be None or one of {accepted}; got {store_dtype}")
+    return str(store_dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """The options of an offload: what is offloaded, where to, and how it is copied.
+
+    The fields are :class:`~ckpt_offload.offload`'s arguments (its docstring says what each does);
+    sizes may be given as strings (``"64KiB"``) and are stored as ints, ``devices`` as a sorted
+    tuple of device types. Bad values raise when the options are made, naming the option. Frozen
+    and hashable: equal options share one offload context per handle.
+
+    Example::
+
+        opts = co.OffloadOptions(devices=["cpu"], min_bytes="64KiB")
+        opts.min_bytes                      # 65536
+        with co.offload(opts):              # the same as co.offload(devices=["cpu"], min_bytes="64KiB")
+            ...
+        co.apply(model, offload=opts)       # every route takes it, as it takes a dict of the same keys
+        opts.replace(stream="compute")      # a changed copy
+    """
+
+    min_bytes: int = DEFAULT_MIN_BYTES
+    stream: str = "side"
+    devices: tuple | None = None
+    pool: HostPool | None = None
+    on_full: str = "keep"
+    prefetch_bytes: int | None = None
+    batch_below: int = 0
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    store_dtype: torch.dtype | None = None
+    store_min_bytes: int = 0
+    measure_error: bool = False
+
+    def __post_init__(self):
+        put = object.__setattr__  # frozen: the checks normalize in place, once
+        check_not_devices("min_bytes", self.min_bytes)  # co.offload("cpu"): say a device was meant
+        for name, bounds in BYTE_OPTIONS.items():
+            put(self, name, check_bytes(name, getattr(self, name), **bounds))
+        check_choice("stream", self.stream, STREAM_MODES)
+        check_choice("on_full", self.on_full, ON_FULL_POLICIES)
+        if self.batch_below > self.batch_bytes:
+            raise ValueError(
+                f"batch_below ({self.batch_below}) must not exceed batch_bytes ({self.batch_bytes}): a batched "
+                "tensor has to fit in a batch block; raise batch_bytes or lower batch_below"
+            )
+        check_store_dtype(self.store_dtype)
+        if not isinstance(self.measure_error, bool):
+            raise TypeError(f"measure_error must be True or False, got {type(self.measure_error).__name__}")
+        if self.pool is not None and not isinstance(self.pool, HostPool):
+            raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(self.pool).__name__}")
+        if self.devices is not None:
+            types = device_types("devices", self.devices)
+            if "cuda" in types and not cuda_compiled():
+                raise ValueError(
+                    "devices includes 'cuda' but this ckpt_offload build has no CUDA "
+                    "(co.build_info()['cuda_compiled'] is False). Reinstall with a CUDA build of torch and nvcc "
+                    "(CKPT_OFFLOAD_CUDA=1 pip install --no-build-isolation .), or pass devices=['cpu']."
+                )
+            put(self, "devices", tuple(sorted(set(types))))
+
+    @property
+    def device_types(self) -> tuple:
+        """The device types offloaded: ``devices``, or for ``None`` the accelerator in use
+        (``("cuda",)`` with a usable GPU, ``()`` without one)."""
+        return self.devices if self.devices is not None else tuple(default_devices())
+
+    def replace(self, **changes) -> "OffloadOptions":
+        """A copy with ``changes`` (checked like the original). Example: ``opts.replace(min_bytes=0)``."""
+        unknown = sorted(set(changes) - set(OFFLOAD_KEYS))
+        if unknown:
+            raise TypeError(_unknown_message("OffloadOptions.replace", unknown))
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The options that differ from the defaults, as a dict ``offload={...}`` accepts."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+    def packer_kwargs(self) -> dict:
+        """What the native packer receives (its argument list, the one at the C++ boundary); the
+        pool is resolved by the caller."""
+        types = self.device_types
+        return dict(
+            min_bytes=self.min_bytes,
+            offload_cpu="cpu" in types,
+            offload_cuda="cuda" in types,
+            side_stream=self.stream == "side",
+            raise_on_full=self.on_full == "raise",
+            # None: a window that follows the model, capped (Note [Prefetch window]).
+            prefetch_bytes=DEFAULT_PREFETCH_BYTES if self.prefetch_bytes is None else self.prefetch_bytes,
+            prefetch_auto=self.prefetch_bytes is None,
+            batch_below=self.batch_below,
+            batch_bytes=self.batch_bytes,
+            store_dtype=check_store_dtype(self.store_dtype),
+            store_min_bytes=self.store_min_bytes,
+            measure_error=self.measure_error,
+        )
+
+    def __repr__(self) -> str:
+        given = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"OffloadOptions({given})"
+
+
+#: The option names, in the order of :class:`OffloadOptions`' fields.
+OFFLOAD_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
+#: How many of them ``co.offload`` takes by position (the rest are keyword-only).
+POSITIONAL_KEYS = OFFLOAD_KEYS[:8]
+
+
+def _unknown_message(route: str, unknown) -> str:
+    hints = [f"{k!r} (did you mean {closest(k, OFFLOAD_KEYS)!r}?)" if closest(k, OFFLOAD_KEYS) else repr(k)
+             for k in unknown]
+    return f"{route}: unknown co.offload option(s) {', '.join(hints)}; allowed: {list(OFFLOAD_KEYS)}"
+
+
+def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
+    """The options of a call such as ``co.offload(0, "side", devices=["cpu"])``: positional
+    arguments in field order (the first eight), keywords by name, or one :class:`OffloadOptions`."""
+    if len(args) == 1 and isinstance(args[0], OffloadOptions):
+        if kwargs:
+            return args[0].replace(**kwargs)
+        return args[0]
+    if len(args) > len(POSITIONAL_KEYS):
+        raise TypeError(f"{route} takes at most {len(POSITIONAL_KEYS)} positional options "
+                        f"({', '.join(POSITIONAL_KEYS)}), got {len(args)}; pass the others by keyword")
+    unknown = sorted(set(kwargs) - set(OFFLOAD_KEYS))
+    if unknown:
+        raise TypeError(_unknown_message(route, unknown))
+    twice = [k for k in POSITIONAL_KEYS[:len(args)] if k in kwargs]
+    if twice:
+        raise TypeError(f"{route} got {twice[0]} both by position and by keyword")
+    return OffloadOptions(**dict(zip(POSITIONAL_KEYS, args)), **kwargs)
+
+
+def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
+    """An ``offload=`` argument as options: ``False``/``None`` -> None (off), ``True`` -> the
+    defaults, a dict of option names -> those, an :class:`OffloadOptions` -> itself. Errors name
+    ``name`` and the option.
+
+    Example::
+
+        as_options({"devices": {"cpu"}, "min_bytes": "64KiB"})   # OffloadOptions(min_bytes=65536, devices=('cpu',))
+        as_options(True)                                         # OffloadOptions()
+    """
+    if offload is None or offload is False:
+        return None
+    if offload is True:
+        return OffloadOptions()
+    if isinstance(offload, OffloadOptions):
+        return offload
+    if isinstance(offload, dict):
+        unknown = sorted(set(offload) - set(OFFLOAD_KEYS), key=repr)
+        if unknown:
+            raise TypeError(_unknown_message(name, [str(k) for k in unknown]))
+        try:
+            return OffloadOptions(**offload)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
+    raise TypeError(
+        f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}) "
+        f"or a co.OffloadOptions; got {type(offload).__name__}"
+    )
