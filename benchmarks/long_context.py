@@ -88,6 +88,7 @@ from _package import ROOT, co, positive_int_list, save_report
 from llama_decoder import DecoderConfig, LlamaDecoder, random_tokens, rotary_tables
 from overlap_measure import raw_copy_bandwidth
 from overlap_strategies import SaveCounter, hf_checkpoint_fn
+from ckpt_offload.planner.simulator import singles  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -297,8 +298,8 @@ def plan_arm(model, tokens, chunk, device, plan_cache) -> Arm:
     first = co.plan(model, step, budget=1 << 62, pool=pool, **extra)
     cm = first.costs
     n = len(model.layers)
-    ck = co.planner.simulate(cm, co.planner.singles(["recompute"] * n)).peak_bytes
-    ck_off = co.planner.simulate(cm, co.planner.singles(["recompute_offload"] * n)).peak_bytes
+    ck = co.planner.simulate(cm, singles(["recompute"] * n)).peak_bytes
+    ck_off = co.planner.simulate(cm, singles(["recompute_offload"] * n)).peak_bytes
     budget = int((ck + ck_off) // 2)
     try:
         plan = co.plan(model, step, budget=budget, pool=pool, costs=cm, **extra)

@@ -45,7 +45,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
-from ckpt_offload.planner import InfeasibleBudget, simulate, singles  # noqa: E402
+from ckpt_offload.planner import InfeasibleBudget, simulate  # noqa: E402
+from ckpt_offload.planner.simulator import singles  # noqa: E402
 from ckpt_offload.planner.apply import apply_units  # noqa: E402
 from ckpt_offload.cli.plan import _measure, builtin_model  # noqa: E402
 from ckpt_offload.planner.solver import _prefetch_options, chen_units, evaluate, first_k_units, rotor  # noqa: E402

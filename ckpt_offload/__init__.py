@@ -91,7 +91,7 @@ def __getattr__(name):
         globals()["hf"] = module
         return module
     if name == "Profile":  # deprecated alias of ProfileReport (it warns)
-        from ckpt_offload import profiling
+        import ckpt_offload.profiling as profiling
 
         return profiling.__getattr__(name)
     raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_offload import _torch_compat
+from ckpt_offload._torch_compat import build_config
 from ckpt_offload._runtime import _C, cuda_compiled, gpu_usable
 from ckpt_offload._version import __version__
 from ckpt_offload.options import DEFAULT_MIN_BYTES
@@ -31,7 +31,7 @@ def build_info() -> dict:
         True
     """
     cuda = cuda_compiled()
-    config = _torch_compat.build_config()
+    config = build_config()
     return {
         "version": __version__,
         "cuda_compiled": cuda,

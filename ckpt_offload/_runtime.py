@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from ckpt_offload import _torch_compat
+from ckpt_offload._torch_compat import check as _check_torch
 
 # Before _C is loaded: under another torch release loading it can fail inside the dynamic loader
 # with an undefined-symbol error that names no version; this says which torch it needs instead.
-_torch_compat.check(torch)
+_check_torch(torch)
 try:
-    from ckpt_offload import _C
+    import ckpt_offload._C as _C
 except ImportError as e:  # pragma: no cover - explained to the user
     raise ImportError(
         f"ckpt_offload's native extension could not be loaded ({e}). Build it with "

@@ -80,7 +80,7 @@ def rebuild_command() -> str:
 def build_config():
     """The ``_build_config`` module setup.py wrote, or None for a build made without setup.py."""
     try:
-        from ckpt_offload import _build_config
+        import ckpt_offload._build_config as _build_config
     except ImportError:
         return None
     return _build_config

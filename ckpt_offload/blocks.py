@@ -84,6 +84,10 @@ _StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", 
 _FastRange = getattr(torch._C._profiler, "_RecordFunctionFast", None)
 
 
+#: The profiler range a plan's recomputes run in (the planner's measurement reads it).
+RECOMPUTE_RANGE = "ckpt_offload::recompute"
+
+
 def _range(name):
     return _FastRange(name) if _FastRange is not None else record_function(name)
 
@@ -95,7 +99,7 @@ def _ranged(fn):
     def run(*args, **kwargs):
         if not _in_backward():
             return fn(*args, **kwargs)
-        with _range("ckpt_offload::recompute"):
+        with _range(RECOMPUTE_RANGE):
             try:
                 return fn(*args, **kwargs)
             except _StopRecomputation as e:

@@ -27,7 +27,7 @@ __all__ = ["OffloadOptions", "as_options", "OFFLOAD_KEYS", "DEFAULT_MIN_BYTES", 
 DEFAULT_MIN_BYTES = 256 * 1024
 #: The most bytes of prefetched (reloaded ahead of need, not yet used) tensors the default,
 #: automatic window may hold on the device: by default the window is about one block of the
-#: model (see ``prefetch_bytes`` in :class:`~ckpt_offload.offload.offload`), and never more than this.
+#: model (see ``prefetch_bytes`` in :class:`~ckpt_offload.offload`), and never more than this.
 DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024

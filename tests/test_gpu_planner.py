@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import ckpt_offload as co
-from ckpt_offload.planner import Bandwidth, Unit, measure_costs, saved_activation_peak, simulate, singles
+from ckpt_offload.planner import Bandwidth, Unit, measure_costs, saved_activation_peak, simulate
+from ckpt_offload.planner.simulator import singles
 from ckpt_offload.planner.apply import apply_units
 
 from conftest import assert_bit_identical, grads_of

@@ -28,15 +28,12 @@ from ckpt_offload.planner import (
     InfeasibleBudget,
     Storage,
     Unit,
-    chain_dp,
-    chain_exhaustive,
     measure_costs,
-    rotor,
     saved_activation_peak,
     simulate,
-    singles,
-    solve,
 )
+from ckpt_offload.planner.solver import chain_dp, chain_exhaustive, rotor, solve
+from ckpt_offload.planner.simulator import singles
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.solver import baselines, chain_cost, evaluate, first_k_units
 

@@ -399,7 +399,7 @@ def test_infeasible_minimum_equals_exhaustive_search(seed, kinds, levels):
 
     from test_planner_nested import _random_costs
 
-    from ckpt_offload.planner import solve
+    from ckpt_offload.planner.solver import solve
 
     rng = random.Random(seed)
     cm = _random_costs(rng, 5, rng.choice([0.0, 1e7, math.inf]) if "offload" in kinds else 0.0)

@@ -24,14 +24,12 @@ from ckpt_offload.planner import (
     InfeasibleBudget,
     Storage,
     Unit,
-    chain_dp,
-    chain_exhaustive,
     measure_costs,
     saved_activation_peak,
     simulate,
-    singles,
-    solve,
 )
+from ckpt_offload.planner.solver import chain_dp, chain_exhaustive, solve
+from ckpt_offload.planner.simulator import singles
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.planning import SLACK_BYTES
 from ckpt_offload.planner.nested import fronts, nested_terms, structures

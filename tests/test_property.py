@@ -565,7 +565,8 @@ _plan_options = st.fixed_dictionaries({
 @given(c=h_cases(), o=_plan_options)
 def test_random_plans_never_change_loss_gradients_or_state(c, o):
     from ckpt_offload.blocks import select_blocks as _select_blocks
-    from ckpt_offload.planner import Bandwidth, measure_costs, simulate, singles
+    from ckpt_offload.planner import Bandwidth, measure_costs, simulate
+    from ckpt_offload.planner.simulator import singles
 
     (ref_model, planned, probe), x = _h_models(c, 3)
     ref = _h_step(ref_model, x)

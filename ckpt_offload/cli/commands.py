@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ckpt_offload",
         description="ckpt_offload: offload saved activations to a host-memory pool.",
     )
-    from ckpt_offload import __version__
+    from ckpt_offload._version import __version__
 
     parser.add_argument("--version", action="version", version=f"ckpt_offload {__version__}")
     parser.epilog = "Run 'python -m ckpt_offload COMMAND --help' for a command's options and exit status."

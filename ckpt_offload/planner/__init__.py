@@ -12,18 +12,31 @@ Example::
 See docs/planner.md.
 """
 
+import importlib as _importlib
+import warnings as _warnings
+
 from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel, Storage, measure_bandwidth, measure_costs
 from ckpt_offload.planner.measure import SavedTimeline, saved_activation_peak
 from ckpt_offload.planner.planning import Plan, parse_bandwidth, parse_bytes, plan
-from ckpt_offload.planner.simulator import (
-    INNER_KINDS, KINDS, SEGMENT_KINDS, SimResult, Unit, choice_names, simulate, singles,
-)
-from ckpt_offload.planner.solver import InfeasibleBudget, baselines, chain_dp, chain_exhaustive, rotor, solve
+from ckpt_offload.planner.simulator import INNER_KINDS, KINDS, SEGMENT_KINDS, SimResult, Unit, choice_names, simulate
+from ckpt_offload.planner.solver import InfeasibleBudget
 
 __all__ = [
     "plan", "Plan", "parse_bytes", "parse_bandwidth", "Bandwidth", "BlockCost", "CostModel", "Storage",
     "measure_costs", "measure_bandwidth", "saved_activation_peak", "SavedTimeline", "KINDS", "SEGMENT_KINDS",
-    "INNER_KINDS", "choice_names",
-    "SimResult", "Unit", "simulate", "singles", "InfeasibleBudget", "baselines", "chain_dp", "chain_exhaustive",
-    "rotor", "solve",
+    "INNER_KINDS", "choice_names", "SimResult", "Unit", "simulate", "InfeasibleBudget",
 ]
+
+# The solver's and the simulator's internals were exported here in 0.1.0; they stay reachable
+# (with a DeprecationWarning) for one release, and from their modules for good.
+_MOVED = {"chain_dp": "solver", "chain_exhaustive": "solver", "rotor": "solver", "baselines": "solver",
+          "solve": "solver", "singles": "simulator"}
+
+
+def __getattr__(name):
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _warnings.warn(f"ckpt_offload.planner.{name} is deprecated (an internal of the planner) and goes in 0.3.0: "
+                   f"import it from ckpt_offload.planner.{module}", DeprecationWarning, stacklevel=2)
+    return getattr(_importlib.import_module(f"ckpt_offload.planner.{module}"), name)

@@ -28,11 +28,15 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ckpt_offload._runtime import _C
+from ckpt_offload.blocks import RECOMPUTE_RANGE
+
 __all__ = ["saved_activation_peak", "SavedTimeline"]
 
-_RELOAD_RANGES = ("ckpt_offload::reload", "ckpt_offload::prefetch", "ckpt_offload::reload_batch",
-                  "ckpt_offload::prefetch_batch")
-_RECOMPUTE = "ckpt_offload::recompute"
+# The range names are written once: the copy ranges in C++ (csrc/torch/runtime.h), the
+# recompute range where plans open it (ckpt_offload/blocks.py).
+_RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch"))
+_RECOMPUTE = RECOMPUTE_RANGE
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 
 

@@ -93,7 +93,7 @@ bool Batch::flush() {
     std::vector<std::shared_ptr<Event>> producers;
     for (auto& kv : producers_) producers.push_back(kv.second);
     producers_.clear();
-    CopyRange range("ckpt_offload::offload_batch", device_);
+    CopyRange range(copy_ranges::kOffloadBatch, device_);
     std::vector<BatchSpan> spans;
     auto sources = std::make_shared<std::vector<std::shared_ptr<void>>>();
     for (Member& m : members_) {
@@ -231,7 +231,7 @@ int64_t Batch::reload(bool prefetch) {
   std::shared_ptr<HostBuffer> host = buffer_->host();
   // A demand reload (backward waits for it) never queues behind prefetches (rule 4).
   StreamPair streams(device_, side_stream_, /*to_host=*/false, /*demand=*/!prefetch);
-  CopyRange range(prefetch ? "ckpt_offload::prefetch_batch" : "ckpt_offload::reload_batch", device_);
+  CopyRange range(prefetch ? copy_ranges::kPrefetchBatch : copy_ranges::kReloadBatch, device_);
   at::Tensor staging = staging_block(device_, block_bytes_);
   CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
   auto done = engine().reload_scatter(*host, spans, staging.defined() ? staging.data_ptr() : nullptr,

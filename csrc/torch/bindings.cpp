@@ -186,10 +186,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              o.raise_on_full = raise_on_full;
              return std::make_shared<Packer>(std::move(o));
            }),
-           py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
-           py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes") = 0,
-           py::arg("batch_below") = 0, py::arg("batch_bytes") = 4 << 20, py::arg("prefetch_auto") = false,
-           py::arg("store_dtype") = "", py::arg("store_min_bytes") = 0, py::arg("measure_error") = false)
+           // Every option by keyword, none defaulted: the defaults live once, in Python's
+           // OffloadOptions (ckpt_offload/options.py), whose packer_kwargs() fills this list.
+           py::kw_only(), py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
+           py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes"), py::arg("batch_below"),
+           py::arg("batch_bytes"), py::arg("prefetch_auto"), py::arg("store_dtype"), py::arg("store_min_bytes"),
+           py::arg("measure_error"))
       // Note [Hook entry points]: each read gives a new function object; push and compare the
       // same one.
       .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &pack_def); })
@@ -263,6 +265,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("_fail_next_prefetches") = testing.attr("fail_next_prefetches");
   m.attr("_set_batch_staging") = testing.attr("set_batch_staging");
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
+  {
+    py::dict ranges;  // the copy ranges' names, defined once in runtime.h
+    ranges["offload"] = copy_ranges::kOffload;
+    ranges["offload_batch"] = copy_ranges::kOffloadBatch;
+    ranges["reload"] = copy_ranges::kReload;
+    ranges["reload_batch"] = copy_ranges::kReloadBatch;
+    ranges["prefetch"] = copy_ranges::kPrefetch;
+    ranges["prefetch_batch"] = copy_ranges::kPrefetchBatch;
+    m.attr("COPY_RANGES") = ranges;
+  }
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;
   bind_spill(m);

@@ -223,7 +223,7 @@ int64_t OffloadedStorage::start_prefetch() {
   }
   DeviceScope scope(device_);  // Note [Stream ordering] rule 6: device A's streams and memory
   StreamPair streams(device_, /*side=*/true, /*to_host=*/false);
-  CopyRange range("ckpt_offload::prefetch", device_);
+  CopyRange range(copy_ranges::kPrefetch, device_);
   // Allocated on the compute stream, which will consume it; the copy stream waits for it.
   c10::Storage storage = device_storage(device_, pad_ + nbytes_);
   CopyTag tag{handle_, device_index(device_), /*prefetch=*/true, 1};
@@ -323,7 +323,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       throw std::logic_error("ckpt_offload: a batched saved tensor could not be reloaded");
     } else {
       consumed = waited = true;
-      CopyRange range("ckpt_offload::reload", device_);
+      CopyRange range(copy_ranges::kReload, device_);
       auto request_ev = profiler::enabled() ? streams.compute().record_timed() : nullptr;
       // Allocated on the compute stream, which consumes it: no cross-stream reuse hazard.
       c10::Storage storage = device_storage(device_, pad_ + nbytes_);

@@ -47,11 +47,14 @@ namespace ckpt_offload {
 // Nothing waits for a copy while holding any of these (event waits happen on streams, or after
 // the locks are released), and the GIL is never taken under them.
 
+// What a Packer does, set field by field by the Packer binding (bindings.cpp) from Python's
+// OffloadOptions (ckpt_offload/options.py), where the defaults are written: the zeros here only
+// keep a field from being read uninitialised.
 struct PackerOptions {
   int64_t min_bytes = 0;
   bool offload_cpu = false;
-  bool offload_cuda = true;
-  bool side_stream = true;
+  bool offload_cuda = false;
+  bool side_stream = false;
   bool raise_on_full = false;
   // Backward reloads the next handles (reverse pack order) while this many bytes of reloads
   // wait unconsumed; 0 turns prefetch off. Only with side streams.
@@ -61,7 +64,7 @@ struct PackerOptions {
   // Tensors spanning fewer bytes than this (and at least min_bytes) are gathered into shared
   // blocks of about batch_bytes, copied once; 0 turns batching off.
   int64_t batch_below = 0;
-  int64_t batch_bytes = 4 << 20;
+  int64_t batch_bytes = 0;
   // Note [Low-precision storage]: floating-point tensors wider than this format, spanning at
   // least store_min_bytes, are stored narrower; None: every byte exact. measure_error: record
   // the relative error each conversion introduces (synchronizes with the device per tensor).

@@ -90,6 +90,17 @@ class StreamPair {
   Stream* copy_;
 };
 
+// The names of the ranges around copies, written here once: Python reads them as
+// _C.COPY_RANGES (the planner's measurement tells reloaded activations by them).
+namespace copy_ranges {
+inline constexpr const char* kOffload = "ckpt_offload::offload";
+inline constexpr const char* kOffloadBatch = "ckpt_offload::offload_batch";
+inline constexpr const char* kReload = "ckpt_offload::reload";
+inline constexpr const char* kReloadBatch = "ckpt_offload::reload_batch";
+inline constexpr const char* kPrefetch = "ckpt_offload::prefetch";
+inline constexpr const char* kPrefetchBatch = "ckpt_offload::prefetch_batch";
+}  // namespace copy_ranges
+
 // A named range around the enqueueing of a copy: shows in torch.profiler traces
 // (record_function) and, on a GPU, in Nsight Systems (NVTX).
 class CopyRange {

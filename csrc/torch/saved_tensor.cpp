@@ -98,7 +98,7 @@ std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, i
                                             const CurrentStream* current, uint64_t handle, TieredRefusal* why) {
   DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
   StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
-  CopyRange range("ckpt_offload::offload", t.device());
+  CopyRange range(copy_ranges::kOffload, t.device());
   const int64_t bytes = to - from;
   // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
   auto keepalive = tracked_keepalive(t.storage(), bytes);

@@ -1,0 +1,409 @@
+"""The package's shape: no import circle, no public name hiding a module, one option list (in
+Python and at the C++ boundary), every route taking the one option set, and one block installer
+whose handles put back exactly the forward a block had."""
+
+import ast
+import copy
+import dataclasses
+import importlib
+import inspect
+import io
+import pathlib
+import pickle
+import pkgutil
+import re
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ckpt_offload as co
+from conftest import assert_bit_identical, grads_of
+from models_for_tests import Chain
+
+from ckpt_offload._runtime import _C
+from ckpt_offload._units import Unit
+from ckpt_offload.blocks import BlockForward, select_blocks
+from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options
+from ckpt_offload.planner.apply import apply_units
+
+PACKAGE = pathlib.Path(co.__file__).parent
+CPU = {"devices": ["cpu"], "min_bytes": 0}
+
+
+# --- imports ---------------------------------------------------------------------------------------
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _under_type_checking(tree) -> set:
+    """The import nodes inside ``if TYPE_CHECKING:`` blocks (they never run)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
+def import_graph() -> dict:
+    """module -> the package modules it imports when it (or a function of it) runs: the module
+    named, or for ``from P import X`` the submodule X where there is one, plus the packages
+    between (their ``__init__`` runs first), except the root package (every import runs it) and
+    the importer's own packages (they are running already)."""
+    modules = _modules()
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _under_type_checking(tree)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in found:
+                parts = target.split(".")
+                for i in range(2, len(parts) + 1):  # the packages on the way, then the module
+                    prefix = ".".join(parts[:i])
+                    # The importer's own packages are running already: not an edge.
+                    if prefix in modules and prefix != name and not (name + ".").startswith(prefix + "."):
+                        targets.add(prefix)
+        graph[name] = targets
+    return graph
+
+
+def circles(graph: dict) -> list:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_reader_sees_a_circle():
+    # The check below can fail: a two-module loop and a loop through a package's __init__.
+    assert circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    graph = import_graph()
+    assert "ckpt_offload.options" in graph["ckpt_offload.offloading"]
+    assert "ckpt_offload.planner" not in graph["ckpt_offload.planner.costs"]  # its own package is not an edge
+    # A module importing from inside a subpackage runs that subpackage's __init__ first: an edge.
+    assert "ckpt_offload.planner" in graph["ckpt_offload.cli.plan"]
+    assert "ckpt_offload.blocks" in graph["ckpt_offload.planner.apply"]
+
+
+def test_no_import_circle_in_the_package():
+    graph = import_graph()
+    assert len(graph) > 30
+    assert circles(graph) == []
+
+
+def test_lower_layers_import_nothing_above_them():
+    graph = import_graph()
+    low = {"ckpt_offload._args", "ckpt_offload._runtime", "ckpt_offload._warn", "ckpt_offload._units",
+           "ckpt_offload._version", "ckpt_offload._torch_compat"}
+    for name in low:
+        assert graph[name] <= low | {"ckpt_offload._build_config", "ckpt_offload._C"}, name
+    # The engine layers never reach the planner, the integrations or the command line.
+    for name in ("ckpt_offload.options", "ckpt_offload.offloading", "ckpt_offload.checkpointing", "ckpt_offload.blocks"):
+        reach, todo = set(), [name]
+        while todo:
+            for w in graph[todo.pop()]:
+                if w not in reach:
+                    reach.add(w)
+                    todo.append(w)
+        assert not {r for r in reach if r.startswith(("ckpt_offload.planner", "ckpt_offload.integrations",
+                                                       "ckpt_offload.cli", "ckpt_offload.demo"))}, name
+
+
+# --- names -----------------------------------------------------------------------------------------
+
+
+def _packages():
+    pytest.importorskip("transformers")  # co.hf's package imports it
+    found = [co]
+    for info in pkgutil.walk_packages(co.__path__, "ckpt_offload."):
+        if info.ispkg:
+            found.append(importlib.import_module(info.name))
+    return found
+
+
+def test_no_public_name_shadows_a_submodule():
+    checked = 0
+    for package in _packages():
+        for info in pkgutil.iter_modules(package.__path__):
+            full = f"{package.__name__}.{info.name}"
+            importlib.import_module(full)
+            got = getattr(package, info.name)
+            assert isinstance(got, types.ModuleType), f"{full} is hidden by {got!r}"
+            assert got.__name__ == full
+            checked += 1
+    assert checked > 30
+    import ckpt_offload.offloading as m  # the old spelling gave the class for ckpt_offload.offload
+
+    assert isinstance(m, types.ModuleType) and m.offload is co.offload
+    assert isinstance(co.offload, type) and callable(co.checkpoint)
+
+
+@pytest.mark.parametrize("old, new", [("ckpt_offload.offload", "ckpt_offload.offloading"),
+                                      ("ckpt_offload.checkpoint", "ckpt_offload.checkpointing"),
+                                      ("ckpt_offload.planner.plan", "ckpt_offload.planner.planning"),
+                                      ("ckpt_offload.demo.cli", "ckpt_offload.cli")])
+def test_an_old_module_path_names_the_new_one(old, new):
+    with pytest.raises(ModuleNotFoundError, match=re.escape(new)):
+        importlib.import_module(old)
+    assert isinstance(co.offload, type)  # the failed import bound nothing over the public name
+
+
+def test_public_names_are_what_all_lists():
+    for name in co.__all__:
+        assert hasattr(co, name), name
+    assert "OffloadOptions" in co.__all__ and "pinned_available" in co.__all__
+    with pytest.warns(DeprecationWarning, match="ProfileReport"):
+        assert co.Profile is co.ProfileReport
+
+
+# --- one option list -------------------------------------------------------------------------------
+
+
+def _packer_arguments() -> list:
+    """The keyword arguments the native Packer takes, read from its pybind11 signature."""
+    doc = _C.Packer.__init__.__doc__
+    m = re.search(r"__init__\(self[^,]*, \*, (.*)\) -> None", doc)
+    assert m, doc
+    return [a.split(":")[0].strip() for a in m.group(1).split(", ")]
+
+
+def test_the_option_list_is_written_once_in_python_and_once_at_the_cpp_boundary():
+    fields = [f.name for f in dataclasses.fields(OffloadOptions)]
+    assert tuple(fields) == OFFLOAD_KEYS
+    # co.offload's signature is made from the fields: same names, same defaults, same order.
+    params = inspect.signature(co.offload).parameters
+    assert [p for p in params if p != "keep_dedup"] == fields
+    for f in dataclasses.fields(OffloadOptions):
+        assert params[f.name].default == f.default, f.name
+    # The C++ boundary: every argument is keyword-only and has no default there...
+    native = _packer_arguments()
+    assert "=" not in _C.Packer.__init__.__doc__.split("\n")[0]
+    assert sorted(native) == sorted(["pool", *OffloadOptions().packer_kwargs()])
+    with pytest.raises(TypeError):
+        _C.Packer(pool=co.HostPool(pinned=False)._impl, min_bytes=0)  # nothing is filled in for you
+    # ...and what Python hands it covers every field (a new field must reach the engine).
+    kwargs = OffloadOptions(**CPU).packer_kwargs()
+    assert kwargs["offload_cpu"] and not kwargs["offload_cuda"] and kwargs["min_bytes"] == 0
+
+
+def test_every_spelling_of_the_options_is_one_value():
+    a = OffloadOptions(devices={"cpu"}, min_bytes="64KiB", batch_below="16KiB")
+    b = as_options({"devices": ["cpu"], "min_bytes": 65536, "batch_below": 16384})
+    c = co.offload(devices=("cpu",), min_bytes=64 * 1024, batch_below="16 KiB").options
+    d = co.offload(65536, "side", ["cpu"], batch_below=16384).options
+    assert a == b == c == d and hash(a) == hash(b)
+    assert a.min_bytes == 65536 and a.devices == ("cpu",)
+    assert a.to_dict() == {"min_bytes": 65536, "devices": ("cpu",), "batch_below": 16384}
+    assert as_options(a.to_dict()) == a and as_options(True) == OffloadOptions() and as_options(False) is None
+    assert co.offload(a).options is a
+    assert a.replace(stream="compute").stream == "compute" and a.stream == "side"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.min_bytes = 0
+    assert "min_bytes=65536" in repr(a) and "stream" not in repr(a)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: OffloadOptions(stream="gpu"), ValueError, "stream must be one of"),
+    (lambda: OffloadOptions(min_bytes=-1), ValueError, "min_bytes must be >= 0"),
+    (lambda: OffloadOptions(batch_below=2 << 20, batch_bytes=1 << 20), ValueError, "batch_below .* must not exceed"),
+    (lambda: OffloadOptions(store_dtype=torch.int8), ValueError, "store_dtype must be None or one of"),
+    (lambda: OffloadOptions(pool="pool"), TypeError, "pool must be a ckpt_offload.HostPool"),
+    (lambda: OffloadOptions(min_bytes="cpu"), TypeError, "names a device"),
+    (lambda: co.offload(mni_bytes=0), TypeError, r"unknown co.offload option\(s\) 'mni_bytes' \(did you mean 'min_bytes'\?\)"),
+    (lambda: co.offload(0, "side", None, None, "keep", None, 0, 1 << 20, None), TypeError, "at most 8 positional"),
+    (lambda: co.offload(0, min_bytes=0), TypeError, "min_bytes both by position and by keyword"),
+    (lambda: as_options({"strem": "side"}), TypeError, r"offload: unknown co.offload option\(s\) 'strem' \(did you mean 'stream'\?\)"),
+    (lambda: as_options({"stream": "gpu"}, name="co.apply(offload=...)"), ValueError, r"co.apply\(offload=...\): stream must be"),
+    (lambda: OffloadOptions().replace(bogus=1), TypeError, r"OffloadOptions.replace: unknown co.offload option"),
+])
+def test_bad_options_name_the_option(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def _chain_grads(route):
+    torch.manual_seed(0)
+    model = Chain(n=4, width=64)
+    x = torch.randn(8, 64, requires_grad=True)
+    stats = route(model, x)
+    return grads_of(model), stats
+
+
+def test_every_route_takes_the_option_set():
+    opts = OffloadOptions(**CPU)
+    expected, _ = _chain_grads(lambda m, x: m(x).sum().backward())
+
+    def via_offload(m, x):
+        with co.offload(opts) as ctx:
+            loss = m(x).sum()
+        loss.backward()
+        return ctx.stats()
+
+    def via_checkpoint(m, x):
+        h = x
+        for layer in m.layers:
+            h = co.checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), h, offload=opts)
+        h.sum().backward()
+        return None
+
+    def via_apply(m, x):
+        handle = co.apply(m, offload=opts)
+        m(x).sum().backward()
+        stats = handle.stats()
+        handle.remove()
+        return stats
+
+    for route in (via_offload, via_checkpoint, via_apply):
+        got, stats = _chain_grads(route)
+        assert_bit_identical(expected, got)
+        if stats is not None:
+            assert stats["tensors_offloaded"] > 0, route.__name__
+
+
+def test_the_trainer_callback_takes_the_option_set():
+    hf = pytest.importorskip("ckpt_offload.integrations.hf")
+    callback = hf.OffloadCallback(**OffloadOptions(**CPU).to_dict())
+    assert callback.context.options == OffloadOptions(**CPU)
+    with pytest.raises(TypeError, match="did you mean 'min_bytes'"):
+        hf.OffloadCallback(min_byte=0)
+
+
+# --- one block installer ---------------------------------------------------------------------------
+
+
+class _Doubling(nn.Module):
+    def __init__(self, width=32):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x, scale=1.0):
+        return torch.tanh(self.lin(x)) * scale
+
+
+class _Stack(nn.Module):
+    def __init__(self, n=6, width=32):
+        super().__init__()
+        self.layers = nn.ModuleList(_Doubling(width) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _instance_forward(block):
+    """A forward set on the instance (as a library that patches modules would)."""
+    def forward(x, scale=1.0):
+        return type(block).forward(block, x, scale) + 0.0
+    return forward
+
+
+def _units():
+    return [Unit(0, 0, "offload"), Unit(1, 1, "recompute"), Unit(2, 3, "recompute_offload"),
+            Unit(4, 4, "recompute_offload"), Unit(5, 5, "keep")]
+
+
+def test_a_plan_handle_puts_back_the_forward_each_block_had():
+    model = _Stack()
+    patched = _instance_forward(model.layers[2])
+    model.layers[2].forward = patched  # an instance-level forward before the plan
+    before = {i: m.__dict__.get("forward") for i, m in enumerate(model.layers)}
+    handle = apply_units(model, select_blocks(model, None), _units(), CPU)
+    assert handle.kinds == ["offload", "recompute", "recompute_offload_segment", "recompute_offload_segment",
+                            "recompute_offload"]
+    assert all(isinstance(m.__dict__["forward"], BlockForward) for m in list(model.layers)[:5])
+    x = torch.randn(4, 32, requires_grad=True)
+    model(x).sum().backward()
+    assert handle.stats()["tensors_offloaded"] > 0
+    handle.remove()
+    after = {i: m.__dict__.get("forward") for i, m in enumerate(model.layers)}
+    assert after == before and after[2] is patched  # the patched forward is back, not deleted
+    assert not any("_ckpt_offload_wrapped" in m.__dict__ for m in model.layers)
+    assert "_ckpt_offload_handle" not in model.__dict__
+
+
+def test_co_apply_and_plans_share_the_guard_and_the_handle():
+    model = _Stack()
+    handle = co.apply(model, offload=CPU)
+    with pytest.raises(RuntimeError, match="already applied"):
+        apply_units(model, select_blocks(model, None), _units(), CPU)
+    with pytest.raises(RuntimeError, match="already applied"):
+        co.apply(model)
+    assert type(handle) is co.CheckpointHandle and handle.kinds == ["recompute_offload"] * 6
+    handle.remove()
+    plan_handle = apply_units(model, select_blocks(model, None), _units(), CPU)
+    assert type(plan_handle) is co.CheckpointHandle
+    plan_handle.remove()
+
+
+def test_a_planned_model_survives_deepcopy_and_pickle():
+    torch.manual_seed(0)
+    model = _Stack()
+    plain = copy.deepcopy(model)  # the same weights, never wrapped
+    x = torch.randn(4, 32)
+    apply_units(model, select_blocks(model, None), _units(), CPU)
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    pickled = pickle.loads(pickle.dumps(model))
+    plain(x).sum().backward()
+    expected = grads_of(plain)
+    for other in (model, twin, loaded, pickled):
+        for m in list(other.layers)[:5]:
+            wrapper = m.__dict__["forward"]
+            assert isinstance(wrapper, BlockForward) and wrapper.block is m  # its own block, not the original's
+        other(x).sum().backward()
+        assert_bit_identical(expected, grads_of(other))
+        assert other._ckpt_offload_handle.stats()["tensors_offloaded"] > 0  # counts of its own
+        other._ckpt_offload_handle.remove()
