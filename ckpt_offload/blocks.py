@@ -21,6 +21,7 @@ temporaries.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -46,7 +47,7 @@ from ckpt_offload.checkpointing import (
 )
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["apply", "CheckpointHandle", "BlockForward", "install_units", "select_blocks", "check_not_applied",
+__all__ = ["apply", "CheckpointHandle", "BlockForward", "InContext", "install_units", "select_blocks", "check_not_applied",
            "selective_policy", "SELECTIVE_SAVE_OPS", "running_stats"]
 
 # What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
@@ -164,6 +165,21 @@ class _Offload:
         return f"offloaded, {self.options!r}"
 
 
+class InContext:
+    """The whole forward inside one offload context the caller owns (``co.hf.OffloadCallback``
+    wraps a model's forward with it: offload without recompute)."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def __call__(self, forward, args, kwargs):
+        with self.context:
+            return forward(*args, **kwargs)
+
+    def describe(self) -> str:
+        return f"inside {self.context!r}"
+
+
 class _SegmentFirst:
     """The first block of a segment: runs the whole segment inside one checkpoint."""
 
@@ -236,6 +252,11 @@ class BlockForward:
         if self.original is not None:
             return self.original
         return type(self.block).forward.__get__(self.block)
+
+    @property
+    def __signature__(self):
+        # The block's own signature (Trainer reads model.forward's to drop unused dataset columns).
+        return inspect.signature(self.own_forward())
 
     def __call__(self, *args, **kwargs):
         forward = self.own_forward()
@@ -568,7 +589,12 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
 
 def _segment_units(n: int, segments) -> list:
     """``co.apply(segments=...)``: ``"sqrt"`` -> round(sqrt(n)) runs of consecutive blocks (Chen et
-    al.), an int k -> k runs; as the starts and ends of units."""
+    al.), an int k -> exactly k runs; as (start, end) pairs.
+
+    Example::
+
+        _segment_units(9, 6)   # [(0, 1), (2, 3), (4, 5), (6, 6), (7, 7), (8, 8)]
+    """
     if segments == "sqrt":
         k = max(1, round(math.sqrt(n)))
     elif isinstance(segments, str):
@@ -577,8 +603,14 @@ def _segment_units(n: int, segments) -> list:
         k = check_int("segments", segments, minimum=1)
         if k > n:
             raise ValueError(f"segments ({k}) cannot exceed the number of blocks ({n})")
-    size = math.ceil(n / k)
-    return [(s, min(n, s + size) - 1) for s in range(0, n, size)]
+    # k runs whose lengths differ by at most one, the longer ones first (a ceil(n / k) step would
+    # give fewer than k runs: 9 blocks in 6 segments would be 5 runs of 2, 2, 2, 2, 1).
+    out, start = [], 0
+    for i in range(k):
+        length = n // k + (1 if i < n % k else 0)
+        out.append((start, start + length - 1))
+        start += length
+    return out
 
 
 # --- choosing the blocks, and co.apply ----------------------------------------------------------

@@ -407,3 +407,42 @@ def test_a_planned_model_survives_deepcopy_and_pickle():
         assert_bit_identical(expected, grads_of(other))
         assert other._ckpt_offload_handle.stats()["tensors_offloaded"] > 0  # counts of its own
         other._ckpt_offload_handle.remove()
+
+
+def test_co_apply_segments_makes_exactly_the_segments_asked_for():
+    from ckpt_offload.blocks import _segment_units
+
+    assert _segment_units(9, 6) == [(0, 1), (2, 3), (4, 5), (6, 6), (7, 7), (8, 8)]
+    assert _segment_units(3, 2) == [(0, 1), (2, 2)]
+    assert _segment_units(9, "sqrt") == [(0, 2), (3, 5), (6, 8)]
+    for n in range(1, 13):
+        for k in range(1, n + 1):
+            runs = _segment_units(n, k)
+            assert len(runs) == k and runs[0][0] == 0 and runs[-1][1] == n - 1
+            assert all(b[0] == a[1] + 1 for a, b in zip(runs, runs[1:]))
+            assert max(e - s for s, e in runs) - min(e - s for s, e in runs) <= 1
+    torch.manual_seed(0)
+    model = _Stack(n=9)
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 32)
+    plain(x).sum().backward()
+    handle = co.apply(model, segments=6)
+    model(x).sum().backward()
+    assert handle.kinds == ["recompute_segment"] * 6 + ["recompute"] * 3
+    assert_bit_identical(grads_of(plain), grads_of(model))
+    handle.remove()
+
+
+def test_the_offload_callback_wraps_the_model_with_the_one_installer():
+    hf = pytest.importorskip("ckpt_offload.integrations.hf")
+    model = _Stack()
+    callback = hf.OffloadCallback(**CPU)
+    callback.on_init_end(None, None, None, model=model)
+    callback.on_init_end(None, None, None, model=model)  # twice: still one wrapper
+    wrapper = model.__dict__["forward"]
+    assert isinstance(wrapper, BlockForward) and wrapper.own_forward().__func__ is _Stack.forward
+    assert list(inspect.signature(model.forward).parameters) == ["x"]  # Trainer reads it to keep columns
+    model(torch.randn(4, 32, requires_grad=True)).sum().backward()
+    assert callback.stats()["tensors_offloaded"] > 0
+    callback.remove()
+    assert "forward" not in model.__dict__ and "_ckpt_offload_wrapped" not in model.__dict__

@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-import inspect
-
-import torch
 from transformers import TrainerCallback  # co.hf, imported first, explains a missing transformers
 
 from ckpt_offload._args import check_int, check_keywords
+from ckpt_offload.blocks import BlockForward, InContext
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant
 from ckpt_offload.integrations.hf.hook import _HANDLE_ATTR, HFCheckpointHandle, _enable
 from ckpt_offload.offloading import offload as offload_context
@@ -177,25 +175,6 @@ class OffloadCheckpointCallback(TrainerCallback):
         self._log.add_to_logs(logs, state, self.handle.stats())
 
 
-class _OffloadedForward:
-    """Set as the model instance's ``forward`` by :class:`OffloadCallback`: a training forward
-    runs inside the callback's co.offload context."""
-
-    def __init__(self, callback: "OffloadCallback", model, original):
-        self.callback = callback
-        self.model = model
-        self.original = original  # the instance-level forward before, or None (the class's)
-        # Trainer reads model.forward's signature to drop unused dataset columns.
-        self.__signature__ = inspect.signature(original if original is not None else type(model).forward.__get__(model))
-
-    def __call__(self, *args, **kwargs):
-        forward = self.original if self.original is not None else type(self.model).forward.__get__(self.model)
-        if not (self.model.training and torch.is_grad_enabled()):
-            return forward(*args, **kwargs)
-        with self.callback.context:
-            return forward(*args, **kwargs)
-
-
 class OffloadCallback(TrainerCallback):
     """Trainer callback: offload without recompute. Every training forward of the Trainer's
     model runs inside ``co.offload(**options)``, so the activations it saves wait in the host
@@ -223,9 +202,14 @@ class OffloadCallback(TrainerCallback):
         self._log = _StepLog()
 
     def _install(self, model) -> None:
-        if model is None or isinstance(model.__dict__.get("forward"), _OffloadedForward):
+        if model is None:
             return
-        model.__dict__["forward"] = _OffloadedForward(self, model, model.__dict__.get("forward"))
+        wrapper = model.__dict__.get("forward")
+        if isinstance(wrapper, BlockForward) and isinstance(wrapper.run, InContext):
+            return
+        # The one forward installer co.apply uses: a training forward runs inside this context;
+        # in eval or under no_grad the model's own forward runs as is.
+        BlockForward(model, InContext(self.context)).install()
         self._model = model
 
     def remove(self) -> None:
@@ -233,11 +217,8 @@ class OffloadCallback(TrainerCallback):
         model, self._model = self._model, None
         if model is not None:
             wrapper = model.__dict__.get("forward")
-            if isinstance(wrapper, _OffloadedForward):
-                if wrapper.original is not None:
-                    model.__dict__["forward"] = wrapper.original
-                else:
-                    del model.__dict__["forward"]
+            if isinstance(wrapper, BlockForward) and isinstance(wrapper.run, InContext):
+                BlockForward.uninstall(model)
 
     def stats(self) -> dict:
         """The co.offload context's :meth:`~ckpt_offload.offload.stats`."""
