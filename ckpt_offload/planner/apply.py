@@ -288,12 +288,22 @@ class _Segment:
         return out
 
 
-def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
+def apply_units(model, named_blocks, units, offload_options, allow=frozenset(), store_dtype=None):
     """Wraps the blocks of ``named_blocks`` as ``units`` say; returns a :class:`PlanHandle`.
 
     ``offload_options`` are the co.offload options of every offload and offloaded checkpoint input;
-    ``allow``: the reasons of ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse.
+    ``allow``: the reasons of ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse;
+    ``store_dtype``: what the units with ``store=True`` store in (their options get
+    ``store_dtype=``, so they share a co.offload context of their own).
     """
+    if any(u.store for u in units):
+        if store_dtype is None:
+            raise ValueError("units store lossy (Unit.store) but no store_dtype was given")
+        lossy_options = dict(offload_options, store_dtype=store_dtype)
+
+    def options_of(u):
+        return lossy_options if u.store else offload_options
+
     existing = getattr(model, "_ckpt_offload_handle", None)
     if existing is not None and not existing.removed:
         raise RuntimeError(
@@ -321,7 +331,7 @@ def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b.forward for _, b in members], [n for n, _ in members],
-                           offload_options if u.kind == "recompute_offload" else None, u, collector,
+                           options_of(u) if u.kind == "recompute_offload" else None, u, collector,
                            blocks=[b for _, b in members], allow=frozenset(allow))
             for j, (name, block) in enumerate(members):
                 original = block.forward
@@ -339,15 +349,15 @@ def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
         original = block.forward
         kind = u.kind
 
-        def forward(*args, _orig=original, _block=block, _kind=kind, **kwargs):
+        def forward(*args, _orig=original, _block=block, _kind=kind, _options=options_of(u), **kwargs):
             if not (_block.training and torch.is_grad_enabled()):
                 return _orig(*args, **kwargs)
             if _kind == "offload":
-                return _offloaded(_orig, args, kwargs, offload_options, collector)
+                return _offloaded(_orig, args, kwargs, _options, collector)
             if _kind == "recompute":
                 return checkpoint(_ranged(_orig), *args, **kwargs)
             if _kind == "recompute_offload":
-                return _checkpoint(_ranged(_orig), args, kwargs, offload_options, collector)
+                return _checkpoint(_ranged(_orig), args, kwargs, _options, collector)
             return checkpoint(_ranged(_orig), *args, context_fn=_selective_context, **kwargs)
 
         install(block, name, kind, forward)
