@@ -123,7 +123,7 @@ def _lossy_variants(cm, units):
     out = []
     for u in units:
         out.append(u)
-        if not u.store and store_gain(cm, dataclasses.replace(u, store=True)) > 0:
+        if u.kind in STORE_KINDS and not u.store and store_gain(cm, dataclasses.replace(u, store=True)) > 0:
             out.append(dataclasses.replace(u, store=True))
     return out
 
