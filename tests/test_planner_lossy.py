@@ -26,7 +26,7 @@ from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
 # model's milliseconds of compute that every offloaded byte is still on the device, waiting for its
 # copy, when the forward ends. The conversion rate is stated, so that plans do not depend on this
 # machine's speed.
-SLOW = Bandwidth(d2h=1e6, h2d=2e9, latency=0.0, convert=2e9)
+SLOW = Bandwidth(d2h=1e5, h2d=2e9, latency=0.0, convert=2e9)
 INSTANT = Bandwidth(d2h=math.inf, h2d=2e9, latency=0.0, convert=2e9)
 OFFLOAD_ONLY = ("keep", "offload")
 

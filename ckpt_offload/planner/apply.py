@@ -348,8 +348,9 @@ def apply_units(model, named_blocks, units, offload_options, allow=frozenset(), 
         name, block = named_blocks[u.start]
         original = block.forward
         kind = u.kind
+        options = options_of(u)
 
-        def forward(*args, _orig=original, _block=block, _kind=kind, _options=options_of(u), **kwargs):
+        def forward(*args, _orig=original, _block=block, _kind=kind, _options=options, **kwargs):
             if not (_block.training and torch.is_grad_enabled()):
                 return _orig(*args, **kwargs)
             if _kind == "offload":
