@@ -11,7 +11,7 @@ import torch
 
 from ckpt_offload._args import check_bytes, check_int, device_types, parse_bytes
 from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
-from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
+from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
 __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "parse_lossy", "LOSSY_NAMES", "SLACK_BYTES"]
@@ -285,8 +285,8 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             ``"fp8_e5m2"`` -- is the tolerance you accept: each offloading choice ("offload",
             "recompute_offload", single or segment) is then also offered storing what it offloads
             in that dtype (``co.offload(store_dtype=...)``), beside the exact one, and the solver
-            takes the lossy one only where it predicts a faster step or a lower peak (on a tie the
-            exact one). A lossy choice sends fewer bytes over the link and keeps fewer on the host
+            takes a lossy one only where that makes the predicted step faster or is what brings
+            the peak under the budget (at equal time and peak, the exact one). A lossy choice sends fewer bytes over the link and keeps fewer on the host
             (half of fp32 for bf16/fp16, a quarter for fp8) at the cost of a conversion each way
             on the device and of the rounding error in the gradients of that block and of the
             blocks before it; integer, bool and already-narrow tensors stay exact. The cost model
@@ -366,16 +366,17 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
         costs.bandwidth = bw
     costs.min_bytes = min_bytes
     costs.store_dtype = store_dtype
-    if store_dtype is not None and costs.bandwidth.convert is None:
-        from ckpt_offload.planner.costs import measure_conversion
-
-        costs.bandwidth = dataclasses.replace(costs.bandwidth, convert=measure_conversion(device, store_dtype))
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
     from ckpt_offload.planner.apply import create_selective_checkpoint_contexts
 
     if create_selective_checkpoint_contexts is None:
         kinds = tuple(k for k in kinds if k != "selective")
+    if store_dtype is not None and costs.bandwidth.convert is None and any(k in STORE_KINDS for k in kinds):
+        # Measured like the link (the planner's costs are this machine's), unless stated.
+        from ckpt_offload.planner.costs import measure_conversion
+
+        costs.bandwidth = dataclasses.replace(costs.bandwidth, convert=measure_conversion(device, store_dtype))
     for (name, _), ex in zip(named, costs.excluded):
         if all(k in ex for k in kinds):
             raise ValueError(

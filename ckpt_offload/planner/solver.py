@@ -18,8 +18,9 @@ never predicted slower than any of them at the same budget.
 
 Lossy storage (``cm.store_dtype`` set, ``co.plan(..., lossy=...)``): every offloading unit
 ("offload", "recompute_offload", single or segment) that has bytes the storage dtype converts is
-offered twice, exact and with ``store=True``, to every search alike; a lossy one is chosen only
-where its predicted (time, peak) beats the exact one's (on a tie the exact plan wins).
+offered twice, exact and with ``store=True``, to every search alike; the least predicted time
+within the budget decides as for every choice, and at equal time and peak the plan with fewer
+lossy units wins, so lossy storage is used only where it makes the step faster or the peak fit.
 """
 
 from __future__ import annotations
