@@ -123,6 +123,37 @@ def test_lossy_is_not_chosen_where_it_does_not_pay(tiny):
         assert "no block gains from it" in lossy.summary()
 
 
+def _two_blocks():
+    """Block 0 saves one fp32 storage once (bf16 halves what it sends); block 1 saves one fp32
+    storage three times (three converted copies: 1.5x the exact bytes). Backward's reloads are on
+    the critical path (a slow H2D link, no prefetch), so the bytes sent are step time."""
+    from ckpt_offload.planner import BlockCost, CostModel, Storage
+
+    mb = 1 << 20
+    once = BlockCost("once", storages=[Storage(mb, 0, 0)], packs=[0], nodes=[1], pack_dtypes=["float32"],
+                     pack_spans=[mb], input_sizes=[], forward_s=1e-3, backward_s=2e-3)
+    thrice = BlockCost("thrice", storages=[Storage(mb, 0, 2)], packs=[0, 0, 0], nodes=[3, 2, 1],
+                       pack_dtypes=["float32"] * 3, pack_spans=[mb] * 3, input_sizes=[], forward_s=1e-3,
+                       backward_s=2e-3)
+    return CostModel(blocks=[once, thrice], bandwidth=Bandwidth(math.inf, 1e9, 0.0, convert=100e9), min_bytes=0)
+
+
+def test_solver_stores_lossy_only_the_blocks_that_gain():
+    from ckpt_offload.planner import solve
+
+    cm = _two_blocks()
+    budget = 7 << 18  # 1.75 MiB: not both blocks kept (2 MiB)
+    exact = solve(cm, budget, kinds=("offload",), prefetch_bytes=0)
+    assert not any(u.store for u in exact.units)
+    cm.store_dtype = torch.bfloat16
+    lossy = solve(cm, budget, kinds=("offload",), prefetch_bytes=0)
+    assert [u.store for u in lossy.units] == [True, False]
+    assert lossy.step_s < exact.step_s
+    both = simulate(cm, [Unit(0, 0, "offload", store=True), Unit(1, 1, "offload", store=True)])
+    assert both.step_s > lossy.step_s  # block 1 lossy: more bytes back over the link
+    assert both.units[1]["pool_bytes"] == 3 * (1 << 19)  # three narrow copies of one storage
+
+
 # ---- a budget only lossy storage meets ------------------------------------------------------------------
 
 

@@ -115,7 +115,11 @@ def store_gain(cm, u) -> int:
     storage dtype converts something it offloads."""
     if cm.store_dtype is None or u.kind not in STORE_KINDS:
         return 0
-    exact = _terms6(cm, dataclasses.replace(u, store=False))[4]
+    mb = cm.min_bytes
+    first = cm.blocks[u.start]
+    # what the exact unit sends (as _terms6 counts it, without walking a nesting)
+    sizes = [s.nbytes for s in first.storages] if u.kind == "offload" else first.input_sizes
+    exact = sum(n for n in sizes if n >= mb and n > 0)
     return exact - store_terms(cm, u)[0]
 
 
