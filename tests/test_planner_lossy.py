@@ -155,6 +155,65 @@ def test_solver_stores_lossy_only_the_blocks_that_gain():
     assert both.units[1]["pool_bytes"] == 3 * (1 << 19)  # three narrow copies of one storage
 
 
+def _random_costs(seed, n):
+    import random
+
+    from ckpt_offload.planner import BlockCost, CostModel, Storage
+
+    rng = random.Random(seed)
+    blocks = []
+    for i in range(n):
+        sizes = [rng.randint(1, 64) * 4000 for _ in range(rng.randint(1, 4))]
+        dtypes = [rng.choice(["float32", "float32", "int64", "bfloat16"]) for _ in sizes]
+        saves = [rng.choice([1, 1, 2]) for _ in sizes]  # some storages saved twice
+        packs = [j for j, k in enumerate(saves) for _ in range(k)]
+        storages = [Storage(sz, packs.index(j), len(packs) - 1 - packs[::-1].index(j), is_input=(j == 0))
+                    for j, sz in enumerate(sizes)]
+        blocks.append(BlockCost(
+            name=f"b{i}", storages=storages, packs=packs, nodes=list(range(len(packs), 0, -1)),
+            pack_dtypes=[dtypes[j] for j in packs], pack_spans=[sizes[j] for j in packs],
+            input_sizes=[sizes[0]], input_dtypes=[dtypes[0]], input_spans=[sizes[0]],
+            forward_s=rng.uniform(1e-4, 1e-2), backward_s=rng.uniform(2e-4, 2e-2)))
+    bw = rng.choice([1e7, 1e8, 1e9])
+    return CostModel(blocks=blocks, bandwidth=Bandwidth(bw, bw, 1e-5, convert=rng.choice([1e9, 1e10])),
+                     min_bytes=0, pre_s=1e-3, mid_s=1e-3, post_s=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lossy_plan_never_slower_than_the_exact_one(seed):
+    from ckpt_offload.planner import solve
+    from ckpt_offload.planner.solver import chain_cost
+
+    cm = _random_costs(seed, 6)
+    full = chain_cost(cm, [Unit(i, i, "keep") for i in range(6)], 0)[0]
+    for fraction in (0.5, 0.8):
+        try:
+            exact = solve(cm, int(full * fraction), levels=1)
+        except InfeasibleBudget:
+            continue
+        cm.store_dtype = torch.bfloat16
+        try:
+            lossy = solve(cm, int(full * fraction), levels=1)
+        finally:
+            cm.store_dtype = None
+        assert lossy.key()[:2] <= exact.key()[:2], (fraction, exact, lossy)
+
+
+def test_lossy_plan_not_slower_on_an_11_block_chain():
+    # The lossy search is the exact one with more choices, pruned the same way: here it returned a
+    # plan 3% slower than the exact search's (0.2083 s against 0.2024 s predicted) until the exact
+    # answer became one of its candidates. Seconds of CPU: the solver at levels=2, three times.
+    from ckpt_offload.planner import solve
+    from ckpt_offload.planner.solver import chain_cost
+
+    cm = _random_costs(4, 11)
+    budget = int(chain_cost(cm, [Unit(i, i, "keep") for i in range(11)], 0)[0] * 0.3)
+    exact = solve(cm, budget)
+    cm.store_dtype = torch.bfloat16
+    lossy = solve(cm, budget)
+    assert lossy.key()[:2] <= exact.key()[:2], (exact, lossy)
+
+
 # ---- a budget only lossy storage meets ------------------------------------------------------------------
 
 
