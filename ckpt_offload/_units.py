@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "SEGMENT_KINDS", "INNER_KINDS", "Unit", "choice_names"]
+__all__ = ["KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "Unit", "choice_names"]
 
 #: What a unit of the plan does with its blocks' saved activations.
 KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
 #: Kinds a unit of several consecutive blocks can have (one checkpoint around them: Chen's segments).
 SEGMENT_KINDS = ("recompute", "recompute_offload")
+#: Kinds that offload, and so may store what they offload in a narrower dtype (``Unit.store``).
+STORE_KINDS = ("offload", "recompute_offload")
 
 
 #: Kinds of the parts inside a nested segment: a block the segment's recompute runs as is, or an
@@ -45,6 +47,9 @@ class Unit:
     end: int
     kind: str
     inner: tuple = ()
+    #: the unit stores what it offloads in the cost model's ``store_dtype`` (lossy; only for
+    #: "offload" and "recompute_offload")
+    store: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -53,6 +58,8 @@ class Unit:
             raise ValueError(f"unit end {self.end} < start {self.start}")
         if self.end > self.start and self.kind not in SEGMENT_KINDS:
             raise ValueError(f"a unit of several blocks must be one of {SEGMENT_KINDS}, got {self.kind!r}")
+        if self.store and self.kind not in STORE_KINDS:
+            raise ValueError(f"only {STORE_KINDS} units offload, so only they can store lossy; got {self.kind!r}")
         inner = tuple(self.inner)
         if not inner:
             return
@@ -95,7 +102,7 @@ class Unit:
     def describe(self) -> str:
         """``"0..7 recompute [0..3 recompute, 4..7 recompute]"`` -- the nesting on one line."""
         head = f"{self.start}" if self.start == self.end else f"{self.start}..{self.end}"
-        head += f" {self.kind}"
+        head += f" {self.kind}" + (" (lossy)" if self.store else "")
         if self.inner:
             head += " [" + ", ".join(v.describe() for v in self.inner) + "]"
         return head

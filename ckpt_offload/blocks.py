@@ -20,6 +20,7 @@ temporaries.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -548,15 +549,22 @@ def _inner_checkpoint(function, *args, **kwargs):
 
 def install_units(model, named_blocks, units, options: OffloadOptions | None, allow=frozenset(), *,
                   every_n_layers: int = 1, use_reentrant: bool = False, torch_kwargs=None,
-                  ranged: bool = True, route: str = "a plan") -> CheckpointHandle:
+                  ranged: bool = True, route: str = "a plan", store_dtype=None) -> CheckpointHandle:
     """Wraps the blocks of ``named_blocks`` as ``units`` (:class:`~ckpt_offload._units.Unit`) say;
     returns the :class:`CheckpointHandle`.
 
     ``options`` are the offload options of every offload and offloaded checkpoint input;
     ``allow``: the inexact reasons (``INEXACT_REASONS`` of the planner's cost model) a segment does
-    not refuse; ``ranged``: recomputes run inside the ``ckpt_offload::recompute`` range (plans).
+    not refuse; ``ranged``: recomputes run inside the ``ckpt_offload::recompute`` range (plans);
+    ``store_dtype``: what the units with ``store=True`` (a plan's lossy ones) store in -- their
+    options get ``store_dtype=``, so they share an offload context of their own.
     """
     options = as_options(options)
+    lossy = None
+    if any(getattr(u, "store", False) for u in units):
+        if store_dtype is None or options is None:
+            raise ValueError("units store lossy (Unit.store) but no store_dtype (or no offload options) was given")
+        lossy = dataclasses.replace(options, store_dtype=store_dtype)
     check_not_applied(model, named_blocks, route)
     collector = StatsCollector()  # the handle's: its blocks' contexts and counts
     labels = choice_names(units)
@@ -564,7 +572,7 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
     for u in units:
         if u.kind == "keep":
             continue
-        offload = options if u.kind in ("offload", "recompute_offload") else None
+        offload = (lossy if u.store else options) if u.kind in ("offload", "recompute_offload") else None
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b for _, b in members], [n for n, _ in members], offload, u, collector,

@@ -55,6 +55,20 @@ def _bandwidth_arg(text: str) -> str:
     return text
 
 
+def _lossy_arg(text: str) -> str:
+    """argparse type of --lossy: a storage name co.plan(lossy=...) accepts, checked when the
+    arguments are read, not after measuring."""
+    import argparse
+
+    from ckpt_offload.planner.planning import parse_lossy
+
+    try:
+        parse_lossy(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def builtin_model(size: str = "small", device: str = "cpu", seed: int = 0, **overrides):
     """The built-in TinyTransformer preset ``size`` and a step (forward + backward of the LM loss)
     on ``device``: ``(model, step, config)``. The one place the planner's CLI and benchmark import
@@ -95,6 +109,9 @@ def add_plan_parser(sub, configs, default_min_bytes):
     p.add_argument("--min-bytes", type=_non_negative_int, default=None,
                    help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)")
     p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
+    p.add_argument("--lossy", default=None, metavar="DTYPE", type=_lossy_arg,
+                   help="allow offloaded activations stored narrower where that pays (co.plan(lossy=...)): bf16, "
+                        "fp16, fp8 (e4m3fn) or fp8_e5m2; not bit-exact (default: exact storage only)")
     p.add_argument("--levels", type=int, choices=(1, 2, 3), default=2,
                    help="how deep segments may nest (co.plan(levels=...)): 1 flat segments, 2 (default) a "
                         "segment whose recompute checkpoints inner segments, 3 one more level (slower search)")
@@ -199,7 +216,7 @@ def run_plan(args, parser) -> int:
     print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
     try:
         plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth, min_bytes=min_bytes,
-                       segments=not args.no_segments, levels=args.levels)
+                       segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:
@@ -226,6 +243,9 @@ def run_plan(args, parser) -> int:
         "measured_step_seconds": plan_s, "baseline": dict(plan.baseline, measured_peak_bytes=base_mem.peak_bytes,
                                                             measured_step_seconds=base_s),
         "bandwidth": vars(plan.costs.bandwidth), "within_budget": ok,
+        "lossy": None if plan.lossy is None else str(plan.lossy).removeprefix("torch."),
+        "store_dtypes": {k: str(v).removeprefix("torch.") for k, v in plan.store_dtypes.items()},
+        "predicted_host_bytes": plan.predicted_host_bytes,
     }
     png = os.path.join(args.out, "plan_memory.png")
     try:

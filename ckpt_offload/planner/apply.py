@@ -22,11 +22,13 @@ __all__ = ["apply_units", "PlanHandle", "selective_policy"]
 PlanHandle = CheckpointHandle
 
 
-def apply_units(model, named_blocks, units, offload_options, allow=frozenset()):
+def apply_units(model, named_blocks, units, offload_options, allow=frozenset(), store_dtype=None):
     """Wraps the blocks of ``named_blocks`` as ``units`` say; returns a :class:`CheckpointHandle`.
 
     ``offload_options`` (an :class:`~ckpt_offload.OffloadOptions` or a dict of its options) are the
     options of every offload and offloaded checkpoint input; ``allow``: the reasons of
-    ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse.
+    ``INEXACT_REASONS`` (planner/costs.py) a segment does not refuse; ``store_dtype``: what the
+    units with ``store=True`` store in (their options get ``store_dtype=``, so they share a
+    co.offload context of their own).
     """
-    return install_units(model, named_blocks, units, offload_options, allow, route="a plan")
+    return install_units(model, named_blocks, units, offload_options, allow, route="a plan", store_dtype=store_dtype)

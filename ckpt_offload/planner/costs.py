@@ -24,7 +24,7 @@ from ckpt_offload.offloading import offload_tensor
 from ckpt_offload.pool import HostPool
 
 __all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
-           "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
+           "measure_conversion", "stored_bytes", "converted_packs", "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
 
 _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
 
@@ -91,6 +91,10 @@ class BlockCost:
     :data:`INEXACT_REASONS` (empty: every choice is exact); ``calls``: how many times the step called
     the block. A block called several times holds every call's costs, one after another; the
     :class:`CostModel`'s ``call_blocks`` has each call's own, which is what the simulator runs.
+    ``pack_dtypes`` / ``pack_spans``: for every saved tensor (as ``packs``), its dtype's name and
+    the bytes it spans in its storage, and ``input_dtypes`` / ``input_spans`` the same for
+    ``input_sizes``: what ``co.offload(store_dtype=...)`` would convert (floating-point tensors
+    wider than the storage dtype) and into how many bytes (:func:`converted_packs`).
     """
 
     name: str
@@ -106,6 +110,10 @@ class BlockCost:
     selective_recompute_s: float = 0.0
     inexact: dict = field(default_factory=dict)
     calls: int = 1
+    pack_dtypes: list = field(default_factory=list)
+    pack_spans: list = field(default_factory=list)
+    input_dtypes: list = field(default_factory=list)
+    input_spans: list = field(default_factory=list)
 
     @property
     def saved_bytes(self) -> int:
@@ -119,11 +127,22 @@ class BlockCost:
 @dataclass
 class Bandwidth:
     """The host link: bytes per second each way and seconds of fixed cost per copy. ``0`` bytes/s
-    means no link (nothing can be offloaded); ``math.inf`` a free one."""
+    means no link (nothing can be offloaded); ``math.inf`` a free one.
+
+    ``convert``: how fast the device converts to and from a narrower storage dtype (``co.plan(...,
+    lossy=...)``), in bytes of the full-width tensor per second, each way; ``None``: not known
+    (``co.plan`` measures it when a plan may store lossy, :func:`measure_conversion`)."""
 
     d2h: float
     h2d: float
     latency: float = 0.0
+    convert: float | None = None
+
+    def convert_seconds(self, nbytes: int) -> float:
+        """Seconds to convert ``nbytes`` (full width) one way; 0 when ``convert`` is None or inf."""
+        if nbytes <= 0 or self.convert is None or math.isinf(self.convert):
+            return 0.0
+        return nbytes / self.convert if self.convert > 0 else math.inf
 
     def copy_seconds(self, nbytes: int, copies: int, direction: str) -> float:
         bw = self.d2h if direction == "d2h" else self.h2d
@@ -150,7 +169,9 @@ class CostModel:
     ``call_order``: the block (index) of every block call of the step, in execution order, and
     ``call_blocks`` each call's own :class:`BlockCost` -- set only when the step calls a block more
     than once or out of order (empty: every block once, in order). The simulator then runs the
-    calls, each block's choice applying to each of its calls (one module, one wrapper)."""
+    calls, each block's choice applying to each of its calls (one module, one wrapper).
+    ``store_dtype``: the narrower storage a unit with ``store=True`` uses (set by
+    :func:`ckpt_offload.plan` from ``lossy``; None: no unit may store lossy)."""
 
     blocks: list
     bandwidth: Bandwidth
@@ -166,6 +187,7 @@ class CostModel:
     excluded: list = field(default_factory=list)
     call_order: list = field(default_factory=list)
     call_blocks: list = field(default_factory=list)
+    store_dtype: torch.dtype | None = None
 
     @property
     def names(self) -> list:
@@ -175,6 +197,116 @@ class CostModel:
     def compute_s(self) -> float:
         """Seconds of compute of a step without any plan (what the simulator predicts for it)."""
         return self.pre_s + self.mid_s + self.post_s + sum(b.forward_s + b.backward_s for b in self.blocks)
+
+
+# ---- lossy storage (co.offload(store_dtype=...)) -------------------------------------------------
+
+#: The floating-point dtypes co.offload(store_dtype=...) converts, and their widths; every other
+#: dtype (integers, bool, complex, fp8) is stored exactly (csrc/torch/store_dtype.cpp, store_source).
+_FLOAT_WIDTHS = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+
+def _store_width(store_dtype) -> int:
+    return 2 if store_dtype in (torch.bfloat16, torch.float16) else 1
+
+
+def stored_bytes(dtype_name: str, span: int, store_dtype) -> int | None:
+    """The host bytes ``co.offload(store_dtype=store_dtype)`` stores for a saved tensor of dtype
+    ``dtype_name`` spanning ``span`` bytes, or None when it stores it exactly (not a floating-point
+    dtype wider than the storage). fp8 adds its fp32 scale, 4-byte aligned, as the engine does.
+
+    Example::
+
+        stored_bytes("float32", 4096, torch.bfloat16)   # 2048
+        stored_bytes("int64", 4096, torch.bfloat16)     # None: exact
+    """
+    width = _FLOAT_WIDTHS.get(dtype_name)
+    if store_dtype is None or width is None or span <= 0:
+        return None
+    fb = _store_width(store_dtype)
+    if width <= fb:
+        return None
+    data = (span // width) * fb
+    return (data + 3) // 4 * 4 + 4 if fb == 1 else data
+
+
+def converted_packs(b: BlockCost, store_dtype) -> dict:
+    """``{storage index: [(pack position, span bytes, stored bytes), ...]}``: the storages of ``b``
+    that ``store_dtype`` converts, each pack of one on its own (the engine converts and copies
+    every saved tensor of a converted storage separately, without deduplicating them). A storage
+    counts only when all its packs convert; one with an exact pack (an integer view) is exact.
+    Empty when the costs were measured without dtypes."""
+    if store_dtype is None or len(b.pack_dtypes) != len(b.packs) or len(b.pack_spans) != len(b.packs):
+        return {}
+    cache = b.__dict__.setdefault("_converted", {})
+    if store_dtype in cache:
+        return cache[store_dtype]
+    out, exact = {}, set()
+    for pos, si in enumerate(b.packs):
+        if si < 0 or si in exact:
+            continue
+        n = stored_bytes(b.pack_dtypes[pos], b.pack_spans[pos], store_dtype)
+        if n is None:
+            exact.add(si)
+            out.pop(si, None)
+        else:
+            out.setdefault(si, []).append((pos, b.pack_spans[pos], n))
+    cache[store_dtype] = out
+    return out
+
+
+def converted_inputs(b: BlockCost, store_dtype) -> list:
+    """Per entry of ``b.input_sizes``: ``(span, stored bytes)`` when ``store_dtype`` converts it, else None."""
+    if store_dtype is None or len(b.input_dtypes) != len(b.input_sizes):
+        return [None] * len(b.input_sizes)
+    out = []
+    for name, span in zip(b.input_dtypes, b.input_spans):
+        n = stored_bytes(name, span, store_dtype)
+        out.append(None if n is None else (span, n))
+    return out
+
+
+def measure_conversion(device: str = "cpu", store_dtype=torch.bfloat16, nbytes: int = 4 << 20) -> float:
+    """Bytes (of the full-width tensor) per second ckpt_offload's own conversion to ``store_dtype``
+    and back runs at on ``device``, one way: an fp32 tensor of ``nbytes`` converted down and up
+    (the engine's kernels, ``co._C._store_convert``), the best of three, its bytes twice over the time.
+
+    Measured like the host link (:func:`measure_bandwidth`), because on a CPU the conversion is a
+    loop over memory whose speed depends on the machine and competes with compute: a stated
+    constant would be wrong by several times from one machine to another. On a GPU it is a
+    memory-bound kernel (hundreds of GB/s and more), far faster than the link.
+
+    Example::
+
+        measure_conversion("cpu", torch.bfloat16)   # e.g. 3e9 (bytes/s)
+    """
+    from ckpt_offload import _C
+
+    sync = _sync_for(device)
+    name = str(store_dtype).removeprefix("torch.")
+    x = torch.randn(max(int(nbytes), 1 << 16) // 4, dtype=torch.float32, device=device)
+    _C._store_convert(x, name)  # warm-up
+    best = math.inf
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        _C._store_convert(x, name)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.nbytes / max(best, 1e-9)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to its last in its storage (what co.offload copies or
+    converts for it)."""
+    if t.numel() == 0:
+        return 0
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return extent * t.element_size()
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -343,6 +475,8 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                     r.input_keys.append(k)
                     owner[k] = ("block", c)
                     r.cost.input_sizes.append(k[2])
+                    r.cost.input_dtypes.append(_dtype_name(t))
+                    r.cost.input_spans.append(_span_bytes(t))
             rec_mode.block = r
         return hook
 
@@ -371,6 +505,8 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         if state["current"] is not None:
             c = state["call"]
             calls[c].cost.nodes.append(-1)
+            calls[c].cost.pack_dtypes.append(_dtype_name(t))
+            calls[c].cost.pack_spans.append(_span_bytes(t))
             pack_block(t, k, c)
             return _Packed(t, c, len(calls[c].cost.nodes) - 1)
         return _pack_outside(t, k)
@@ -460,6 +596,10 @@ def _joined(name, costs) -> BlockCost:
         out.packs += [p + s0 if p >= 0 else -1 for p in c.packs]
         out.nodes += c.nodes
         out.input_sizes += c.input_sizes
+        out.pack_dtypes += c.pack_dtypes
+        out.pack_spans += c.pack_spans
+        out.input_dtypes += c.input_dtypes
+        out.input_spans += c.input_spans
         out.selective += c.selective
         out.selective_saved += [x + s0 if x >= 0 else -1 for x in c.selective_saved]
         out.selective_last_use += [u + p0 for u in c.selective_last_use]

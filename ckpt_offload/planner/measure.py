@@ -10,7 +10,8 @@ is every free. An allocation counts as a *saved activation* when it was
   until it is freed. What outlives backward (the loss, outputs the step still holds) is not an
   activation the graph keeps;
 * made inside a ``ckpt_offload::reload`` / ``ckpt_offload::prefetch`` range (a saved tensor brought
-  back from the host pool) -- until it is freed;
+  back from the host pool; ``ckpt_offload::reload_convert``: converted back from its narrower
+  storage, ``co.offload(store_dtype=...)``) -- until it is freed;
 * made inside a ``ckpt_offload::recompute`` range (the planner's recompute) and still alive at the
   range's end (a recomputed saved tensor) -- until it is freed.
 
@@ -35,7 +36,8 @@ __all__ = ["saved_activation_peak", "SavedTimeline"]
 
 # The range names are written once: the copy ranges in C++ (csrc/torch/runtime.h), the
 # recompute range where plans open it (ckpt_offload/blocks.py).
-_RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch"))
+_RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch",
+                                                    "reload_convert"))
 _RECOMPUTE = RECOMPUTE_RANGE
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 

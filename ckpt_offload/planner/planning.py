@@ -3,6 +3,7 @@ recompute per block, predicted by the simulator from measured costs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -14,18 +15,52 @@ from ckpt_offload.options import DEFAULT_MIN_BYTES
 from ckpt_offload.pool import HostPool
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
-from ckpt_offload.planner.simulator import KINDS, SimResult, choice_names, simulate, singles
+from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
-__all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "SLACK_BYTES"]
+__all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "parse_lossy", "LOSSY_NAMES", "SLACK_BYTES"]
 
 #: Plans leave this many bytes of the budget free: autograd keeps a few scalar buffers alive through
 #: backward that the cost model does not see (16 bytes a step on the built-in model).
 SLACK_BYTES = 256
 
+#: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves.
+LOSSY_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}
+
+
+def parse_lossy(value):
+    """``co.plan``'s ``lossy``: None, one of co.offload's storage dtypes (``torch.bfloat16``,
+    ``torch.float16``, ``torch.float8_e4m3fn``, ``torch.float8_e5m2``) or a name in
+    :data:`LOSSY_NAMES` (``"bf16"``, ``"fp16"``, ``"fp8"`` = e4m3fn, ``"fp8_e5m2"``); returns the dtype.
+
+    Example::
+
+        parse_lossy("bf16")    # torch.bfloat16
+        parse_lossy("int8")    # ValueError: lossy must be None, ...
+    """
+    from ckpt_offload.options import STORE_DTYPES
+
+    if value is None:
+        return None
+    accepted = ("None (exact storage only), a storage dtype (" + ", ".join(str(d) for d in STORE_DTYPES)
+                + ") or one of " + ", ".join(f"{k!r}" for k in LOSSY_NAMES))
+    if isinstance(value, str):
+        got = LOSSY_NAMES.get(value.strip().lower())
+        if got is None:
+            raise ValueError(f"lossy must be {accepted}; got {value!r}")
+        return got
+    if isinstance(value, torch.dtype):
+        if value not in STORE_DTYPES:
+            raise ValueError(f"lossy must be {accepted}; got {value} (not a storage dtype co.offload converts to)")
+        return value
+    raise TypeError(f"lossy must be {accepted}; got {type(value).__name__} {value!r}")
+
+
 def parse_bandwidth(value) -> Bandwidth | None:
     """``None`` (measure it), a number or string of bytes per second for both ways (``"25GB/s"``,
-    ``math.inf``, ``0``), or a dict ``{"d2h": ..., "h2d": ..., "latency": seconds}``."""
+    ``math.inf``, ``0``), or a dict ``{"d2h": ..., "h2d": ..., "latency": seconds, "convert": ...}``
+    (``convert``: bytes/s of lossy storage's conversion on the device, each way; optional)."""
     if value is None or isinstance(value, Bandwidth):
         return value
 
@@ -48,15 +83,20 @@ def parse_bandwidth(value) -> Bandwidth | None:
             ) from None
 
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"d2h", "h2d", "latency"})
+        unknown = sorted(set(value) - {"d2h", "h2d", "latency", "convert"})
         if unknown:
-            raise TypeError(f"bandwidth: unknown key(s) {unknown}; allowed: d2h, h2d, latency")
+            raise TypeError(f"bandwidth: unknown key(s) {unknown}; allowed: d2h, h2d, latency, convert")
         if "d2h" not in value or "h2d" not in value:
             raise ValueError("bandwidth as a dict needs both 'd2h' and 'h2d' (bytes per second)")
         lat = float(value.get("latency", 0.0))
         if not lat >= 0:
             raise ValueError(f"bandwidth['latency'] must be seconds >= 0, got {value.get('latency')!r}")
-        return Bandwidth(one("['d2h']", value["d2h"]), one("['h2d']", value["h2d"]), lat)
+        convert = value.get("convert")
+        if convert is not None:
+            convert = one("['convert']", convert)
+            if convert <= 0:
+                raise ValueError("bandwidth['convert'] must be bytes per second > 0 (or None to measure it)")
+        return Bandwidth(one("['d2h']", value["d2h"]), one("['h2d']", value["h2d"]), lat, convert)
     bw = one("", value)
     return Bandwidth(bw, bw, 0.0)
 
@@ -77,11 +117,19 @@ class Plan:
         budget: the budget in bytes; prefetch_bytes: the prefetch window the plan's offload uses;
         costs: the :class:`~ckpt_offload.planner.costs.CostModel`; units: the chosen units;
         simulation: the :class:`~ckpt_offload.planner.simulator.SimResult` of the plan.
+        lossy: the storage dtype the plan was allowed (``co.plan(..., lossy=...)``), or None;
+        store_dtypes: ``{block name: dtype}`` for the blocks whose offloaded activations the plan
+            stores in that narrower dtype (not bit-exact); empty for an exact plan.
+        predicted_host_bytes: the host bytes the plan's offloads take (narrow bytes for the lossy
+            blocks; what the offload contexts' ``stats()["bytes_stored"]`` count in a step).
     """
 
     def __init__(self, model, named_blocks, costs: CostModel, units, prefetch_bytes, budget, offload_options,
-                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset()):
+                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset(), lossy=None):
         self.model = model
+        self.lossy = lossy
+        self.store_dtypes = {named_blocks[i][0]: lossy for u in units if u.store for i in range(u.start, u.end + 1)}
+        self.predicted_host_bytes = sum(info["pool_bytes"] for info in sim.units)
         self.allow_inexact = frozenset(allow_inexact)  #: the inexact reasons the plan was allowed
         self._named_blocks = named_blocks
         self.costs = costs
@@ -110,7 +158,8 @@ class Plan:
             step()
             handle.remove()
         """
-        return apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact)
+        return apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
+                           store_dtype=self.lossy)
 
     def summary(self) -> str:
         """A table: per block its choice, device bytes kept through forward, bytes sent to the pool,
@@ -124,6 +173,8 @@ class Plan:
             if u.end > u.start:
                 label = f"{label}..{self._named_blocks[u.end][0].rsplit('.', 1)[-1]}"
             kind = u.kind if u.start == u.end else f"{u.kind} (segment)"
+            if u.store:
+                kind += f" [{_dtype_name(self.lossy)}]"
             lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
                          f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms")
             lines += self._inner_lines(u, 1)
@@ -135,6 +186,14 @@ class Plan:
         lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
                      f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
                      f"{slow:+.1f}%)")
+        if self.store_dtypes:
+            conv = sum(info.get("convert_s", 0.0) for info in self.simulation.units)
+            lines.append(f"lossy: blocks {', '.join(self.store_dtypes)} store their offloaded floating-point "
+                         f"activations as {_dtype_name(self.lossy)} (not bit-exact; host bytes "
+                         f"{_fmt(self.predicted_host_bytes)}, conversions {conv * 1e3:.2f} ms)")
+        elif self.lossy is not None:
+            lines.append(f"lossy: {_dtype_name(self.lossy)} storage was allowed, and no block gains from it: "
+                         "the plan is exact")
         if self.excluded:
             lines.append("excluded, since their recompute would not be exact (co.plan(..., allow_inexact=...) "
                          "allows them):")
@@ -164,8 +223,13 @@ class Plan:
         return out
 
     def __repr__(self):
+        lossy = f", lossy={ {k: _dtype_name(v) for k, v in self.store_dtypes.items()} }" if self.store_dtypes else ""
         return (f"Plan(peak={_fmt(self.predicted_peak_bytes)}, step={self.predicted_step_seconds * 1e3:.2f} ms, "
-                f"choices={self.choices})")
+                f"choices={self.choices}{lossy})")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _model_device(model) -> str:
@@ -176,7 +240,7 @@ def _model_device(model) -> str:
 
 def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
-         costs: CostModel | None = None, pool=None, allow_inexact=False):
+         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective (and segments of blocks recomputed as one) so that the device
     peak of saved activations fits ``budget`` with the least predicted step time.
@@ -216,6 +280,23 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             (``"state_write"``), and no selective recompute for one that writes a matmul's output in
             place (``"saved_mutation"``); :meth:`Plan.summary` lists what was excluded and why.
             ``True`` allows all of them, or a collection of those reason names allows those.
+        lossy: ``None`` (default): every offloaded byte is stored exactly, as without this option
+            (the plan is the one made without it, and gradients are bit-identical). A storage
+            dtype -- ``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``,
+            ``torch.float8_e5m2``, or the names ``"bf16"``, ``"fp16"``, ``"fp8"`` (= e4m3fn),
+            ``"fp8_e5m2"`` -- is the tolerance you accept: each offloading choice ("offload",
+            "recompute_offload", single or segment) is then also offered storing what it offloads
+            in that dtype (``co.offload(store_dtype=...)``), beside the exact one, and the solver
+            takes a lossy one only where that makes the predicted step faster or is what brings
+            the peak under the budget (at equal time and peak, the exact one). A lossy choice sends fewer bytes over the link and keeps fewer on the host
+            (half of fp32 for bf16/fp16, a quarter for fp8) at the cost of a conversion each way
+            on the device and of the rounding error in the gradients of that block and of the
+            blocks before it; integer, bool and already-narrow tensors stay exact. The cost model
+            counts, per saved tensor, what the dtype converts (from the dtypes measured), and the
+            conversion rate is measured on the device (``bandwidth={..., "convert": bytes/s}``
+            states it instead). :attr:`Plan.store_dtypes` lists the blocks that store lossy. The
+            search takes about three times as long (the exact one runs first: a lossy plan is
+            never predicted slower than the exact plan).
 
     The measuring runs of ``step`` leave the model's buffers (running statistics) as they found
     them.
@@ -246,6 +327,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if prefetch_bytes is not None:
         prefetch_bytes = parse_bytes("prefetch_bytes", prefetch_bytes)
     bw = parse_bandwidth(bandwidth)
+    store_dtype = parse_lossy(lossy)
     device = _model_device(model)
     dev_types = [device] if devices is None else device_types("devices", devices)
     allow = _allowed_reasons(allow_inexact)
@@ -280,10 +362,16 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if bw is not None:
         costs.bandwidth = bw
     costs.min_bytes = min_bytes
+    costs.store_dtype = store_dtype
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
     if create_selective_checkpoint_contexts is None:
         kinds = tuple(k for k in kinds if k != "selective")
+    if store_dtype is not None and costs.bandwidth.convert is None and any(k in STORE_KINDS for k in kinds):
+        # Measured like the link (the planner's costs are this machine's), unless stated.
+        from ckpt_offload.planner.costs import measure_conversion
+
+        costs.bandwidth = dataclasses.replace(costs.bandwidth, convert=measure_conversion(device, store_dtype))
     for (name, _), ex in zip(named, costs.excluded):
         if all(k in ex for k in kinds):
             raise ValueError(
@@ -313,7 +401,7 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if pool is not None:
         options["pool"] = pool
     return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
-                best.source, allow)
+                best.source, allow, lossy=store_dtype)
 
 
 def _allowed_reasons(allow_inexact) -> set:

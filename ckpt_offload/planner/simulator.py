@@ -13,6 +13,17 @@ autograd does), a checkpoint's input at the end of its segment's backward.
 The memory it predicts is the device memory of saved activations (kept, recomputed, reloaded or
 prefetched, and offloaded ones whose copy has not finished), the quantity
 :func:`ckpt_offload.planner.measure.saved_activation_peak` measures.
+
+A unit with ``store=True`` keeps what it offloads in the cost model's narrower ``store_dtype``
+(``co.offload(store_dtype=...)``), as the engine does: each saved tensor of a converted storage is
+converted on the compute stream (``Bandwidth.convert_seconds`` of its full-width bytes) into a
+narrow staging tensor, which its D2H copy reads (the copy backlog is narrow bytes) and the
+storage leaves the device after its last conversion; in backward the narrow bytes come back (the
+prefetch window counts them), are converted up on the compute stream into a full-width tensor
+of the saved tensor's own (not shared with the storage's other saved tensors), which autograd
+frees after the node that unpacked it. Storages the storage dtype does not convert (integers,
+bool, narrower floats) go the exact way. Lossy units run in a co.offload context of their own,
+with its own prefetch window, apart from the exact units' one.
 """
 
 from __future__ import annotations
@@ -22,9 +33,10 @@ import math
 from dataclasses import dataclass, field
 
 # The vocabulary of units lives with the block installer's, so both read one definition.
-from ckpt_offload._units import INNER_KINDS, KINDS, SEGMENT_KINDS, Unit, choice_names  # noqa: F401
+from ckpt_offload._units import INNER_KINDS, KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, choice_names  # noqa: F401
+from ckpt_offload.planner.costs import converted_inputs, converted_packs
 
-__all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "choice_names"]
+__all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
 
 
 def singles(kinds) -> list:
@@ -36,7 +48,9 @@ def singles(kinds) -> list:
 class SimResult:
     """``peak_bytes``: device peak of saved activations; ``step_s``: step time; ``timeline``: (time,
     bytes) after every change; ``units``: per unit ``dict(device_bytes, pool_bytes, recompute_s,
-    copy_s, stall_s)``; ``forward_end_s``; ``feasible``: False when a copy would never end (no link)."""
+    copy_s, stall_s, convert_s)`` (``pool_bytes``: host bytes, narrow ones for a lossy unit;
+    ``convert_s``: its conversions, both ways); ``forward_end_s``; ``feasible``: False when a copy
+    would never end (no link)."""
 
     peak_bytes: int
     step_s: float
@@ -57,15 +71,17 @@ class _Queue:
 
 
 class _Handle:
-    """An offloaded storage as the engine's Prefetcher sees it."""
+    """An offloaded storage as the engine's Prefetcher sees it (``group``: its context's, lossy
+    or exact; ``full``: a converted tensor's full-width bytes, 0 for an exact storage)."""
 
-    __slots__ = ("nbytes", "pending", "staged", "ready", "resident", "seq")
+    __slots__ = ("nbytes", "pending", "staged", "ready", "resident", "seq", "group", "full")
 
-    def __init__(self, nbytes, pending, seq):
+    def __init__(self, nbytes, pending, seq, group=False, full=0):
         self.nbytes, self.pending, self.seq = nbytes, pending, seq
         self.staged = False  # prefetched, not yet unpacked
         self.ready = 0.0
         self.resident = False  # reloaded and still on the device
+        self.group, self.full = group, full
 
 
 def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
@@ -90,10 +106,23 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             order[0] += 1
 
     d2h, h2d = _Queue(bw, "d2h"), _Queue(bw, "h2d")
-    infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0) for _ in units]
+    infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0, convert_s=0.0)
+             for _ in units]
     feasible = True
-    handles = []  # global pack order of offloaded storages
-    unit_handles = {}  # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle
+    store = getattr(costs, "store_dtype", None)
+    if store is None and any(u.store for u in units):
+        raise ValueError("units store lossy (Unit.store) but costs.store_dtype is None: set the storage dtype")
+    # pack order of offloaded storages, per co.offload context: the exact units' (False) and the
+    # lossy units' (True), each with its own prefetcher
+    groups = {False: [], True: []}
+    # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle ;
+    # (unit, block, storage index, pack position) -> _Handle of one converted saved tensor
+    unit_handles = {}
+
+    def new_handle(nbytes, pending, group, full=0):
+        h = _Handle(nbytes, pending, len(groups[group]), group, full)
+        groups[group].append(h)
+        return h
 
     def offloadable(n):
         return n >= min_bytes and n > 0
@@ -108,11 +137,26 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
         mem(t, cb * u.checkpoints)  # each checkpoint's copy of the random state, until its backward ends
         if u.kind in ("recompute", "recompute_offload"):
             held = 0
+            conv_in = converted_inputs(first, store) if u.store else [None] * len(first.input_sizes)
             for j, n in enumerate(first.input_sizes):
                 mem(t, n)
-                if u.kind == "recompute_offload" and offloadable(n):
-                    h = _Handle(n, 1, len(handles))
-                    handles.append(h)
+                if u.kind == "recompute_offload" and offloadable(n) and conv_in[j] is not None:
+                    # converted on the compute stream, then its narrow bytes copied; the input
+                    # itself leaves the device once converted
+                    span, narrow = conv_in[j]
+                    c = bw.convert_seconds(span)
+                    t += c
+                    info["convert_s"] += c
+                    h = new_handle(narrow, 1, True, full=n)
+                    unit_handles[(ui, "input", j)] = h
+                    mem(t, narrow - n)
+                    done = d2h.copy(t, narrow)
+                    info["copy_s"] += bw.copy_seconds(narrow, 1, "d2h")
+                    mem(done, -narrow)
+                    info["pool_bytes"] += narrow
+                    feasible &= math.isfinite(done)
+                elif u.kind == "recompute_offload" and offloadable(n):
+                    h = new_handle(n, 1, u.store)
                     unit_handles[(ui, "input", j)] = h
                     done = d2h.copy(t, n)
                     info["copy_s"] += bw.copy_seconds(n, 1, "d2h")
@@ -137,12 +181,33 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                     if p >= 0:
                         pending[p] += 1
                 k = max(1, len(b.packs))
+                conv = converted_packs(b, store) if u.store else {}
+                conv = {si: v for si, v in conv.items() if offloadable(b.storages[si].nbytes)}
+                dur = b.forward_s
+                if conv:  # the conversions run on the compute stream, inside the block's forward
+                    c = sum(bw.convert_seconds(span) for v in conv.values() for _, span, _ in v)
+                    info["convert_s"] += c
+                    dur += c
+                    t = t0 + dur
                 for si, s in enumerate(b.storages):
-                    tp = t0 + b.forward_s * (s.first + 1) / k
+                    tp = t0 + dur * (s.first + 1) / k
                     mem(tp, s.nbytes)
-                    if offloadable(s.nbytes):
-                        h = _Handle(s.nbytes, pending[si], len(handles))
-                        handles.append(h)
+                    if si in conv:
+                        last = tp
+                        for pos, span, narrow in conv[si]:
+                            tq = t0 + dur * (pos + 1) / k
+                            h = new_handle(narrow, 1, True, full=span)
+                            unit_handles[(ui, bi, si, pos)] = h
+                            mem(tq, narrow)
+                            done = d2h.copy(tq, narrow)
+                            info["copy_s"] += bw.copy_seconds(narrow, 1, "d2h")
+                            feasible &= math.isfinite(done)
+                            mem(done, -narrow)
+                            info["pool_bytes"] += narrow
+                            last = max(last, tq)
+                        mem(last, -s.nbytes)
+                    elif offloadable(s.nbytes):
+                        h = new_handle(s.nbytes, pending[si], u.store)
                         unit_handles[(ui, bi, si)] = h
                         done = d2h.copy(tp, s.nbytes)
                         info["copy_s"] += bw.copy_seconds(s.nbytes, 1, "d2h")
@@ -160,21 +225,22 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     t += costs.mid_s
     mem(t, -costs.post_bytes)
 
-    outstanding = [0]
+    outstanding = {False: 0, True: 0}  # prefetched bytes waiting, per context
     P = max(0, int(prefetch_bytes))
 
     def after_unpack(h):
         # Prefetcher::after_unpack: walk down from this handle, prefetch while the budget allows.
         i, scanned = h.seq, 0
+        handles = groups[h.group]
         while i > 0 and scanned < 64:
             i -= 1
             scanned += 1
             r = handles[i]
             if r.pending <= 0 or r.staged or r.resident:
                 continue
-            if outstanding[0] + r.nbytes > P:
+            if outstanding[h.group] + r.nbytes > P:
                 break
-            outstanding[0] += r.nbytes
+            outstanding[h.group] += r.nbytes
             r.staged = True
             mem(now[0], r.nbytes)
             r.ready = h2d.copy(now[0], r.nbytes)
@@ -185,7 +251,7 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
         """One saved tensor of an offloaded storage is unpacked: returns nothing, advances time."""
         if h.staged:
             h.staged = False
-            outstanding[0] -= h.nbytes
+            outstanding[h.group] -= h.nbytes
             h.resident = True
             if h.ready > now[0]:
                 info["stall_s"] += h.ready - now[0]
@@ -201,6 +267,14 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             h.resident = True
         h.pending -= 1
         after_unpack(h)
+        if h.full:
+            # Then (the engine's narrow unpack has started the next prefetches already) converted
+            # up on the compute stream into a full-width tensor; the narrow one goes after.
+            mem(now[0], h.full)
+            c = bw.convert_seconds(h.full)
+            now[0] += c
+            info["convert_s"] += c
+            mem(now[0], -h.nbytes)
         return True
 
     def block_backward(ui, kind, bi, info, skip_input):
@@ -217,13 +291,16 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             for pos in group:
                 si = b.packs[pos]
                 if si >= 0 and kind == "offload":
-                    h = unit_handles.get((ui, bi, si))
+                    h = unit_handles.get((ui, bi, si)) or unit_handles.get((ui, bi, si, pos))
                     if h is not None and not unpack(h, info):
                         feasible = False
             now[0] += b.backward_s * len(group) / k
             for pos in group:
                 si = b.packs[pos]
-                if si >= 0 and b.storages[si].first == pos:
+                h = unit_handles.get((ui, bi, si, pos)) if si >= 0 and kind == "offload" else None
+                if h is not None:  # a converted saved tensor's own full-width copy
+                    mem(now[0], -h.full)
+                elif si >= 0 and b.storages[si].first == pos:
                     s = b.storages[si]
                     if skip_input and s.is_input:
                         continue
@@ -300,7 +377,7 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
 
 
 def _shift(u, d):
-    return Unit(u.start + d, u.end + d, u.kind, inner=tuple(_shift(v, d) for v in u.inner))
+    return Unit(u.start + d, u.end + d, u.kind, inner=tuple(_shift(v, d) for v in u.inner), store=u.store)
 
 
 def call_units(costs, units):
@@ -337,7 +414,8 @@ def _simulate_calls(costs, units, prefetch_bytes):
     per_call, owners = mapped
     calls = dataclasses.replace(costs, blocks=list(costs.call_blocks), call_order=[], call_blocks=[], excluded=[])
     r = simulate(calls, per_call, prefetch_bytes)
-    infos = [{"device_bytes": 0, "pool_bytes": 0, "recompute_s": 0.0, "copy_s": 0.0, "stall_s": 0.0} for _ in units]
+    infos = [{"device_bytes": 0, "pool_bytes": 0, "recompute_s": 0.0, "copy_s": 0.0, "stall_s": 0.0, "convert_s": 0.0}
+             for _ in units]
     for ui, info in zip(owners, r.units):
         for k, v in info.items():
             infos[ui][k] += v

@@ -15,15 +15,23 @@ Three searches, all judged by the event simulator (:func:`~ckpt_offload.planner.
 The known strategies (Chen's sqrt(n) segments, every block recomputed with its input offloaded,
 the first k blocks offloaded, rotor's recompute-only optimum) are candidates too, so a plan is
 never predicted slower than any of them at the same budget.
+
+Lossy storage (``cm.store_dtype`` set, ``co.plan(..., lossy=...)``): every offloading unit
+("offload", "recompute_offload", single or segment) that has bytes the storage dtype converts is
+offered twice, exact and with ``store=True``, to every search alike; the least predicted time
+within the budget decides as for every choice, and at equal time and peak the plan with fewer
+lossy units wins, so lossy storage is used only where it makes the step faster or the peak fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from ckpt_offload.planner.costs import converted_inputs, converted_packs
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
-from ckpt_offload.planner.simulator import KINDS, SEGMENT_KINDS, Unit, simulate, singles
+from ckpt_offload.planner.simulator import KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, simulate, singles
 
 __all__ = ["Candidate", "solve", "chain_dp", "chain_exhaustive", "chain_cost", "baselines", "rotor",
            "chen_units", "InfeasibleBudget"]
@@ -46,7 +54,8 @@ class Candidate:
     source: str = ""
 
     def key(self):
-        return (self.step_s, self.peak_bytes)
+        # lossy units last: at equal time and peak the exact plan is chosen
+        return (self.step_s, self.peak_bytes, sum(u.store for u in self.units))
 
 
 # ---- the chain model (block level) -------------------------------------------------------------
@@ -60,7 +69,68 @@ def _unit_terms(cm, u, prefetch):
     extra_s: recompute seconds; bwd_s: its backward compute (what a reload of the unit before it
     hides behind); d2h: what it copies to the host (and reloads); fwd_s: its blocks' forward."""
     terms = _terms6(cm, u)
-    return terms + (sum(b.forward_s for b in cm.blocks[u.start:u.end + 1]),)
+    fwd = sum(b.forward_s for b in cm.blocks[u.start:u.end + 1])
+    if u.store:
+        held, work, extra, bwd, d_bytes, d_copies = terms
+        d_bytes, d_copies, conv_bytes, work_extra = store_terms(cm, u)
+        c = cm.bandwidth.convert_seconds(conv_bytes)
+        return held, work + work_extra, extra, bwd + c, d_bytes, d_copies, fwd + c
+    return terms + (fwd,)
+
+
+def store_terms(cm, u):
+    """A lossy unit's (d2h bytes, d2h copies, bytes converted each way, extra backward working bytes)
+    in the chain model: its offloaded bytes the storage dtype converts cross the link narrow, one
+    copy per saved tensor, and come back as one full-width tensor per saved tensor."""
+    mb, store = cm.min_bytes, cm.store_dtype
+    d_bytes = d_copies = conv = extra = 0
+    if u.kind == "offload":
+        b = cm.blocks[u.start]
+        packs = converted_packs(b, store)
+        for si, st in enumerate(b.storages):
+            if not (st.nbytes >= mb and st.nbytes > 0):
+                continue
+            if si in packs:
+                d_bytes += sum(n for _, _, n in packs[si])
+                d_copies += len(packs[si])
+                spans = sum(span for _, span, _ in packs[si])
+                conv += spans
+                extra += spans - st.nbytes
+            else:
+                d_bytes += st.nbytes
+                d_copies += 1
+        return d_bytes, d_copies, conv, max(0, extra)
+    first = cm.blocks[u.start]
+    for n, c in zip(first.input_sizes, converted_inputs(first, store)):
+        if not (n >= mb and n > 0):
+            continue
+        d_bytes += n if c is None else c[1]
+        d_copies += 1
+        conv += 0 if c is None else c[0]
+    return d_bytes, d_copies, conv, 0
+
+
+def store_gain(cm, u) -> int:
+    """Bytes a lossy ``u`` keeps off the link (and the host) against the exact one: > 0 when the
+    storage dtype converts something it offloads."""
+    if cm.store_dtype is None or u.kind not in STORE_KINDS:
+        return 0
+    mb = cm.min_bytes
+    first = cm.blocks[u.start]
+    # what the exact unit sends (as _terms6 counts it, without walking a nesting)
+    sizes = [s.nbytes for s in first.storages] if u.kind == "offload" else first.input_sizes
+    exact = sum(n for n in sizes if n >= mb and n > 0)
+    return exact - store_terms(cm, u)[0]
+
+
+def _lossy_variants(cm, units):
+    """``units`` and, after each offloading one that gains from lossy storage, its lossy twin."""
+    out = []
+    for u in units:
+        out.append(u)
+        if u.kind in STORE_KINDS and not u.store and store_gain(cm, dataclasses.replace(u, store=True)) > 0:
+            out.append(dataclasses.replace(u, store=True))
+    return out
 
 
 def _terms6(cm, u):
@@ -144,6 +214,8 @@ def _nested_options(cm, n, kinds, max_segment, levels, max_points=None):
             max_points = 4 if long else MAX_NESTINGS
         f = fronts(cm, levels, min(max_segment, MAX_NESTED_SEGMENT // 2 if long else MAX_NESTED_SEGMENT), max_points)
         options = _unit_options(n, kinds, max_segment, {k: [p[2] for p in v] for k, v in f.items()})
+    if getattr(cm, "store_dtype", None) is not None:
+        options = [_lossy_variants(cm, opts) for opts in options]
     return [[(u, _unit_terms(cm, u, 0)) for u in opts if allowed(cm, u)] for opts in options]
 
 
@@ -291,10 +363,12 @@ def _pareto(front, by_peak=False):
     return kept
 
 
-def _all_unit_lists(n, kinds, max_segment=None, levels=1):
+def _all_unit_lists(n, kinds, max_segment=None, levels=1, cm=None):
     max_segment = n if max_segment is None else max_segment
     inners = {(i, j): list(structures(i, j, levels)) for i in range(n) for j in range(i, n)}
     options = _unit_options(n, kinds, max_segment, inners)
+    if cm is not None and getattr(cm, "store_dtype", None) is not None:
+        options = [_lossy_variants(cm, opts) for opts in options]
 
     def rec(i):
         if i == n:
@@ -311,7 +385,7 @@ def chain_exhaustive(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, leve
     """Every assignment (every nesting up to ``levels`` levels), judged by :func:`chain_cost`: what
     :func:`chain_dp` must equal (tests)."""
     best = None
-    for units in _all_unit_lists(len(cm.blocks), kinds, max_segment, levels):
+    for units in _all_unit_lists(len(cm.blocks), kinds, max_segment, levels, cm):
         if not all(allowed(cm, u) for u in units):
             continue
         peak, time = chain_cost(cm, units, prefetch)
@@ -363,6 +437,11 @@ def first_k_units(n, k):
     return singles(["offload"] * k + ["keep"] * (n - k))
 
 
+def _all_lossy(units):
+    """``units`` with every offloading unit storing lossy."""
+    return [dataclasses.replace(u, store=True) if u.kind in STORE_KINDS else u for u in units]
+
+
 # ---- the solver ------------------------------------------------------------------------------------
 
 
@@ -383,6 +462,15 @@ def evaluate(cm, units, prefetch, source=""):
     return Candidate(list(units), prefetch, r.peak_bytes, r.step_s if ok else math.inf, source)
 
 
+def _choices(cm, kinds):
+    """What a block can be given one at a time: ``kinds``, then (lossy) the offloading ones with
+    ``store=True`` as ``(kind, True)``."""
+    out = list(kinds)
+    if getattr(cm, "store_dtype", None) is not None:
+        out += [(k, True) for k in kinds if k in STORE_KINDS]
+    return out
+
+
 def _local_search(cm, cand, budget, kinds, rounds=3):
     """Changes one block's kind at a time (splitting a segment into singles around it) while that
     lowers the predicted time (then the peak) and keeps the peak within the budget."""
@@ -392,7 +480,7 @@ def _local_search(cm, cand, budget, kinds, rounds=3):
         improved = False
         kinds_now = _per_block(best.units)
         for i in range(n):
-            for k in kinds:
+            for k in _choices(cm, kinds):
                 if k == kinds_now[i]:
                     continue
                 units = _replace(best.units, i, k)
@@ -405,23 +493,26 @@ def _local_search(cm, cand, budget, kinds, rounds=3):
 
 
 def _per_block(units):
+    """Per block its unit's kind, ``(kind, True)`` for a lossy one (as :func:`_choices` names them)."""
     out = []
     for u in units:
-        out += [u.kind] * (u.end - u.start + 1)
+        out += [(u.kind, True) if u.store else u.kind] * (u.end - u.start + 1)
     return out
 
 
 def _replace(units, i, kind):
+    """``units`` with block ``i`` alone given ``kind`` (or ``(kind, True)``: lossy)."""
+    kind, store = kind if isinstance(kind, tuple) else (kind, False)
     out = []
     for u in units:
         if u.start <= i <= u.end:
             for j in range(u.start, u.end + 1):
                 if j == i:
-                    out.append(Unit(j, j, kind))
+                    out.append(Unit(j, j, kind, store=store))
                 elif u.start == u.end:
                     out.append(u)
                 else:
-                    out.append(Unit(j, j, u.kind))
+                    out.append(Unit(j, j, u.kind, store=u.store))
         else:
             out.append(u)
     return out
@@ -436,6 +527,11 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
     segments may nest (1: flat segments only). Raises :class:`InfeasibleBudget` (with the smallest
     feasible budget) when nothing fits.
 
+    With ``cm.store_dtype`` (lossy storage allowed) the exact problem is solved first and its best
+    plan joins the candidates (local search can then turn its offloads lossy one at a time): the
+    lossy search is larger and its pruning could miss a plan the exact one finds, and a lossy
+    answer must never be slower than the exact one. So it takes about three times as long.
+
     Example::
 
         best = solve(cm, 32 << 20)      # Candidate(units, prefetch_bytes, peak_bytes, step_s)
@@ -444,8 +540,15 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
     max_segment = n if segments else 1
     levels = levels if segments else 1
     windows = _prefetch_options(cm) if prefetch_bytes is None else [prefetch_bytes]
-    options = _nested_options(cm, n, kinds, max_segment, levels)
     cands = []
+    if getattr(cm, "store_dtype", None) is not None:
+        try:
+            exact = solve(dataclasses.replace(cm, store_dtype=None), budget, kinds, exhaustive_max_blocks,
+                          prefetch_bytes, segments, levels)
+            cands.append(evaluate(cm, exact.units, exact.prefetch_bytes, exact.source))
+        except InfeasibleBudget:
+            pass
+    options = _nested_options(cm, n, kinds, max_segment, levels)
     for p in windows:
         units = chain_dp(cm, budget, p, kinds=kinds, max_segment=max_segment, _options=options)
         if units:
@@ -456,17 +559,22 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
         if units:
             cands.append(evaluate(cm, units, p, "dp_least_peak"))
     r = rotor(cm, budget, max_segment) if "recompute" in kinds else None
+    lossy = getattr(cm, "store_dtype", None) is not None
     for p in windows:
         for name, units in baselines(cm).items():
             if all(u.kind in kinds and (segments or u.start == u.end) for u in units):
                 cands.append(evaluate(cm, units, p, name))
+                if lossy and any(u.kind in STORE_KINDS for u in units):
+                    cands.append(evaluate(cm, _all_lossy(units), p, name + "_lossy"))
         for k in range(n + 1):
             if "offload" in kinds or k == 0:
                 cands.append(evaluate(cm, first_k_units(n, k), p, f"first_{k}_offload"))
+                if lossy and k:
+                    cands.append(evaluate(cm, _all_lossy(first_k_units(n, k)), p, f"first_{k}_offload_lossy"))
         if r:
             cands.append(evaluate(cm, r, p, "rotor"))
     if n <= exhaustive_max_blocks:
-        for units in _all_unit_lists(n, kinds, max_segment, levels):
+        for units in _all_unit_lists(n, kinds, max_segment, levels, cm):
             for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
     fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
@@ -512,7 +620,7 @@ def _lower_peak(cm, cand, kinds, rounds=3):
         improved = False
         kinds_now = _per_block(best.units)
         for i in range(len(cm.blocks)):
-            for k in kinds:
+            for k in _choices(cm, kinds):
                 if k == kinds_now[i]:
                     continue
                 c = evaluate(cm, _replace(best.units, i, k), best.prefetch_bytes, best.source + "+lp")
@@ -532,9 +640,12 @@ def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=
     pool = list(cands)
     if levels:
         pool += least_peak_candidates(cm, kinds, windows, segments, levels)
+    lossy = getattr(cm, "store_dtype", None) is not None
     for p in windows:
         for kind in kinds:
             pool.append(evaluate(cm, singles([kind] * n), p))
+            if lossy and kind in STORE_KINDS:
+                pool.append(evaluate(cm, _all_lossy(singles([kind] * n)), p))
         if segments:
             for kind in SEGMENT_KINDS:
                 if kind in kinds:

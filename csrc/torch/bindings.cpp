@@ -273,6 +273,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     ranges["reload_batch"] = copy_ranges::kReloadBatch;
     ranges["prefetch"] = copy_ranges::kPrefetch;
     ranges["prefetch_batch"] = copy_ranges::kPrefetchBatch;
+    ranges["reload_convert"] = copy_ranges::kReloadConvert;
     m.attr("COPY_RANGES") = ranges;
   }
   m.attr("ALIGNMENT") = kAlignment;

@@ -99,6 +99,9 @@ inline constexpr const char* kReload = "ckpt_offload::reload";
 inline constexpr const char* kReloadBatch = "ckpt_offload::reload_batch";
 inline constexpr const char* kPrefetch = "ckpt_offload::prefetch";
 inline constexpr const char* kPrefetchBatch = "ckpt_offload::prefetch_batch";
+// Around the allocation and conversion of a full-width tensor reloaded from a narrower storage
+// (co.offload(store_dtype=...)).
+inline constexpr const char* kReloadConvert = "ckpt_offload::reload_convert";
 }  // namespace copy_ranges
 
 // A named range around the enqueueing of a copy: shows in torch.profiler traces

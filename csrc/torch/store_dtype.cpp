@@ -4,6 +4,7 @@
 
 #include "../core/profiler.h"
 #include "device_memory.h"
+#include "runtime.h"
 #include "tensor_layout.h"
 
 namespace py = pybind11;
@@ -174,6 +175,10 @@ at::Tensor SavedTensor::unpack_converted() {
   // reloads do (lo_ is the tensor's first byte in its original storage).
   const int64_t offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
   const int64_t bytes = (offset + store_elems_) * item;
+  // The full-width tensor is what backward keeps: allocated inside a profiler range of its own,
+  // so that torch.profiler's memory events tell it from backward's temporaries (the planner's
+  // measured peak counts allocations made in ckpt_offload's reload ranges).
+  CopyRange range(copy_ranges::kReloadConvert, device_);
   c10::Storage st = device_storage(device_, static_cast<size_t>(bytes));
   store_up(store_source_, static_cast<char*>(st.mutable_data()) + offset * item, store_elems_, store_format_, narrow,
            cur);
