@@ -233,6 +233,12 @@ def test_bad_arguments(tiny, kwargs, error, match):
         co.plan(tiny.model, tiny.step, devices=["cpu"], costs=tiny.costs, **kwargs)
 
 
+def test_a_plan_without_a_budget_warns_that_it_will_be_required(tiny):
+    with pytest.warns(DeprecationWarning, match=r"co.plan without budget= is deprecated.*budget='2GiB'"):
+        p = co.plan(tiny.model, tiny.step, devices=["cpu"], costs=tiny.costs)
+    assert p.budget == 2 << 30
+
+
 def test_bad_model_and_step():
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         co.plan(object(), lambda: None)

@@ -238,7 +238,7 @@ def _model_device(model) -> str:
     return "cpu"
 
 
-def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None, bandwidth=None, *,
+def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
          costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
@@ -251,8 +251,10 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
             optimizer step needed). It is called three times (warm-up, bytes, times) with the
             model in its current mode; gradients accumulate, zero them after.
         budget: bytes (int) or a string such as ``"2GiB"``: the device memory saved activations
-            may take at peak. Too small: :class:`~ckpt_offload.planner.solver.InfeasibleBudget`
-            (a ``ValueError``) naming the smallest feasible budget.
+            may take at peak -- the one thing a plan must be told. Too small:
+            :class:`~ckpt_offload.planner.solver.InfeasibleBudget` (a ``ValueError``) naming the
+            smallest feasible budget. Left out, it is 2 GiB with a ``DeprecationWarning`` (required
+            from 0.3.0).
         devices: as in ``co.offload`` (``["cpu"]`` to offload CPU tensors); default: the model's
             device type.
         layers: which blocks, as in ``co.apply`` (default: the longest list of identical blocks).
@@ -315,6 +317,12 @@ def plan(model: torch.nn.Module, step, budget="2GiB", devices=None, layers=None,
     if not callable(step):
         raise TypeError(f"step must be a function of no arguments running forward and backward, got "
                         f"{type(step).__name__}")
+    if budget is None:
+        warnings.warn(
+            "co.plan without budget= is deprecated and the 2GiB it falls back to goes in 0.3.0: pass the device "
+            "memory saved activations may take, e.g. co.plan(model, step, budget='2GiB')",
+            DeprecationWarning, stacklevel=2)
+        budget = "2GiB"
     budget_bytes = parse_bytes("budget", budget)
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
