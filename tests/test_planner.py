@@ -237,6 +237,8 @@ def test_a_plan_without_a_budget_warns_that_it_will_be_required(tiny):
     with pytest.warns(DeprecationWarning, match=r"co.plan without budget= is deprecated.*budget='2GiB'"):
         p = co.plan(tiny.model, tiny.step, devices=["cpu"], costs=tiny.costs)
     assert p.budget == 2 << 30
+    # The plan's settings went on a copy: the shared costs keep min_bytes=0 for the other tests.
+    assert tiny.costs.min_bytes == 0 and p.costs is not tiny.costs and p.costs.min_bytes == co.DEFAULT_MIN_BYTES
 
 
 def test_bad_model_and_step():

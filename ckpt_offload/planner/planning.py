@@ -366,6 +366,10 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             del state
     elif len(costs.blocks) != len(named):
         raise ValueError(f"costs has {len(costs.blocks)} blocks, the model {len(named)}; measure them again")
+    else:
+        # This plan's settings (min_bytes, bandwidth, exclusions, storage) go on a copy: the caller's
+        # CostModel, which may serve other plans, stays as it was measured.
+        costs = dataclasses.replace(costs)
     costs.excluded = _excluded(costs, allow)
     if bw is not None:
         costs.bandwidth = bw
