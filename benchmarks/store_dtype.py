@@ -39,6 +39,10 @@ Usage::
     python3 benchmarks/store_dtype.py --device cuda --out DIR    # the GPU run (medium preset)
     python3 benchmarks/store_dtype.py --preset small --train-steps 100
 
+On CPU the clock is the process's CPU time with one intra-op thread (``--threads``), so that other
+processes on the machine, and idle threads spinning for work, count as little as they can; on a
+GPU the wall clock, synchronized.
+
 Writes ``store_dtype.json`` and ``store_dtype.md`` under ``--out``. Benchmarks measure, they do not
 assert: the exit status is 0 unless something crashed, the ``exact`` arm's gradients are not
 bit-identical to ``none``'s, or it stored fewer bytes than it offloaded.
@@ -263,6 +267,7 @@ def fmt_bytes(n) -> str:
 def markdown(r: dict) -> str:
     a = r["args"]
     c = r["config"]
+    threads = "" if r.get("cpu_threads") is None else f", {r['cpu_threads']} CPU thread(s)"
     lines = [f"# Low-precision storage of offloaded activations ({r['device'].upper()})", ""]
     if r["device"] == "cpu":
         lines += ["**CPU numbers, not GPU numbers**: the 'offload' is a copy into host memory on the same CPU and "
@@ -271,7 +276,7 @@ def markdown(r: dict) -> str:
               f"batch {c['batch']}, vocab {c['vocab']}, dropout {c['dropout']}; {r['device_name']}; "
               f"`co.offload(devices=['{r['device']}'], min_bytes={a['min_bytes']}, store_dtype=...)` around the "
               f"forward and loss. {a['rounds']} rounds x {a['steps']} steps per arm after {a['warmup']} warm-up "
-              f"steps, arms interleaved; {r['clock']} clock; gradients over {a['batches']} batches.", "",
+              f"steps, arms interleaved; {r['clock']} clock{threads}; gradients over {a['batches']} batches.", "",
               "| arm | offloaded / step | stored / step | stored / offloaded | stored / exact's | converted | "
               "median step ms | vs exact | A/A | grad rel err (mean) | grad rel err (max) | activation rel err |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -334,6 +339,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clock", choices=["auto", "wall", "process"], default="auto",
                    help="auto: wall on a GPU (synchronized), the process's CPU time on CPU")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU only: torch's intra-op threads while measuring (default 1: idle threads spinning "
+                        "for work would count in the process clock, and vary with the machine's load; 0 leaves "
+                        "torch's setting)")
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few steps (seconds)")
     p.add_argument("--out", default=None, help="folder for store_dtype.json and store_dtype.md")
     args = p.parse_args(argv)
@@ -346,8 +355,9 @@ def parse_args(argv=None):
     for name in ("rounds", "steps", "batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    if args.warmup < 0 or (args.train_steps is not None and args.train_steps < 0) or args.min_bytes < 0:
-        p.error("--warmup, --train-steps and --min-bytes must not be negative")
+    if args.warmup < 0 or (args.train_steps is not None and args.train_steps < 0) or args.min_bytes < 0 \
+            or args.threads < 0:
+        p.error("--warmup, --train-steps, --min-bytes and --threads must not be negative")
     return args
 
 
@@ -363,6 +373,21 @@ def main(argv=None) -> int:
     cfg = make_config(args.preset, dropout=args.dropout, **overrides)
     clock_kind = args.clock if args.clock != "auto" else ("wall" if device == "cuda" else "process")
     clock = Clock(clock_kind, device)
+    threads_before = torch.get_num_threads()
+    if device == "cpu" and args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        report = run(args, cfg, device, clock)
+    finally:
+        torch.set_num_threads(threads_before)
+    md = markdown(report)
+    print(md)
+    if args.out:
+        save_report(args.out, "store_dtype", report, md)
+    return verdict(report["arms"])
+
+
+def run(args, cfg, device: str, clock: Clock) -> dict:
     t0 = time.perf_counter()
     rows = measure(args, cfg, device, clock)
     report = {
@@ -370,17 +395,19 @@ def main(argv=None) -> int:
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" else (platform.processor() or "CPU"),
         "torch": torch.__version__,
         "package": co.__file__,
-        "clock": clock_kind,
+        "clock": clock.kind,
+        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
         "args": vars(args),
         "config": cfg.as_dict(),
         "arms": rows,
         "train": train(args, cfg, device) if args.train_steps > 0 else None,
     }
     report["wall_s"] = time.perf_counter() - t0
-    md = markdown(report)
-    print(md)
-    if args.out:
-        save_report(args.out, "store_dtype", report, md)
+    return report
+
+
+def verdict(rows: dict) -> int:
+    """1 if exact storage was not exact (gradients or bytes), else 0; the reasons on stderr."""
     rc = 0
     ex = rows["exact"]
     for arm in ("exact", "exact_aa"):

@@ -63,6 +63,7 @@ def test_quick_run_writes_outputs_labelled_cpu(quick_run, sd):
         assert f"| {arm} |" in md
     cfg = report["config"]
     assert cfg["name"] == "tiny" and cfg["dropout"] == 0.0
+    assert report["clock"] == "process" and report["cpu_threads"] == 1
 
 
 def test_every_arm_timed_over_interleaved_rounds(quick_run, sd):
@@ -171,8 +172,10 @@ def test_gradient_helpers(sd):
 def test_exact_storage_that_is_not_exact_fails_the_run(sd, tmp_path, monkeypatch):
     """If 'exact' storage rounded, the run must say so: exit status 1 and the reason on stderr."""
     monkeypatch.setitem(sd.ARMS, "exact", torch.bfloat16)
+    threads = torch.get_num_threads()
     rc = sd.main(["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0", "--batches", "1",
                   "--train-steps", "0", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "store_dtype.json").read_text())
     assert rc == 1 and report["train"] is None
+    assert torch.get_num_threads() == threads  # --threads 1 held only while measuring
     assert not report["arms"]["exact"]["grad_bit_identical"] and report["arms"]["exact_aa"]["grad_bit_identical"]
