@@ -208,14 +208,6 @@ def test_public_names_are_what_all_lists():
 # --- one option list -------------------------------------------------------------------------------
 
 
-def _packer_arguments() -> list:
-    """The keyword arguments the native Packer takes, read from its pybind11 signature."""
-    doc = _C.Packer.__init__.__doc__
-    m = re.search(r"__init__\(self[^,]*, \*, (.*)\) -> None", doc)
-    assert m, doc
-    return [a.split(":")[0].strip() for a in m.group(1).split(", ")]
-
-
 def test_the_option_list_is_written_once_in_python_and_once_at_the_cpp_boundary():
     fields = [f.name for f in dataclasses.fields(OffloadOptions)]
     assert tuple(fields) == OFFLOAD_KEYS
@@ -224,14 +216,17 @@ def test_the_option_list_is_written_once_in_python_and_once_at_the_cpp_boundary(
     assert [p for p in params if p != "keep_dedup"] == fields
     for f in dataclasses.fields(OffloadOptions):
         assert params[f.name].default == f.default, f.name
-    # The C++ boundary: every argument is keyword-only and has no default there...
-    native = _packer_arguments()
-    assert "=" not in _C.Packer.__init__.__doc__.split("\n")[0]
-    assert sorted(native) == sorted(["pool", *OffloadOptions().packer_kwargs()])
-    with pytest.raises(TypeError):
-        _C.Packer(pool=co.HostPool(pinned=False)._impl, min_bytes=0)  # nothing is filled in for you
-    # ...and what Python hands it covers every field (a new field must reach the engine).
+    # The C++ boundary: one table of option names (no defaults there), exactly what Python passes.
     kwargs = OffloadOptions(**CPU).packer_kwargs()
+    assert sorted(_C.PACKER_OPTIONS) == sorted(kwargs)
+    pool = co.HostPool(pinned=False)._impl
+    _C.Packer(pool, **kwargs)
+    with pytest.raises(TypeError, match="Packer: missing option 'measure_error'"):
+        _C.Packer(pool, **{k: v for k, v in kwargs.items() if k != "measure_error"})  # nothing is filled in for you
+    with pytest.raises(TypeError, match="Packer: unknown option 'min_byte'"):
+        _C.Packer(pool, **kwargs, min_byte=0)
+    with pytest.raises(TypeError, match="Packer: option 'min_bytes' has the wrong type"):
+        _C.Packer(pool, **dict(kwargs, min_bytes="0"))
     assert kwargs["offload_cpu"] and not kwargs["offload_cuda"] and kwargs["min_bytes"] == 0
 
 

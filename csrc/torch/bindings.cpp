@@ -2,6 +2,10 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "../core/host_pool.h"
 #include "../core/profiler.h"
@@ -22,6 +26,55 @@ void bind_spill(py::module_& m);  // spill_bindings.cpp
 }
 
 namespace {
+
+// The Packer's options at the C++ boundary, written once: each name with the field it sets. The
+// defaults are not here: Python's OffloadOptions (ckpt_offload/options.py) has them, and its
+// packer_kwargs() passes every one of these by keyword (_C.PACKER_OPTIONS lists them for its test).
+using SetOption = void (*)(PackerOptions&, const py::handle&);
+const std::vector<std::pair<const char*, SetOption>>& packer_option_table() {
+  static const std::vector<std::pair<const char*, SetOption>> table = {
+      {"min_bytes", [](PackerOptions& o, const py::handle& v) { o.min_bytes = v.cast<int64_t>(); }},
+      {"offload_cpu", [](PackerOptions& o, const py::handle& v) { o.offload_cpu = v.cast<bool>(); }},
+      {"offload_cuda", [](PackerOptions& o, const py::handle& v) { o.offload_cuda = v.cast<bool>(); }},
+      {"side_stream", [](PackerOptions& o, const py::handle& v) { o.side_stream = v.cast<bool>(); }},
+      {"raise_on_full", [](PackerOptions& o, const py::handle& v) { o.raise_on_full = v.cast<bool>(); }},
+      {"prefetch_bytes", [](PackerOptions& o, const py::handle& v) { o.prefetch_bytes = v.cast<int64_t>(); }},
+      {"prefetch_auto", [](PackerOptions& o, const py::handle& v) { o.prefetch_auto = v.cast<bool>(); }},
+      {"batch_below", [](PackerOptions& o, const py::handle& v) { o.batch_below = v.cast<int64_t>(); }},
+      {"batch_bytes", [](PackerOptions& o, const py::handle& v) { o.batch_bytes = v.cast<int64_t>(); }},
+      {"store_dtype",
+       [](PackerOptions& o, const py::handle& v) { o.store_format = store_format_from_name(v.cast<std::string>()); }},
+      {"store_min_bytes", [](PackerOptions& o, const py::handle& v) { o.store_min_bytes = v.cast<int64_t>(); }},
+      {"measure_error", [](PackerOptions& o, const py::handle& v) { o.measure_error = v.cast<bool>(); }},
+  };
+  return table;
+}
+
+// Every option must be given, and nothing else: a missing one would run with a zero the user
+// never chose, an unknown one would be a name that reaches nothing.
+PackerOptions packer_options(std::shared_ptr<HostPool> pool, const py::kwargs& kwargs) {
+  PackerOptions o;
+  o.pool = std::move(pool);
+  size_t used = 0;
+  for (const auto& [name, set] : packer_option_table()) {
+    if (!kwargs.contains(name)) throw py::type_error(std::string("Packer: missing option '") + name + "'");
+    try {
+      set(o, kwargs[name]);
+    } catch (const py::cast_error&) {
+      throw py::type_error(std::string("Packer: option '") + name + "' has the wrong type");
+    }
+    ++used;
+  }
+  if (used != kwargs.size()) {
+    for (const auto& item : kwargs) {
+      const std::string key = py::str(item.first);
+      bool known = false;
+      for (const auto& entry : packer_option_table()) known = known || key == entry.first;
+      if (!known) throw py::type_error("Packer: unknown option '" + key + "'");
+    }
+  }
+  return o;
+}
 
 py::dict pool_stats(HostPool& pool) {
   PoolStats s = pool.stats();
@@ -166,32 +219,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tensor"), py::arg("store_dtype"));
 
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
-      .def(py::init([](std::shared_ptr<HostPool> pool, int64_t min_bytes, bool offload_cpu, bool offload_cuda,
-                       bool side_stream, bool raise_on_full, int64_t prefetch_bytes, int64_t batch_below,
-                       int64_t batch_bytes, bool prefetch_auto, const std::string& store_dtype,
-                       int64_t store_min_bytes, bool measure_error) {
-             PackerOptions o;
-             o.store_format = store_format_from_name(store_dtype);
-             o.store_min_bytes = store_min_bytes;
-             o.measure_error = measure_error;
-             o.prefetch_auto = prefetch_auto;
-             o.prefetch_bytes = prefetch_bytes;
-             o.batch_below = batch_below;
-             o.batch_bytes = batch_bytes;
-             o.pool = std::move(pool);
-             o.min_bytes = min_bytes;
-             o.offload_cpu = offload_cpu;
-             o.offload_cuda = offload_cuda;
-             o.side_stream = side_stream;
-             o.raise_on_full = raise_on_full;
-             return std::make_shared<Packer>(std::move(o));
+      .def(py::init([](std::shared_ptr<HostPool> pool, const py::kwargs& options) {
+             return std::make_shared<Packer>(packer_options(std::move(pool), options));
            }),
-           // Every option by keyword, none defaulted: the defaults live once, in Python's
-           // OffloadOptions (ckpt_offload/options.py), whose packer_kwargs() fills this list.
-           py::kw_only(), py::arg("pool"), py::arg("min_bytes"), py::arg("offload_cpu"), py::arg("offload_cuda"),
-           py::arg("side_stream"), py::arg("raise_on_full"), py::arg("prefetch_bytes"), py::arg("batch_below"),
-           py::arg("batch_bytes"), py::arg("prefetch_auto"), py::arg("store_dtype"), py::arg("store_min_bytes"),
-           py::arg("measure_error"))
+           py::arg("pool"))
       // Note [Hook entry points]: each read gives a new function object; push and compare the
       // same one.
       .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &pack_def); })
@@ -265,6 +296,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("_fail_next_prefetches") = testing.attr("fail_next_prefetches");
   m.attr("_set_batch_staging") = testing.attr("set_batch_staging");
   m.attr("BATCH_CHUNK_BYTES") = kBatchChunkBytes;
+  {
+    py::list names;
+    for (const auto& entry : packer_option_table()) names.append(entry.first);
+    m.attr("PACKER_OPTIONS") = names;
+  }
   {
     py::dict ranges;  // the copy ranges' names, defined once in runtime.h
     ranges["offload"] = copy_ranges::kOffload;
