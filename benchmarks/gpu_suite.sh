@@ -51,7 +51,8 @@
 # Environment: PYTHON (default python3; falls back to ./.venv/bin/python when python3 has no
 # torch), MAX_JOBS (default 16), SUITE_BUDGET_S (default 540), REQUIRE_GPU (default 0),
 # SKIP_BUILD=1 (use the extension already built in place, as --skip build does; the step table says
-# so), DIAGNOSE=1 (add the diagnose step), OVERLAP_BUDGET_S (45: the old overlap benchmark is now a small check), PLANNER_BUDGET_S (60: the
+# so), DIAGNOSE=1 (add the diagnose step), STORE_DTYPE=1 (add the store_dtype step: benchmarks/store_dtype.py;
+# STORE_DTYPE_TRAIN_STEPS, default 100, STORE_DTYPE_BUDGET_S, default 300), OVERLAP_BUDGET_S (45: the old overlap benchmark is now a small check), PLANNER_BUDGET_S (60: the
 # planner sweep's rows stop there; skipped when less than that is left after a 100 s reserve for
 # the demo), LONG_CONTEXT_BUDGET_S (150: long_context.py --budget-s; its step cap is 60 s more), GPU_TESTS_BUDGET_S (200), GPU_TEST_TIMEOUT_S (120, per
 # test, through pytest-timeout), GPU_TESTS_ISOLATE=1 (after a crash, run every remaining test of
@@ -67,7 +68,7 @@
 set -u
 set -o pipefail
 
-STEP_NAMES="build build_info diagnose gpu_tests cpu_tests bandwidth disk_tier hot_path overlap long_context planner demo"
+STEP_NAMES="build build_info diagnose gpu_tests cpu_tests bandwidth disk_tier hot_path overlap long_context store_dtype planner demo"
 
 usage() {
   cat <<'EOF'
@@ -149,6 +150,8 @@ want() { # STEP: is it selected (--only, --skip, DIAGNOSE)?
     in_list "$1" "$ONLY" || return 1
   elif [ "$1" = diagnose ] && [ "${DIAGNOSE:-0}" != "1" ]; then
     return 1
+  elif [ "$1" = store_dtype ] && [ "${STORE_DTYPE:-0}" != "1" ]; then
+    return 1  # opt-in, like diagnose: --only store_dtype, or STORE_DTYPE=1 (about 3 minutes on a GPU)
   fi
   if [ -n "$SKIP" ] && in_list "$1" "$SKIP"; then return 1; fi
   return 0
@@ -448,6 +451,22 @@ EOF
       --out "$EXTRAS/long_context"
   else
     record long_context "SKIPPED" 0 "benchmarks/long_context.py does not exist"
+  fi
+
+  # ---- store_dtype: bytes, step time and error of each storage dtype (opt-in) -------------------
+  # Not in the default run (the suite's budget goes to the headline); select it with --only or
+  # STORE_DTYPE=1. Its files go into extras/store_dtype/. Without a GPU: --quick.
+  if ! want store_dtype; then
+    not_selected store_dtype
+  else
+    mkdir -p "$EXTRAS/store_dtype"
+    if [ "$TORCH_GPU" = "1" ]; then
+      SD_ARGS=(--device cuda --train-steps "${STORE_DTYPE_TRAIN_STEPS:-100}")
+    else
+      SD_ARGS=(--quick)
+    fi
+    step store_dtype "${STORE_DTYPE_BUDGET_S:-300}" - "$PY" benchmarks/store_dtype.py "${SD_ARGS[@]}" \
+      --out "$EXTRAS/store_dtype"
   fi
 
   # ---- overlap: every strategy side by side on the built-in Llama decoder ---------------------
