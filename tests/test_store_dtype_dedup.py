@@ -7,7 +7,6 @@ only overlap are converted on their own."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import assert_bit_identical, grads_of
 
 import ckpt_offload as co
