@@ -270,3 +270,35 @@ def test_batched_small_tensors_are_not_affected():
     s = ctx.stats()
     assert s["tensors_converted"] == 0 and s["tensors_deduplicated"] == 2  # the exact path's dedup
     assert torch.equal(x.grad, (2 * x.detach().exp() ** 2))
+
+
+def test_retain_graph_converts_the_shared_copy_back_again_with_the_same_bits():
+    torch.manual_seed(5)
+    x = (torch.randn(64, 64) * 0.5).requires_grad_()
+    with offloading(torch.bfloat16) as ctx:
+        y = x.exp()
+        loss = (y * y).sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward()  # every saved tensor unpacks again: the narrow copy is reloaded and converted again
+    assert_bit_identical({"x": first}, {"x": x.grad})
+    s = ctx.stats()
+    # the first backward converts back once; the second keeps no reload for later unpacks (each saved tensor
+    # already unpacked once), so the one exp's backward asks for is converted back again once mul's is freed
+    assert s["tensors_converted"] == 1 and s["tensors_reloaded"] + s["tensors_reload_shared"] == 6
+    assert s["tensors_reloaded"] <= 3
+
+
+def test_partial_backward_leaves_nothing_behind():
+    """Only one of the two saved tensors over a copy unpacks (the other's branch gets no gradient): the kept
+    full-width reload and the copy go with the graph (the fixture checks the pool and the device bytes)."""
+    x = torch.randn(64, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    with offloading(torch.bfloat16) as ctx:
+        y = x.exp()
+        a = y.sin()          # saves y
+        b = y.reshape(32, 128) * w.reshape(32, 128)  # saves y reshaped (and w)
+    torch.autograd.backward(a.sum(), inputs=[x])
+    assert ctx.stats()["tensors_deduplicated"] >= 1
+    del a, b, y
