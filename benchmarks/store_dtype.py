@@ -297,8 +297,8 @@ def markdown(r: dict) -> str:
     lossy = r["arms"][LOSSY_ARMS[0]]
     if lossy["bytes_offloaded"] != ex["bytes_offloaded"]:
         lines += ["", f"The lossy arms offload {fmt_bytes(lossy['bytes_offloaded'])} per step against exact's "
-                  f"{fmt_bytes(ex['bytes_offloaded'])}: converted tensors are not deduplicated against other views of "
-                  f"their storage (exact storage deduplicated {ex['tensors_deduplicated']} tensors, "
+                  f"{fmt_bytes(ex['bytes_offloaded'])}: converted views whose spans only overlap are not deduplicated "
+                  f"against each other (exact storage deduplicated {ex['tensors_deduplicated']} tensors, "
                   f"{fmt_bytes(ex['bytes_deduplicated'])}), so `stored / exact's` is the host memory and link "
                   "traffic actually saved."]
     if r.get("train"):

@@ -212,7 +212,12 @@ class offload:
             an accuracy trade-off; :meth:`stats` counts ``bytes_stored`` against
             ``bytes_offloaded``. Integer, bool and complex tensors, and tensors already at or below
             the storage width, are stored exactly. Converted tensors are copied one by one (never
-            batched) and not deduplicated against other views of their storage.
+            batched). A saved tensor whose span is exactly an earlier converted one's (same
+            storage, first and last byte, dtype and version: the same tensor saved twice, or a view
+            of it in another layout, like softmax's output reshaped for a matmul) shares its narrow
+            copy and its conversion back (counted in ``tensors_deduplicated``; gradients are the
+            same bits as converting it again); views whose spans only overlap are converted each
+            on its own.
         store_min_bytes: tensors spanning fewer bytes than this are stored exactly even with
             ``store_dtype`` (default ``0``: every offloaded floating-point tensor is converted).
         measure_error: with ``store_dtype``, measure the relative error ``||x - stored(x)|| /

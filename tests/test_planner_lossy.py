@@ -17,7 +17,7 @@ import torch
 import ckpt_offload as co
 from ckpt_offload.planner import Bandwidth, InfeasibleBudget, Unit, measure_costs, saved_activation_peak, simulate
 from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import converted_packs, stored_bytes
+from ckpt_offload.planner.costs import converted_packs, converted_shares, stored_bytes
 
 from conftest import assert_bit_identical, grads_of
 from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
@@ -372,14 +372,16 @@ def test_integer_tensors_are_not_counted_as_convertible():
     assert ints, b.pack_dtypes  # gather saved its index
     conv = converted_packs(b, torch.bfloat16)
     assert conv and not set(ints) & set(conv)
+    # tanh's output is saved three times: one converted copy, which the other two share
+    shares = converted_shares(b, torch.bfloat16)
+    assert shares and all(b.packs[p] == b.packs[q] and q < p for p, q in shares.items())
     int_bytes = sum(b.storages[si].nbytes for si in set(ints))
     cm = dataclasses.replace(cm, store_dtype=torch.bfloat16)
     units = [Unit(i, i, "offload", store=True) for i in range(3)]
     predicted = simulate(cm, units, 0)
     exact = simulate(cm, [Unit(i, i, "offload") for i in range(3)], 0)
-    # The index is stored as it is; each saved tensor of a floating-point storage is stored on its
-    # own at half its bytes (tanh's output is saved three times here: three narrow copies, 1.5x
-    # its exact bytes, which is why the planner weighs lossy storage block by block).
+    # The index is stored as it is; each converted copy of a floating-point storage at half its
+    # bytes (a saved tensor of exactly an earlier one's span shares that copy).
     assert set(conv) | set(ints) == set(range(len(b.storages)))  # the rest: fp32, all converted
     narrow = sum(n for v in conv.values() for _, _, n in v)
     assert narrow == sum(span // 2 for v in conv.values() for _, span, _ in v)

@@ -332,9 +332,10 @@ def test_tiny_gpt2_training_error_bounded():
     assert exact_stats["tensors_converted"] == 0
     # (loss, gradient) relative bounds, ~4x what was measured on CPU (bf16: 2e-5 / 3e-3; fp16:
     # 1e-6 / 4e-4; e4m3: 2e-4 / 5e-2; e5m2: 6e-4 / 0.13), and the host bytes against exact
-    # storage: converted views are not deduplicated, so a little more than 1/2 and 1/4.
-    bounds = {torch.bfloat16: (1e-4, 1.5e-2, 0.55), torch.float16: (1e-5, 2e-3, 0.55),
-              torch.float8_e4m3fn: (1e-3, 0.2, 0.3), torch.float8_e5m2: (3e-3, 0.5, 0.3)}
+    # storage: a tensor saved twice is converted and stored once, as exact storage keeps one copy, so
+    # 1/2 and 1/4 but for the int64 ids and the fp8 scales (measured: 0.5006 and 0.2515).
+    bounds = {torch.bfloat16: (1e-4, 1.5e-2, 0.505), torch.float16: (1e-5, 2e-3, 0.505),
+              torch.float8_e4m3fn: (1e-3, 0.2, 0.26), torch.float8_e5m2: (3e-3, 0.5, 0.26)}
     for fmt, (loss_tol, grad_tol, byte_ratio) in bounds.items():
         losses, grads, stats = _train(fmt)
         assert stats["tensors_converted"] > 0

@@ -24,7 +24,7 @@ from ckpt_offload.offloading import offload_tensor
 from ckpt_offload.pool import HostPool
 
 __all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
-           "measure_conversion", "stored_bytes", "converted_packs", "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
+           "measure_conversion", "stored_bytes", "converted_packs", "converted_shares", "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
 
 _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
 
@@ -94,7 +94,9 @@ class BlockCost:
     ``pack_dtypes`` / ``pack_spans``: for every saved tensor (as ``packs``), its dtype's name and
     the bytes it spans in its storage, and ``input_dtypes`` / ``input_spans`` the same for
     ``input_sizes``: what ``co.offload(store_dtype=...)`` would convert (floating-point tensors
-    wider than the storage dtype) and into how many bytes (:func:`converted_packs`).
+    wider than the storage dtype) and into how many bytes (:func:`converted_packs`);
+    ``pack_starts``: each saved tensor's first byte in its storage and its version, which tell the
+    saved tensors that share one converted copy (the same span of the same storage, saved twice).
     """
 
     name: str
@@ -112,6 +114,7 @@ class BlockCost:
     calls: int = 1
     pack_dtypes: list = field(default_factory=list)
     pack_spans: list = field(default_factory=list)
+    pack_starts: list = field(default_factory=list)
     input_dtypes: list = field(default_factory=list)
     input_spans: list = field(default_factory=list)
 
@@ -232,16 +235,28 @@ def stored_bytes(dtype_name: str, span: int, store_dtype) -> int | None:
 
 def converted_packs(b: BlockCost, store_dtype) -> dict:
     """``{storage index: [(pack position, span bytes, stored bytes), ...]}``: the storages of ``b``
-    that ``store_dtype`` converts, each pack of one on its own (the engine converts and copies
-    every saved tensor of a converted storage separately, without deduplicating them). A storage
-    counts only when all its packs convert; one with an exact pack (an integer view) is exact.
-    Empty when the costs were measured without dtypes."""
+    that ``store_dtype`` converts, one entry per converted copy: the engine converts and copies
+    each saved tensor of a converted storage on its own, except one whose span (first byte,
+    bytes, dtype, version) is an earlier one's, which shares that copy (:func:`converted_shares`).
+    A storage counts only when all its packs convert; one with an exact pack (an integer view) is
+    exact. Empty when the costs were measured without dtypes."""
+    return _converted(b, store_dtype)[0]
+
+
+def converted_shares(b: BlockCost, store_dtype) -> dict:
+    """``{pack position: the position whose converted copy it shares}`` for the packs of ``b``
+    that :func:`converted_packs` leaves out: saved tensors of exactly an earlier one's span."""
+    return _converted(b, store_dtype)[1]
+
+
+def _converted(b: BlockCost, store_dtype):
     if store_dtype is None or len(b.pack_dtypes) != len(b.packs) or len(b.pack_spans) != len(b.packs):
-        return {}
+        return {}, {}
     cache = b.__dict__.setdefault("_converted", {})
     if store_dtype in cache:
         return cache[store_dtype]
-    out, exact = {}, set()
+    starts = b.pack_starts if len(b.pack_starts) == len(b.packs) else [None] * len(b.packs)
+    out, exact, shares, first = {}, set(), {}, {}
     for pos, si in enumerate(b.packs):
         if si < 0 or si in exact:
             continue
@@ -249,10 +264,17 @@ def converted_packs(b: BlockCost, store_dtype) -> dict:
         if n is None:
             exact.add(si)
             out.pop(si, None)
-        else:
-            out.setdefault(si, []).append((pos, b.pack_spans[pos], n))
-    cache[store_dtype] = out
-    return out
+            continue
+        key = None if starts[pos] is None else (si, tuple(starts[pos]), b.pack_spans[pos], b.pack_dtypes[pos])
+        if key is not None and key in first:
+            shares[pos] = first[key]
+            continue
+        if key is not None:
+            first[key] = pos
+        out.setdefault(si, []).append((pos, b.pack_spans[pos], n))
+    shares = {p: q for p, q in shares.items() if b.packs[p] in out}
+    cache[store_dtype] = out, shares
+    return out, shares
 
 
 def converted_inputs(b: BlockCost, store_dtype) -> list:
@@ -507,6 +529,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
             calls[c].cost.nodes.append(-1)
             calls[c].cost.pack_dtypes.append(_dtype_name(t))
             calls[c].cost.pack_spans.append(_span_bytes(t))
+            calls[c].cost.pack_starts.append((t.storage_offset() * t.element_size(), t._version))
             pack_block(t, k, c)
             return _Packed(t, c, len(calls[c].cost.nodes) - 1)
         return _pack_outside(t, k)
@@ -598,6 +621,7 @@ def _joined(name, costs) -> BlockCost:
         out.input_sizes += c.input_sizes
         out.pack_dtypes += c.pack_dtypes
         out.pack_spans += c.pack_spans
+        out.pack_starts += c.pack_starts
         out.input_dtypes += c.input_dtypes
         out.input_spans += c.input_spans
         out.selective += c.selective

@@ -16,12 +16,13 @@ prefetched, and offloaded ones whose copy has not finished), the quantity
 
 A unit with ``store=True`` keeps what it offloads in the cost model's narrower ``store_dtype``
 (``co.offload(store_dtype=...)``), as the engine does: each saved tensor of a converted storage is
+(unless it is exactly an earlier one's span, which shares that one's copy and full-width tensor)
 converted on the compute stream (``Bandwidth.convert_seconds`` of its full-width bytes) into a
 narrow staging tensor, which its D2H copy reads (the copy backlog is narrow bytes) and the
 storage leaves the device after its last conversion; in backward the narrow bytes come back (the
 prefetch window counts them), are converted up on the compute stream into a full-width tensor
-of the saved tensor's own (not shared with the storage's other saved tensors), which autograd
-frees after the node that unpacked it. Storages the storage dtype does not convert (integers,
+of the copy's own (not shared with the storage's other copies), which autograd frees after the
+last node that unpacked it. Storages the storage dtype does not convert (integers,
 bool, narrower floats) go the exact way. Lossy units run in a co.offload context of their own,
 with its own prefetch window, apart from the exact units' one.
 """
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 
 # The vocabulary of units lives with the block installer's, so both read one definition.
 from ckpt_offload._units import INNER_KINDS, KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, choice_names  # noqa: F401
-from ckpt_offload.planner.costs import converted_inputs, converted_packs
+from ckpt_offload.planner.costs import converted_inputs, converted_packs, converted_shares
 
 __all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
 
@@ -74,7 +75,7 @@ class _Handle:
     """An offloaded storage as the engine's Prefetcher sees it (``group``: its context's, lossy
     or exact; ``full``: a converted tensor's full-width bytes, 0 for an exact storage)."""
 
-    __slots__ = ("nbytes", "pending", "staged", "ready", "resident", "seq", "group", "full")
+    __slots__ = ("nbytes", "pending", "staged", "ready", "resident", "seq", "group", "full", "up", "users")
 
     def __init__(self, nbytes, pending, seq, group=False, full=0):
         self.nbytes, self.pending, self.seq = nbytes, pending, seq
@@ -82,6 +83,8 @@ class _Handle:
         self.ready = 0.0
         self.resident = False  # reloaded and still on the device
         self.group, self.full = group, full
+        self.up = False  # a converted copy's full-width tensor is on the device
+        self.users = pending  # saved tensors over a converted copy whose node has not finished
 
 
 def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
@@ -194,10 +197,16 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                     mem(tp, s.nbytes)
                     if si in conv:
                         last = tp
+                        sharers = {}
+                        for p2, p1 in converted_shares(b, store).items():
+                            sharers.setdefault(p1, []).append(p2)
                         for pos, span, narrow in conv[si]:
                             tq = t0 + dur * (pos + 1) / k
-                            h = new_handle(narrow, 1, True, full=span)
+                            # one copy for it and the saved tensors of exactly its span
+                            h = new_handle(narrow, 1 + len(sharers.get(pos, ())), True, full=span)
                             unit_handles[(ui, bi, si, pos)] = h
+                            for p2 in sharers.get(pos, ()):
+                                unit_handles[(ui, bi, si, p2)] = h
                             mem(tq, narrow)
                             done = d2h.copy(tq, narrow)
                             info["copy_s"] += bw.copy_seconds(narrow, 1, "d2h")
@@ -267,9 +276,11 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             h.resident = True
         h.pending -= 1
         after_unpack(h)
-        if h.full:
+        if h.full and not h.up:
             # Then (the engine's narrow unpack has started the next prefetches already) converted
-            # up on the compute stream into a full-width tensor; the narrow one goes after.
+            # up on the compute stream into a full-width tensor; the narrow one goes after. The
+            # saved tensors sharing the copy share that tensor.
+            h.up = True
             mem(now[0], h.full)
             c = bw.convert_seconds(h.full)
             now[0] += c
@@ -298,8 +309,11 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
             for pos in group:
                 si = b.packs[pos]
                 h = unit_handles.get((ui, bi, si, pos)) if si >= 0 and kind == "offload" else None
-                if h is not None:  # a converted saved tensor's own full-width copy
-                    mem(now[0], -h.full)
+                if h is not None:  # a converted copy's full-width tensor, once its last user is done
+                    h.users -= 1
+                    if h.users == 0 and h.up:
+                        h.up = False
+                        mem(now[0], -h.full)
                 elif si >= 0 and b.storages[si].first == pos:
                     s = b.storages[si]
                     if skip_input and s.is_input:

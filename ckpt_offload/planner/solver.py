@@ -81,7 +81,8 @@ def _unit_terms(cm, u, prefetch):
 def store_terms(cm, u):
     """A lossy unit's (d2h bytes, d2h copies, bytes converted each way, extra backward working bytes)
     in the chain model: its offloaded bytes the storage dtype converts cross the link narrow, one
-    copy per saved tensor, and come back as one full-width tensor per saved tensor."""
+    copy per converted copy (a saved tensor of exactly an earlier one's span shares it), and come
+    back as one full-width tensor per converted copy."""
     mb, store = cm.min_bytes, cm.store_dtype
     d_bytes = d_copies = conv = extra = 0
     if u.kind == "offload":

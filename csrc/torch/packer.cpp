@@ -292,7 +292,10 @@ void Packer::end(bool keep_dedup) {
   flush_batches();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!keep_dedup) dedup_.clear();
+    if (!keep_dedup) {
+      dedup_.clear();
+      converted_.clear();
+    }
     parameter_storages_.clear();
     buffer_storages_.clear();
   }
@@ -561,6 +564,60 @@ void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_p
   e.groups.push_back(std::move(g));
 }
 
+std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const Span& span) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = converted_.find(storage);
+  if (it == converted_.end()) return nullptr;
+  ConvertedEntry& e = it->second;
+  if (e.storage.lock().get() != storage) return nullptr;  // another storage at a freed one's address
+  for (size_t i = 0; i < e.groups.size();) {
+    ConvertedGroup& g = e.groups[i];
+    auto copy = g.copy.lock();
+    if (!copy) {  // every saved tensor over that copy is gone
+      e.groups.erase(e.groups.begin() + i);
+      continue;
+    }
+    ++i;
+    // The same bytes, read as the same elements at the same version: converting them again
+    // would give the same bits (fp8's scale is the span's amax), so they are shared. Spans
+    // that only overlap convert on their own.
+    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type())
+      return copy;
+  }
+  return nullptr;
+}
+
+void Packer::remember_converted(const at::Tensor& t, const Span& span, const std::shared_ptr<ConvertedCopy>& copy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (converted_.size() >= converted_prune_at_) {
+    for (auto it = converted_.begin(); it != converted_.end();) {
+      auto& groups = it->second.groups;
+      groups.erase(std::remove_if(groups.begin(), groups.end(),
+                                  [](const ConvertedGroup& g) { return g.copy.expired(); }),
+                   groups.end());
+      if (groups.empty() || it->second.storage.expired())
+        it = converted_.erase(it);
+      else
+        ++it;
+    }
+    converted_prune_at_ = std::max<size_t>(1024, 2 * converted_.size());
+  }
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  ConvertedEntry& e = converted_[storage];
+  if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
+    e.storage = t.storage().getWeakStorageImpl();
+    e.groups.clear();
+  }
+  ConvertedGroup g;
+  g.copy = copy;
+  g.version = span.version;
+  g.lo = span.lo;
+  g.hi = span.hi;
+  g.dtype = t.scalar_type();
+  e.groups.push_back(std::move(g));
+}
+
 py::object Packer::pack(py::handle obj) {
   PyObject* o = obj.ptr();
   if (!THPVariable_Check(o)) return py::reinterpret_borrow<py::object>(obj);
@@ -590,12 +647,18 @@ py::object Packer::pack(py::handle obj) {
   }
 
   std::shared_ptr<SavedTensor> saved;
-  // Note [Low-precision storage]: converted tensors take the single-copy path, and are not
-  // remembered for deduplication (their host bytes are not the storage's).
+  // Note [Low-precision storage]: converted tensors take the single-copy path, and are
+  // remembered apart (their host bytes are not the storage's): only a later tensor of exactly
+  // the same span shares a narrow copy.
   std::optional<lowp::Source> narrow;
   if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
     narrow = store_source(t, options_.store_format);
   if (narrow) {
+    if (auto copy = find_converted(t, span)) {
+      counters_->tensors_deduplicated++;
+      counters_->bytes_deduplicated += span.bytes();
+      return wrap_saved(SavedTensor::share_converted(t, std::move(copy), options_.side_stream, counters_));
+    }
     TieredRefusal why = TieredRefusal::None;
     saved = SavedTensor::offload_converted(t, *narrow, options_.store_format, options_.pool, options_.side_stream,
                                            counters_, &why, &*current,
@@ -604,7 +667,9 @@ py::object Packer::pack(py::handle obj) {
       if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
       return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
     }
-    if (prefetcher_) saved->stored_->storage_->set_order(prefetcher_, prefetcher_->add(saved->stored_->storage_));
+    const auto& inner = saved->converted_->stored()->storage_;
+    if (prefetcher_) inner->set_order(prefetcher_, prefetcher_->add(inner));
+    remember_converted(t, span, saved->converted_);
     counters_->tensors_offloaded++;
     counters_->bytes_offloaded += span.bytes();
     counters_->tensors_converted++;

@@ -31,7 +31,7 @@ namespace ckpt_offload {
 // Note [Lock order]
 // The torch layer's mutexes are taken in this order, never the reverse (a thread holding one
 // may take only those after it):
-//   Packer::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
+//   Packer::mu_ -> ConvertedCopy::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
 //     -> the core's leaf locks: HostBuffer::mu_, CopyEngine::mu_, HostPool::mu_
 //        (and in cuda_stream.cu side_mu, epoch_mu, the event pool's lock, none nested).
 // Where this bites:
@@ -39,6 +39,9 @@ namespace ckpt_offload {
 //    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
 //    only after releasing the batch's lock, and Prefetcher::drop_unused calls into storages
 //    after releasing its own.
+//  - ConvertedCopy::materialize (saved_tensor.h) holds its lock while it reloads the narrow bytes
+//    through their own SavedTensor (prefetcher, storage) and converts them back, so that two
+//    unpacks of one copy convert it once; nothing after it in the order calls back into it.
 //  - OffloadedStorage::materialize flushes and reloads its batch before taking its own lock.
 //  - Batch reaches its members only through their methods (wants_reload, stage,
 //    keep_on_device, drop_prefetch), each of which takes the member's lock itself.
@@ -139,6 +142,10 @@ class Packer {
                                            TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved, bool extendable);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
+  // Note [Low-precision storage]: the narrow copy of exactly t's span (same storage, first and
+  // last byte, dtype, version) made earlier, or null; and remembering one.
+  std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
+  void remember_converted(const at::Tensor& t, const Span& span, const std::shared_ptr<ConvertedCopy>& copy);
 
   // One host copy of a span of a storage (Note [One copy per storage]).
   struct DedupGroup {
@@ -152,11 +159,26 @@ class Packer {
     c10::SmallVector<DedupGroup, 1> groups;  // disjoint copies of one storage (or of other versions)
   };
 
+  // Narrow copies by storage (Note [Low-precision storage]), apart from dedup_: their host
+  // bytes are converted ones, which only a saved tensor of the same span can share.
+  struct ConvertedGroup {
+    std::weak_ptr<ConvertedCopy> copy;
+    uint32_t version = 0;
+    int64_t lo = 0, hi = 0;
+    c10::ScalarType dtype = c10::kFloat;
+  };
+  struct ConvertedEntry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    c10::SmallVector<ConvertedGroup, 1> groups;
+  };
+
   PackerOptions options_;
   std::shared_ptr<PackerCounters> counters_;
   std::mutex mu_;
   std::unordered_map<const void*, DedupEntry> dedup_;
   size_t prune_at_ = 1024;  // drop expired dedup entries when the table grows past this
+  std::unordered_map<const void*, ConvertedEntry> converted_;
+  size_t converted_prune_at_ = 1024;
   // Storages of parameters and buffers found by leaf_owner this activation (only ever
   // positives: a miss is looked up again). Cleared at begin / end.
   std::unordered_set<const void*> parameter_storages_, buffer_storages_;

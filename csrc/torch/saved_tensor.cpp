@@ -30,13 +30,14 @@ SavedTensor::~SavedTensor() {
   // throw from here (Note [No throw on teardown], core/stream.h).
   try {
     if (storage_ && !unpacked_) storage_->unlink();
+    if (converted_ && !unpacked_) converted_->unlink();
   } catch (...) {
   }
 }
 
 at::Tensor SavedTensor::unpack() {
   check_version();
-  if (stored_) return unpack_converted();
+  if (converted_) return unpack_converted();
   if (!storage_) return kept_;
   if (current_stream_capturing(device_))
     // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "../core/host_pool.h"
@@ -16,6 +17,41 @@
 #include "store_dtype.h"
 
 namespace ckpt_offload {
+
+class SavedTensor;
+
+// The narrow host copy of one span of a storage (Note [Low-precision storage]), shared by every
+// saved tensor that is that span: the same storage, first byte, extent, dtype and version. Its
+// up-converted reload is shared too: one conversion back, one full-width device storage.
+class ConvertedCopy {
+ public:
+  ConvertedCopy(std::shared_ptr<SavedTensor> stored, lowp::Format f, lowp::Source s, c10::ScalarType dtype,
+                c10::Device device, int64_t lo, int64_t elems)
+      : stored_(std::move(stored)), format_(f), source_(s), dtype_(dtype), device_(device), lo_(lo), elems_(elems) {}
+  // A saved tensor over this copy was made / unpacked for the first time or died before that.
+  void link();
+  void unlink();
+  // The full-width storage (shared while one is alive, or kept for the saved tensors that have
+  // not unpacked yet) and the element offset of the span's first element in it. `*fresh_bytes`:
+  // device bytes this call converted back (0 when shared). `first`: the caller's first unpack.
+  c10::Storage materialize(bool first, int64_t* offset, int64_t* fresh_bytes);
+  const std::shared_ptr<SavedTensor>& stored() const { return stored_; }
+  int64_t stored_nbytes() const;
+
+ private:
+  std::shared_ptr<SavedTensor> stored_;  // the staging bytes, offloaded exactly
+  lowp::Format format_;
+  lowp::Source source_;
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  int64_t lo_, elems_;
+  // Taken around a reload and its conversion, before the inner storage's locks (Note [Lock order]).
+  std::mutex mu_;
+  int pending_ = 0;  // saved tensors over this copy that have not unpacked yet
+  c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
+  c10::Storage held_;  // the reload, kept while pending_ > 0
+  std::shared_ptr<Event> ready_;  // the conversion back of reloaded_ (on a device)
+};
 
 // What pack returns to autograd. Holds no reference to the graph (no grad_fn, no original
 // tensor of an output), so a dropped graph frees it and its pool block.
@@ -42,10 +78,13 @@ class SavedTensor {
                                                         const std::shared_ptr<HostPool>& pool, bool side_stream,
                                                         std::shared_ptr<PackerCounters> counters, TieredRefusal* why,
                                                         const CurrentStream* current, StoreErrors* errors);
+  // A saved tensor t whose span is that of `copy` (Note [Low-precision storage]): shares it.
+  static std::shared_ptr<SavedTensor> share_converted(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
+                                                      bool side_stream, std::shared_ptr<PackerCounters> counters);
   at::Tensor unpack();
-  bool offloaded() const { return storage_ != nullptr || stored_ != nullptr; }
+  bool offloaded() const { return storage_ != nullptr || converted_ != nullptr; }
   // Bytes held on the host for this tensor: the narrow ones when converted.
-  int64_t stored_nbytes() const { return stored_ ? stored_->nbytes() : nbytes_; }
+  int64_t stored_nbytes() const { return converted_ ? converted_->stored_nbytes() : nbytes_; }
   const c10::Device& device() const { return device_; }
   int64_t nbytes() const { return nbytes_; }
 
@@ -69,13 +108,10 @@ class SavedTensor {
   std::shared_ptr<PackerCounters> counters_;
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
-  // When stored narrower (Note [Low-precision storage]): the offloaded staging bytes, and how
-  // to convert them back into store_elems_ elements of a new storage (aligned as lo_ was).
+  // When stored narrower (Note [Low-precision storage]): the narrow copy of this tensor's span,
+  // maybe shared with other saved tensors that are the same span.
   at::Tensor unpack_converted();
-  std::shared_ptr<SavedTensor> stored_;
-  lowp::Format store_format_ = lowp::Format::None;
-  lowp::Source store_source_ = lowp::Source::F32;
-  int64_t store_elems_ = 0;
+  std::shared_ptr<ConvertedCopy> converted_;
 };
 
 // Copies bytes [from, to) of t's storage into `pool` (or its disk tier), in t's device's stream

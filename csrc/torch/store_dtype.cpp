@@ -159,32 +159,86 @@ std::shared_ptr<SavedTensor> SavedTensor::offload_converted(const at::Tensor& t,
   // read it, and its copy waits on `cur`, where the conversion ran.
   auto inner = offload(staged, pool, side_stream, counters, why, &cur);
   if (!inner) return nullptr;
-  saved->stored_ = std::move(inner);
-  saved->store_format_ = f;
-  saved->store_source_ = s;
-  saved->store_elems_ = n;
+  saved->converted_ = std::make_shared<ConvertedCopy>(std::move(inner), f, s, t.scalar_type(), t.device(), lo, n);
+  saved->converted_->link();
   return saved;
 }
 
-at::Tensor SavedTensor::unpack_converted() {
-  at::Tensor narrow = stored_->unpack();  // ready on the current stream; refuses under graph capture
-  DeviceScope scope(device_);
-  const CurrentStream cur = CurrentStream::of(device_);
+std::shared_ptr<SavedTensor> SavedTensor::share_converted(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
+                                                          bool side_stream, std::shared_ptr<PackerCounters> counters) {
+  auto saved = describe_layout(t, std::move(counters));
+  saved->side_stream_ = side_stream;
+  saved->converted_ = std::move(copy);
+  saved->converted_->link();
+  return saved;
+}
+
+int64_t ConvertedCopy::stored_nbytes() const { return stored_->nbytes(); }
+
+void ConvertedCopy::link() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++pending_;
+}
+
+void ConvertedCopy::unlink() {
+  c10::Storage drop;  // freed after the lock is released
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pending_ > 0 && --pending_ == 0) drop = std::move(held_);
+}
+
+c10::Storage ConvertedCopy::materialize(bool first, int64_t* offset, int64_t* fresh_bytes) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype_));
   // The new storage keeps the original data pointer's alignment mod kReloadAlignment, as exact
-  // reloads do (lo_ is the tensor's first byte in its original storage).
-  const int64_t offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
-  const int64_t bytes = (offset + store_elems_) * item;
-  // The full-width tensor is what backward keeps: allocated inside a profiler range of its own,
-  // so that torch.profiler's memory events tell it from backward's temporaries (the planner's
-  // measured peak counts allocations made in ckpt_offload's reload ranges).
-  CopyRange range(copy_ranges::kReloadConvert, device_);
-  c10::Storage st = device_storage(device_, static_cast<size_t>(bytes));
-  store_up(store_source_, static_cast<char*>(st.mutable_data()) + offset * item, store_elems_, store_format_, narrow,
-           cur);
+  // reloads do (lo_ is the span's first byte in its original storage).
+  *offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
+  *fresh_bytes = 0;
+  c10::Storage drop;
+  std::lock_guard<std::mutex> lock(mu_);
+  c10::Storage st;
+  if (auto alive = reloaded_.lock()) {
+    st = c10::Storage(std::move(alive));
+    if (!device_.is_cpu()) {
+      // Converted back on the stream current at that unpack: order this one's after it too,
+      // and keep the allocator from reusing the storage before this stream is done (Note
+      // [Stream ordering] rule 3).
+      StreamPair streams(device_, false, false);
+      if (ready_) streams.compute().wait(ready_);
+      record_consumer(st, device_);
+    }
+  } else {
+    at::Tensor narrow = stored_->unpack();  // ready on the current stream; refuses under graph capture
+    DeviceScope scope(device_);
+    const CurrentStream cur = CurrentStream::of(device_);
+    const int64_t bytes = (*offset + elems_) * item;
+    // The full-width tensor is what backward keeps: allocated inside a profiler range of its own,
+    // so that torch.profiler's memory events tell it from backward's temporaries (the planner's
+    // measured peak counts allocations made in ckpt_offload's reload ranges).
+    CopyRange range(copy_ranges::kReloadConvert, device_);
+    st = device_storage(device_, static_cast<size_t>(bytes));
+    store_up(source_, static_cast<char*>(st.mutable_data()) + *offset * item, elems_, format_, narrow, cur);
+    if (!device_.is_cpu()) ready_ = StreamPair(cur, false, false).compute().record();
+    reloaded_ = st.getWeakStorageImpl();
+    *fresh_bytes = bytes;
+  }
+  if (first && pending_ > 0) --pending_;
+  // Kept for the saved tensors over this copy that have not unpacked yet (the attention
+  // probabilities softmax saves are also, reshaped, the next matmul's input): they share it
+  // instead of converting again.
+  if (pending_ > 0)
+    held_ = st;
+  else
+    drop = std::move(held_);
+  return st;
+}
+
+at::Tensor SavedTensor::unpack_converted() {
+  int64_t offset = 0, fresh = 0;
+  c10::Storage st = converted_->materialize(!unpacked_, &offset, &fresh);
+  // A fresh reload is counted by the staging tensor's own unpack.
+  if (!fresh) counters_->tensors_reload_shared++;
   if (!unpacked_) {
     unpacked_ = true;
-    device_held_.set(device_held_.bytes() + bytes);
+    if (fresh) device_held_.set(device_held_.bytes() + fresh);
   }
   return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
 }

@@ -20,12 +20,23 @@ namespace ckpt_offload {
 //  - pack converts the span of its storage the tensor reaches, read as an element array of the
 //    tensor's dtype, into a staging tensor (uint8, from the device's caching allocator, in the
 //    current stream's order), and offloads that as a tensor of its own (the single-copy path:
-//    never batched, never deduplicated against other tensors). The D2H copy waits on the current
-//    stream (Note [Stream ordering]), so it reads the staging bytes after the conversion wrote
-//    them; the copy's keep-alive holds the staging storage until the copy has read it.
+//    never batched, never joined to the exact copies of Note [One copy per storage]). The D2H
+//    copy waits on the current stream (Note [Stream ordering]), so it reads the staging bytes
+//    after the conversion wrote them; the copy's keep-alive holds the staging storage until the
+//    copy has read it.
 //  - unpack reloads the staging bytes (or takes them from a prefetch) into a device tensor that
 //    is ready on the current stream, and converts them back on the current stream into a new
 //    storage of the tensor's dtype: the consumer, on that stream too, runs after it.
+//  - a later saved tensor whose span is exactly that of a converted one (same storage, first
+//    and last byte, dtype and version counter value), within one activation of the context or
+//    across them with keep_dedup, shares its ConvertedCopy (saved_tensor.h) instead of converting
+//    again: the same elements give the same bits (fp8's scale is the span's amax), so gradients
+//    equal those of converting it twice. Its layout may differ (softmax's output, and the same
+//    storage reshaped for the next bmm): each SavedTensor keeps its own sizes and strides and
+//    rebuilds them over the one full-width storage, which is converted back once and kept for
+//    the saved tensors of the copy that have not unpacked yet. Counted as deduplicated, not
+//    offloaded. Spans that only overlap are converted apart: a narrow copy of a span cannot be
+//    extended the way an exact copy is (fp8's scale covers the whole span).
 //  - fp8 formats store the fp32 absolute maximum of the span after the elements, in the same
 //    buffer: scale = amax / the format's largest finite value, x is stored as round(x / scale),
 //    read back as code * scale. Neither direction synchronizes with the device for it.
