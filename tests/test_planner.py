@@ -28,7 +28,6 @@ from ckpt_offload.planner import (
     InfeasibleBudget,
     Storage,
     Unit,
-    measure_costs,
     saved_activation_peak,
     simulate,
 )
@@ -38,6 +37,7 @@ from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.solver import baselines, chain_cost, evaluate, first_k_units
 
 from conftest import assert_bit_identical, grads_of
+from planner_case import PlannerCase
 from models_for_tests import Chain, TinyTransformer, lm_loss, make_batch, make_config
 
 KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
@@ -46,37 +46,7 @@ KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
 # ---- models -------------------------------------------------------------------------------------
 
 
-class _Case:
-    """A model, a step, its blocks and its measured costs (once per module)."""
-
-    def __init__(self, model, batch, loss_fn):
-        from ckpt_offload.blocks import select_blocks as _select_blocks
-
-        self.model, self.batch, self.loss_fn = model, batch, loss_fn
-        self.named = _select_blocks(model, None)
-        self.costs = measure_costs(self.step, self.named, "cpu", bandwidth=Bandwidth(math.inf, 2e9, 0.0),
-                                   min_bytes=0)
-
-    def step(self):
-        torch.manual_seed(0)
-        self.loss_fn(self.model, self.batch).backward()
-
-    def drained_step(self):
-        # The forward's copies finish before backward: the measured peak then has no copy backlog.
-        torch.manual_seed(0)
-        loss = self.loss_fn(self.model, self.batch)
-        co.synchronize()
-        loss.backward()
-
-    def measured_peak(self, units, prefetch):
-        handle = apply_units(self.model, self.named, units, {"devices": ["cpu"], "min_bytes": 0,
-                                                             "prefetch_bytes": prefetch})
-        try:
-            self.drained_step()  # warm-up with the plan
-            return saved_activation_peak(self.drained_step).peak_bytes
-        finally:
-            handle.remove()
-            self.model.zero_grad(set_to_none=True)
+_Case = PlannerCase
 
 
 @pytest.fixture(scope="module")

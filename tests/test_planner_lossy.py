@@ -19,8 +19,9 @@ from ckpt_offload.planner import Bandwidth, InfeasibleBudget, Unit, measure_cost
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import converted_packs, converted_shares, stored_bytes
 
-from conftest import assert_bit_identical, grads_of
+from conftest import assert_bit_identical
 from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
+from planner_case import PlannerCase
 
 # The host link of the plans whose budget only lossy storage meets: D2H so slow against the tiny
 # model's milliseconds of compute that every offloaded byte is still on the device, waiting for its
@@ -31,34 +32,12 @@ INSTANT = Bandwidth(d2h=math.inf, h2d=2e9, latency=0.0, convert=2e9)
 OFFLOAD_ONLY = ("keep", "offload")
 
 
-class _Case:
+class _Case(PlannerCase):
     def __init__(self, model, batch):
-        from ckpt_offload.blocks import select_blocks as _select_blocks
+        super().__init__(model, batch, bandwidth=INSTANT)
 
-        self.model, self.batch = model, batch
-        self.named = _select_blocks(model, None)
-        self.costs = measure_costs(self.step, self.named, "cpu", bandwidth=INSTANT, min_bytes=0)
-
-    def step(self):
-        torch.manual_seed(0)
-        lm_loss(self.model, self.batch).backward()
-
-    def drained_step(self):
-        torch.manual_seed(0)
-        loss = lm_loss(self.model, self.batch)
-        co.synchronize()
-        loss.backward()
-
-    def plan(self, **kwargs):
-        kwargs = {"devices": ["cpu"], "min_bytes": 0, "costs": self.costs, **kwargs}
-        return co.plan(self.model, self.step, **kwargs)
-
-    def grads(self):
-        self.model.zero_grad(set_to_none=True)
-        self.drained_step()
-        g = grads_of(self.model)
-        self.model.zero_grad(set_to_none=True)
-        return g
+    def grads(self, drained: bool = True):
+        return super().grads(drained)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ from ckpt_offload.planner.simulator import choice_names
 from ckpt_offload.planner.solver import chain_cost
 
 from conftest import assert_bit_identical, grads_of
-from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
+from models_for_tests import TinyTransformer, make_batch, make_config
+from planner_case import PlannerCase
 
 R = "recompute"
 
@@ -61,47 +62,9 @@ NESTED_CASES = {
 }
 
 
-class _Case:
-    def __init__(self):
-        from ckpt_offload.blocks import select_blocks as _select_blocks
-
-        cfg = make_config("tiny", layers=4, seq=32, batch=2)
-        self.model = TinyTransformer(**cfg.model_kwargs(), seed=0)
-        self.batch = make_batch(cfg, seed=0)
-        self.named = _select_blocks(self.model, None)
-        self.costs = measure_costs(self.step, self.named, "cpu", bandwidth=Bandwidth(math.inf, 2e9, 0.0), min_bytes=0)
-
-    def step(self):
-        torch.manual_seed(0)
-        lm_loss(self.model, self.batch).backward()
-
-    def drained_step(self):
-        # The forward's copies finish before backward, so the measured peak has no copy backlog
-        # (the simulator is given an instant D2H link to match).
-        torch.manual_seed(0)
-        loss = lm_loss(self.model, self.batch)
-        co.synchronize()
-        loss.backward()
-
-    def grads(self):
-        self.model.zero_grad(set_to_none=True)
-        self.step()
-        g = grads_of(self.model)
-        self.model.zero_grad(set_to_none=True)
-        return g
-
-    def measured(self, units, prefetch):
-        """(measured peak, gradients) with ``units`` applied."""
-        handle = apply_units(self.model, self.named, units, {"devices": ["cpu"], "min_bytes": 0,
-                                                             "prefetch_bytes": prefetch})
-        try:
-            self.drained_step()  # warm-up with the plan
-            peak = saved_activation_peak(self.drained_step).peak_bytes
-            grads = self.grads()
-        finally:
-            handle.remove()
-            self.model.zero_grad(set_to_none=True)
-        return peak, grads
+def _Case():
+    cfg = make_config("tiny", layers=4, seq=32, batch=2)
+    return PlannerCase(TinyTransformer(**cfg.model_kwargs(), seed=0), make_batch(cfg, seed=0))
 
 
 @pytest.fixture(scope="module")
