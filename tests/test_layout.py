@@ -308,6 +308,12 @@ def test_the_trainer_callback_takes_the_option_set():
     hf = pytest.importorskip("ckpt_offload.integrations.hf")
     callback = hf.OffloadCallback(**OffloadOptions(**CPU).to_dict())
     assert callback.context.options == OffloadOptions(**CPU)
+    assert hf.OffloadCallback(OffloadOptions(**CPU)).context.options == OffloadOptions(**CPU)
+    assert hf.OffloadCallback(dict(CPU), stream="compute").context.options == OffloadOptions(**CPU, stream="compute")
+    with pytest.raises(ValueError, match=r"OffloadCallback\(False\) offloads nothing"):
+        hf.OffloadCallback(False)
+    with pytest.raises(TypeError, match=r"OffloadCallback\(options\): unknown co.offload option"):
+        hf.OffloadCallback({"min_byte": 0})
     with pytest.raises(TypeError, match="did you mean 'min_bytes'"):
         hf.OffloadCallback(min_byte=0)
 

@@ -10,6 +10,7 @@ backlog model itself is tested on its own below.
 
 import math
 import random
+import warnings
 
 import pytest
 import torch
@@ -506,3 +507,51 @@ def test_plan_applies_through_a_spilling_pool(tiny, tmp_path):
     assert_bit_identical(reference, with_plan)
     with pytest.raises(TypeError, match="pool must be a ckpt_offload.HostPool"):
         co.plan(tiny.model, tiny.step, budget=full, devices=["cpu"], costs=cm, pool="fast")
+
+
+def test_plan_takes_the_option_set(tiny):
+    """co.plan(offload=...): the one spelling of the options every route takes. It makes the same
+    plan as the loose arguments, its other options reach the plan's offloads (on_full="raise"
+    with a pool at its cap raises), and what the planner chooses itself is refused."""
+    cm, full = tiny.costs, simulate(tiny.costs, singles(["keep"] * len(tiny.costs.blocks))).peak_bytes
+    common = dict(budget=int(full * 0.4), costs=cm, kinds=("keep", "offload"))
+    loose = co.plan(tiny.model, tiny.step, devices=["cpu"], min_bytes=0, **common)
+    as_one = co.plan(tiny.model, tiny.step, offload=co.OffloadOptions(devices=["cpu"], min_bytes=0), **common)
+    as_dict = co.plan(tiny.model, tiny.step, offload={"devices": ["cpu"]}, min_bytes=0, **common)
+    assert loose.choices == as_one.choices == as_dict.choices and "offload" in loose.choices.values()
+    assert loose.offload_options == as_one.offload_options == as_dict.offload_options
+    assert as_one.offload_options.devices == ("cpu",) and as_one.offload_options.min_bytes == 0
+
+    small = co.HostPool(pinned=False, max_bytes=4096)
+    for on_full, raises in (("keep", False), ("raise", True)):
+        p = co.plan(tiny.model, tiny.step, devices=["cpu"], min_bytes=0,
+                    offload={"pool": small, "on_full": on_full}, **common)
+        assert p.offload_options.on_full == on_full and p.offload_options.pool is small
+        handle = p.apply()
+        try:
+            if raises:
+                with pytest.raises(co.PoolFullError):
+                    tiny.step()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "pool full: kept on the device"
+                    tiny.step()
+        finally:
+            handle.remove()
+            tiny.model.zero_grad(set_to_none=True)
+    co.synchronize()
+    assert small.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(offload={"min_bytes": 0}, min_bytes=0), TypeError, "co.plan got min_bytes both as an argument and in offload="),
+    (dict(offload={"store_dtype": torch.bfloat16}), ValueError, r"pass lossy=torch.bfloat16 instead"),
+    (dict(offload={"stream": "compute"}), ValueError, r"stream='compute'.*leave stream out"),
+    (dict(offload=False), ValueError, r"kinds=\('keep', 'recompute', 'selective'\)"),
+    (dict(offload={"min_byte": 0}), TypeError, r"co.plan offload: unknown co.offload option\(s\) 'min_byte' \(did you mean 'min_bytes'"),
+    (dict(offload="cpu"), TypeError, "co.plan offload must be False, True, or a dict"),
+    (dict(pool="fast"), TypeError, "co.plan: pool must be a ckpt_offload.HostPool"),
+])
+def test_plan_option_set_errors(tiny, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        co.plan(tiny.model, tiny.step, budget="1MiB", costs=tiny.costs, **kwargs)

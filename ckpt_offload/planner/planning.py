@@ -9,10 +9,9 @@ import warnings
 
 import torch
 
-from ckpt_offload._args import check_bytes, check_int, device_types, parse_bytes
+from ckpt_offload._args import check_int, parse_bytes
 from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
-from ckpt_offload.options import DEFAULT_MIN_BYTES
-from ckpt_offload.pool import HostPool
+from ckpt_offload.options import OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
@@ -136,7 +135,9 @@ class Plan:
         self.units = list(units)
         self.prefetch_bytes = prefetch_bytes
         self.budget = budget
-        self.offload_options = dict(offload_options, prefetch_bytes=prefetch_bytes)
+        #: the :class:`~ckpt_offload.OffloadOptions` of the plan's offloads (``co.plan``'s
+        #: ``offload=`` and loose options, the devices resolved, the prefetch window chosen)
+        self.offload_options = as_options(offload_options).replace(prefetch_bytes=prefetch_bytes)
         self.simulation = sim
         self.baseline = baseline
         self.source = source
@@ -240,7 +241,7 @@ def _model_device(model) -> str:
 
 def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
-         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None):
+         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective (and segments of blocks recomputed as one) so that the device
     peak of saved activations fits ``budget`` with the least predicted step time.
@@ -299,6 +300,14 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             states it instead). :attr:`Plan.store_dtypes` lists the blocks that store lossy. The
             search takes about three times as long (the exact one runs first: a lossy plan is
             never predicted slower than the exact plan).
+        offload: the options of the plan's offloads, in the one spelling every route takes: a
+            :class:`~ckpt_offload.OffloadOptions` or a dict of ``co.offload`` options (default:
+            ``co.offload``'s). ``devices``, ``min_bytes``, ``pool`` and ``prefetch_bytes`` in it are
+            the arguments of the same names (give each once, either way); ``on_full``,
+            ``batch_below``, ``batch_bytes``, ``store_min_bytes`` and ``measure_error`` reach the
+            plan's offloads as they are. Two are the planner's to choose: ``store_dtype`` (pass
+            ``lossy=``, and the plan stores narrower only where it pays) and ``stream`` (the
+            simulator models copies on queues of their own, so only ``"side"``).
 
     The measuring runs of ``step`` leave the model's buffers (running statistics) as they found
     them.
@@ -311,6 +320,8 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
         plan = co.plan(model, lambda: loss_fn(model(x)).backward(), budget="2GiB")
         print(plan.summary())
         handle = plan.apply()
+        # the plan's offloads with options of their own:
+        co.plan(model, step, budget="2GiB", offload=co.OffloadOptions(min_bytes="1MiB", on_full="raise"))
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -324,20 +335,17 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             DeprecationWarning, stacklevel=2)
         budget = "2GiB"
     budget_bytes = parse_bytes("budget", budget)
-    if pool is not None and not isinstance(pool, HostPool):
-        raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
+    opts = _plan_offload(offload, devices=devices, min_bytes=min_bytes, pool=pool, prefetch_bytes=prefetch_bytes)
+    devices, min_bytes, pool, prefetch_bytes = opts.devices, opts.min_bytes, opts.pool, opts.prefetch_bytes
     kinds = tuple(kinds)
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
-    min_bytes = DEFAULT_MIN_BYTES if min_bytes is None else check_bytes("min_bytes", min_bytes)
     levels = check_int("levels", levels, minimum=1)
-    if prefetch_bytes is not None:
-        prefetch_bytes = parse_bytes("prefetch_bytes", prefetch_bytes)
     bw = parse_bandwidth(bandwidth)
     store_dtype = parse_lossy(lossy)
     device = _model_device(model)
-    dev_types = [device] if devices is None else device_types("devices", devices)
+    dev_types = [device] if devices is None else list(devices)
     allow = _allowed_reasons(allow_inexact)
     _check_not_wrapped(model)
     try:
@@ -409,11 +417,42 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     base_sim = simulate(costs, singles(["keep"] * len(named)), 0)
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
                 "predicted_step_seconds": base_sim.step_s}
-    options = {"devices": dev_types, "min_bytes": min_bytes}
-    if pool is not None:
-        options["pool"] = pool
+    options = opts.replace(devices=dev_types)
     return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
                 best.source, allow, lossy=store_dtype)
+
+
+def _plan_offload(offload, **loose) -> OffloadOptions:
+    """``co.plan``'s ``offload=`` with its loose options (``devices``, ``min_bytes``, ``pool``,
+    ``prefetch_bytes``) merged in, each given once; ``devices`` stays None for "the model's".
+
+    Example::
+
+        _plan_offload({"on_full": "raise"}, devices=None, min_bytes="1MiB", pool=None, prefetch_bytes=None)
+        # OffloadOptions(min_bytes=1048576, on_full='raise')
+    """
+    if offload is False:
+        raise ValueError(
+            "co.plan(offload=False): a plan chooses per block whether to offload; to plan without offloading, "
+            "pass kinds=('keep', 'recompute', 'selective')")
+    opts = as_options(True if offload is None else offload, name="co.plan offload")
+    defaults = OffloadOptions()
+    given = {k: v for k, v in loose.items() if v is not None}
+    for name in given:
+        if getattr(opts, name) != getattr(defaults, name):
+            raise TypeError(f"co.plan got {name} both as an argument and in offload=; give it once")
+    if opts.store_dtype is not None:
+        raise ValueError(
+            f"co.plan: offload= sets store_dtype={opts.store_dtype}, which a plan chooses per block: pass "
+            f"lossy={opts.store_dtype} instead (blocks store narrower where that pays, the rest exactly)")
+    if opts.stream != "side":
+        raise ValueError(
+            f"co.plan: offload= sets stream={opts.stream!r}; a plan's time model has copies on queues of their own, "
+            "which is stream='side' (the default): leave stream out")
+    try:
+        return opts.replace(**given)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"co.plan: {e}") from None
 
 
 def _allowed_reasons(allow_inexact) -> set:

@@ -182,20 +182,30 @@ class OffloadCallback(TrainerCallback):
     the context's statistics; they are added to the Trainer's logs as ``ckpt_offload/...``.
     Wrap the LM head and the loss in :func:`ckpt_offload.keep` inside your model to keep them.
 
+    The options are ``co.offload``'s, as keywords or as one :class:`~ckpt_offload.OffloadOptions`
+    (or a dict of them) given first, which keywords then change.
+
     Example::
 
         trainer = Trainer(model, args, train_dataset=ds,
                           callbacks=[co.hf.OffloadCallback(devices=["cpu"])])
         trainer.train()
         print(trainer.callback_handler.callbacks[-1].stats()["bytes_offloaded"])
+        co.hf.OffloadCallback(co.OffloadOptions(devices=["cpu"], min_bytes="1MiB"))   # the same options, one value
     """
 
-    def __init__(self, **options):
+    def __init__(self, options=None, /, **kwargs):
         recompute = ("OffloadCallback offloads without recompute; to checkpoint as well use "
                      "co.hf.OffloadCheckpointCallback(every_n_layers=..., offload={...}) instead")
-        check_keywords("OffloadCallback", options, OFFLOAD_KEYS,
+        check_keywords("OffloadCallback", kwargs, OFFLOAD_KEYS,
                        elsewhere={k: recompute for k in ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS)})
-        opts = from_arguments("OffloadCallback", (), options)  # bad options fail here
+        if options is None:
+            opts = from_arguments("OffloadCallback", (), kwargs)  # bad options fail here
+        else:
+            opts = as_options(options, name="OffloadCallback(options)")
+            if opts is None:
+                raise ValueError("OffloadCallback(False) offloads nothing: leave the callback out, or pass options")
+            opts = opts.replace(**kwargs) if kwargs else opts
         check_offloads_something(opts.devices, "OffloadCallback")
         self.context = offload_context._from_options(opts)  # warned just above, at the user's line
         self._model = None
