@@ -555,3 +555,22 @@ def test_plan_takes_the_option_set(tiny):
 def test_plan_option_set_errors(tiny, kwargs, error, match):
     with pytest.raises(error, match=match):
         co.plan(tiny.model, tiny.step, budget="1MiB", costs=tiny.costs, **kwargs)
+
+
+@pytest.mark.parametrize("kinds", [("recompute",), ("offload",), ("recompute", "recompute_offload"),
+                                   ("recompute", "selective"), ("offload", "recompute")])
+@pytest.mark.parametrize("segments", [False, True])
+def test_plan_gives_only_the_kinds_allowed(tiny, kinds, segments):
+    """kinds= is a promise: no block gets another kind. Rotor's keep/recompute recipe and the
+    first-k offload recipes (the rest kept) used to win with "keep" for kinds=("recompute",).
+    The smallest budget an InfeasibleBudget names is met within those kinds too."""
+    full = simulate(tiny.costs, singles(["keep"] * len(tiny.costs.blocks))).peak_bytes
+    for fraction in (1.0, 0.6, 0.05):
+        try:
+            p = tiny.plan(budget=int(full * fraction), kinds=kinds, segments=segments)
+        except InfeasibleBudget as e:
+            p = tiny.plan(budget=e.minimum, kinds=kinds, segments=segments)
+            assert p.predicted_peak_bytes <= e.minimum
+        assert {u.kind for u in p.units} <= set(kinds), (fraction, p.choices, p.source)
+        if not segments:
+            assert all(u.start == u.end for u in p.units)

@@ -578,6 +578,9 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
         for units in _all_unit_lists(n, kinds, max_segment, levels, cm):
             for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
+    # The fixed recipes (rotor's keep/recompute, first-k offload with the rest kept) may give a
+    # block a kind the caller did not allow: only plans within ``kinds`` are candidates.
+    cands = [c for c in cands if _within(c.units, kinds)]
     fits = [c for c in cands if c.peak_bytes <= budget and math.isfinite(c.step_s)]
     if not fits and n > exhaustive_max_blocks:
         # Near the least peak the chain model's bound can miss plans that fit: the lowest-peak
@@ -651,8 +654,14 @@ def minimum_peak(cm, kinds=KINDS, windows=None, cands=(), segments=True, levels=
             for kind in SEGMENT_KINDS:
                 if kind in kinds:
                     pool.append(evaluate(cm, chen_units(n, kind), p))
-    finite = [c for c in pool if math.isfinite(c.step_s)]
+    finite = [c for c in pool if math.isfinite(c.step_s) and _within(c.units, kinds)]
     return min(c.peak_bytes for c in finite)
+
+
+def _within(units, kinds) -> bool:
+    """Whether every unit of ``units`` has one of ``kinds`` (a segment's kind is its outer one;
+    its inner checkpoints are recomputes of that segment)."""
+    return all(u.kind in kinds for u in units)
 
 
 def _fmt(n):
