@@ -228,6 +228,57 @@ def test_bandwidth_forms():
     assert (b.d2h, b.h2d, b.latency) == (1 << 30, 2e9, 1e-5)
 
 
+def test_bandwidth_issue_key():
+    from ckpt_offload.planner import parse_bandwidth
+
+    b = parse_bandwidth({"d2h": 1e9, "h2d": 1e9, "latency": 8e-5, "issue": 1.5e-5})
+    assert (b.latency, b.issue, b.issue_seconds) == (8e-5, 1.5e-5, 1.5e-5)
+    assert parse_bandwidth({"d2h": 1e9, "h2d": 1e9, "latency": 8e-5}).issue_seconds == 8e-5  # default: latency
+    with pytest.raises(ValueError, match=r"bandwidth\['issue'\] must be seconds between 0 and"):
+        parse_bandwidth({"d2h": 1e9, "h2d": 1e9, "latency": 1e-5, "issue": 2e-5})
+
+
+def test_copy_latency_is_a_delay_not_queue_time():
+    """Note [Copy latency is a delay]: n back-to-back copies end n * issue + bytes / bw +
+    (latency - issue) after the first starts, and the queue is free after n * issue + bytes / bw;
+    with issue=None (= latency) the model is the serial one it was."""
+    b = Bandwidth(1e9, 1e9, latency=1e-4, issue=1e-5)
+    assert b.queue_seconds(20_000, 20, "h2d") == pytest.approx(20 * 1e-5 + 20e-6)
+    assert b.copy_seconds(20_000, 20, "h2d") == pytest.approx(20 * 1e-5 + 20e-6 + 9e-5)
+    assert b.copy_seconds(1000, 0, "h2d") == pytest.approx(1e-6)  # bytes of a copy already counted
+    serial = Bandwidth(1e9, 1e9, latency=1e-4)
+    assert serial.copy_seconds(20_000, 20, "h2d") == pytest.approx(20 * 1e-4 + 20e-6)
+
+    # One block offloads 20 small storages, all prefetched at its first unpack: the reloads queue
+    # back to back, so backward waits about latency + 20 * issue for them, not 20 * latency.
+    rng = random.Random(0)
+    cm = _random_costs(rng, 2, bw=1e9, latency=1e-4)
+    cm.min_bytes = 0
+    cm.pre_bytes = cm.post_bytes = 0
+    cm.pre_s = cm.mid_s = cm.post_s = 0.0
+    for b_ in cm.blocks:
+        b_.storages = [Storage(1000, i, i) for i in range(20)]
+        b_.packs, b_.nodes, b_.input_sizes = list(range(20)), list(range(19, -1, -1)), [1000]  # last packed, first unpacked
+        b_.forward_s, b_.backward_s = 1e-3, 2e-4  # 10 us a node: the reloads, not the compute, set the pace
+    units = singles(["keep", "offload"])
+    times = {}
+    for issue in (None, 1e-4, 1e-5):
+        cm.bandwidth = Bandwidth(1e9, 1e9, 1e-4, issue=issue)
+        times[issue] = simulate(cm, units, prefetch_bytes=1 << 20).step_s
+    assert times[None] == times[1e-4]
+    assert times[None] - times[1e-5] > 1e-3, times  # 19 reloads no longer wait 90 us of each other's latency
+    compute = sum(b_.forward_s + b_.backward_s for b_ in cm.blocks)
+    # at most one latency, then each reload's issue cost and bytes (1 us), beyond the compute
+    assert compute <= times[1e-5] <= compute + 1e-4 + 20 * (1e-5 + 1e-6) + 1e-5, times
+
+
+def test_measured_bandwidth_has_an_issue_cost_within_latency():
+    from ckpt_offload.planner.costs import measure_bandwidth
+
+    b = measure_bandwidth("cpu", nbytes=1 << 20)
+    assert b.issue is not None and 0 <= b.issue <= b.latency and b.d2h > 0 and b.h2d > 0
+
+
 # ---- the solver -------------------------------------------------------------------------------------
 
 

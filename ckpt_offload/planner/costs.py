@@ -132,6 +132,14 @@ class Bandwidth:
     """The host link: bytes per second each way and seconds of fixed cost per copy. ``0`` bytes/s
     means no link (nothing can be offloaded); ``math.inf`` a free one.
 
+    ``latency``: seconds from a copy's start until its bytes have arrived, beyond ``bytes / bw``
+    (one copy and a synchronize: on the H200 of 2026-11-30 about 80 us); ``issue``: seconds each
+    copy holds its queue besides its bytes, i.e. the cost per copy of copies issued back to back
+    (there about 11-18 us); ``None``: ``latency`` (copies wait for each other's whole latency).
+    Note [Copy latency is a delay]: a copy's latency delays its own end, not the next copy's
+    start; only ``issue`` is queue time. ``n`` back-to-back copies of ``b`` bytes end
+    ``n * issue + b / bw + (latency - issue)`` after the first starts.
+
     ``convert``: how fast the device converts to and from a narrower storage dtype (``co.plan(...,
     lossy=...)``), in bytes of the full-width tensor per second, each way; ``None``: not known
     (``co.plan`` measures it when a plan may store lossy, :func:`measure_conversion`)."""
@@ -140,6 +148,21 @@ class Bandwidth:
     h2d: float
     latency: float = 0.0
     convert: float | None = None
+    issue: float | None = None
+
+    @property
+    def issue_seconds(self) -> float:
+        """Queue time per copy besides its bytes: ``issue``, at most ``latency`` (None: ``latency``)."""
+        return self.latency if self.issue is None else min(self.issue, self.latency)
+
+    def queue_seconds(self, nbytes: int, copies: int, direction: str) -> float:
+        """How long ``copies`` copies of ``nbytes`` in all hold the ``direction`` queue."""
+        bw = self.d2h if direction == "d2h" else self.h2d
+        if nbytes <= 0 and copies <= 0:
+            return 0.0
+        if bw <= 0:
+            return math.inf
+        return copies * self.issue_seconds + (0.0 if math.isinf(bw) else nbytes / bw)
 
     def convert_seconds(self, nbytes: int) -> float:
         """Seconds to convert ``nbytes`` (full width) one way; 0 when ``convert`` is None or inf."""
@@ -148,12 +171,10 @@ class Bandwidth:
         return nbytes / self.convert if self.convert > 0 else math.inf
 
     def copy_seconds(self, nbytes: int, copies: int, direction: str) -> float:
-        bw = self.d2h if direction == "d2h" else self.h2d
-        if nbytes <= 0 and copies <= 0:
-            return 0.0
-        if bw <= 0:
-            return math.inf
-        return copies * self.latency + (0.0 if math.isinf(bw) else nbytes / bw)
+        """From the first of ``copies`` back-to-back copies (``nbytes`` in all) starting until the
+        last one ends: their queue time plus the last one's remaining latency."""
+        q = self.queue_seconds(nbytes, copies, direction)
+        return q + (self.latency - self.issue_seconds if copies > 0 else 0.0)
 
 
 @dataclass
@@ -718,11 +739,11 @@ def _measure_times(step, named_blocks, device):
 def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
     """Times copies through a fresh host pool with ckpt_offload's engine (side stream): one small and
     one ``nbytes`` tensor each way; the small one gives the per-copy latency, the difference the
-    bandwidth.
+    bandwidth, and 16 small ones issued back to back the queue time per copy (``issue``).
 
     Example::
 
-        bw = measure_bandwidth("cuda")      # Bandwidth(d2h=..., h2d=..., latency=...)
+        bw = measure_bandwidth("cuda")      # Bandwidth(d2h=..., h2d=..., latency=..., issue=...)
     """
 
     pool = HostPool(pinned=None if device == "cuda" else False)
@@ -748,13 +769,39 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
             del y, h
         return min(d2h), min(h2d)
 
+    def back_to_back(n, count=16, reps=3):
+        xs = [torch.empty(n // 4, dtype=torch.float32, device=device).fill_(1.0) for _ in range(count)]
+        d2h, h2d = [], []
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            hs = [offload_tensor(x, pool=pool) for x in xs]
+            synchronize()
+            sync()
+            t1 = time.perf_counter()
+            ys = [h.reload() for h in hs]
+            sync()
+            synchronize()
+            t2 = time.perf_counter()
+            d2h.append(t1 - t0)
+            h2d.append(t2 - t1)
+            del ys, hs
+        return min(d2h), min(h2d)
+
     timed(small, 1)  # warm-up: the pool's first segment, the copy threads
     s_d, s_h = timed(small)
     b_d, b_h = timed(big)
     latency = max(0.0, min(s_d, s_h))
     d2h = (big - small) / max(b_d - s_d, 1e-9)
     h2d = (big - small) / max(b_h - s_h, 1e-9)
-    return Bandwidth(d2h=d2h, h2d=h2d, latency=latency)
+    # n copies back to back end (n - 1) * issue + latency after the first starts (Note [Copy
+    # latency is a delay]); the bytes' own time is taken out.
+    count = 16
+    m_d, m_h = back_to_back(small, count)
+    issue_d = (m_d - s_d - (count - 1) * small / d2h) / (count - 1)
+    issue_h = (m_h - s_h - (count - 1) * small / h2d) / (count - 1)
+    issue = min(latency, max(0.0, min(issue_d, issue_h)))
+    return Bandwidth(d2h=d2h, h2d=h2d, latency=latency, issue=issue)
 
 
 def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth | None = None,

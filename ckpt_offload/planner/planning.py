@@ -58,8 +58,10 @@ def parse_lossy(value):
 
 def parse_bandwidth(value) -> Bandwidth | None:
     """``None`` (measure it), a number or string of bytes per second for both ways (``"25GB/s"``,
-    ``math.inf``, ``0``), or a dict ``{"d2h": ..., "h2d": ..., "latency": seconds, "convert": ...}``
-    (``convert``: bytes/s of lossy storage's conversion on the device, each way; optional)."""
+    ``math.inf``, ``0``), or a dict ``{"d2h": ..., "h2d": ..., "latency": seconds, "issue": seconds,
+    "convert": ...}`` (``latency``: a copy's fixed delay; ``issue``: the queue time per copy of
+    copies issued back to back, default ``latency``; ``convert``: bytes/s of lossy storage's
+    conversion on the device, each way; all three optional)."""
     if value is None or isinstance(value, Bandwidth):
         return value
 
@@ -82,20 +84,26 @@ def parse_bandwidth(value) -> Bandwidth | None:
             ) from None
 
     if isinstance(value, dict):
-        unknown = sorted(set(value) - {"d2h", "h2d", "latency", "convert"})
+        unknown = sorted(set(value) - {"d2h", "h2d", "latency", "issue", "convert"})
         if unknown:
-            raise TypeError(f"bandwidth: unknown key(s) {unknown}; allowed: d2h, h2d, latency, convert")
+            raise TypeError(f"bandwidth: unknown key(s) {unknown}; allowed: d2h, h2d, latency, issue, convert")
         if "d2h" not in value or "h2d" not in value:
             raise ValueError("bandwidth as a dict needs both 'd2h' and 'h2d' (bytes per second)")
         lat = float(value.get("latency", 0.0))
         if not lat >= 0:
             raise ValueError(f"bandwidth['latency'] must be seconds >= 0, got {value.get('latency')!r}")
+        issue = value.get("issue")
+        if issue is not None:
+            issue = float(issue)
+            if not 0 <= issue <= lat:
+                raise ValueError(f"bandwidth['issue'] must be seconds between 0 and bandwidth['latency'] ({lat}), "
+                                 f"got {value.get('issue')!r}: a copy holds its queue no longer than it takes")
         convert = value.get("convert")
         if convert is not None:
             convert = one("['convert']", convert)
             if convert <= 0:
                 raise ValueError("bandwidth['convert'] must be bytes per second > 0 (or None to measure it)")
-        return Bandwidth(one("['d2h']", value["d2h"]), one("['h2d']", value["h2d"]), lat, convert)
+        return Bandwidth(one("['d2h']", value["d2h"]), one("['h2d']", value["h2d"]), lat, convert, issue)
     bw = one("", value)
     return Bandwidth(bw, bw, 0.0)
 
@@ -260,7 +268,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             device type.
         layers: which blocks, as in ``co.apply`` (default: the longest list of identical blocks).
         bandwidth: ``None`` measures the host link through the pool; or bytes/s for both ways
-            (``"25GB/s"``, ``math.inf``, ``0`` = no offload), or ``{"d2h", "h2d", "latency"}``, e.g.
+            (``"25GB/s"``, ``math.inf``, ``0`` = no offload), or ``{"d2h", "h2d", "latency", "issue"}``, e.g.
             to plan for a GPU from a CPU machine.
         min_bytes: saved tensors smaller than this stay on the device when offloading (bytes, or a
             size string such as ``"64KiB"``; default co.offload's, 256 KiB; ``0`` offloads everything).

@@ -1,7 +1,8 @@
 """An event simulator of one training step under a plan.
 
 Three queues: the compute stream, a device-to-host (D2H) and a host-to-device (H2D) copy queue, each
-copy costing ``latency + bytes / bandwidth``. Forward: offloaded storages are copied after their
+copy holding its queue for ``issue + bytes / bandwidth`` and ending ``latency + bytes / bandwidth``
+after it starts (the latency is a delay, not queue time: Note [Copy latency is a delay]). Forward: offloaded storages are copied after their
 block's forward and leave the device when their copy is done (the copy *backlog* is device memory).
 Backward walks the blocks in reverse, saved tensor by saved tensor (the pack order the cost model
 recorded), and reproduces the engine's prefetcher: every unpack of an offloaded storage starts the
@@ -66,9 +67,12 @@ class _Queue:
         self.bw, self.dir, self.free = bw, direction, 0.0
 
     def copy(self, t, nbytes, copies=1):
+        """Queues a copy at ``t``; returns when its bytes have arrived. The queue is held for its
+        issue cost and bytes, its latency only delays its own end (Note [Copy latency is a
+        delay] in costs.py)."""
         start = max(t, self.free)
-        self.free = start + self.bw.copy_seconds(nbytes, copies, self.dir)
-        return self.free
+        self.free = start + self.bw.queue_seconds(nbytes, copies, self.dir)
+        return start + self.bw.copy_seconds(nbytes, copies, self.dir)
 
 
 class _Handle:
