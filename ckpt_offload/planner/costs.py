@@ -750,26 +750,8 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
     sync = _sync_for(device)
     small, big = 4096, max(int(nbytes), 1 << 20)
 
-    def timed(n, reps=3):
-        x = torch.empty(n // 4, dtype=torch.float32, device=device).fill_(1.0)
-        d2h, h2d = [], []
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            h = offload_tensor(x, pool=pool)
-            synchronize()
-            sync()
-            t1 = time.perf_counter()
-            y = h.reload()
-            sync()
-            synchronize()
-            t2 = time.perf_counter()
-            d2h.append(t1 - t0)
-            h2d.append(t2 - t1)
-            del y, h
-        return min(d2h), min(h2d)
-
-    def back_to_back(n, count=16, reps=3):
+    def timed(n, count=1, reps=3):
+        """The best of ``reps`` times of ``count`` copies of ``n`` bytes issued back to back, each way."""
         xs = [torch.empty(n // 4, dtype=torch.float32, device=device).fill_(1.0) for _ in range(count)]
         d2h, h2d = [], []
         for _ in range(reps):
@@ -788,7 +770,7 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
             del ys, hs
         return min(d2h), min(h2d)
 
-    timed(small, 1)  # warm-up: the pool's first segment, the copy threads
+    timed(small, reps=1)  # warm-up: the pool's first segment, the copy threads
     s_d, s_h = timed(small)
     b_d, b_h = timed(big)
     latency = max(0.0, min(s_d, s_h))
@@ -797,7 +779,7 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
     # n copies back to back end (n - 1) * issue + latency after the first starts (Note [Copy
     # latency is a delay]); the bytes' own time is taken out.
     count = 16
-    m_d, m_h = back_to_back(small, count)
+    m_d, m_h = timed(small, count)
     issue_d = (m_d - s_d - (count - 1) * small / d2h) / (count - 1)
     issue_h = (m_h - s_h - (count - 1) * small / h2d) / (count - 1)
     issue = min(latency, max(0.0, min(issue_d, issue_h)))
