@@ -204,6 +204,15 @@ class SelectiveOffload:
     def pool(self):
         return self._context.pool
 
+    def __reduce__(self):
+        # Pickled (with the model whose checkpoint function holds it): a fresh packer with the
+        # same policy and options; the copy's counts are its own.
+        return (SelectiveOffload, (self.policy_fn, self.options, self.allow_cache_entry_mutation))
+
+    def __deepcopy__(self, memo):
+        # Copied (a model's deepcopy): the same, sharing the options and their pool.
+        return SelectiveOffload(self.policy_fn, self.options, self.allow_cache_entry_mutation)
+
     def __call__(self):
         cache: dict = {}
         return _Caching(self, cache), _Cached(cache, self.allow_cache_entry_mutation)
@@ -276,8 +285,9 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
             :class:`~ckpt_offload.OffloadOptions`. Outputs it would not offload (parameters, tensors
             under ``min_bytes``, on a device it does not offload) are kept on the device, as saved.
         allow_cache_entry_mutation: as torch's: an in-place change of a saved (kept) output after
-            it was saved is allowed instead of raising. An offloaded output comes back as it was
-            when it was offloaded.
+            it was saved is allowed instead of raising, and backward sees the changed values. An
+            offload-marked output changed in place still makes backward raise: its copy to the
+            host may have read the old or the new values.
 
     Each op's outputs are released as soon as the recompute has used them; differentiating a
     region a second time (``retain_graph=True``) raises. The offload policies need torch >= 2.5

@@ -199,6 +199,36 @@ def test_a_saved_output_modified_in_place_raises(pool):
         out.backward()
 
 
+def test_allow_cache_entry_mutation_covers_saved_outputs_not_offloaded_ones(pool):
+    def block(a):
+        return a.sin().mul_(2).cos().sum()
+
+    def sin_as(policy):
+        return lambda ctx, op, *args, **kwargs: policy if op is torch.ops.aten.sin.default else P.PREFER_RECOMPUTE
+
+    x = torch.randn(4, requires_grad=True)
+    torch_fn = functools.partial(tc.create_selective_checkpoint_contexts, sin_as(P.MUST_SAVE),
+                                 allow_cache_entry_mutation=True)
+    tc.checkpoint(block, x, use_reentrant=False, context_fn=torch_fn).backward()
+    expected, x.grad = x.grad, None
+    saved = co.selective_offload_context(sin_as(P.MUST_SAVE), cpu(pool), allow_cache_entry_mutation=True)
+    tc.checkpoint(block, x, use_reentrant=False, context_fn=saved).backward()
+    assert torch.equal(x.grad, expected)  # backward saw the changed values, as torch's does
+    offloaded = co.selective_offload_context(sin_as(P.MUST_CPU_OFFLOAD), cpu(pool), allow_cache_entry_mutation=True)
+    out = tc.checkpoint(block, x, use_reentrant=False, context_fn=offloaded)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_a_copy_of_the_context_fn_serves_on_its_own(pool):
+    ctx_fn = co.selective_offload_context(offload_matmuls, cpu(pool))
+    clone = copy.deepcopy(ctx_fn)
+    assert clone.options == ctx_fn.options and clone.policy_fn is offload_matmuls
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    tc.checkpoint(lambda a, b: torch.mm(a, b).sin().sum(), x, w, use_reentrant=False, context_fn=clone).backward()
+    assert clone.stats()["tensors_offloaded"] == 1 and ctx_fn.stats()["tensors_offloaded"] == 0
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
