@@ -90,6 +90,20 @@ def test_gradients_are_those_of_torch_with_offload_read_as_save(route, policy, s
     assert pool.stats()["bytes_in_use"] == 0
 
 
+def test_gradients_on_each_device(device, stream, pool):
+    # CPU here; marked gpu, the same on CUDA (the pool's pinned copies, the CUDA copy streams).
+    torch.manual_seed(0)
+    model, x = Blocks().to(device), torch.randn(8, 32, device=device)
+    expected = grads_after(model, x, context_fn=torch_sac(offload_matmuls))
+    ctx_fn = co.selective_offload_context(offload_matmuls, dict(devices=[device.type], min_bytes=0, pool=pool,
+                                                                stream=stream))
+    got = grads_after(model, x, context_fn=ctx_fn)
+    assert_bit_identical(expected, got)
+    assert ctx_fn.stats()["tensors_offloaded"] == 2 * len(model.blocks)
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
 def test_offloaded_outputs_are_in_the_pool_between_forward_and_backward(stream, pool):
     torch.manual_seed(0)
     model, x = Blocks(n=3), torch.randn(8, 32)
