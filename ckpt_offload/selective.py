@@ -290,8 +290,8 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
             host may have read the old or the new values.
 
     Each op's outputs are released as soon as the recompute has used them; differentiating a
-    region a second time (``retain_graph=True``) raises. The offload policies need torch >= 2.5
-    (``CheckpointPolicy.MUST_CPU_OFFLOAD``); ``torch.compile`` has its own treatment of the policies
+    region a second time (``retain_graph=True``) raises. It needs a torch whose ``CheckpointPolicy``
+    has ``MUST_CPU_OFFLOAD`` (2.14 has); ``torch.compile`` has its own treatment of the policies
     and is not served by this eager context.
 
     Example::
@@ -310,8 +310,8 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
     """
     if CheckpointPolicy is None or not OFFLOAD_POLICIES:
         raise RuntimeError(
-            f"co.selective_offload_context needs torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD "
-            f"(torch >= 2.5); this torch is {torch.__version__}")
+            "co.selective_offload_context needs torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD, which "
+            f"this torch ({torch.__version__}) does not have")
     if not callable(policy_fn):
         raise TypeError(
             f"policy_fn must be callable as policy_fn(ctx, op, *args, **kwargs) returning a CheckpointPolicy; got "
