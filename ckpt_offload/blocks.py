@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import threading
 
 import torch
 import torch.utils.checkpoint
@@ -76,6 +77,33 @@ def _selective_context():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def offload_policy(ctx, op, *args, **kwargs):
+    """The planner's "selective_offload": :func:`selective_policy` with the outputs it saves
+    offloaded (``CheckpointPolicy.MUST_CPU_OFFLOAD``) instead of kept on the device."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if packet in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_selective_offloads_lock = threading.Lock()
+_selective_offloads: dict = {}  # options -> context_fn of the blocks wrapped without a handle
+
+
+def _selective_offload_context(options, collector):
+    """The ``context_fn`` of a "selective_offload" block: one per handle and options (its packer's
+    counts are the handle's, in ``handle.stats()``)."""
+    from ckpt_offload.selective import selective_offload_context
+
+    table = _selective_offloads if collector is None else collector.__dict__.setdefault("_selective_offloads", {})
+    key = (options.replace(pool=None), id(options.pool))
+    with _selective_offloads_lock:
+        context_fn = table.get(key)
+        if context_fn is None:
+            context_fn = table[key] = selective_offload_context(offload_policy, options)
+    if collector is not None:
+        collector.add(context_fn._context)
+    return context_fn
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -125,13 +153,14 @@ class _Checkpoint:
     ``options``), counted in the handle's collector."""
 
     def __init__(self, options, use_reentrant=False, torch_kwargs=None, collector=None, ranged=False,
-                 selective=False):
+                 selective=False, selective_offload=None):
         self.options = options
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs or {})
         self.collector = collector
         self.ranged = ranged  # a plan's: its recompute runs inside the ckpt_offload::recompute range
         self.selective = selective
+        self.selective_offload = selective_offload  # options: the policy's outputs go to the pool
 
     def __call__(self, forward, args, kwargs):
         torch_kwargs = dict(self.torch_kwargs)
@@ -139,7 +168,9 @@ class _Checkpoint:
             forward = _ranged(forward)
             kwargs = dict(kwargs)
             torch_kwargs.update({k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs})
-        if self.selective:
+        if self.selective_offload is not None:
+            torch_kwargs["context_fn"] = _selective_offload_context(self.selective_offload, self.collector)
+        elif self.selective:
             torch_kwargs["context_fn"] = _selective_context
         return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, torch_kwargs, self.collector)
 
@@ -573,6 +604,8 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
         if u.kind == "keep":
             continue
         offload = (lossy if u.store else options) if u.kind in ("offload", "recompute_offload") else None
+        if u.kind == "selective_offload":
+            offload = None  # the checkpoint's input stays; the policy's outputs go to the pool
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b for _, b in members], [n for n, _ in members], offload, u, collector,
@@ -584,7 +617,8 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
                 runs = [_Offload(offload, collector)]
             else:
                 runs = [_Checkpoint(offload, use_reentrant, torch_kwargs, collector, ranged=ranged,
-                                    selective=u.kind == "selective")]
+                                    selective=u.kind in ("selective", "selective_offload"),
+                                    selective_offload=options if u.kind == "selective_offload" else None)]
         for j, ((name, block), run) in enumerate(zip(members, runs)):
             BlockForward(block, run).install()
             wrapped.append(block)

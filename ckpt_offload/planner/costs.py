@@ -36,9 +36,9 @@ _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
 #: ``saved_mutation``: it writes in place the output of an op selective recompute saves (torch's
 #: selective checkpoint raises "... has been mutated").
 INEXACT_REASONS = {
-    "input_write": ("recompute", "recompute_offload", "selective"),
-    "state_write": ("recompute", "recompute_offload", "selective"),
-    "saved_mutation": ("selective",),
+    "input_write": ("recompute", "recompute_offload", "selective", "selective_offload"),
+    "state_write": ("recompute", "recompute_offload", "selective", "selective_offload"),
+    "saved_mutation": ("selective", "selective_offload"),
 }
 
 

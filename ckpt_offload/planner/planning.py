@@ -11,6 +11,7 @@ import torch
 
 from ckpt_offload._args import check_int, parse_bytes
 from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
+from ckpt_offload.selective import OFFLOAD_POLICIES
 from ckpt_offload.options import OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
@@ -113,7 +114,8 @@ class Plan:
 
     Attributes:
         choices: ``{block name: kind}``, kind in ``keep``, ``offload``, ``recompute``,
-            ``recompute_offload``, ``selective``, or ``recompute_segment`` /
+            ``recompute_offload``, ``selective``, ``selective_offload`` (selective recompute whose
+            kept outputs wait in the host pool), or ``recompute_segment`` /
             ``recompute_offload_segment`` for the blocks of a segment checkpointed as one; in a
             nested segment, the checkpoints around the block from the outermost in, joined by
             ``">"`` (``"recompute_segment>recompute_segment"``: a block of an inner segment).
@@ -251,8 +253,8 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
          costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
-    recompute_offload / selective (and segments of blocks recomputed as one) so that the device
-    peak of saved activations fits ``budget`` with the least predicted step time.
+    recompute_offload / selective / selective_offload (and segments of blocks recomputed as one)
+    so that the device peak of saved activations fits ``budget`` with the least predicted step time.
 
     Args:
         model: the ``nn.Module`` whose blocks are planned (its parameters' device is the device).
@@ -273,7 +275,10 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
         min_bytes: saved tensors smaller than this stay on the device when offloading (bytes, or a
             size string such as ``"64KiB"``; default co.offload's, 256 KiB; ``0`` offloads everything).
         kinds: the choices allowed (a subset of ``("keep", "offload", "recompute",
-            "recompute_offload", "selective")``).
+            "recompute_offload", "selective", "selective_offload")``). ``selective`` keeps the
+            outputs of the block's matmuls, convolutions and fused attention on the device and
+            recomputes the rest; ``selective_offload`` recomputes the same ops but keeps those
+            outputs in the host pool (:func:`~ckpt_offload.selective_offload_context`).
         segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
             through their first argument).
         levels: how deep segments may nest: 1 = flat segments (Chen's), 2 = a segment whose
@@ -394,7 +399,9 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
     if create_selective_checkpoint_contexts is None:
-        kinds = tuple(k for k in kinds if k != "selective")
+        kinds = tuple(k for k in kinds if k not in ("selective", "selective_offload"))
+    if not OFFLOAD_POLICIES:  # a torch without CheckpointPolicy.MUST_CPU_OFFLOAD
+        kinds = tuple(k for k in kinds if k != "selective_offload")
     if store_dtype is not None and costs.bandwidth.convert is None and any(k in STORE_KINDS for k in kinds):
         # Measured like the link (the planner's costs are this machine's), unless stated.
         from ckpt_offload.planner.costs import measure_conversion
@@ -416,7 +423,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
             "lowers it)") from None
     if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
-            u.kind in ("recompute", "recompute_offload", "selective") for u in best.units):
+            u.kind in ("recompute", "recompute_offload", "selective", "selective_offload") for u in best.units):
         warnings.warn(
             "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
             "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "

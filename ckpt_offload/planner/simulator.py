@@ -35,7 +35,15 @@ import math
 from dataclasses import dataclass, field
 
 # The vocabulary of units lives with the block installer's, so both read one definition.
-from ckpt_offload._units import INNER_KINDS, KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, choice_names  # noqa: F401
+from ckpt_offload._units import (  # noqa: F401
+    INNER_KINDS,
+    KINDS,
+    OFFLOADING_KINDS,
+    SEGMENT_KINDS,
+    STORE_KINDS,
+    Unit,
+    choice_names,
+)
 from ckpt_offload.planner.costs import converted_inputs, converted_packs, converted_shares
 
 __all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
@@ -119,9 +127,10 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
     store = getattr(costs, "store_dtype", None)
     if store is None and any(u.store for u in units):
         raise ValueError("units store lossy (Unit.store) but costs.store_dtype is None: set the storage dtype")
-    # pack order of offloaded storages, per co.offload context: the exact units' (False) and the
-    # lossy units' (True), each with its own prefetcher
-    groups = {False: [], True: []}
+    # pack order of offloaded storages, per co.offload context: the exact units' (False), the
+    # lossy units' (True) and the selective_offload units' ("selective": the policy's context),
+    # each with its own prefetcher
+    groups = {False: [], True: [], "selective": []}
     # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle ;
     # (unit, block, storage index, pack position) -> _Handle of one converted saved tensor
     unit_handles = {}
@@ -233,12 +242,30 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                 extra = sum(n for n, si in zip(b.selective, b.selective_saved))
                 mem(t, extra + b.input_bytes)
                 info["device_bytes"] += extra + b.input_bytes
+            elif u.kind == "selective_offload":
+                # The checkpoint's input stays; each output the policy keeps is copied to the pool
+                # as its op ends (spread over the block's forward) and leaves the device once copied.
+                mem(t, b.input_bytes)
+                info["device_bytes"] += b.input_bytes
+                k = max(1, len(b.selective))
+                for j, n in enumerate(b.selective):
+                    tp = t0 + b.forward_s * (j + 1) / k
+                    mem(tp, n)
+                    if offloadable(n):
+                        unit_handles[(ui, "selective", j)] = new_handle(n, 1, "selective")
+                        done = d2h.copy(tp, n)
+                        info["copy_s"] += bw.copy_seconds(n, 1, "d2h")
+                        feasible &= math.isfinite(done)
+                        mem(done, -n)
+                        info["pool_bytes"] += n
+                    else:
+                        info["device_bytes"] += n
     forward_end = t
     mem(t, costs.post_bytes)
     t += costs.mid_s
     mem(t, -costs.post_bytes)
 
-    outstanding = {False: 0, True: 0}  # prefetched bytes waiting, per context
+    outstanding = {False: 0, True: 0, "selective": 0}  # prefetched bytes waiting, per context
     P = max(0, int(prefetch_bytes))
 
     def after_unpack(h):
@@ -361,8 +388,15 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
                     feasible = False
             recompute_backward(ui, u, info)
             mem(now[0], -first.input_bytes - cb)
-        elif u.kind == "selective":
+        elif u.kind in ("selective", "selective_offload"):
             b = blocks[u.start]
+            # selective_offload: the recompute reads the kept outputs back as it reaches their ops
+            # (modelled as its start: the conservative end); from then on the block's backward is
+            # selective's.
+            for j in range(len(b.selective)):
+                h = unit_handles.get((ui, "selective", j))
+                if h is not None and not unpack(h, info):
+                    feasible = False
             now[0] += b.selective_recompute_s
             info["recompute_s"] = b.selective_recompute_s
             # The recompute allocates the dropped saved tensors in pack order and frees each kept
