@@ -273,3 +273,17 @@ def test_ci_runs_the_readmes_test_command_first_then_the_release_checks():
     release = release[: release.index("\n}\n")]
     for check in ("CKPT_OFFLOAD_TSAN=ON", "check_torch_headers.sh", "check_sdist.sh"):
         assert check in release and check not in dev[dev.index("run_tests() {"):dev.index("run_release_checks() {")]
+
+
+def test_one_version_number_the_changelogs():
+    # The package, the CHANGELOG's newest section and the sdist the docs install agree: an
+    # unreleased section is that version's .dev0.
+    scope = {}
+    exec((ROOT / "ckpt_offload" / "_version.py").read_text(), scope)
+    version = scope["__version__"]
+    top = re.search(r"^## (\d+\.\d+\.\d+)( \(unreleased\))?$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert top, "CHANGELOG.md has no '## X.Y.Z' section"
+    assert version == top.group(1) + (".dev0" if top.group(2) else ""), (version, top.group(0))
+    for path in (ROOT / "README.md", ROOT / "docs" / "install.md"):
+        named = set(re.findall(r"ckpt_offload-([0-9][0-9a-z.]*[0-9a-z])\.tar\.gz", path.read_text()))
+        assert named == {version}, f"{path.name} installs ckpt_offload-{named}.tar.gz, the package is {version}"
