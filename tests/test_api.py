@@ -114,8 +114,8 @@ def test_default_pool_is_shared():
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        ({"max_bytes": -1}, ValueError, "max_bytes must be >= 1"),
-        ({"max_bytes": 0}, ValueError, "max_bytes must be >= 1"),
+        ({"max_bytes": -1}, ValueError, "max_bytes=-1 is below the minimum of 4096 bytes"),
+        ({"max_bytes": 0}, ValueError, "max_bytes=0 is below the minimum of 4096 bytes"),
         ({"max_bytes": 1.5}, TypeError, "max_bytes must be an int or None"),
         ({"max_bytes": True}, TypeError, "max_bytes"),
         ({"pinned": "yes"}, TypeError, "pinned must be True, False or None"),

@@ -193,7 +193,7 @@ def test_info_subprocess(tmp_path):
         (["demo", "--steps", "two"], "argument --steps: expected a positive integer"),
         (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["demo", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
-        (["demo", "--min-bytes", "-1"], "argument --min-bytes: must be >= 0"),
+        (["demo", "--min-bytes", "-1"], "argument --min-bytes: expected a number of bytes or a size such as '64KiB'"),
         (["demo", "--stream", "fast"], "argument --stream: invalid choice"),
         ([], "required"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),

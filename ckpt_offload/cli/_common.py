@@ -30,6 +30,19 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+def _size(text: str) -> int:
+    """An argparse type for a byte count: an int or a size string ("64KiB", "1.5MB"), as every
+    byte argument of the Python API takes."""
+    from ckpt_offload._args import parse_bytes
+
+    try:
+        return parse_bytes("size", text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes or a size such as '64KiB' or '1.5MB', got {text!r}"
+            + (f" ({str(e).removeprefix('size: ')})" if "whole number" in str(e) else "")) from None
+
+
 def load_script(spec: str, parser):
     """``path/to/file.py:function`` -> the function, or a parser error saying what is wrong."""
     import importlib.util
