@@ -202,3 +202,25 @@ def test_cli_script_with_size_is_refused(tmp_path):
     for command in (["profile"], ["plan", "--budget", "1MiB"]):
         r = _cli(*command, "--script", f"{script}:step", "--size", "tiny")
         assert r.returncode == 2 and "drop --size" in r.stderr, r.stderr
+
+
+def test_heartbeat_shows_a_long_step_is_running_and_how_long_it_took():
+    import io
+    import threading
+
+    from ckpt_offload.cli._common import heartbeat
+
+    beat = threading.Event()
+
+    class Stream(io.StringIO):
+        def write(self, text):
+            if text.startswith("  ... "):
+                beat.set()
+            return super().write(text)
+
+    out = Stream()
+    with heartbeat("planning the model", every=0.01, stream=out):
+        assert beat.wait(30), "no progress line while the step ran"
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "planning the model ..." and lines[-1].startswith("  done in "), lines
+    assert all(line.endswith(" s") for line in lines[1:-1]), lines

@@ -186,7 +186,7 @@ def run_plan(args, parser) -> int:
     import torch
 
     import ckpt_offload as co
-    from ckpt_offload.cli._common import _check_out, write_failed
+    from ckpt_offload.cli._common import _check_out, heartbeat, write_failed
     from ckpt_offload.planner import InfeasibleBudget, parse_bytes
 
     _check_out(args.out, parser)  # before minutes of measuring, not after
@@ -217,20 +217,23 @@ def run_plan(args, parser) -> int:
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     min_bytes = args.min_bytes if args.min_bytes is not None else (0 if device == "cpu" else None)
-    print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
     try:
-        plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth, min_bytes=min_bytes,
-                       segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
+        # Measuring (three runs of the step, the link's bandwidth) and the search: minutes on a CPU.
+        with heartbeat(f"planning {what} for {args.budget} of saved activations (measuring, then searching)"):
+            plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth,
+                           min_bytes=min_bytes, segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     print(plan.summary())
     model.zero_grad(set_to_none=True)
-    base_s, base_mem = _measure(step, device, args.steps)
+    with heartbeat(f"measuring {args.steps} step(s) without the plan"):
+        base_s, base_mem = _measure(step, device, args.steps)
     handle = plan.apply()
     try:
-        plan_s, plan_mem = _measure(step, device, args.steps)
+        with heartbeat(f"measuring {args.steps} step(s) with the plan"):
+            plan_s, plan_mem = _measure(step, device, args.steps)
     finally:
         handle.remove()
     model.zero_grad(set_to_none=True)
