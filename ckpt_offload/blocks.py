@@ -782,7 +782,8 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.apply", own=("layers", "every_n_layers", "offload", "segments"))
+    check_checkpoint_keywords(checkpoint_kwargs, "co.apply",
+                              own=("layers", "every_n_layers", "offload", "segments"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None:
         check_offloads_something(options.devices, "co.apply(offload=...)")

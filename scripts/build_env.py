@@ -158,4 +158,5 @@ def decide_cuda(forced, problems, gpu):
         return False, "ckpt_offload: building the C++-only core: " + "; ".join(problems), None
     if not gpu:
         return False, NO_GPU_MESSAGE, None
-    return True, f"ckpt_offload: building the CUDA engine (GPU found by {gpu}; CKPT_OFFLOAD_CUDA=0 builds the C++-only one)", None
+    return True, (f"ckpt_offload: building the CUDA engine (GPU found by {gpu}; CKPT_OFFLOAD_CUDA=0 builds the "
+                  "C++-only one)"), None

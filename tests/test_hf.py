@@ -487,5 +487,6 @@ def test_offload_callback_and_checkpoint_callback_together_are_refused(tmp_path,
                  co.hf.OffloadCheckpointCallback(every_n_layers=1, offload={"devices": ["cpu"], "min_bytes": 0})]
     if order == "checkpoint_first":
         callbacks.reverse()
-    with pytest.raises(RuntimeError, match="OffloadCallback and co.hf.OffloadCheckpointCallback on one model.*Keep one"):
+    with pytest.raises(RuntimeError,
+                       match="OffloadCallback and co.hf.OffloadCheckpointCallback on one model.*Keep one"):
         transformers.Trainer(model=gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=callbacks)

@@ -16,7 +16,8 @@ import argparse
 import re
 import sys
 
-from ckpt_offload.cli._common import EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, _size, load_script, write_failed  # noqa: F401
+from ckpt_offload.cli._common import (  # noqa: F401
+    EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, _size, load_script, write_failed)
 from ckpt_offload.cli.plan import add_plan_parser, run_plan
 
 __all__ = ["main", "build_parser"]

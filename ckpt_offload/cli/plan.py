@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 __all__ = ["builtin_model", "add_plan_parser", "run_plan", "plot_memory"]
 
