@@ -409,24 +409,47 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _next_args(out, args, kwargs):
+def hidden_key(module) -> str:
+    """The keyword a block's hidden state comes by when the model calls it by keyword: the first
+    parameter of its forward (``x`` of ``forward(self, x, mask)``; ``hidden_states`` for Hugging
+    Face layers and for a forward that takes ``*args``)."""
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters.values()), None)
+    except (TypeError, ValueError):
+        first = None
+    if first is None or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        return "hidden_states"
+    return first.name
+
+
+def unchained_reason(out) -> str | None:
+    """Why a segment cannot hand ``out``, a block's output, on to the next block (None: it can)."""
+    from collections.abc import Mapping
+
+    if isinstance(out, Mapping):
+        keys = ", ".join(repr(k) for k in list(out)[:4])
+        return (f"returns a dict ({keys}) that the model unpacks before the next block, while a segment hands "
+                "a block's output (or its first element) to the next block as its first argument")
+    return None
+
+
+def _next_args(out, args, kwargs, key="hidden_states"):
     """The arguments of the next block of a segment: the previous block's hidden state as its first
-    argument (positional, or ``hidden_states=`` when the blocks are called by keyword), the others
-    unchanged."""
+    argument (positional, or ``key=`` (:func:`hidden_key`) when the blocks are called by keyword),
+    the others unchanged."""
     h = _hidden(out)
     if args:
         return (h, *args[1:]), kwargs
     kwargs = dict(kwargs)
-    kwargs["hidden_states"] = h
+    kwargs[key] = h
     return (), kwargs
 
 
-def _rest(args, kwargs):
-    """What a segment's block gets besides its hidden state (the first argument, or
-    ``hidden_states=``)."""
+def _rest(args, kwargs, key="hidden_states"):
+    """What a segment's block gets besides its hidden state (the first argument, or ``key=``)."""
     if args:
         return args[1:], kwargs
-    return (), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    return (), {k: v for k, v in kwargs.items() if k != key}
 
 
 def _same_leaf(a, b) -> bool:
@@ -480,6 +503,7 @@ class _Segment:
         self.unit = unit
         self.collector = collector  # the plan handle's StatsCollector
         self.blocks = list(blocks)  # the modules (their own forwards run; a recompute must not write their buffers)
+        self.key = hidden_key(self.blocks[0])  # the hidden state's keyword, for blocks called by keyword
         self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
         self._reset()
 
@@ -524,7 +548,13 @@ class _Segment:
             outs = []
             forward = not _in_backward()
             for j, p in enumerate(parts):
-                args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw)
+                if j:
+                    why = unchained_reason(outs[-1])
+                    if why is not None:
+                        self._refuse(p.start - base, f"follows {self.names[p.start - base - 1]}, which {why}",
+                                     fix="checkpoint these blocks one by one (co.apply(model, ...) without "
+                                     "segments=; co.plan offers no segments over them)")
+                args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw, self.key)
                 if p.kind == "keep" and forward:
                     outs.append(self._checked(p.start - base, args, kwargs))
                 elif p.kind == "keep":
@@ -537,28 +567,30 @@ class _Segment:
 
     def first(self, args, kwargs):
         outs = _Checkpoint(self.offload, collector=self.collector, ranged=True)(self._runner(self.unit.parts), args, kwargs)
-        self.outs, self.prev, self.rest, self.next = list(outs), outs[0], _rest(args, kwargs), 1
+        self.outs, self.prev, self.rest, self.next = list(outs), outs[0], _rest(args, kwargs, self.key), 1
         self.outs[0] = None
         del outs
         return self.prev
 
-    def _refuse(self, j, why):
+    def _refuse(self, j, why, fix=None):
         self._reset()
         raise RuntimeError(
             f"a plan segment ({self.names[0]} .. {self.names[-1]}) runs its blocks one after another, each with the "
             f"previous one's output as its first argument and the other arguments the first block got; "
-            f"{self.names[j]} {why}. Plan without segments (co.plan(..., segments=False)), or apply without "
-            "segments, for this model")
+            f"{self.names[j]} {why}. "
+            + (fix[0].upper() + fix[1:] if fix else "Plan without segments (co.plan(..., segments=False)), or "
+               "apply without segments, for this model")
+            + ".")
 
     def later(self, j, original, args, kwargs):
         if self.outs is None:
             return original(*args, **kwargs)
         if j != self.next:
             self._refuse(j, f"was called out of order (after {self.names[self.next - 1]})")
-        given = args[0] if args else kwargs.get("hidden_states")
+        given = args[0] if args else kwargs.get(self.key)
         if given is not _hidden(self.prev):
             self._refuse(j, "got another input")
-        if not _same_rest(_rest(args, kwargs), self.rest):
+        if not _same_rest(_rest(args, kwargs, self.key), self.rest):
             self._refuse(j, "got other arguments than the first block")
         out = self.outs[j]
         self.outs[j] = None  # handed out: the segment no longer holds it
@@ -784,7 +816,8 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.apply")
+    check_checkpoint_keywords(checkpoint_kwargs, "co.apply",
+                              own=("layers", "every_n_layers", "offload", "segments"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None:
         check_offloads_something(options.devices, "co.apply(offload=...)")

@@ -9,12 +9,12 @@ import warnings
 
 import torch
 
-from ckpt_offload._args import check_int, parse_bytes
+from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
 from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
 from ckpt_offload.selective import OFFLOAD_POLICIES
 from ckpt_offload.options import OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
+from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
@@ -23,6 +23,9 @@ __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "parse_lossy", "LOS
 #: Plans leave this many bytes of the budget free: autograd keeps a few scalar buffers alive through
 #: backward that the cost model does not see (16 bytes a step on the built-in model).
 SLACK_BYTES = 256
+
+#: The deepest nesting of segments co.plan builds (levels=); deeper would plan like this anyway.
+MAX_LEVELS = 3
 
 #: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves.
 LOSSY_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
@@ -75,6 +78,9 @@ def parse_bandwidth(value) -> Bandwidth | None:
             if v.lower() in ("inf", "infinite"):
                 return math.inf
             v = v[:-2] if v.lower().endswith("/s") else v
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ValueError(f"bandwidth{key} must be bytes per second >= 0, got {original!r}: a copy rate cannot "
+                             "be negative; write e.g. '25GB/s', 'inf' (no copy cost), or None to measure it")
         try:
             return float(parse_bytes(f"bandwidth{key}", v))
         except (TypeError, ValueError) as e:
@@ -213,6 +219,9 @@ class Plan:
                 for kind, why in ex.items():
                     by_why.setdefault(why, []).append(kind)
                 for why, kinds in by_why.items():
+                    if kinds == ["segment"]:  # not an exactness matter: allow_inexact cannot lift it
+                        lines.append(f"  {name}: {why}")
+                        continue
                     if "recompute" in kinds:
                         kinds = kinds + ["segments"]
                     lines.append(f"  {name}: no {', '.join(kinds)}: {why}")
@@ -249,6 +258,7 @@ def _model_device(model) -> str:
     return "cpu"
 
 
+@suggest_keywords("co.plan")
 def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
          costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None):
@@ -281,7 +291,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             outputs in the host pool (:func:`~ckpt_offload.selective_offload_context`).
         segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
             through their first argument).
-        levels: how deep segments may nest: 1 = flat segments (Chen's), 2 = a segment whose
+        levels: how deep segments may nest (1 to 3): 1 = flat segments (Chen's), 2 = a segment whose
             recompute checkpoints inner segments again (multi-level, as in rotor: less memory, more
             recompute), 3 = one more level (a slower search: seconds for 16 blocks).
         prefetch_bytes: the prefetch window of the plan's offload; ``None`` lets the planner choose.
@@ -354,7 +364,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
-    levels = check_int("levels", levels, minimum=1)
+    levels = check_int("levels", levels, minimum=1, maximum=MAX_LEVELS)
     bw = parse_bandwidth(bandwidth)
     store_dtype = parse_lossy(lossy)
     device = _model_device(model)
@@ -496,6 +506,9 @@ def _excluded(costs, allow) -> list:
     for b in costs.blocks:
         ex = {}
         for reason, what in (getattr(b, "inexact", None) or {}).items():
+            if reason == UNCHAINED:  # not a matter of exactness: such a segment cannot run at all
+                ex.setdefault("segment", f"no segment over it and the next block: it {what}")
+                continue
             if reason in allow:
                 continue
             for kind in INEXACT_REASONS.get(reason, ()):

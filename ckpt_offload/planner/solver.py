@@ -181,7 +181,9 @@ def allowed(cm, u) -> bool:
         return True
     if u.start == u.end:
         return u.kind not in ex[u.start]
-    return all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+    # "segment": block i does not hand its output to block i+1 as a segment would (UNCHAINED).
+    return (all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+            and all("segment" not in ex[i] for i in range(u.start, u.end)))
 
 
 def _unit_options(n, kinds, max_segment, inners=None):
