@@ -398,6 +398,28 @@ def test_size_below_minimum_names_the_argument():
 # ---------------------------------------------------------------- counts that add up
 
 
+def test_joined_views_count_the_bytes_the_host_holds():
+    # Three views of one storage: two in cells of their own, then one that bridges them, which
+    # joins both copies into one (only the missing cells are copied). The stats say what the
+    # pool holds, not just the first two views' spans.
+    pool = co.HostPool(pinned=False)
+    leaf = torch.randn(4096, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        x = leaf * 1.0  # 4096 float32: 16,384 bytes, saved by nothing (a scalar multiply)
+        ys = [x[:100].sin(), x[4000:].sin(), x[50:4050].sin()]  # sin saves its input view
+    s = ctx.stats()
+    held = pool.stats()["bytes_in_use"]
+    assert held == 16384, pool.stats()
+    assert s["tensors_offloaded"] == 2 and s["tensors_deduplicated"] == 1, s
+    assert s["bytes_offloaded"] == s["bytes_stored"] == held, s
+    ref = leaf.detach()
+    sum(y.sum() for y in ys).backward()
+    expect = torch.zeros(4096)
+    for sl in (slice(0, 100), slice(4000, 4096), slice(50, 4050)):
+        expect[sl] += ref[sl].cos()
+    assert torch.equal(leaf.grad, expect)
+
+
 def _in_a_thread(step):
     """Runs ``step()`` in a new thread that has ended when this returns (its errors raise here)."""
     from concurrent.futures import ThreadPoolExecutor
