@@ -588,9 +588,10 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
     }
     ++i;
     // The same bytes, read as the same elements at the same version: converting them again
-    // would give the same bits (fp8's scale is the span's amax), so they are shared. Spans
+    // would give the same bits (fp8's scale is their amax), so they are shared. Spans
     // that only overlap convert on their own.
-    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type())
+    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
+        (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides)))
       return copy;
   }
   return nullptr;
@@ -623,6 +624,11 @@ void Packer::remember_converted(const at::Tensor& t, const Span& span, const std
   g.lo = span.lo;
   g.hi = span.hi;
   g.dtype = t.scalar_type();
+  g.dense = t.is_non_overlapping_and_dense();
+  if (!g.dense) {
+    g.sizes = t.sizes().vec();
+    g.strides = t.strides().vec();
+  }
   e.groups.push_back(std::move(g));
 }
 

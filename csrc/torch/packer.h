@@ -168,6 +168,10 @@ class Packer {
     uint32_t version = 0;
     int64_t lo = 0, hi = 0;
     c10::ScalarType dtype = c10::kFloat;
+    // Its elements are the span's (non-overlapping and dense); else only a view of the same
+    // sizes and strides has the same elements, and so the same fp8 scale.
+    bool dense = true;
+    std::vector<int64_t> sizes, strides;  // when not dense
   };
   struct ConvertedEntry {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
