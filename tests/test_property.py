@@ -218,6 +218,7 @@ def _capped_pool(free: int):
     return pool, held
 
 
+@pytest.mark.filterwarnings("ignore:.*the host pool is at its cap:UserWarning")  # the capped pools
 @settings(max_examples=hypothesis_examples(1000))
 @given(g=graphs(), cfg=_configs, double=st.booleans(), free=_free)
 def test_random_graph_gradients_are_bit_identical(g, cfg, double, free, shared_pool):
