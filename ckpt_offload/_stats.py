@@ -119,7 +119,8 @@ class StatsCollector:
             # handle's shared context of a thread when that thread ends (its table is
             # thread-local). The finalizer holds only a weak reference to this collector and the
             # packer's bound method, so it keeps neither the handle nor the context alive.
-            weakref.finalize(ctx, _retire_into, weakref.ref(self), ctx._packer.stats)
+            # Not at interpreter exit: nothing reads the counts then.
+            weakref.finalize(ctx, _retire_into, weakref.ref(self), ctx._packer.stats).atexit = False
 
     def stats(self) -> dict:
         contexts = list(self._contexts)
