@@ -405,7 +405,8 @@ std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const S
       break;
     }
     // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
-    if (wide.lo < g.hi && wide.hi > g.lo) touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable});
+    if (wide.lo < g.hi && wide.hi > g.lo)
+      touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable, g.counted});
   }
   if (!held) return nullptr;
   touched->clear();
@@ -483,6 +484,12 @@ std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const S
     }
     groups[at[0]].lo = lo;
     groups[at[0]].hi = hi;
+    // The joined copy holds lo..hi on the host: what its views had counted becomes that.
+    int64_t counted = 0;
+    for (const auto& g : touched) counted += g.counted;
+    groups[at[0]].counted = hi - lo;
+    counters_->bytes_offloaded += hi - lo - counted;
+    counters_->bytes_stored += hi - lo - counted;
     std::sort(at.begin() + 1, at.end());
     for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
   }
@@ -561,6 +568,7 @@ void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_p
   g.lo = span.lo;
   g.hi = span.hi;
   g.extendable = extendable;
+  g.counted = saved->nbytes();
   e.groups.push_back(std::move(g));
 }
 
@@ -580,9 +588,10 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
     }
     ++i;
     // The same bytes, read as the same elements at the same version: converting them again
-    // would give the same bits (fp8's scale is the span's amax), so they are shared. Spans
+    // would give the same bits (fp8's scale is their amax), so they are shared. Spans
     // that only overlap convert on their own.
-    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type())
+    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
+        (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides)))
       return copy;
   }
   return nullptr;
@@ -615,6 +624,11 @@ void Packer::remember_converted(const at::Tensor& t, const Span& span, const std
   g.lo = span.lo;
   g.hi = span.hi;
   g.dtype = t.scalar_type();
+  g.dense = t.is_non_overlapping_and_dense();
+  if (!g.dense) {
+    g.sizes = t.sizes().vec();
+    g.strides = t.strides().vec();
+  }
   e.groups.push_back(std::move(g));
 }
 
