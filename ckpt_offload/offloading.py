@@ -428,8 +428,10 @@ class offload:
         # were kept on the device either way, so backward still works.
         if flush_error is not None and exc_type is None:
             raise flush_error
-        if not self._warned_full and self.on_full == "keep":
-            self._warn_if_pool_was_full()
+        if not self._warned_full and self.on_full == "keep" and self.pool._share is None:
+            self._warn_if_pool_was_full()  # a pool's share of the node says so once per node instead
+        if self.pool._fallback_possible or self.pool._share is not None:
+            self.pool._check_host_limits()
         if state.hooks is not None and (self._noop_checks_left or (
                 not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
             self._check_exit_stats()
