@@ -242,7 +242,9 @@ class offload:
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
     ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other devices, sparse / nested / quantized
-    / conjugate-view tensors, tensor subclasses, tensors with no data of their own (``no_data``: ZeroTensors,
+    / conjugate-view tensors, ``__torch_dispatch__`` tensor subclasses other than DTensor (a DTensor, what
+    tensor parallelism saves, is offloaded through its local tensor and rebuilt with its mesh and placements
+    on unpack), tensors with no data of their own (``no_data``: ZeroTensors,
     such as forward-mode AD's zero tangents, and tensors whose storage was freed), and tensors smaller than
     ``min_bytes``. Several
     saved tensors that view one storage are offloaded once. A saved tensor modified in place
