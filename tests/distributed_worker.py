@@ -321,10 +321,18 @@ def dtensor_details_scenario():
 
 
 def accelerate_fsdp2_scenario():
+    """Accelerate's FSDP2 plugin. Accelerate picks FSDP only for accelerator devices, so on CPU
+    processes ``Accelerator(cpu=True, fsdp_plugin=...)`` runs as MULTI_CPU and ``prepare`` would not
+    shard; there the model goes through accelerate's own FSDP2 preparation,
+    ``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` (what ``prepare`` calls under FSDP:
+    ``fully_shard`` on every layer its wrap policy picks, then on the root), with the plugin set on
+    the accelerator's state -- the same composition, run by accelerate's code."""
     import accelerate
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
 
     def train(how, pool):
         AcceleratorState._reset_state(True)
@@ -334,27 +342,31 @@ def accelerate_fsdp2_scenario():
             reshard_after_forward=True,
         )
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-        if accelerator.distributed_type != DistributedType.FSDP:
-            return None, accelerator.distributed_type
         model = TinyTransformer(**MODEL, seed=0)
         handle = co.apply(model, offload=cpu_options(pool)) if how else None  # on the bare model, as documented
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, opt = accelerator.prepare(model, opt)
+        kind = accelerator.distributed_type
+        if kind == DistributedType.FSDP:
+            model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        else:  # prepare would wrap the model in DDP (MULTI_CPU): accelerate's FSDP2 step, then the optimizer
+            accelerator.state.fsdp_plugin = plugin
+            model = fsdp2_prepare_model(accelerator, model)
+            opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         torch.manual_seed(1234)
         for (tokens,) in batches():
             accelerator.backward(lm_loss(model, tokens))
             opt.step()
             opt.zero_grad()
-        return (full_params(model), handle), accelerator.distributed_type
+        return full_params(model), handle, kind, sharded
 
-    plain, kind = train(None, None)
-    if plain is None:
-        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU "
-                               f"processes (Accelerator(cpu=True, fsdp_plugin=...) gives "
-                               f"distributed_type={kind.value}, not FSDP)"}
+    plain, _, kind, sharded = train(None, None)
     pool = co.HostPool(pinned=False)
-    (got, handle), _ = train("apply", pool)
-    return result(plain[0], got, pool, handle=handle)
+    got, handle, _, _ = train("apply", pool)
+    out = result(plain, got, pool, handle=handle)
+    out["distributed_type"] = kind.value
+    out["accelerate"] = accelerate.__version__
+    out["sharded"] = sharded
+    return out
 
 
 # --- Hugging Face Trainer (DDP over gloo, accelerate underneath) ---------------------------
@@ -398,6 +410,46 @@ def hf_trainer_scenario(out_dir):
                   parallel_mode=str(trainer.args.parallel_mode), wrapped=type(trainer.model_wrapped).__name__)
 
 
+def trl_sft_scenario(out_dir):
+    """TRL's SFTTrainer (a Trainer subclass: its own dataset preparation, loss and metrics) over 2
+    processes with ``co.hf.OffloadCheckpointCallback``: same losses, same parameters."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A word-level tokenizer built here: SFTTrainer wants a processing class, and nothing is downloaded.
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w0", pad_token="w0", unk_token="w1")
+    ids = torch.randint(2, 100, (16, 8), generator=torch.Generator().manual_seed(2)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": ids})  # already tokenized
+
+    def model():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    def train(m, callbacks, tag):
+        args = trl.SFTConfig(
+            output_dir=os.path.join(out_dir, tag), report_to=[], max_steps=3, per_device_train_batch_size=2,
+            use_cpu=True, logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+            ddp_backend="gloo",
+        )
+        trainer = trl.SFTTrainer(model=m, args=args, train_dataset=data, processing_class=tok, callbacks=callbacks)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach().clone() for n, p in m.named_parameters()}, trainer
+
+    plain_losses, plain, _ = train(model(), [], "plain")
+    pool = co.HostPool(pinned=False)
+    cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_options(pool))
+    losses, got, trainer = train(model(), [cb], "offload")
+    return result(plain, got, pool, handle=cb.handle, plain_losses=plain_losses, losses=losses,
+                  calls=cb.handle.function.calls, world_size=trainer.args.world_size, trl=trl.__version__)
+
+
 SCENARIOS = {
     "ddp_offload": lambda out: ddp_scenario("offload"),
     "ddp_checkpoint": lambda out: ddp_scenario("checkpoint"),
@@ -418,6 +470,7 @@ SCENARIOS = {
     "dtensor_details": lambda out: dtensor_details_scenario(),
     "accelerate_fsdp2": lambda out: accelerate_fsdp2_scenario(),
     "hf_trainer": hf_trainer_scenario,
+    "trl_sft": trl_sft_scenario,
 }
 
 

@@ -22,8 +22,8 @@ the engine reduced gradients through ckpt_offload's hooks and recomputes.
   tensors and rebuilt on unpack; views of one DTensor are copied once, an in-place write after
   saving raises, DTensor parameters are kept.
 - Accelerate with ``FullyShardedDataParallelPlugin(fsdp_version=2)`` and ``co.apply`` on the bare
-  model before ``prepare``; skipped, saying why, where accelerate does not use FSDP for CPU
-  processes (1.15 does not).
+  model before ``prepare``; where accelerate does not use FSDP for CPU processes (1.16 does not),
+  through accelerate's own FSDP2 preparation (``fsdp2_prepare_model``) with that plugin.
 - The Hugging Face Trainer (DDP over gloo through accelerate) with
   ``co.hf.OffloadCheckpointCallback``.
 """
@@ -52,6 +52,12 @@ try:
     import transformers  # noqa: F401
 except ImportError:
     HF = []
+try:
+    import trl  # noqa: F401
+except ImportError:
+    TRL = []
+else:
+    TRL = ["trl_sft"] if HF else []
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +65,7 @@ def results(tmp_path_factory):
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     out = tmp_path_factory.mktemp("distributed")
-    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + TP + ["dtensor_details"] + HF), out, WORKER_TIMEOUT_S)
+    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + TP + ["dtensor_details"] + HF + TRL), out, WORKER_TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -166,10 +172,14 @@ def test_dtensor_views_deduplicated_inplace_detected_parameters_kept(results):
 
 @pytest.mark.skipif(not HF, reason="transformers and accelerate are not installed")
 def test_accelerate_fsdp2_plugin_matches_without_ckpt_offload(results):
-    per_rank = scenario(results, "accelerate_fsdp2")  # skips with accelerate's reason on CPU
+    """On CPU processes accelerate runs as MULTI_CPU and does not shard; the worker then runs
+    accelerate's own FSDP2 preparation (fsdp2_prepare_model) with the plugin, which must have
+    sharded every Block and the root."""
+    per_rank = scenario(results, "accelerate_fsdp2")
     check_trained_alike("accelerate_fsdp2", per_rank)
     for res in per_rank:
         assert res["names"] == [f"blocks.{i}" for i in range(MODEL["layers"])]
+        assert set(res["sharded"]) >= {""} | {f"blocks.{i}" for i in range(MODEL["layers"])}, res["sharded"]
 
 
 @pytest.mark.skipif(not HF, reason="transformers is not installed")
@@ -184,3 +194,16 @@ def test_hf_trainer_two_processes_matches_without_ckpt_offload(results):
         assert_same_params(res["plain"], res["got"], f"Trainer rank {r}")
         assert res["pool"]["num_allocs"] > 0 and res["pool"]["bytes_in_use"] == 0, res["pool"]
     assert_same_params(per_rank[0]["got"], per_rank[1]["got"], "Trainer: rank 0 vs rank 1")
+
+
+@pytest.mark.skipif(not TRL, reason="trl (with transformers and accelerate) is not installed")
+def test_trl_sft_trainer_two_processes_matches_without_ckpt_offload(results):
+    per_rank = scenario(results, "trl_sft")
+    for r, res in enumerate(per_rank):
+        assert res["world_size"] == 2, res["world_size"]
+        assert res["names"] == ["transformer.h.0", "transformer.h.2"]
+        assert res["calls"] == 6  # 2 checkpointed layers x 3 steps
+        assert res["losses"] == res["plain_losses"]
+        assert_same_params(res["plain"], res["got"], f"SFTTrainer rank {r}")
+        assert res["pool"]["num_allocs"] > 0 and res["pool"]["bytes_in_use"] == 0, res["pool"]
+    assert_same_params(per_rank[0]["got"], per_rank[1]["got"], "SFTTrainer: rank 0 vs rank 1")
