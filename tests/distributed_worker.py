@@ -214,8 +214,9 @@ def tp_loss(out):
 
 
 def train_tp(how, pool, fsdp=False):
-    """Tensor parallel over every rank (or, with ``fsdp``, FSDP2 over a 1 x N mesh's first
-    dimension on top of tensor parallel over its second: the 2-D composition torchtitan uses).
+    """Tensor parallel over every rank (or, with ``fsdp``, FSDP2 over a 2-D mesh's first
+    dimension on top of tensor parallel over its second, the composition torchtitan uses: 1 x 2
+    on 2 ranks, 2 x 2 on 4).
     The blocks' outputs stay DTensors, so the residual stream, the blocks' inputs (what
     ``co.apply`` offloads) and everything autograd saves inside them are DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -223,7 +224,8 @@ def train_tp(how, pool, fsdp=False):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
-    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp")) if fsdp else None
+    dp = 2 if fsdp and world >= 4 and world % 2 == 0 else 1  # 4 ranks: a 2 x 2 mesh
+    mesh2d = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp")) if fsdp else None
     tp_mesh = mesh2d["tp"] if fsdp else init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = MLPStack()

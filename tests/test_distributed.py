@@ -17,7 +17,8 @@ the engine reduced gradients through ckpt_offload's hooks and recomputes.
   parameters' storages: they must be kept, not offloaded -- counted against the same
   ``co.offload`` around the unsharded model.
 - Tensor parallel (``parallelize_module``, column- then row-wise, the blocks' outputs kept as
-  DTensors), alone and under FSDP2 on a 2-D (dp x tp) mesh, with ``co.offload`` and
+  DTensors), alone and under FSDP2 on a 2-D (dp x tp) mesh (1 x 2 here; 2 x 2 in a second,
+  4-process launch), with ``co.offload`` and
   ``co.apply(offload=...)``: the DTensors autograd saves are offloaded through their local
   tensors and rebuilt on unpack; views of one DTensor are copied once, an in-place write after
   saving raises, DTensor parameters are kept.
@@ -45,7 +46,8 @@ DDP = ["ddp_offload", "ddp_checkpoint", "ddp_apply2", "ddp_apply2_no_sync", "ddp
        "ddp_apply2_find_unused", "ddp_offload_find_unused"]
 FSDP2 = ["fsdp2_offload_reshard", "fsdp2_offload_no_reshard", "fsdp2_apply_before_reshard",
          "fsdp2_apply_after_reshard", "fsdp2_apply_before_no_reshard"]
-TP = ["tp_offload", "tp_apply", "fsdp2_tp_offload", "fsdp2_tp_apply"]
+FSDP2_TP = ["fsdp2_tp_offload", "fsdp2_tp_apply"]
+TP = ["tp_offload", "tp_apply", *FSDP2_TP]
 HF = ["accelerate_fsdp2", "hf_trainer"]
 try:
     import accelerate  # noqa: F401
@@ -152,6 +154,29 @@ def test_tensor_parallel_dtensor_activations_are_offloaded(results, name):
         else:
             assert res["names"] == ["blocks.0", "blocks.1", "blocks.2"]
     assert_same_params(per_rank[0]["got"], per_rank[1]["got"], f"{name}: rank 0 vs rank 1")
+
+
+@pytest.fixture(scope="module")
+def results_2x2(tmp_path_factory):
+    if not gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    out = tmp_path_factory.mktemp("distributed_2x2")
+    wait_ranks(launch_ranks(WORKER, out, FSDP2_TP, world_size=4), out, WORKER_TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.parametrize("name", FSDP2_TP)
+def test_fsdp2_tensor_parallel_2x2_mesh_offloads_dtensors(results_2x2, name):
+    """4 processes: FSDP2 over 2 data-parallel groups, each a tensor-parallel pair."""
+    per_rank = [res[name] for res in results_2x2]
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"{name} failed on rank {r}:\n{res['error']}"
+        assert_same_params(res["plain"], res["got"], f"{name} 2x2 rank {r}: with ckpt_offload vs without")
+        stats = res["ctx"] if "ctx" in res else res["apply_stats"]
+        assert stats["kept_by_reason"]["subclass"] == 0 and stats["tensors_offloaded"] > 0, stats
+        assert res["pool"]["bytes_in_use"] == 0, res["pool"]
+    for r in range(1, 4):
+        assert_same_params(per_rank[0]["got"], per_rank[r]["got"], f"{name} 2x2: rank 0 vs rank {r}")
 
 
 def test_dtensor_views_deduplicated_inplace_detected_parameters_kept(results):
