@@ -309,7 +309,8 @@ class HostPool:
             if not self._impl.stats()["num_cap_hits"]:
                 return
             self._warned_share = True
-            if not _first_on_node("share-full"):
+            # One rank on the host: nobody else to leave the message to.
+            if self._share["local_world_size"] > 1 and not _first_on_node("share-full"):
                 return
             sh = self._share
             where = (f"what exceeds it goes to spill_dir={self.spill_dir!r} (on disk) instead"
@@ -442,8 +443,10 @@ class HostPool:
 def _first_on_node(what: str) -> bool:
     """True in exactly one of the local ranks of this launch that call it with ``what``: the
     first to create a marker file in the temporary directory, named for the launch -- the ranks'
-    common parent process (torchrun's agent, a spawner), its start time, and MASTER_PORT. True
-    where that cannot be decided (better said by every rank than by none)."""
+    common parent process (torchrun's agent, a spawner), its start time, and MASTER_PORT (a
+    parent that launches ranks again with the same port, as no launcher does, would find the
+    marker and stay silent). True where that cannot be decided (better said by every rank than
+    by none)."""
     import tempfile
 
     ppid = os.getppid()

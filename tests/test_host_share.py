@@ -11,6 +11,7 @@ rank warns.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
@@ -138,9 +139,9 @@ def test_pageable_pool_reports_no_fallback():
     assert co.HostPool(pinned=False).pinned_fallback() is None
 
 
-def test_auto_share_full_without_spill_dir_warns_naming_the_option(monkeypatch, tmp_path):
+def test_auto_share_full_without_spill_dir_warns_naming_the_option(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("MASTER_PORT", f"single-{tmp_path.name}")  # a launch of its own: this test's marker
+    monkeypatch.setenv("MASTER_PORT", f"test-{uuid.uuid4().hex}")  # a launch of its own: a fresh marker
     pool = co.HostPool(max_bytes="auto", node_max_bytes=4 * 65536, pinned=False, segment_bytes=65536)
     plain = _train()
     with pytest.warns(UserWarning, match=r"max_bytes='auto'.*node_max_bytes=262144.*LOCAL_WORLD_SIZE=4.*"
@@ -173,3 +174,14 @@ def test_four_local_ranks_never_exceed_the_node_budget(tmp_path):
     assert len(said) == 1, [res["warnings"] for res in results]
     message = next(w for w in results[said[0]]["warnings"] if "max_bytes='auto'" in w)
     assert f"node_max_bytes={NODE_MAX_BYTES}" in message and f"spill_dir='{spill}'" in message
+
+
+def test_auto_share_of_a_single_rank_always_says_so(monkeypatch):
+    """With one rank on the host there is no one to coordinate with: every such pool warns, even a
+    second run from the same parent and port (a marker file would have silenced it)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    for _ in range(2):
+        pool = co.HostPool(max_bytes="auto", node_max_bytes=65536, pinned=False, segment_bytes=65536)
+        with pytest.warns(UserWarning, match=r"max_bytes='auto'.*LOCAL_WORLD_SIZE=1"):
+            _train(pool)
