@@ -143,6 +143,9 @@ class Packer {
                                            TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved, bool extendable);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
+  // Note [DTensor activations]: a DTensor packed through its local tensor; a null object when
+  // `obj` is not a DTensor (it is then kept as a subclass).
+  pybind11::object pack_dtensor(pybind11::handle obj, const at::Tensor& t, int64_t nbytes);
   // Note [Low-precision storage]: the narrow copy of exactly t's span (same storage, first and
   // last byte, dtype, version) made earlier, or null; and remembering one.
   std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
