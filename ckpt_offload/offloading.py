@@ -462,9 +462,9 @@ class offload:
     # A context that offloads nothing costs its hooks and frees no memory, and a user who sees
     # training run has no reason to look at stats(): at an exit where this context has kept tensors
     # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
-    # none, it warns once, naming the reason and the fix. stats() builds a dict, so the check runs
-    # only until the context has offloaded something (then never again), has warned, or has exited
-    # _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
+    # none, it warns once, naming the reason and the fix. It reads the counters Packer.end returns
+    # (stats() would build a dict of ~30 keys at every exit), and the check runs only until the
+    # context has offloaded something (then never again), has warned, or has exited _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
     # buffers, autocast's casts -- those do not count). With no device selected at all (devices=[]
     # or the default without a GPU) the construction already warned, and the check is off.
     def _check_exit_counts(self, counts: tuple) -> None:
