@@ -3,6 +3,8 @@
     python3 benchmarks/hot_path.py                 # CPU (one thread) or the GPU, full run
     python3 benchmarks/hot_path.py --quick         # a CI-friendly smoke run (a few seconds on CPU)
     python3 benchmarks/hot_path.py --out DIR       # also writes DIR/hot_path.json and DIR/hot_path.md
+    python3 benchmarks/hot_path.py --quick --write-baseline benchmarks/results/hot_path_cpu.json
+                                                   # records this run as the committed CPU reference
 
 A model of ``--blocks`` blocks ``Linear(dim, dim)`` + ``tanh`` saves three small tensors per block:
 the Linear's input and tanh's output (activations) and the Linear's ``weight.t()`` (a view of a
@@ -19,14 +21,20 @@ Variants: ``plain`` (no hooks), ``identity`` (``saved_tensors_hooks`` returning 
 ``co_offload_side`` (``min_bytes=0``: everything offloaded, ``prefetch_bytes=0``), ``co_prefetch``
 (side stream with prefetch) and ``co_batch`` (``batch_below``: small tensors gathered).
 
-The two ratios of issue 18: ``co_keep / save_on_cpu`` and ``co_offload_compute / clone_hook``
-(per saved tensor, forward + backward). On a GPU the host time per offloaded tensor is also put
-against the GPU time per tensor of the step (is the host falling behind the GPU?).
+The two headline ratios: ``co_keep / save_on_cpu`` and ``co_offload_compute / clone_hook``
+(per saved tensor, forward + backward). Each denominator is also run as a second, separate arm
+(interleaved like the others, not a row of the table): its ratio to the first is the A/A pair,
+the noise floor of that ratio in this run. On CPU the ratios are printed beside those of the
+committed reference run (``--baseline``, default ``benchmarks/results/hot_path_cpu.json``), so
+a regression shows in every CI log; nothing is asserted on time. On a GPU the host time per
+offloaded tensor is also put against the GPU time per tensor of the step (is the host falling
+behind the GPU?).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -43,6 +51,10 @@ from _package import co, save_report  # noqa: E402  (the checkout's build when i
 
 KEEP_RATIO = ("co_keep", "save_on_cpu")
 OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")
+# The A/A arms: each headline denominator again, as an arm of its own (not a row of the table).
+AA_SUFFIX = " (again)"
+AA_ARMS = (KEEP_RATIO[1], OFFLOAD_RATIO[1])
+DEFAULT_BASELINE = os.path.join(_HERE, "results", "hot_path_cpu.json")
 
 
 class Blocks(nn.Module):
@@ -149,6 +161,9 @@ def run(args) -> dict:
     saved = count_saved(model, x)
     pool = co.HostPool()
     factories = variants(args.device, pool)
+    rows = list(factories)
+    for n in AA_ARMS:
+        factories[n + AA_SUFFIX] = factories[n]
     names = list(factories)
     times = {n: {"forward": [], "backward": [], "forward_host": [], "gpu_step": []} for n in names}
     stats = {}
@@ -176,7 +191,7 @@ def run(args) -> dict:
         return {"median_us": statistics.median(per), "p25_us": pct(per, 0.25), "p75_us": pct(per, 0.75)}
 
     results = []
-    for n in names:
+    for n in rows:
         row = {
             "variant": n,
             "step_forward_ms": statistics.median(times[n]["forward"]) * 1e3,
@@ -197,8 +212,7 @@ def run(args) -> dict:
         results.append(row)
 
     def ratio(pair):
-        by = {r["variant"]: r for r in results}
-        a, b = by[pair[0]]["per_tensor"]["total"]["median_us"], by[pair[1]]["per_tensor"]["total"]["median_us"]
+        a, b = overhead(pair[0], "total")["median_us"], overhead(pair[1], "total")["median_us"]
         return {"numerator": pair[0], "denominator": pair[1], "ratio": (a / b) if b > 0 else None,
                 "numerator_us": a, "denominator_us": b}
 
@@ -216,7 +230,37 @@ def run(args) -> dict:
         "package": os.path.dirname(os.path.abspath(co.__file__)),  # which ckpt_offload was measured
         "results": results,
         "ratios": {"keep_vs_save_on_cpu": ratio(KEEP_RATIO), "offload_vs_clone_hook": ratio(OFFLOAD_RATIO)},
+        # The same arm measured twice: how far from 1.0 a ratio of this run moves by noise alone.
+        "aa": {n: ratio((n + AA_SUFFIX, n)) for n in AA_ARMS},
     }
+
+
+def baseline_entry(r: dict) -> dict:
+    """What --write-baseline keeps of a run: the ratios, their A/A pairs, each variant's total."""
+    return {
+        "benchmark": "hot_path", "mode": r["mode"], "args": r["args"],
+        "command": "python benchmarks/hot_path.py " + ("--quick" if r["args"]["quick"] else ""),
+        "torch_version": r["torch_version"],
+        "ratios": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["ratios"].items()},
+        "aa": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["aa"].items()},
+        "total_us": {x["variant"]: round(x["per_tensor"]["total"]["median_us"], 2)
+                     for x in r["results"] if x["per_tensor"] is not None},
+    }
+
+
+def read_baseline(path: str | None, r: dict) -> dict | None:
+    """The committed reference run at ``path`` when it exists and was measured like ``r`` (same
+    mode and model), else None."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            b = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = b.get("mode") == r["mode"] and all(
+        b.get("args", {}).get(k) == r["args"][k] for k in ("blocks", "dim", "batch", "threads", "clock"))
+    return b if same else None
 
 
 def markdown(r: dict) -> str:
@@ -247,10 +291,21 @@ def markdown(r: dict) -> str:
                      f"{'YES' if x['host_behind_gpu'] else 'no'} |")
         lines.append(line)
     lines.append("")
+    base = r.get("baseline")
     for key, v in r["ratios"].items():
         ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
+        aa = r["aa"][v["denominator"]]
+        aa_text = "n/a" if aa["ratio"] is None else f"{aa['ratio']:.2f}"
+        was = ""
+        if base is not None:
+            old = base.get("ratios", {}).get(key)
+            was = f"; last committed: {old:.2f}" if isinstance(old, (int, float)) else "; last committed: n/a"
         lines.append(f"- **{key}**: {v['numerator']} / {v['denominator']} = {v['numerator_us']:.2f} / "
-                     f"{v['denominator_us']:.2f} µs = **{ratio}** (target ≤ 1.0)")
+                     f"{v['denominator_us']:.2f} µs = **{ratio}** (target ≤ 1.0; A/A {v['denominator']} / "
+                     f"itself again = {aa_text}{was})")
+    if base is not None:
+        lines.append(f"- last committed run: `{base.get('command', '').strip()}` "
+                     f"({os.path.relpath(r['baseline_path'], os.path.dirname(_HERE))}; torch {base.get('torch_version')})")
     return "\n".join(lines) + "\n"
 
 
@@ -266,20 +321,33 @@ def main(argv=None):
     p.add_argument("--clock", choices=["process", "wall"], default=None,
                    help="process: CPU time of this process (default on CPU: immune to other processes' load); "
                    "wall: the wall clock (default and forced on a GPU, whose time is not CPU time)")
-    p.add_argument("--quick", action="store_true", help="16 blocks, 8 rounds, 2 warm-up: a smoke run")
+    p.add_argument("--quick", action="store_true", help="16 blocks, 40 rounds, 2 warm-up: a smoke run (seconds)")
     p.add_argument("--out", default=None, help="directory for hot_path.json and hot_path.md")
+    p.add_argument("--baseline", default=DEFAULT_BASELINE,
+                   help="the committed reference run whose ratios are printed beside this run's (when measured "
+                   "the same way); '' for none")
+    p.add_argument("--write-baseline", default=None, metavar="PATH",
+                   help="also write this run's ratios, A/A pairs and per-variant totals to PATH as the reference")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if (torch.cuda.is_available() and co.build_info()["cuda_compiled"]) else "cpu"
     if args.device == "cuda" or args.clock is None:
         args.clock = "wall" if args.device == "cuda" else "process"
     if args.quick:
-        args.blocks, args.rounds, args.warmup = min(args.blocks, 16), min(args.rounds, 8), min(args.warmup, 2)
+        args.blocks, args.rounds, args.warmup = min(args.blocks, 16), min(args.rounds, 40), min(args.warmup, 2)
     r = run(args)
+    base = read_baseline(args.baseline, r)
+    if base is not None:
+        r["baseline"], r["baseline_path"] = base, os.path.abspath(args.baseline)
     md = markdown(r)
     print(md)
     if args.out:
         save_report(args.out, "hot_path", r, md)
+    if args.write_baseline:
+        os.makedirs(os.path.dirname(os.path.abspath(args.write_baseline)), exist_ok=True)
+        with open(args.write_baseline, "w") as f:
+            json.dump(baseline_entry(r), f, indent=1)
+            f.write("\n")
     return 0
 
 

@@ -55,14 +55,15 @@ def warn(message: str, category=UserWarning, stacklevel: int = 1) -> None:
     mirror_to_logger(message)
 
 
-def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> None:
+def warn_at_user_line(message, key: str | None, category=UserWarning) -> None:
     """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
     on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
     own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object).
-    The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`)."""
+    The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`).
+    ``message`` may be a function of no arguments returning it, called only when it is shown."""
     frame = _user_frame()
     if frame is None:
-        warn(message, category, stacklevel=2)
+        warn(message() if callable(message) else message, category, stacklevel=2)
         return
     if key is not None:
         site = (key, frame.f_code.co_filename, frame.f_lineno)
@@ -70,6 +71,8 @@ def warn_at_user_line(message: str, key: str | None, category=UserWarning) -> No
             if site in _warned_sites:
                 return
             _warned_sites.add(site)
+    if callable(message):
+        message = message()
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
                            module=frame.f_globals.get("__name__"),
                            registry=frame.f_globals.setdefault("__warningregistry__", {}))
@@ -97,14 +100,17 @@ def graph_break_if_compiling() -> None:
             graph_break(msg=FULLGRAPH_MESSAGE)
 
 
+# Looked up once: every co.offload entry asks.
+_hooks_enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+
+
 def hooks_disabled_reason() -> str | None:
     """torch's message when saved-tensor hooks cannot be entered on this thread (inside
     ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``, or
     ``torch.autograd.graph.disable_saved_tensors_hooks``), else None."""
-    autograd = torch._C._autograd
-    is_enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
-    if is_enabled is None or is_enabled():
+    if _hooks_enabled is None or _hooks_enabled():
         return None
+    autograd = torch._C._autograd
     get_message = getattr(autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
     message = get_message() if get_message is not None else None
     return message or "saved tensor hooks are disabled"

@@ -54,17 +54,20 @@ def _warn_hooks_disabled(reason: str) -> None:
     )
 
 
+# torch's entry points that every enter and exit calls, looked up once (not per call).
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _top_hooks():
     """The innermost (pack, unpack) pair on this thread's saved-tensor hooks stack, or None;
     ``False`` when this torch cannot tell."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return False if top is None else top(False)
+    return False if _top_saved_hooks is None else _top_saved_hooks(False)
 
 
 def _graph_task_id() -> int:
     """The id of the backward running on this thread, -1 outside backward (or when torch cannot tell)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if current is None else current()
+    return -1 if _current_graph_task_id is None else _current_graph_task_id()
 
 
 class _Activation:
@@ -296,6 +299,10 @@ class offload:
         # Exits left for the offloaded-nothing check (Note [Offloaded nothing]); none without a
         # device to offload (the construction warned about that already).
         self._noop_checks_left = _NOOP_CHECKS if self.devices else 0
+        # The (pack, unpack) hook functions and torch's hooks context over them, made once and
+        # entered by every entry; dropped (new ones made at the next entry) when an exit could not
+        # pop them, since that closes them (Note [Exits that cannot pop]).
+        self._hook_fns = None
 
     @property
     def active(self) -> bool:
@@ -342,15 +349,18 @@ class offload:
         return self
 
     def _activate(self) -> _Activation:
-        _drop_stale_entries()  # Note [Exits that cannot pop]
+        if _stale:
+            _drop_stale_entries()  # Note [Exits that cannot pop]
         state = _Activation()
         reason = hooks_disabled_reason()
         if reason is not None:
             _warn_hooks_disabled(reason)
             return state
         # torch's hook context first: when torch refuses it, nothing of ours has started yet.
-        state.pack, state.unpack = self._packer.pack, self._packer.unpack
-        hooks = torch.autograd.graph.saved_tensors_hooks(state.pack, state.unpack)
+        if self._hook_fns is None:
+            pack, unpack = self._packer.pack, self._packer.unpack
+            self._hook_fns = (pack, unpack, torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+        state.pack, state.unpack, hooks = self._hook_fns
         hooks.__enter__()
         state.hooks = hooks
         # No module hook: parameters, buffers and their views are recognised in C++ from the tensor
@@ -412,20 +422,27 @@ class offload:
             return
         flush_error = None
         misuse = None
+        counts = None
+        hook_fns, self._hook_fns = self._hook_fns, None
         try:
             misuse = self._uninstall(state)
+            if misuse is None:
+                self._hook_fns = hook_fns  # popped cleanly: the next entry pushes them again
         finally:
             try:
                 if state.hooks is not None:
+                    # end() copies the open batches to the host, ends the activation whatever the
+                    # copy did, then raises the copy's error (PoolFullError with on_full="raise");
+                    # else it returns what the checks below read (exit_counts()).
                     try:
-                        self._packer.flush_batches()
-                    except Exception as e:  # PoolFullError with on_full="raise"
+                        counts = self._packer.end(keep_dedup=self.keep_dedup)
+                    except Exception as e:
                         flush_error = e
-                    self._packer.end(keep_dedup=self.keep_dedup)
             finally:
                 with self._lock:
                     self._state = None
-                _drop_stale_entries()
+                if _stale:
+                    _drop_stale_entries()
         if misuse is not None:
             warn(
                 f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
@@ -438,56 +455,66 @@ class offload:
         # were kept on the device either way, so backward still works.
         if flush_error is not None and exc_type is None:
             raise flush_error
-        if not self._warned_full and self.on_full == "keep" and self.pool._share is None:
-            self._warn_if_pool_was_full()  # a pool's share of the node says so once per node instead
+        # One native call with the few counters the exit checks read, not stats(): this runs at
+        # every exit, and stats() builds a dict of ~30 keys. A pool's share of the node says it is
+        # full once per node instead (pool._check_host_limits).
+        check_full = not self._warned_full and self.on_full == "keep" and self.pool._share is None
+        check_stats = state.hooks is not None and (self._noop_checks_left or (
+            not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None))
+        if check_full or check_stats:
+            if counts is None:
+                counts = self._packer.exit_counts()
+            if check_full and counts[4]:
+                self._warn_pool_was_full(counts[4], counts[5])
+            if check_stats:
+                self._check_exit_counts(counts)
         if self.pool._fallback_possible or self.pool._share is not None:
             self.pool._check_host_limits()
-        if state.hooks is not None and (self._noop_checks_left or (
-                not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
-            self._check_exit_stats()
 
     # Note [Offloaded nothing]
     # A context that offloads nothing costs its hooks and frees no memory, and a user who sees
     # training run has no reason to look at stats(): at an exit where this context has kept tensors
     # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
-    # none, it warns once, naming the reason and the fix. stats() builds a dict, so the check runs
-    # only until the context has offloaded something (then never again), has warned, or has exited
-    # _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
+    # none, it warns once, naming the reason and the fix. It reads the counters Packer.end returns
+    # (stats() would build a dict of ~30 keys at every exit), and the check runs only until the
+    # context has offloaded something (then never again), has warned, or has exited _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
     # buffers, autocast's casts -- those do not count). With no device selected at all (devices=[]
     # or the default without a GPU) the construction already warned, and the check is off.
-    def _check_exit_stats(self) -> None:
-        s = self._packer.stats()
-        kept = s["kept_by_reason"]
+    def _check_exit_counts(self, counts: tuple) -> None:
+        # counts: _C.Packer.exit_counts()
+        offloaded, small, small_bytes, device, _, _, disk_full, disk_full_bytes = counts
         if self._noop_checks_left:
             self._noop_checks_left -= 1
-            if s["tensors_offloaded"] or s["tensors_deduplicated"]:
+            if offloaded:
                 self._noop_checks_left = 0
             else:
-                self._warn_if_offloaded_nothing(s)
-        disk_full = kept.get("disk_full", 0)
+                self._warn_if_offloaded_nothing(small, small_bytes, device)
         if disk_full and not self._warned_disk_full and self.on_full == "keep":
             self._warned_disk_full = True
             limit = self.pool._tier.stats().get("max_bytes") if self.pool._tier is not None else None
             warn_at_user_line(
                 f"co.offload(): the pool's disk tier is full (spill_dir={self.pool.spill_dir!r}, spill_max_bytes="
                 f"{limit or 'none: what the disk has'}), so {disk_full} saved tensors "
-                f"({s['kept_bytes_by_reason'].get('disk_full', 0)} bytes) stayed on the device "
+                f"({disk_full_bytes} bytes) stayed on the device "
                 "(kept_by_reason['disk_full']). Raise spill_max_bytes or free disk space, raise the pool's "
                 "max_bytes, offload fewer tensors (a larger min_bytes), or pass on_full='raise' to fail "
                 "instead. (Warned once per context.)",
                 key=None,
             )
 
-    def _warn_if_offloaded_nothing(self, s: dict) -> None:
-        kept = s["kept_by_reason"]
-        small = kept.get("too_small", 0)
-        other_device = kept.get("device", 0) if self.devices else 0
+    def _warn_if_offloaded_nothing(self, small: int, size: int, device: int) -> None:
+        other_device = device if self.devices else 0
         if not (small or other_device):
             return
         self._noop_checks_left = 0
+        # Built only where it is shown: a fresh context per step would otherwise format it at
+        # every exit for a line that has warned already.
+        warn_at_user_line(functools.partial(self._offloaded_nothing_message, small, size, other_device),
+                          key="co.offload-offloaded-nothing")
+
+    def _offloaded_nothing_message(self, small: int, size: int, other_device: int) -> str:
         reasons = []
         if small:
-            size = s["kept_bytes_by_reason"].get("too_small", 0)
             reasons.append(
                 f"{small} saved tensors ({size} bytes) were each under min_bytes={self.min_bytes} "
                 "(kept_by_reason['too_small']): lower it, e.g. co.offload(min_bytes=0) or "
@@ -499,17 +526,10 @@ class offload:
                 f"{other_device} saved tensors were on a device this context does not offload "
                 f"(devices={list(self.devices)}; kept_by_reason['device']): add their device type, "
                 "e.g. devices=['cpu'] for CPU tensors")
-        warn_at_user_line(
-            "co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
-            + "; ".join(reasons) + ". (Warned once per context and line.)",
-            key="co.offload-offloaded-nothing",
-        )
+        return ("co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
+                + "; ".join(reasons) + ". (Warned once per context and line.)")
 
-    def _warn_if_pool_was_full(self) -> None:
-        # Two counters, not stats(): this runs at every exit, and stats() builds a dict of ~30 keys.
-        count, kept = self._packer.pool_full_kept()
-        if not count:
-            return
+    def _warn_pool_was_full(self, count: int, kept: int) -> None:
         self._warned_full = True
         cap = self.pool.max_bytes
         message = (

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine (Python 3.11, the version CI runs; a C++ compiler; nvcc optional):
 #   bash scripts/dev.sh test   # install everything, build, native tests (ASan+UBSan), Python tests
-#   bash scripts/dev.sh ci     # `test`, then the release checks: native tests under TSan, the torch
-#                              # 2.11 header check, the sdist check (CI runs this: .ci/run)
+#   bash scripts/dev.sh ci     # `test`, the hot path's ratios beside the committed ones (printed,
+#                              # never asserted), then the release checks: native tests under TSan,
+#                              # the torch 2.11 header check, the sdist check (CI runs this: .ci/run)
 #   bash scripts/dev.sh demo   # install everything, build, run the demo
 #   bash scripts/dev.sh setup  # install everything and build only
 # Environment: VENV (default .venv), TORCH_SPEC (default torch==2.14.1; a pip requirement, e.g. a
@@ -92,6 +93,17 @@ run_tests() {
   echo "== tests passed in $((SECONDS - start)) s (after set-up)"
 }
 
+# The fixed cost per saved tensor, in every CI log: benchmarks/hot_path.py --quick prints its two
+# headline ratios (with their A/A pairs) beside those of the last committed run
+# (benchmarks/results/hot_path_cpu.json). Printed, never asserted: a CI machine's timings vary, so
+# a regression is for a person to read here, not a failure. A crash of the script fails CI.
+run_hot_path() {
+  local start=$SECONDS
+  echo "== hot path (benchmarks/hot_path.py --quick, CPU; printed, not asserted)"
+  "$VENV/bin/python" benchmarks/hot_path.py --quick --device cpu
+  echo "== hot path measured in $((SECONDS - start)) s"
+}
+
 # The release checks CI adds: slower, and about the build and the package more than the code.
 run_release_checks() {
   local start=$SECONDS
@@ -116,6 +128,7 @@ case "${1:-}" in
   ci)
     setup
     run_tests
+    run_hot_path
     run_release_checks
     ;;
   demo)

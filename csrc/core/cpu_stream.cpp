@@ -89,22 +89,49 @@ void WorkerStream::enqueue(std::function<void()> task) {
   cv_.notify_one();
 }
 
+bool WorkerStream::claim_inline(size_t bytes) {
+  if (bytes > kInlineCopyBytes || delay_us_.load(std::memory_order_relaxed) > 0) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (busy_ || !queue_.empty()) return false;
+  busy_ = true;
+  return true;
+}
+
+void WorkerStream::finish_inline() {
+  bool queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+    queued = !queue_.empty();
+  }
+  if (queued) cv_.notify_one();  // work enqueued behind the inline copy
+}
+
 void WorkerStream::run() {
   for (;;) {
     std::function<void()> task;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      // Not while a caller runs a copy inline (Note [Idle worker runs inline]).
+      cv_.wait(lock, [&] { return (stop_ && !busy_) || (!queue_.empty() && !busy_); });
       // Drain the queue even when stopping: a queued fence nobody signals would hang a waiter.
       if (queue_.empty()) return;
       task = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
     task();
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
   }
 }
 
 std::shared_ptr<Event> WorkerStream::record() {
+  {
+    // Nothing queued or running: everything enqueued so far has run (Note [Idle worker runs inline]).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!busy_ && queue_.empty()) return std::make_shared<FenceEvent>(true);
+  }
   auto ev = std::make_shared<FenceEvent>(false);
   enqueue([ev] { ev->signal(); });
   return ev;
@@ -127,6 +154,11 @@ void WorkerStream::delay() {
 }
 
 void WorkerStream::memcpy(void* dst, const void* src, size_t bytes, CopyKind) {
+  if (claim_inline(bytes)) {
+    if (bytes) std::memcpy(dst, src, bytes);
+    finish_inline();
+    return;
+  }
   enqueue([this, dst, src, bytes] {
     delay();
     if (bytes) std::memcpy(dst, src, bytes);
@@ -134,6 +166,13 @@ void WorkerStream::memcpy(void* dst, const void* src, size_t bytes, CopyKind) {
 }
 
 void WorkerStream::memcpy_batch(const std::vector<CopySegment>& segments, CopyKind) {
+  size_t bytes = 0;
+  for (const CopySegment& s : segments) bytes += s.bytes;
+  if (claim_inline(bytes)) {
+    copy_batch_on_host(segments);
+    finish_inline();
+    return;
+  }
   enqueue([this, segments] {
     delay();
     copy_batch_on_host(segments);

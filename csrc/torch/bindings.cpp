@@ -167,6 +167,16 @@ py::object hook_function(std::shared_ptr<Packer> packer, PyMethodDef* def) {
   return py::reinterpret_steal<py::object>(fn);
 }
 
+// What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), as
+// one flat tuple instead of stats()'s dict: (offloaded or deduplicated, too_small tensors,
+// bytes, device tensors, pool_full tensors, bytes, disk_full tensors, bytes).
+py::tuple exit_counts(const Packer& p) {
+  const auto small = p.kept(KeepReason::TooSmall), device = p.kept(KeepReason::Device),
+             full = p.kept(KeepReason::PoolFull), disk = p.kept(KeepReason::DiskFull);
+  return py::make_tuple(p.offloaded_or_shared(), small.first, small.second, device.first, full.first, full.second,
+                        disk.first, disk.second);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -242,10 +252,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("unpack",
                              [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &unpack_def); })
       .def("begin", &Packer::begin)
-      .def("end", &Packer::end, py::arg("keep_dedup") = false)
+      // Returns exit_counts(), read after the activation ended.
+      .def(
+          "end",
+          [](Packer& p, bool keep_dedup) {
+            p.end(keep_dedup);
+            return exit_counts(p);
+          },
+          py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats)
-      .def("pool_full_kept", [](const Packer& p) { return p.kept(KeepReason::PoolFull); })
+      .def("exit_counts", &exit_counts)
       .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <exception>
 #include <string>
 
 #include "../core/profiler.h"
@@ -407,7 +408,12 @@ void Packer::begin() {
 }
 
 void Packer::end(bool keep_dedup) {
-  flush_batches();
+  std::exception_ptr flush_error;
+  try {
+    flush_batches();
+  } catch (...) {
+    flush_error = std::current_exception();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!keep_dedup) {
@@ -418,6 +424,7 @@ void Packer::end(bool keep_dedup) {
     buffer_storages_.clear();
   }
   engine().poll();
+  if (flush_error) std::rethrow_exception(flush_error);
 }
 
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {

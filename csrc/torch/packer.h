@@ -86,6 +86,8 @@ class Packer {
   // across activations with keep_dedup (co.checkpoint: an input shared by every layer, such
   // as a rotary table or a mask, is stored once); its entries are weak either way.
   void begin();
+  // Flushes the open batches, ends the activation whatever the flush did, then rethrows the
+  // flush's error (PoolFull with raise_on_full).
   void end(bool keep_dedup);
   // Copies the open batches to the host (context exit, or before a batch member is unpacked).
   void flush_batches();
@@ -97,6 +99,12 @@ class Packer {
   // (tensors, bytes) kept for `why` so far: what a context exit checks, without building stats().
   std::pair<int64_t, int64_t> kept(KeepReason why) const {
     return {counters_->kept_tensors[static_cast<int>(why)].load(), counters_->kept_bytes[static_cast<int>(why)].load()};
+  }
+  // Saved tensors offloaded or deduplicated so far (any host copy made or shared): what the
+  // offloaded-nothing check at context exit reads, without building stats().
+  int64_t offloaded_or_shared() const {
+    return counters_->tensors_offloaded.load(std::memory_order_relaxed) +
+           counters_->tensors_deduplicated.load(std::memory_order_relaxed);
   }
   const PackerOptions& options() const { return options_; }
   // What ends each backward that unpacked from this packer (an autograd final callback,

@@ -214,6 +214,34 @@ void test_worker_many_producers() {
     for (uint64_t v : chains[t]) CHECK_EQ(v, uint64_t(0x5000 + t));
 }
 
+// Note [Idle worker runs inline]: with no delay, a small copy onto an idle worker has run when
+// memcpy returns and record() is already complete; a copy over the limit, or any copy behind a
+// queued wait, still goes through the worker (after the wait).
+void test_idle_worker_runs_inline() {
+  WorkerStream s(0);
+  uint64_t src = 5, dst = 0;
+  s.memcpy(&dst, &src, sizeof dst, CopyKind::DeviceToHost);
+  CHECK_EQ(dst, 5u);
+  CHECK(s.record()->query());
+  std::vector<char> big(WorkerStream::kInlineCopyBytes + 1, 'x'), out(big.size(), 0);
+  auto fence = std::make_shared<FenceEvent>(false);
+  s.wait(fence);
+  s.memcpy(&dst, &src, 0, CopyKind::HostToHost);
+  src = 6;
+  s.memcpy(&dst, &src, sizeof dst, CopyKind::DeviceToHost);  // queued behind the wait
+  s.memcpy(out.data(), big.data(), big.size(), CopyKind::DeviceToHost);
+  auto ev = s.record();
+  std::this_thread::sleep_for(20ms);
+  CHECK(!ev->query());
+  uint64_t seen = 1;
+  std::memcpy(&seen, &dst, sizeof seen);  // the worker is parked on the fence: no race
+  CHECK_EQ(seen, 5u);
+  fence->signal();
+  ev->synchronize();
+  CHECK_EQ(dst, 6u);
+  CHECK(std::memcmp(out.data(), big.data(), big.size()) == 0);
+}
+
 }  // namespace
 
 int main() {
@@ -225,6 +253,7 @@ int main() {
   check::run("worker_waits_on_fence", test_worker_waits_on_fence);
   check::run("worker_destructor_drains", test_worker_destructor_drains);
   check::run("worker_many_producers", test_worker_many_producers);
+  check::run("idle_worker_runs_inline", test_idle_worker_runs_inline);
   std::printf("all CPU stream tests passed\n");
   return 0;
 }
