@@ -103,6 +103,10 @@ class HostPool:
         print(pool.stats()["disk"]["bytes_written"])
     """
 
+    #: The keys of :meth:`stats`, in order, from the native stats table (Note [Stats tables] in
+    #: csrc/core/stats_table.h).
+    STATS_KEYS: tuple = _C.POOL_STATS_KEYS
+
     def __init__(
         self,
         max_bytes: int | None = None,
