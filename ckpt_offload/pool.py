@@ -106,6 +106,8 @@ class HostPool:
     #: The keys of :meth:`stats`, in order, from the native stats table (Note [Stats tables] in
     #: csrc/core/stats_table.h).
     STATS_KEYS: tuple = _C.POOL_STATS_KEYS
+    #: The keys of ``stats()["disk"]`` (with ``spill_dir``), in order: the disk tier's and the spill's.
+    DISK_STATS_KEYS: tuple = _C.DISK_STATS_KEYS
 
     def __init__(
         self,

@@ -147,6 +147,17 @@ def test_pool_reset_peak_sets_every_peak_of_the_table_back():
     del small
 
 
+def test_disk_stats_keys_are_what_stats_returns_in_order(tmp_path):
+    pool = co.HostPool(pinned=False, max_bytes=2 * MiB, spill_dir=str(tmp_path), spill_file_bytes=8 * MiB)
+    d = pool.stats()["disk"]
+    assert list(d) == list(_C.DISK_STATS_KEYS) == list(co.HostPool.DISK_STATS_KEYS)
+    assert list(pool._tier.stats()) == list(_C.FILE_TIER_STATS_KEYS)
+    assert list(_C.DISK_STATS_KEYS[: len(_C.FILE_TIER_STATS_KEYS)]) == list(_C.FILE_TIER_STATS_KEYS)
+    # Computed keys before any I/O, and the raw counts they come from left out.
+    assert d["dir"] == str(tmp_path) and d["write_bandwidth"] is None and d["read_stall_seconds"] == 0.0
+    assert not {"write_busy_ns", "read_busy_ns", "read_stall_ns", "stalls"} & set(d)
+
+
 def test_docs_list_every_pool_stats_key():
     with open(os.path.join(ROOT, "docs", "api.md")) as f:
         named = set(re.findall(r"`([a-z_0-9]+)`", f.read()))
