@@ -304,6 +304,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }
   // Note [Stats tables]: the keys of HostPool.stats(), for Python's lists.
   m.attr("POOL_STATS_KEYS") = stats_keys_tuple(PoolStats::keys());
+  // Note [Profiler record tables]: each kind of record profiler_records() returns, with its keys.
+  m.attr("PROFILER_RECORD_KEYS") = profiler_record_keys();
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;
   bind_spill(m);
