@@ -180,6 +180,12 @@ class HostPool:
         print(pool.stats()["disk"]["bytes_written"])
     """
 
+    #: The keys of :meth:`stats`, in order, from the native stats table (Note [Stats tables] in
+    #: csrc/core/stats_table.h).
+    STATS_KEYS: tuple = _C.POOL_STATS_KEYS
+    #: The keys of ``stats()["disk"]`` (with ``spill_dir``), in order: the disk tier's and the spill's.
+    DISK_STATS_KEYS: tuple = _C.DISK_STATS_KEYS
+
     @suggest_keywords("co.HostPool")
     def __init__(
         self,

@@ -13,12 +13,14 @@ from collections import Counter
 import pytest
 import torch
 from conftest import cpu_offload
+from models_for_tests import Chain
 from torch import nn
 
 import ckpt_offload as co
 from ckpt_offload import _C
 from ckpt_offload.__main__ import main
 from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
+from ckpt_offload.profiling.report import RECORD_KEYS, RECORD_KINDS
 
 HAS_PROFILER = hasattr(_C, "profiler_start")
 needs_profiler = pytest.mark.skipif(not HAS_PROFILER, reason="native extension built without the profiler")
@@ -43,7 +45,6 @@ TOTALS_KEYS = (
     "cap_hits",
     "prefetched_copies",
 )
-RECORD_KINDS = ("copies", "handles", "waits", "keeps", "pool", "compute", "memory")
 
 
 def _tiny(seed=0):
@@ -85,6 +86,29 @@ def _check_record_fields(r):
         assert m["device_bytes_allocated"] is None  # CPU
     times = [m["t_us"] for m in r["memory"]]
     assert times == sorted(times)
+
+
+@needs_profiler
+def test_each_kind_of_record_holds_the_keys_of_its_table(tmp_path):
+    """The native record tables: every kind of record (each one present here) has exactly the keys
+    _C.PROFILER_RECORD_KEYS lists for it, in order, and the report reads those kinds."""
+    torch.manual_seed(0)
+    model, x = Chain(n=6), torch.randn(512, 512)
+    # A capped pool that spills: pool events (segments from the backend, cap hits) and disk records.
+    pool = co.HostPool(pinned=False, max_bytes=2 << 20, spill_dir=str(tmp_path), spill_file_bytes=8 << 20)
+    with co.profile(model, pools=[pool]) as prof:
+        with cpu_offload(pool, prefetch_bytes=64 << 20):
+            loss = (model(x) ** 2).sum()
+        loss.backward()
+        co.synchronize()
+        raw = _C.profiler_records()
+    assert list(raw) == [*RECORD_KINDS, "dropped"]
+    assert RECORD_KEYS == dict(_C.PROFILER_RECORD_KEYS)
+    for kind in RECORD_KINDS:
+        assert raw[kind], f"no {kind} records: the test would not see a key missing from them"
+        wrong = [list(rec) for rec in raw[kind] if list(rec) != list(RECORD_KEYS[kind])]
+        assert wrong == [], (kind, wrong[:1])
+    assert list(prof.records) == [*RECORD_KINDS, "dropped"]
 
 
 @needs_profiler

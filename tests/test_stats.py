@@ -119,6 +119,53 @@ def test_docs_list_every_stats_key_and_keep_reason():
     assert missing == [], f"co.offload.stats's docstring does not name {missing}"
 
 
+# ---------------------------------------------------------------- the pool's and the disk tier's tables
+
+
+def test_pool_stats_keys_are_what_stats_returns_in_order():
+    pool = co.HostPool(pinned=False)
+    keys = list(pool.stats())
+    assert keys == list(_C.POOL_STATS_KEYS) == list(co.HostPool.STATS_KEYS)
+    assert len(set(keys)) == len(keys)
+    assert pool.stats()["max_bytes"] is None and pool.stats()["backend"] == "pageable"
+    assert co.HostPool(pinned=False, max_bytes=MiB).stats()["max_bytes"] == MiB
+
+
+def test_pool_reset_peak_sets_every_peak_of_the_table_back():
+    pool = co.HostPool(pinned=False, segment_bytes=64 << 10)  # the big block: a segment of its own
+    big = co.offload_tensor(torch.randn(MiB // 4), pool=pool)
+    small = co.offload_tensor(torch.randn(1000), pool=pool)
+    del big
+    pool.empty_cache()
+    s = pool.stats()
+    peaks = [k for k in s if k.startswith("peak_")]
+    assert peaks == ["peak_bytes_in_use", "peak_bytes_reserved"]
+    assert all(s[k] > s[k[len("peak_"):]] for k in peaks), s  # the test would see a peak left alone
+    pool.reset_peak()
+    after = pool.stats()
+    assert all(after[k] == after[k[len("peak_"):]] > 0 for k in peaks), after
+    del small
+
+
+def test_disk_stats_keys_are_what_stats_returns_in_order(tmp_path):
+    pool = co.HostPool(pinned=False, max_bytes=2 * MiB, spill_dir=str(tmp_path), spill_file_bytes=8 * MiB)
+    d = pool.stats()["disk"]
+    assert list(d) == list(_C.DISK_STATS_KEYS) == list(co.HostPool.DISK_STATS_KEYS)
+    assert list(pool._tier.stats()) == list(_C.FILE_TIER_STATS_KEYS)
+    assert list(_C.DISK_STATS_KEYS[: len(_C.FILE_TIER_STATS_KEYS)]) == list(_C.FILE_TIER_STATS_KEYS)
+    # Computed keys before any I/O, and the raw counts they come from left out.
+    assert d["dir"] == str(tmp_path) and d["write_bandwidth"] is None and d["read_stall_seconds"] == 0.0
+    assert not {"write_busy_ns", "read_busy_ns", "read_stall_ns", "stalls"} & set(d)
+
+
+def test_docs_list_every_pool_stats_key():
+    with open(os.path.join(ROOT, "docs", "api.md")) as f:
+        named = set(re.findall(r"`([a-z_0-9]+)`", f.read()))
+    doc = co.HostPool.stats.__doc__
+    missing = [k for k in _C.POOL_STATS_KEYS if k not in named or f"``{k}``" not in doc]
+    assert missing == [], f"docs/api.md or HostPool.stats's docstring does not name {missing}"
+
+
 # ---------------------------------------------------------------- per-handle stats
 
 

@@ -24,11 +24,17 @@ from ckpt_offload.profiling._aggregate import Row, rows_by_module
 from ckpt_offload.profiling._records import NO_MODULE, fmt_bytes, time_span
 from ckpt_offload.profiling.summary import format_summary
 
-__all__ = ["KEEP_REASONS", "ProfileReport"]
+__all__ = ["KEEP_REASONS", "RECORD_KEYS", "RECORD_KINDS", "ProfileReport"]
 
 #: Why a saved tensor can stay on the device (``ProfileReport.to_dict()["totals"]["kept_by_reason"]``):
 #: every reason the native packer counts (its table, Note [Stats table] in csrc/torch/counters.h).
 KEEP_REASONS = tuple(_C.keep_reasons())
+
+#: The keys of each kind of record (``ProfileReport.records[kind]``), in order: kind -> tuple of keys,
+#: from the native record tables (Note [Profiler record tables] in csrc/torch/profiling.cpp).
+RECORD_KEYS = dict(_C.PROFILER_RECORD_KEYS)
+#: The kinds of record a profile holds (``"copies"``, ``"disk"``, ``"waits"``, ...), besides ``"dropped"``.
+RECORD_KINDS = tuple(RECORD_KEYS)
 
 
 class ProfileReport:
@@ -71,7 +77,7 @@ class ProfileReport:
 
     def _load(self, records: dict, pool_stats: list, record_shapes: bool = True) -> None:
         # Called once: by __init__, or by profile.__exit__ (context.py) on the report it handed out.
-        r = {k: records.get(k, []) for k in ("copies", "handles", "waits", "keeps", "pool", "compute", "memory", "disk")}
+        r = {k: records.get(k, []) for k in RECORD_KINDS}
         r = {k: [dict(x) for x in v] for k, v in r.items()}
         r["dropped"] = int(records.get("dropped", 0) or 0)
         if not record_shapes:

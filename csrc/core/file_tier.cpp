@@ -193,8 +193,7 @@ FileTierStats FileTier::stats() {
 
 void FileTier::reset_peak() {
   std::lock_guard<std::mutex> lock(core_->mu);
-  core_->stats.peak_bytes_in_use = core_->stats.bytes_in_use;
-  core_->stats.peak_bytes_reserved = core_->stats.bytes_reserved;
+  core_->stats.reset_peaks();
 }
 
 size_t FileTier::reserve(size_t bytes) {
@@ -288,8 +287,8 @@ void FileTier::Ticket::wait() {
       cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire); });
     }
     std::lock_guard<std::mutex> lock(core_->mu);
-    core_->stats.stalls++;
-    core_->stats.stall_ns += profiler::now_ns() - t0;
+    core_->stats.read_stalls++;
+    core_->stats.read_stall_ns += profiler::now_ns() - t0;
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (!error_.empty()) throw FileTierError(error_);

@@ -35,6 +35,7 @@
 #include <thread>
 #include <vector>
 
+#include "stats_table.h"
 #include "stream.h"
 
 namespace ckpt_offload {
@@ -59,26 +60,44 @@ class FileTierError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// FileTier::stats(), one row a stat (Note [Stats tables] in stats_table.h), in the order of the
+// dict FileTier.stats() returns.
+#define CKPT_OFFLOAD_FILE_TIER_STATS(FIELD, PEAK, KEY)                                            \
+  KEY(dir)                                    /* the tier's directory */                           \
+  FIELD(size_t, bytes_in_use, Value)          /* file space held by live spilled blocks */         \
+                                              /* (aligned sizes) */                                \
+  FIELD(size_t, bytes_requested, Value)       /* the bytes they hold */                            \
+  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                                    \
+  FIELD(size_t, bytes_reserved, Value)        /* the files' total (preallocated) size */           \
+  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                                \
+  FIELD(size_t, max_bytes, Cap)                                                                    \
+  FIELD(size_t, num_files, Value)                                                                  \
+  FIELD(uint64_t, num_blocks_in_use, Value)                                                        \
+  FIELD(uint64_t, blocks_written, Value)                                                           \
+  FIELD(uint64_t, bytes_written, Value)                                                            \
+  FIELD(uint64_t, blocks_read, Value)                                                              \
+  FIELD(uint64_t, bytes_read, Value)                                                               \
+  /* Wall time during which at least one write (read) was running: bytes / busy = bandwidth. */   \
+  FIELD(int64_t, write_busy_ns, Internal)                                                          \
+  FIELD(int64_t, read_busy_ns, Internal)                                                           \
+  KEY(write_seconds)                                                                               \
+  KEY(read_seconds)                                                                                \
+  KEY(write_bandwidth)                        /* bytes/s while busy, None before any I/O */        \
+  KEY(read_bandwidth)                                                                              \
+  FIELD(uint64_t, reads_prefetch, Value)      /* reads started ahead of need (backward's */        \
+                                              /* prefetch) */                                      \
+  FIELD(uint64_t, read_stalls, Value)         /* Ticket::wait calls that had to block on the disk */ \
+  FIELD(int64_t, read_stall_ns, Internal)     /* and how long they blocked */                      \
+  KEY(read_stall_seconds)                                                                          \
+  FIELD(uint64_t, num_cap_hits, Value)        /* write() refused by max_bytes */                   \
+  FIELD(uint64_t, num_disk_full, Value)       /* write() refused: the file system had no room */   \
+  FIELD(uint64_t, write_errors, Value)                                                             \
+  FIELD(uint64_t, read_errors, Value)                                                              \
+  FIELD(uint64_t, checksum_errors, Value)                                                          \
+  FIELD(bool, direct_io, Value)               /* the last file opened uses O_DIRECT */
+
 struct FileTierStats {
-  size_t bytes_in_use = 0;     // file space held by live spilled blocks (aligned sizes)
-  size_t bytes_requested = 0;  // the bytes they hold
-  size_t peak_bytes_in_use = 0;
-  size_t bytes_reserved = 0;  // the files' total (preallocated) size
-  size_t peak_bytes_reserved = 0;
-  size_t max_bytes = 0;
-  size_t num_files = 0;
-  uint64_t num_blocks_in_use = 0;
-  uint64_t blocks_written = 0, bytes_written = 0;
-  uint64_t blocks_read = 0, bytes_read = 0;
-  // Wall time during which at least one write (read) was running: bytes / busy = bandwidth.
-  int64_t write_busy_ns = 0, read_busy_ns = 0;
-  uint64_t reads_prefetch = 0;  // reads started ahead of need (backward's prefetch)
-  uint64_t stalls = 0;          // Ticket::wait calls that had to block on the disk
-  int64_t stall_ns = 0;         // and how long they blocked
-  uint64_t num_cap_hits = 0;    // write() refused by max_bytes
-  uint64_t num_disk_full = 0;   // write() refused because the file system had no room
-  uint64_t write_errors = 0, read_errors = 0, checksum_errors = 0;
-  bool direct_io = false;  // the last file opened uses O_DIRECT
+  CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_FILE_TIER_STATS)
 };
 
 // Note [Fork]

@@ -367,8 +367,7 @@ PoolStats HostPool::stats() {
 
 void HostPool::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
-  stats_.peak_bytes_in_use = stats_.bytes_in_use;
-  stats_.peak_bytes_reserved = stats_.bytes_reserved;
+  stats_.reset_peaks();
 }
 
 void HostPool::set_max_bytes(size_t max_bytes) {

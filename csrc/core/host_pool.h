@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "stats_table.h"
 #include "stream.h"
 
 namespace ckpt_offload {
@@ -45,22 +46,31 @@ class PageableBackend final : public Backend {
   const char* name() const override { return "pageable"; }
 };
 
+// HostPool::stats(), one row a stat (Note [Stats tables] in stats_table.h), in the order of the
+// dict co.HostPool.stats() returns.
+#define CKPT_OFFLOAD_POOL_STATS(FIELD, PEAK, KEY)                                               \
+  FIELD(size_t, bytes_in_use, Value)       /* blocks held by live owners (aligned sizes) */      \
+  FIELD(size_t, bytes_requested, Value)    /* what those owners asked for (unaligned) */         \
+  FIELD(size_t, bytes_pending, Value)      /* freed blocks still waiting for their copies */     \
+  FIELD(size_t, bytes_retired, Value)      /* free segments taken off the pool, not yet given */ \
+                                           /* back (see release_retired) */                      \
+  FIELD(size_t, bytes_reserved, Value)     /* all segments taken from the backend (and not */    \
+                                           /* retired) */                                        \
+  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                                  \
+  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                              \
+  FIELD(size_t, max_bytes, Cap)            /* 0: no cap */                                       \
+  FIELD(size_t, num_segments, Value)                                                             \
+  FIELD(uint64_t, num_blocks_in_use, Value)                                                      \
+  FIELD(uint64_t, num_allocs, Value)       /* successful allocate() calls since creation */      \
+  FIELD(uint64_t, num_frees, Value)                                                              \
+  FIELD(uint64_t, num_backend_allocs, Value) /* segments obtained from the backend since */      \
+                                             /* creation */                                      \
+  FIELD(uint64_t, num_backend_frees, Value)                                                      \
+  FIELD(uint64_t, num_cap_hits, Value)     /* allocate() calls refused by the cap */             \
+  KEY(backend)                             /* Backend::name() */
+
 struct PoolStats {
-  size_t bytes_in_use = 0;         // blocks held by live owners (aligned sizes)
-  size_t bytes_requested = 0;      // what those owners asked for (unaligned)
-  size_t bytes_pending = 0;        // freed blocks still waiting for their copies to finish
-  size_t bytes_reserved = 0;       // all segments taken from the backend (and not retired)
-  size_t bytes_retired = 0;        // free segments taken off the pool, not yet given back (see release_retired)
-  size_t peak_bytes_in_use = 0;
-  size_t peak_bytes_reserved = 0;
-  size_t max_bytes = 0;            // 0: no cap
-  size_t num_segments = 0;
-  uint64_t num_allocs = 0;         // successful allocate() calls since creation
-  uint64_t num_frees = 0;
-  uint64_t num_backend_allocs = 0; // segments obtained from the backend since creation
-  uint64_t num_backend_frees = 0;
-  uint64_t num_cap_hits = 0;       // allocate() calls refused by the cap
-  uint64_t num_blocks_in_use = 0;
+  CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_POOL_STATS)
 };
 
 class HostPool {

@@ -18,6 +18,7 @@
 #include "store_dtype.h"
 #include "tensor_layout.h"
 #include "saved_tensor.h"
+#include "stats_dict.h"
 
 namespace py = pybind11;
 using namespace ckpt_offload;
@@ -77,26 +78,12 @@ PackerOptions packer_options(std::shared_ptr<HostPool> pool, const py::kwargs& k
   return o;
 }
 
+CKPT_OFFLOAD_STATS_EXTRA(PoolStatsExtra, CKPT_OFFLOAD_POOL_STATS);
+
 py::dict pool_stats(HostPool& pool) {
-  PoolStats s = pool.stats();
-  py::dict d;
-  d["bytes_in_use"] = s.bytes_in_use;
-  d["bytes_requested"] = s.bytes_requested;
-  d["bytes_pending"] = s.bytes_pending;
-  d["bytes_retired"] = s.bytes_retired;
-  d["bytes_reserved"] = s.bytes_reserved;
-  d["peak_bytes_in_use"] = s.peak_bytes_in_use;
-  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
-  d["max_bytes"] = s.max_bytes ? py::object(py::int_(s.max_bytes)) : py::object(py::none());
-  d["num_segments"] = s.num_segments;
-  d["num_blocks_in_use"] = s.num_blocks_in_use;
-  d["num_allocs"] = s.num_allocs;
-  d["num_frees"] = s.num_frees;
-  d["num_backend_allocs"] = s.num_backend_allocs;
-  d["num_backend_frees"] = s.num_backend_frees;
-  d["num_cap_hits"] = s.num_cap_hits;
-  d["backend"] = pool.backend_name();
-  return d;
+  PoolStatsExtra extra;
+  extra.backend = py::str(pool.backend_name());
+  return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_POOL_STATS, pool.stats(), extra);
 }
 
 // Note [Hook entry points]
@@ -348,6 +335,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     ranges["reload_convert"] = copy_ranges::kReloadConvert;
     m.attr("COPY_RANGES") = ranges;
   }
+  // Note [Stats tables]: the keys of HostPool.stats(), for Python's lists.
+  m.attr("POOL_STATS_KEYS") = stats_keys_tuple(PoolStats::keys());
+  // Note [Profiler record tables]: each kind of record profiler_records() returns, with its keys.
+  m.attr("PROFILER_RECORD_KEYS") = profiler_record_keys();
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SEGMENT_BYTES") = kDefaultSegmentBytes;
   bind_spill(m);

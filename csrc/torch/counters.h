@@ -88,6 +88,15 @@ class PoolFull : public std::runtime_error {
   X(store_dtype, Name)                \
   X(store_error, ByClass)
 
+// Every key of the two tables as a constant (stat_keys::tensors_kept is "tensors_kept"): the code
+// that fills a derived key names it through the table, so a key the table lacks does not compile.
+namespace stat_keys {
+#define CKPT_OFFLOAD_STAT_KEY_CONSTANT(key, merge) inline constexpr char key[] = #key;
+CKPT_OFFLOAD_COUNTERS(CKPT_OFFLOAD_STAT_KEY_CONSTANT)
+CKPT_OFFLOAD_DERIVED_STATS(CKPT_OFFLOAD_STAT_KEY_CONSTANT)
+#undef CKPT_OFFLOAD_STAT_KEY_CONSTANT
+}  // namespace stat_keys
+
 enum class KeepReason : int {
 #define CKPT_OFFLOAD_KEEP_ENUM(e, name) e,
   CKPT_OFFLOAD_KEEP_REASONS(CKPT_OFFLOAD_KEEP_ENUM)

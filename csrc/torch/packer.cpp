@@ -901,17 +901,17 @@ py::dict Packer::stats() const {
       kept_bytes_by_reason[keep_reason_name(static_cast<KeepReason>(r))] = b;
     }
   }
-  d["tensors_kept"] = kept;
-  d["bytes_kept"] = kept_bytes;
-  d["kept_by_reason"] = kept_by_reason;
-  d["kept_bytes_by_reason"] = kept_bytes_by_reason;
+  d[stat_keys::tensors_kept] = kept;
+  d[stat_keys::bytes_kept] = kept_bytes;
+  d[stat_keys::kept_by_reason] = kept_by_reason;
+  d[stat_keys::kept_bytes_by_reason] = kept_bytes_by_reason;
   // The window backward used last (Note [Prefetch window]); 0 without prefetch.
-  d["prefetch_window_bytes"] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
-  d["prefetch_block_bytes"] = prefetcher_ ? prefetcher_->block_bytes() : 0;
-  d["prefetch_lead"] = prefetcher_ ? prefetcher_->lead() : 0;
-  d["store_dtype"] = options_.store_format == lowp::Format::None ? py::object(py::none())
+  d[stat_keys::prefetch_window_bytes] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
+  d[stat_keys::prefetch_block_bytes] = prefetcher_ ? prefetcher_->block_bytes() : 0;
+  d[stat_keys::prefetch_lead] = prefetcher_ ? prefetcher_->lead() : 0;
+  d[stat_keys::store_dtype] = options_.store_format == lowp::Format::None ? py::object(py::none())
                                                                  : py::object(py::str(store_format_name(options_.store_format)));
-  d["store_error"] = store_errors_->to_dict();
+  d[stat_keys::store_error] = store_errors_->to_dict();
   return d;
 }
 

@@ -2,6 +2,7 @@
 
 #include <c10/core/Device.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../core/profiler.h"
@@ -40,6 +41,16 @@ const char* pool_kind(profiler::PoolEventKind k) {
     default: return "cap_hit";
   }
 }
+
+// A wait's stall: from the request to the data being ready, None when either had no time.
+py::object stall_us(const profiler::Snapshot::Wait& w) {
+  const bool known = w.request_ns >= 0 && w.ready_ns >= 0;
+  return known ? py::object(py::float_(std::max<int64_t>(0, w.ready_ns - w.request_ns) / 1000.0))
+               : py::object(py::none());
+}
+
+// -1 (unknown) as None.
+py::object known_or_none(int64_t v) { return v < 0 ? py::object(py::none()) : py::object(py::int_(v)); }
 
 }  // namespace
 
@@ -83,6 +94,79 @@ void profiler_range(const std::string& name, const std::string& device, bool beg
   }
 }
 
+// Note [Profiler record tables]
+// Each kind of record co.profile() returns is one table of X(key, value) rows, in the order of
+// its dict: `value` is an expression of the resolved record `r` (profiler::Snapshot's). The dicts
+// profiler_records() builds and _C.PROFILER_RECORD_KEYS (what Python reads of them) both come
+// from these tables. Times are microseconds since the start, None when an event had no time.
+#define CKPT_OFFLOAD_COPY_RECORD(X)                               \
+  X(id, id++)                                                     \
+  X(kind, r.r.kind == CopyKind::DeviceToHost ? "d2h" : "h2d")     \
+  X(handle, r.r.handle)                                           \
+  X(bytes, r.r.bytes)                                             \
+  X(device, device_name(r.r.device))                              \
+  X(stream, static_cast<uint64_t>(r.r.stream))                    \
+  X(start_us, us(r.start_ns))                                     \
+  X(end_us, us(r.end_ns))                                         \
+  X(prefetch, r.r.prefetch)                                       \
+  X(members, r.r.members)
+#define CKPT_OFFLOAD_DISK_RECORD(X)                               \
+  X(kind, r.write ? "disk_write" : "disk_read")                   \
+  X(handle, r.handle)                                             \
+  X(bytes, r.bytes)                                               \
+  X(prefetch, r.prefetch)                                         \
+  X(start_us, r.start_ns / 1000.0)                                \
+  X(end_us, r.end_ns / 1000.0)
+#define CKPT_OFFLOAD_WAIT_RECORD(X)                               \
+  X(handle, r.r.handle)                                           \
+  X(device, device_name(r.r.device))                              \
+  X(request_us, us(r.request_ns))                                 \
+  X(ready_us, us(r.ready_ns))                                     \
+  X(stall_us, stall_us(r))
+#define CKPT_OFFLOAD_HANDLE_RECORD(X)                             \
+  X(handle, r.handle)                                             \
+  X(bytes, r.bytes)                                               \
+  X(shape, shape_list(r.shape))                                   \
+  X(dtype, r.dtype)                                               \
+  X(device, device_name(r.device))                                \
+  X(module, r.module)                                             \
+  X(members, r.members)
+#define CKPT_OFFLOAD_KEEP_RECORD(X)                               \
+  X(reason, r.reason)                                             \
+  X(bytes, r.bytes)                                               \
+  X(module, r.module)                                             \
+  X(shape, shape_list(r.shape))                                   \
+  X(dtype, r.dtype)                                               \
+  X(device, device_name(r.device))
+#define CKPT_OFFLOAD_POOL_RECORD(X)                               \
+  X(kind, pool_kind(r.kind))                                      \
+  X(bytes, r.bytes)                                               \
+  X(start_us, r.start_ns / 1000.0)                                \
+  X(end_us, r.end_ns / 1000.0)
+#define CKPT_OFFLOAD_RANGE_RECORD(X)                              \
+  X(name, r.r.name)                                               \
+  X(device, device_name(r.r.device))                              \
+  X(start_us, us(r.start_ns))                                     \
+  X(end_us, us(r.end_ns))
+#define CKPT_OFFLOAD_MEMORY_SAMPLE(X)                             \
+  X(t_us, r.t_ns / 1000.0)                                        \
+  X(pool_bytes_in_use, r.pool_bytes_in_use)                       \
+  X(disk_bytes_in_use, r.disk_bytes_in_use)                       \
+  X(device_bytes_saved, r.device_bytes_saved)                     \
+  X(device_bytes_allocated, known_or_none(r.device_bytes_allocated))
+
+// R(kind, member, TABLE): the records' lists, in the order of profiler_records()'s dict: the key,
+// the Snapshot member it comes from, and the table of one record. The dict ends with "dropped".
+#define CKPT_OFFLOAD_PROFILER_RECORDS(R)          \
+  R(copies, copies, CKPT_OFFLOAD_COPY_RECORD)     \
+  R(disk, disk, CKPT_OFFLOAD_DISK_RECORD)         \
+  R(waits, waits, CKPT_OFFLOAD_WAIT_RECORD)       \
+  R(handles, handles, CKPT_OFFLOAD_HANDLE_RECORD) \
+  R(keeps, keeps, CKPT_OFFLOAD_KEEP_RECORD)       \
+  R(pool, pool, CKPT_OFFLOAD_POOL_RECORD)         \
+  R(compute, ranges, CKPT_OFFLOAD_RANGE_RECORD)   \
+  R(memory, memory, CKPT_OFFLOAD_MEMORY_SAMPLE)
+
 py::dict profiler_records() {
   profiler::Snapshot snap;
   {
@@ -90,100 +174,38 @@ py::dict profiler_records() {
     synchronize_side_streams();
     snap = profiler::snapshot();
   }
-  py::list copies, waits, handles, keeps, pool, compute, memory, disk;
-  uint64_t id = 0;
-  for (const auto& c : snap.copies) {
-    py::dict d;
-    d["id"] = id++;
-    d["kind"] = c.r.kind == CopyKind::DeviceToHost ? "d2h" : "h2d";
-    d["handle"] = c.r.handle;
-    d["bytes"] = c.r.bytes;
-    d["device"] = device_name(c.r.device);
-    d["stream"] = static_cast<uint64_t>(c.r.stream);
-    d["start_us"] = us(c.start_ns);
-    d["end_us"] = us(c.end_ns);
-    d["prefetch"] = c.r.prefetch;
-    d["members"] = c.r.members;
-    copies.append(d);
-  }
-  for (const auto& w : snap.waits) {
-    py::dict d;
-    d["handle"] = w.r.handle;
-    d["device"] = device_name(w.r.device);
-    d["request_us"] = us(w.request_ns);
-    d["ready_us"] = us(w.ready_ns);
-    const bool known = w.request_ns >= 0 && w.ready_ns >= 0;
-    d["stall_us"] = known ? py::object(py::float_(std::max<int64_t>(0, w.ready_ns - w.request_ns) / 1000.0))
-                          : py::object(py::none());
-    waits.append(d);
-  }
-  for (const auto& h : snap.handles) {
-    py::dict d;
-    d["handle"] = h.handle;
-    d["bytes"] = h.bytes;
-    d["shape"] = shape_list(h.shape);
-    d["dtype"] = h.dtype;
-    d["device"] = device_name(h.device);
-    d["module"] = h.module;
-    d["members"] = h.members;
-    handles.append(d);
-  }
-  for (const auto& k : snap.keeps) {
-    py::dict d;
-    d["reason"] = k.reason;
-    d["bytes"] = k.bytes;
-    d["module"] = k.module;
-    d["shape"] = shape_list(k.shape);
-    d["dtype"] = k.dtype;
-    d["device"] = device_name(k.device);
-    keeps.append(d);
-  }
-  for (const auto& p : snap.pool) {
-    py::dict d;
-    d["kind"] = pool_kind(p.kind);
-    d["bytes"] = p.bytes;
-    d["start_us"] = p.start_ns / 1000.0;
-    d["end_us"] = p.end_ns / 1000.0;
-    pool.append(d);
-  }
-  for (const auto& r : snap.ranges) {
-    py::dict d;
-    d["name"] = r.r.name;
-    d["device"] = device_name(r.r.device);
-    d["start_us"] = us(r.start_ns);
-    d["end_us"] = us(r.end_ns);
-    compute.append(d);
-  }
-  for (const auto& m : snap.memory) {
-    py::dict d;
-    d["t_us"] = m.t_ns / 1000.0;
-    d["pool_bytes_in_use"] = m.pool_bytes_in_use;
-    d["disk_bytes_in_use"] = m.disk_bytes_in_use;
-    d["device_bytes_saved"] = m.device_bytes_saved;
-    d["device_bytes_allocated"] =
-        m.device_bytes_allocated < 0 ? py::object(py::none()) : py::object(py::int_(m.device_bytes_allocated));
-    memory.append(d);
-  }
-  for (const auto& r : snap.disk) {
-    py::dict d;
-    d["kind"] = r.write ? "disk_write" : "disk_read";
-    d["handle"] = r.handle;
-    d["bytes"] = r.bytes;
-    d["prefetch"] = r.prefetch;
-    d["start_us"] = r.start_ns / 1000.0;
-    d["end_us"] = r.end_ns / 1000.0;
-    disk.append(d);
-  }
+  uint64_t id = 0;  // the copies' ids, in record order
   py::dict out;
-  out["copies"] = copies;
-  out["disk"] = disk;
-  out["waits"] = waits;
-  out["handles"] = handles;
-  out["keeps"] = keeps;
-  out["pool"] = pool;
-  out["compute"] = compute;
-  out["memory"] = memory;
+#define CKPT_OFFLOAD_RECORD_VALUE(key, value) d[#key] = value;
+#define CKPT_OFFLOAD_RECORD_LIST(kind, member, TABLE) \
+  {                                                   \
+    py::list records;                                 \
+    for (const auto& r : snap.member) {               \
+      py::dict d;                                     \
+      TABLE(CKPT_OFFLOAD_RECORD_VALUE)                \
+      records.append(d);                              \
+    }                                                 \
+    out[#kind] = records;                             \
+  }
+  CKPT_OFFLOAD_PROFILER_RECORDS(CKPT_OFFLOAD_RECORD_LIST)
+#undef CKPT_OFFLOAD_RECORD_LIST
+#undef CKPT_OFFLOAD_RECORD_VALUE
   out["dropped"] = snap.dropped;
+  return out;
+}
+
+py::dict profiler_record_keys() {
+  py::dict out;
+#define CKPT_OFFLOAD_RECORD_KEY(key, value) keys.append(#key);
+#define CKPT_OFFLOAD_RECORD_KEYS(kind, member, TABLE) \
+  {                                                   \
+    py::list keys;                                    \
+    TABLE(CKPT_OFFLOAD_RECORD_KEY)                    \
+    out[#kind] = py::tuple(keys);                     \
+  }
+  CKPT_OFFLOAD_PROFILER_RECORDS(CKPT_OFFLOAD_RECORD_KEYS)
+#undef CKPT_OFFLOAD_RECORD_KEYS
+#undef CKPT_OFFLOAD_RECORD_KEY
   return out;
 }
 

@@ -16,6 +16,9 @@ void profiler_start();
 void profiler_range(const std::string& name, const std::string& device, bool begin);
 // Drains the copy streams and returns every record, times in microseconds since the start.
 pybind11::dict profiler_records();
+// The keys of each kind of record profiler_records() returns: kind -> tuple of keys, in order
+// (Note [Profiler record tables]).
+pybind11::dict profiler_record_keys();
 // Test hook: the host time (ns) of `device`'s GPU timing epoch, -1 when it has none (or no CUDA).
 int64_t timing_epoch_ns(int device);
 

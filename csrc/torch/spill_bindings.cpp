@@ -4,6 +4,7 @@
 #include "../core/file_tier.h"
 #include "../core/spill.h"
 #include "runtime.h"
+#include "stats_dict.h"
 
 namespace py = pybind11;
 
@@ -11,39 +12,59 @@ namespace ckpt_offload {
 
 namespace {
 
+CKPT_OFFLOAD_STATS_EXTRA(FileTierStatsExtra, CKPT_OFFLOAD_FILE_TIER_STATS);
+
+py::object seconds(int64_t ns) { return py::float_(static_cast<double>(ns) * 1e-9); }
+
 py::dict tier_stats(FileTier& tier) {
   const FileTierStats s = tier.stats();
   auto bandwidth = [](uint64_t bytes, int64_t ns) {
     return ns > 0 ? py::object(py::float_(static_cast<double>(bytes) * 1e9 / static_cast<double>(ns)))
                   : py::object(py::none());
   };
-  py::dict d;
-  d["dir"] = tier.options().dir;
-  d["bytes_in_use"] = s.bytes_in_use;
-  d["bytes_requested"] = s.bytes_requested;
-  d["peak_bytes_in_use"] = s.peak_bytes_in_use;
-  d["bytes_reserved"] = s.bytes_reserved;
-  d["peak_bytes_reserved"] = s.peak_bytes_reserved;
-  d["max_bytes"] = s.max_bytes ? py::object(py::int_(s.max_bytes)) : py::object(py::none());
-  d["num_files"] = s.num_files;
-  d["num_blocks_in_use"] = s.num_blocks_in_use;
-  d["blocks_written"] = s.blocks_written;
-  d["bytes_written"] = s.bytes_written;
-  d["blocks_read"] = s.blocks_read;
-  d["bytes_read"] = s.bytes_read;
-  d["write_seconds"] = static_cast<double>(s.write_busy_ns) * 1e-9;
-  d["read_seconds"] = static_cast<double>(s.read_busy_ns) * 1e-9;
-  d["write_bandwidth"] = bandwidth(s.bytes_written, s.write_busy_ns);
-  d["read_bandwidth"] = bandwidth(s.bytes_read, s.read_busy_ns);
-  d["reads_prefetch"] = s.reads_prefetch;
-  d["read_stalls"] = s.stalls;
-  d["read_stall_seconds"] = static_cast<double>(s.stall_ns) * 1e-9;
-  d["num_cap_hits"] = s.num_cap_hits;
-  d["num_disk_full"] = s.num_disk_full;
-  d["write_errors"] = s.write_errors;
-  d["read_errors"] = s.read_errors;
-  d["checksum_errors"] = s.checksum_errors;
-  d["direct_io"] = s.direct_io;
+  FileTierStatsExtra e;
+  e.dir = py::str(tier.options().dir);
+  e.write_seconds = seconds(s.write_busy_ns);
+  e.read_seconds = seconds(s.read_busy_ns);
+  e.write_bandwidth = bandwidth(s.bytes_written, s.write_busy_ns);
+  e.read_bandwidth = bandwidth(s.bytes_read, s.read_busy_ns);
+  e.read_stall_seconds = seconds(s.read_stall_ns);
+  return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_FILE_TIER_STATS, s, e);
+}
+
+// What pool.stats()["disk"] adds to its tier's dict (Note [Stats tables]): the spill target's
+// counts and its staging pool's. Every row is a KEY: the values live in SpillTarget's atomics and
+// in the staging pool's own table.
+#define CKPT_OFFLOAD_SPILL_STATS(FIELD, PEAK, KEY)                                      \
+  KEY(blocks_spilled)                                                                   \
+  KEY(bytes_spilled)                                                                    \
+  KEY(blocks_refused)            /* the tier had no room */                             \
+  KEY(write_stalls)              /* offloads that waited for a write to free staging */ \
+  KEY(write_stall_seconds)                                                              \
+  KEY(staging_bytes_in_use)                                                             \
+  KEY(staging_peak_bytes_in_use)                                                        \
+  KEY(staging_bytes_reserved)                                                           \
+  KEY(staging_max_bytes)
+
+struct SpillStats {
+  CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_SPILL_STATS)
+};
+CKPT_OFFLOAD_STATS_EXTRA(SpillStatsExtra, CKPT_OFFLOAD_SPILL_STATS);
+
+py::dict spill_stats(const SpillTarget& target) {
+  SpillStatsExtra e;
+  e.blocks_spilled = py::int_(target.blocks_spilled.load());
+  e.bytes_spilled = py::int_(target.bytes_spilled.load());
+  e.blocks_refused = py::int_(target.blocks_refused.load());
+  e.write_stalls = py::int_(target.throttle_stalls.load());
+  e.write_stall_seconds = seconds(target.throttle_stall_ns.load());
+  const PoolStats st = target.staging()->stats();
+  e.staging_bytes_in_use = py::int_(st.bytes_in_use);
+  e.staging_peak_bytes_in_use = py::int_(st.peak_bytes_in_use);
+  e.staging_bytes_reserved = py::int_(st.bytes_reserved);
+  e.staging_max_bytes = py::int_(target.staging_bytes());
+  py::dict d = tier_stats(*target.tier());
+  for (auto item : CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_SPILL_STATS, SpillStats{}, e)) d[item.first] = item.second;
   return d;
 }
 
@@ -132,19 +153,15 @@ void bind_spill(py::module_& m) {
   m.def("spill_stats", [](const std::shared_ptr<HostPool>& pool) -> py::object {
     auto target = spill_target(pool.get());
     if (!target) return py::none();
-    py::dict d = tier_stats(*target->tier());
-    d["blocks_spilled"] = target->blocks_spilled.load();
-    d["bytes_spilled"] = target->bytes_spilled.load();
-    d["blocks_refused"] = target->blocks_refused.load();
-    d["write_stalls"] = target->throttle_stalls.load();
-    d["write_stall_seconds"] = static_cast<double>(target->throttle_stall_ns.load()) * 1e-9;
-    const PoolStats st = target->staging()->stats();
-    d["staging_bytes_in_use"] = st.bytes_in_use;
-    d["staging_peak_bytes_in_use"] = st.peak_bytes_in_use;
-    d["staging_bytes_reserved"] = st.bytes_reserved;
-    d["staging_max_bytes"] = target->staging_bytes();
-    return d;
+    return py::object(spill_stats(*target));
   });
+  // Note [Stats tables]: the keys of FileTier.stats() and of pool.stats()["disk"], for Python.
+  m.attr("FILE_TIER_STATS_KEYS") = stats_keys_tuple(FileTierStats::keys());
+  {
+    std::vector<const char*> keys = FileTierStats::keys();
+    keys.insert(keys.end(), SpillStats::keys().begin(), SpillStats::keys().end());
+    m.attr("DISK_STATS_KEYS") = stats_keys_tuple(keys);
+  }
 }
 
 }  // namespace ckpt_offload

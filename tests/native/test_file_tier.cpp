@@ -240,7 +240,7 @@ void test_ordering() {
   CHECK(src_alive.expired());  // released once on disk: the pinned block can be reused
   const auto st = tier->stats();
   CHECK_EQ(st.reads_prefetch, 1u);
-  CHECK_GE(st.stalls, 1u);  // read->wait() had to block
+  CHECK_GE(st.read_stalls, 1u);  // read->wait() had to block
 }
 
 // A handle dropped while its I/O runs: the range stays allocated until the I/O has finished.
