@@ -36,9 +36,11 @@ except ImportError:  # pragma: no cover - older torch
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from ckpt_offload._args import check_int
+from ckpt_offload._compile import compiled_forward, skipped_by_dynamo
+from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._units import Unit, choice_names
-from ckpt_offload._warn import logger, warn_at_user_line
+from ckpt_offload._warn import FULLGRAPH_MESSAGE, logger, warn_at_user_line
 from ckpt_offload.checkpointing import (
     TORCH_KEYWORDS,
     check_checkpoint_keywords,
@@ -259,11 +261,15 @@ class BlockForward:
         # The block's own signature (Trainer reads model.forward's to drop unused dataset columns).
         return inspect.signature(self.own_forward())
 
+    @skipped_by_dynamo(FULLGRAPH_MESSAGE)
     def __call__(self, *args, **kwargs):
-        forward = self.own_forward()
-        if getattr(self.run, "always", False) or (self.block.training and torch.is_grad_enabled()):
-            return self.run(forward, args, kwargs)
-        return forward(*args, **kwargs)
+        # Under torch.compile of the model: Dynamo skips this frame, and only the block's own
+        # forward is compiled (Note [Wrappers under torch.compile]).
+        with eager_code() as callback:
+            forward = compiled_forward(self.own_forward(), callback)
+            if getattr(self.run, "always", False) or (self.block.training and torch.is_grad_enabled()):
+                return self.run(forward, args, kwargs)
+            return forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<ckpt_offload forward of {type(self.block).__name__}: {self.run.describe()}>"
