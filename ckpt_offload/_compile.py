@@ -25,6 +25,9 @@ callback are functions of torch's C extension, loaded with torch itself.
 from __future__ import annotations
 
 import sys
+import threading
+
+import torch
 
 try:
     from torch._C._dynamo import eval_frame as _eval_frame
@@ -32,8 +35,9 @@ try:
     _get_callback = _eval_frame.get_eval_frame_callback
     _set_callback = _eval_frame.set_eval_frame
     _SKIP_FRAME_ONLY = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.DEFAULT)
+    _SKIP_ALL = _eval_frame._FrameExecStrategy(_eval_frame._FrameAction.SKIP, _eval_frame._FrameAction.SKIP)
 except (ImportError, AttributeError, TypeError):  # pragma: no cover - a torch without these
-    _eval_frame = _get_callback = _set_callback = _SKIP_FRAME_ONLY = None
+    _eval_frame = _get_callback = _set_callback = _SKIP_FRAME_ONLY = _SKIP_ALL = None
 
 __all__ = ["AVAILABLE", "CompiledCall", "compile_callback", "compiled_forward", "skipped_by_dynamo"]
 
@@ -78,11 +82,14 @@ class CompiledCall:
         self.fn = fn
 
     def __call__(self, *args, **kwargs):
+        # A block's own region, compiled inside its own context: Note [Compiled regions inside co.offload].
+        _local.blocks = getattr(_local, "blocks", 0) + 1
         prior = _set_callback(self.callback)
         try:
             return self.fn(*args, **kwargs)
         finally:
             _set_callback(prior)
+            _local.blocks -= 1
 
 
 def compiled_forward(forward, callback):
@@ -133,3 +140,77 @@ def warn_if_compiled_autograd() -> None:
     from ckpt_offload._warn import warn_at_user_line
 
     warn_at_user_line(COMPILED_AUTOGRAD_MESSAGE, key=None)
+
+
+# Note [Compiled regions inside co.offload]
+# AOTAutograd hands a compiled region's saved tensors to the active saved-tensor hooks all at once,
+# when the region's forward ends: inside co.offload() they are offloaded then, so every activation
+# of the region is on the device together at that point. A region that is one block costs one
+# block; a whole model compiled inside co.offload() keeps no saving at all, silently. So when
+# Dynamo starts compiling while a co.offload context's hooks are the innermost ones (and not a
+# block's own forward that a wrapper compiles inside its context, see CompiledCall), it warns once,
+# naming the routes that compile block by block.
+REGION_MESSAGE = (
+    "torch.compile is compiling code inside co.offload(): a compiled region hands the tensors it saves "
+    "for backward to the offload hooks only when its forward ends, so all of the region's activations are "
+    "on the device together at that point -- around a whole model, the forward's device peak is what it "
+    "is without offload (gradients are unchanged). To keep the saving, wrap the blocks and compile the "
+    "model after: co.apply(model, offload=...) or a plan (co.plan(...).apply()); torch.compile(model) then "
+    "compiles each block as a region of its own, inside its own offload context. (Warned once.)"
+)
+_region_check = {"warned": False}
+_local = threading.local()
+
+
+def check_compiled_regions() -> None:
+    """Called as a co.offload context is entered: once ``torch._dynamo`` is imported (someone
+    called torch.compile), registers the compile-start check of Note [Compiled regions inside
+    co.offload] (again after ``torch._dynamo.reset()``, which drops it). A dictionary look-up
+    otherwise."""
+    dynamo = sys.modules.get("torch._dynamo")
+    handler = getattr(dynamo, "callback_handler", None) if dynamo is not None else None
+    if handler is None or _region_check["warned"] or _on_compile_start in handler.start_callbacks:
+        return
+    handler.register_start_callback(_on_compile_start)
+
+
+def _on_compile_start(args=None) -> None:
+    # Dynamo runs its start callbacks with its lock held, and sometimes with a compile callback on
+    # (AOTAutograd's lazy backward compile under compiled autograd): were this frame compiled, the
+    # nested compile would wait for that lock forever. Dynamo skips it and all it calls (below).
+    if _region_check["warned"] or getattr(_local, "blocks", 0):
+        return
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    # The innermost hooks are a co.offload context's: its pack hook is the extension's function.
+    if not hooks or not (getattr(hooks[0], "__doc__", None) or "").startswith("co.offload's pack hook"):
+        return
+    _region_check["warned"] = True
+    from ckpt_offload._warn import warn_at_user_line
+
+    warn_at_user_line(REGION_MESSAGE, key=None)
+
+
+if _SKIP_ALL is not None:
+    _eval_frame.set_code_exec_strategy(_on_compile_start.__code__, _SKIP_ALL)
+
+
+WHOLE_FORWARD_MESSAGE = (
+    "co.hf.OffloadCallback under torch.compile: the model's whole forward runs inside one offload context, "
+    "and compiled as one region it hands its saved tensors to the offload hooks only when the forward "
+    "ends, so the forward's device peak is what it is without offload (gradients are unchanged). To keep "
+    "the saving under torch.compile, checkpoint or offload block by block: co.hf.OffloadCheckpointCallback, "
+    "co.apply(model, offload=...) or a plan. (Warned once.)"
+)
+_warned_whole_forward = False
+
+
+def warn_whole_forward() -> None:
+    """Warns once that a whole forward compiled inside one offload context keeps no saving."""
+    global _warned_whole_forward
+    if _warned_whole_forward:
+        return
+    _warned_whole_forward = True
+    from ckpt_offload._warn import warn_at_user_line
+
+    warn_at_user_line(WHOLE_FORWARD_MESSAGE, key=None)

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - older torch
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload._compile import compiled_forward, skipped_by_dynamo
+from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dynamo, warn_whole_forward
 from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._units import Unit, choice_names
@@ -176,6 +176,8 @@ class InContext:
         self.context = context
 
     def __call__(self, forward, args, kwargs):
+        if isinstance(forward, CompiledCall):
+            warn_whole_forward()  # one compiled region in one context: no saving
         with self.context:
             return forward(*args, **kwargs)
 
@@ -190,6 +192,8 @@ class _SegmentFirst:
         self.segment = segment
 
     def __call__(self, forward, args, kwargs):
+        # Under torch.compile of the model, the segment's blocks run compiled too (forward and recompute).
+        self.segment.callback = forward.callback if isinstance(forward, CompiledCall) else None
         return self.segment.first(args, kwargs)
 
     def describe(self) -> str:
@@ -456,6 +460,7 @@ class _Segment:
         self.collector = collector  # the plan handle's StatsCollector
         self.blocks = list(blocks)  # the modules (their own forwards run; a recompute must not write their buffers)
         self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
+        self.callback = None  # the torch.compile callback its blocks' forwards run under (None: eager)
         self._reset()
 
     def _checked(self, j, args, kwargs):
@@ -468,7 +473,7 @@ class _Segment:
         if "state_write" not in self.allow:
             watch += [(f"buffer {n!r}", t) for n, t in self.blocks[j].named_buffers()]
         before = [t._version for _, t in watch]
-        out = _own_forward(self.blocks[j])(*args, **kwargs)
+        out = compiled_forward(_own_forward(self.blocks[j]), self.callback)(*args, **kwargs)
         changed = [what for (what, t), v in zip(watch, before) if t._version != v]
         if changed:
             buffers = [w[len("buffer "):] for w in changed if w != "input"]
@@ -503,7 +508,7 @@ class _Segment:
                 if p.kind == "keep" and forward:
                     outs.append(self._checked(p.start - base, args, kwargs))
                 elif p.kind == "keep":
-                    outs.append(_own_forward(blocks[p.start - base])(*args, **kwargs))
+                    outs.append(compiled_forward(_own_forward(blocks[p.start - base]), self.callback)(*args, **kwargs))
                 else:  # an inner checkpoint, its inputs kept by the enclosing one's recompute only
                     outs.extend(_inner_checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs))
             return tuple(outs)

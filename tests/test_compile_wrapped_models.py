@@ -136,6 +136,8 @@ def wrap(route, model, loss_fn, pool):
     opts = {**OPTS, "pool": pool}
     if route == "co.apply":
         return co.apply(model, offload=opts)
+    if route == "co.apply segments":
+        return co.apply(model, offload=opts, segments=1)  # one checkpoint around all the blocks
     if route == "co.hf.enable":
         return co.hf.enable(model, offload=opts)
     kinds = {"plan offload": ("offload",), "plan recompute_offload": ("recompute_offload",)}[route]
@@ -145,7 +147,7 @@ def wrap(route, model, loss_fn, pool):
     return plan.apply()
 
 
-CASES = [("demo", "co.apply"), ("demo", "plan offload"), ("demo", "plan recompute_offload"),
+CASES = [("demo", "co.apply"), ("demo", "co.apply segments"), ("demo", "plan offload"), ("demo", "plan recompute_offload"),
          ("gpt2", "co.apply"), ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
 
 
@@ -292,3 +294,77 @@ def test_fullgraph_over_wrapped_model_says_what_works(pool):
         torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(2, 16))
     message = str(info.value)
     assert "without fullgraph" in message and "compiled as a graph of its own" in message, message
+
+
+# --- routes that compile but keep no saving warn once --------------------------------------------
+
+
+def _messages(caught, needle):
+    return [str(w.message) for w in caught if needle in str(w.message)]
+
+
+def test_whole_model_compiled_inside_co_offload_warns_once(pool, monkeypatch):
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    x = torch.randn(16, 32)
+    expected = grads(torch.compile(mlp_blocks(2, 32), backend="aot_eager"), lambda m: m(x).sum())
+    torch._dynamo.reset()
+    model = mlp_blocks(2, 32)
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # warned at the first compile only
+            got = grads(compiled, lambda m: _in_offload(m, x, pool))
+    warned = _messages(caught, "compiling code inside co.offload()")
+    assert len(warned) == 1 and "co.apply(model, offload=...)" in warned[0], warned
+    assert pool.stats()["bytes_in_use"] == 0
+    assert_bit_identical(expected, got)
+
+
+def _in_offload(model, x, pool):
+    with co.offload(pool=pool, **OPTS):
+        return model(x).sum()
+
+
+def test_wrapped_model_compiled_inside_its_own_contexts_does_not_warn(pool, monkeypatch):
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    model = mlp_blocks(2, 32)
+    co.apply(model, offload={**OPTS, "pool": pool})
+    plan_model = mlp_blocks(2, 32)
+    x = torch.randn(16, 32)
+    co.plan(plan_model, lambda: plan_model(x).sum().backward(), budget=2**40, bandwidth=math.inf,
+            kinds=("offload",), segments=False, offload={**OPTS, "pool": pool}).apply()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (model, plan_model):
+            torch.compile(m, backend="aot_eager")(x).sum().backward()
+    assert not _messages(caught, "co.offload()"), [str(w.message) for w in caught]
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_offload_callback_under_compile_warns_once(pool, monkeypatch):
+    pytest.importorskip("transformers")
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_warned_whole_forward", False)
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    model = mlp_blocks(2, 32)
+    callback = co.hf.OffloadCallback(pool=pool, **OPTS)
+    callback._install(model)
+    x = torch.randn(16, 32)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(model, backend="aot_eager")
+            for _ in range(2):
+                compiled(x).sum().backward()
+    finally:
+        callback.remove()
+    warned = _messages(caught, "OffloadCallback under torch.compile")
+    assert len(warned) == 1 and "OffloadCheckpointCallback" in warned[0], warned
+    assert not _messages(caught, "compiling code inside co.offload()")  # one warning, the callback's own
+    assert callback.stats()["tensors_offloaded"] > 0
+    assert pool.stats()["bytes_in_use"] == 0
