@@ -81,11 +81,12 @@ def warn_at_user_line(message, key: str | None, category=UserWarning) -> None:
 
 FULLGRAPH_MESSAGE = (
     "ckpt_offload inside a torch.compile(fullgraph=True) graph: its offload contexts and checkpoints "
-    "are C++ objects that Dynamo cannot trace into a graph. What works: torch.compile without "
-    "fullgraph (the default; Dynamo breaks the graph around ckpt_offload, which runs eagerly, with "
-    "gradients unchanged), or compile inside each block -- block.forward = torch.compile(block.forward, "
-    "fullgraph=True) for each block, then co.apply(model, offload=True), or the compiled code inside "
-    "`with co.offload():` (docs/scale_out.md, 'torch.compile')."
+    "are C++ objects and hooks that Dynamo cannot put in one graph. What works: torch.compile without "
+    "fullgraph (the default): the graph breaks at each block co.apply, a plan or co.hf wrapped, and each "
+    "block's own forward is compiled as a graph of its own, run inside its offload context or checkpoint "
+    "(its recompute runs the compiled graph again); or compile inside each block -- block.forward = "
+    "torch.compile(block.forward, fullgraph=True) for each block, then co.apply(model, offload=True), or "
+    "the compiled code inside `with co.offload():` (docs/scale_out.md, 'torch.compile')."
 )
 
 

@@ -37,9 +37,11 @@ except ImportError:  # pragma: no cover - older torch
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from ckpt_offload._args import check_int
+from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dynamo, warn_whole_forward
+from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._units import Unit, choice_names
-from ckpt_offload._warn import logger, warn_at_user_line
+from ckpt_offload._warn import FULLGRAPH_MESSAGE, logger, warn_at_user_line
 from ckpt_offload.checkpointing import (
     TORCH_KEYWORDS,
     check_checkpoint_keywords,
@@ -205,6 +207,8 @@ class InContext:
         self.context = context
 
     def __call__(self, forward, args, kwargs):
+        if isinstance(forward, CompiledCall):
+            warn_whole_forward()  # one compiled region in one context: no saving
         with self.context:
             return forward(*args, **kwargs)
 
@@ -219,6 +223,8 @@ class _SegmentFirst:
         self.segment = segment
 
     def __call__(self, forward, args, kwargs):
+        # Under torch.compile of the model, the segment's blocks run compiled too (forward and recompute).
+        self.segment.callback = forward.callback if isinstance(forward, CompiledCall) else None
         return self.segment.first(args, kwargs)
 
     def describe(self) -> str:
@@ -290,11 +296,15 @@ class BlockForward:
         # The block's own signature (Trainer reads model.forward's to drop unused dataset columns).
         return inspect.signature(self.own_forward())
 
+    @skipped_by_dynamo(FULLGRAPH_MESSAGE)
     def __call__(self, *args, **kwargs):
-        forward = self.own_forward()
-        if getattr(self.run, "always", False) or (self.block.training and torch.is_grad_enabled()):
-            return self.run(forward, args, kwargs)
-        return forward(*args, **kwargs)
+        # Under torch.compile of the model: Dynamo skips this frame, and only the block's own
+        # forward is compiled (Note [Wrappers under torch.compile]).
+        with eager_code() as callback:
+            forward = compiled_forward(self.own_forward(), callback)
+            if getattr(self.run, "always", False) or (self.block.training and torch.is_grad_enabled()):
+                return self.run(forward, args, kwargs)
+            return forward(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<ckpt_offload forward of {type(self.block).__name__}: {self.run.describe()}>"
@@ -505,6 +515,7 @@ class _Segment:
         self.blocks = list(blocks)  # the modules (their own forwards run; a recompute must not write their buffers)
         self.key = hidden_key(self.blocks[0])  # the hidden state's keyword, for blocks called by keyword
         self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
+        self.callback = None  # the torch.compile callback its blocks' forwards run under (None: eager)
         self._reset()
 
     def _checked(self, j, args, kwargs):
@@ -517,7 +528,7 @@ class _Segment:
         if "state_write" not in self.allow:
             watch += [(f"buffer {n!r}", t) for n, t in self.blocks[j].named_buffers()]
         before = [t._version for _, t in watch]
-        out = _own_forward(self.blocks[j])(*args, **kwargs)
+        out = compiled_forward(_own_forward(self.blocks[j]), self.callback)(*args, **kwargs)
         changed = [what for (what, t), v in zip(watch, before) if t._version != v]
         if changed:
             buffers = [w[len("buffer "):] for w in changed if w != "input"]
@@ -558,7 +569,7 @@ class _Segment:
                 if p.kind == "keep" and forward:
                     outs.append(self._checked(p.start - base, args, kwargs))
                 elif p.kind == "keep":
-                    outs.append(_own_forward(blocks[p.start - base])(*args, **kwargs))
+                    outs.append(compiled_forward(_own_forward(blocks[p.start - base]), self.callback)(*args, **kwargs))
                 else:  # an inner checkpoint, its inputs kept by the enclosing one's recompute only
                     outs.extend(_inner_checkpoint(_ranged(self._runner(p.parts)), *args, **kwargs))
             return tuple(outs)

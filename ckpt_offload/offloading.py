@@ -10,6 +10,7 @@ import threading
 import torch
 
 from ckpt_offload._args import check_choice, suggest_keywords
+from ckpt_offload._compile import check_compiled_regions
 from ckpt_offload._runtime import _C
 from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, warn, warn_at_user_line, _warn_lock
 from ckpt_offload.options import (
@@ -351,6 +352,7 @@ class offload:
     def _activate(self) -> _Activation:
         if _stale:
             _drop_stale_entries()  # Note [Exits that cannot pop]
+        check_compiled_regions()  # Note [Compiled regions inside co.offload]
         state = _Activation()
         reason = hooks_disabled_reason()
         if reason is not None:

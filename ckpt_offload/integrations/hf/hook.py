@@ -23,8 +23,10 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int, suggest_keywords
+from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dynamo
+from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
-from ckpt_offload._warn import warn
+from ckpt_offload._warn import FULLGRAPH_MESSAGE, warn
 from ckpt_offload.blocks import HANDLE_ATTR, check_not_applied
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
@@ -58,7 +60,14 @@ class HFCheckpointFunction:
         self.calls = 0
         self.collector = StatsCollector()  # the contexts its checkpoints used, for handle.stats()
 
+    @skipped_by_dynamo(FULLGRAPH_MESSAGE)
     def __call__(self, function, *args, **kwargs):
+        # Under torch.compile of the model: Dynamo skips this frame, and only the layer's own
+        # forward is compiled (Note [Wrappers under torch.compile] in _compile.py).
+        with eager_code() as callback:
+            return self._call(compiled_forward(function, callback), args, kwargs)
+
+    def _call(self, function, args, kwargs):
         self.calls += 1
         torch_kwargs = dict(self.torch_kwargs)
         for name in TORCH_KEYWORDS:  # a call site may pass torch's keywords as Hugging Face's func allows
@@ -70,10 +79,14 @@ class HFCheckpointFunction:
             # inputs of the checkpoint, where they are offloaded; left in the partial they would
             # stay on the device until backward.
             pargs, pkw = (), {}
+            compiled = function if isinstance(function, CompiledCall) else None
+            function = compiled.fn if compiled is not None else function
             while isinstance(function, functools.partial):
                 pargs = function.args + pargs
                 pkw = {**function.keywords, **pkw}
                 function = function.func
+            if compiled is not None:
+                function = CompiledCall(compiled.callback, function)
             args, kwargs = pargs + args, {**pkw, **kwargs}
         return run_checkpoint(function, args, kwargs, self.options, use_reentrant, torch_kwargs, self.collector)
 

@@ -1,0 +1,370 @@
+"""torch.compile of a whole model that co.apply, a plan or co.hf.enable wrapped.
+
+Each wrapped block is a graph break: Dynamo skips the wrapper, and the block's own forward is
+compiled as a graph of its own, run inside the block's offload context or checkpoint (the
+recompute in backward runs the compiled graph again). The tests check, for the demo model,
+GPT-2 and Llama built from tiny configs:
+
+- no block forward runs eagerly: a probe on a layer inside each block counts its eager calls
+  (a hook that Dynamo traces into the graph counts nothing at run time), and the compiled graphs
+  run at least once per block;
+- gradients bit-identical to the same compiled model without ckpt_offload (``aot_eager`` runs the
+  same ATen ops as eager), the pool back to 0 bytes;
+- the forward's device peak (torch.profiler memory events) equal to eager's with co.apply;
+- compiled autograd brings the offloaded tensors back one by one;
+- ``fullgraph=True`` raises, saying what works.
+"""
+
+import json
+import math
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+from conftest import assert_bit_identical
+from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
+from torch.profiler import ProfilerActivity, profile
+
+import ckpt_offload as co
+
+pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters
+
+OPTS = {"devices": ["cpu"], "min_bytes": 0}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.compiled_autograd = False
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+class GraphRuns:
+    """An aot_eager backend that counts how often its compiled graphs run."""
+
+    def __init__(self):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.aot_eager = aot_eager
+        self.runs = 0
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        compiled = self.aot_eager(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
+
+
+class EagerProbe:
+    """Counts the calls of the probed modules that run eagerly: under compile the hook is traced
+    into the graph and its branch folds away, so a compiled call counts nothing."""
+
+    def __init__(self, modules):
+        self.calls = 0
+        for m in modules:
+            m.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+
+
+# --- the models ----------------------------------------------------------------------------------
+
+
+def demo():
+    cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=8, vocab=61, batch=2)
+    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
+                            seed=0).train()
+    batch = make_batch(cfg, seed=1)
+    return model, (lambda m: lm_loss(m, batch)), [b.mlp if hasattr(b, "mlp") else b for b in model.blocks]
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager", use_cache=False)).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in model.transformer.h]
+
+
+def llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in model.model.layers]
+
+
+MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama}
+
+
+def grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # dropout
+    loss_fn(model).backward()
+    # torch.compile(module) puts the original under "_orig_mod."; the parameters are the same.
+    return {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(name):
+    """The gradients of the same model compiled whole, without ckpt_offload."""
+    model, loss_fn, _ = MODELS[name]()
+    got = grads(torch.compile(model, backend="aot_eager"), loss_fn)
+    torch._dynamo.reset()
+    return got
+
+
+def wrap(route, model, loss_fn, pool):
+    opts = {**OPTS, "pool": pool}
+    if route == "co.apply":
+        return co.apply(model, offload=opts)
+    if route == "co.apply segments":
+        return co.apply(model, offload=opts, segments=1)  # one checkpoint around all the blocks
+    if route == "co.hf.enable":
+        return co.hf.enable(model, offload=opts)
+    kinds = {"plan offload": ("offload",), "plan recompute_offload": ("recompute_offload",)}[route]
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf, kinds=kinds,
+                   segments=False, offload=opts)
+    model.zero_grad(set_to_none=True)
+    return plan.apply()
+
+
+CASES = [("demo", "co.apply"), ("demo", "co.apply segments"), ("demo", "plan offload"), ("demo", "plan recompute_offload"),
+         ("gpt2", "co.apply"), ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
+
+
+@pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
+def test_each_block_is_compiled_and_gradients_are_bit_identical(pool, name, route):
+    expected = reference(name)
+    model, loss_fn, probed = MODELS[name]()
+    probe = EagerProbe(probed)
+    handle = wrap(route, model, loss_fn, pool)
+    grads(model, loss_fn)
+    assert probe.calls >= len(probed), "the probe counts eager calls"  # it can fail
+    probe.calls = 0
+    backend = GraphRuns()
+    got = grads(torch.compile(model, backend=backend), loss_fn)
+    assert probe.calls == 0, f"{probe.calls} block forwards ran eagerly under torch.compile"
+    assert backend.runs >= len(probed), (backend.runs, backend.graphs)
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
+    assert handle.stats()["tensors_offloaded"] > 0
+    assert_bit_identical(expected, got)
+
+
+def test_recompute_runs_the_compiled_graph(pool):
+    """A checkpointed block's forward and its recompute are both compiled graph runs: twice per block."""
+    model, loss_fn, probed = demo()
+    co.apply(model, offload={**OPTS, "pool": pool})
+    backend = GraphRuns()
+    compiled = torch.compile(model, backend=backend)
+    loss = loss_fn(compiled)
+    forward_runs = backend.runs
+    assert forward_runs >= len(probed)
+    loss.backward()
+    assert backend.runs >= forward_runs + len(probed), (forward_runs, backend.runs)
+
+
+# --- the forward's device peak -------------------------------------------------------------------
+
+
+def forward_peak(forward) -> int:
+    """The most bytes torch's CPU allocator held during ``forward()`` above its start (profiler
+    memory events; the host pool allocates its own memory and is not counted)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = forward()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    os.remove(path)
+    del out
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+def mlp_blocks(n=6, dim=128):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                                     torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
+
+
+def test_co_apply_keeps_its_forward_peak_under_whole_model_compile(pool):
+    x = torch.randn(64, 128)
+    peaks = {}
+    for compiled in (False, True):
+        model = mlp_blocks()
+        co.apply(model, offload={**OPTS, "pool": pool})
+        fn = torch.compile(model, backend="aot_eager") if compiled else model
+        fn(x).sum().backward()  # warm-up (compiles)
+        peaks[compiled] = forward_peak(lambda fn=fn: fn(x).sum())
+        assert pool.stats()["bytes_in_use"] == 0
+    plain = mlp_blocks()
+    without = forward_peak(lambda: torch.compile(plain, backend="aot_eager")(x).sum())
+    assert peaks[True] <= 1.05 * peaks[False], peaks
+    assert peaks[True] < 0.5 * without, (peaks, without)  # the saving is real: less than half
+
+
+# --- compiled autograd ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["co.apply", "plan offload"])
+def test_compiled_autograd_reloads_one_by_one_and_warns_once(pool, route, monkeypatch):
+    """Under compiled autograd backward reloads the offloaded tensors block by block as it needs
+    them (counted when each block's first weight gets its gradient: one block's more each time),
+    gradients bit-identical, the pool drained. Compiled autograd's graph keeps what it unpacked
+    alive to its end (measured: the pool's bytes in use stay at the step's until backward ends,
+    where without it they fall block by block), so ckpt_offload warns once, saying so."""
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_warned_compiled_autograd", False)
+    n = 4
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def run(compiled_autograd):
+        torch._dynamo.reset()
+        model = mlp_blocks(n, 64)
+        opts = {**OPTS, "pool": pool, "prefetch_bytes": 0}
+        if route == "co.apply":
+            handle = co.apply(model, offload=opts)
+        else:
+            handle = co.plan(model, lambda: model(x).sum().backward(), budget=2**40, bandwidth=math.inf,
+                             kinds=("offload",), segments=False, offload=opts).apply()
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        reloads = []  # (block, tensors reloaded so far, pool bytes in use) as each block's weight gets its grad
+        for i, block in enumerate(model):
+            block[0].weight.register_post_accumulate_grad_hook(
+                lambda p, i=i: reloads.append((i, handle.stats()["tensors_reloaded"], pool.stats()["bytes_in_use"])))
+        # Compiled autograd is on for the backward of a compiled step made while the flag is set.
+        monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", compiled_autograd)
+        compiled = torch.compile(model, backend="aot_eager")
+
+        def step():
+            compiled(x).sum().backward()
+
+        handle.reset_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.compile(step, backend="aot_eager")()
+        monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", False)
+        g = {k: p.grad.clone() for k, p in model.named_parameters()}
+        g["x"] = x.grad.clone()
+        per_block = handle.stats()["tensors_reloaded"] // n
+        return g, reloads, per_block, [str(w.message) for w in caught if "compiled autograd" in str(w.message)]
+
+    counters.clear()
+    base, plain_reloads, per_block, quiet = run(False)
+    got, reloads, _, warned = run(True)
+    assert counters["compiled_autograd"]["captures"] >= 1, dict(counters["compiled_autograd"])
+    assert per_block >= 1
+    one_by_one = [(n - 1 - k, per_block * (k + 1)) for k in range(n)]
+    assert [r[:2] for r in plain_reloads] == one_by_one, plain_reloads
+    assert [r[:2] for r in reloads] == one_by_one, reloads
+    assert not quiet
+    assert len(warned) == 1 and "one by one" in warned[0] and "Keep compiled autograd off" in warned[0], warned
+    assert pool.stats()["bytes_in_use"] == 0
+    assert_bit_identical(base, got)
+
+
+# --- fullgraph -----------------------------------------------------------------------------------
+
+
+def test_fullgraph_over_wrapped_model_says_what_works(pool):
+    model = mlp_blocks(2, 16)
+    co.apply(model, offload={**OPTS, "pool": pool})
+    with pytest.raises(Exception, match=r"fullgraph=True") as info:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(2, 16))
+    message = str(info.value)
+    assert "without fullgraph" in message and "compiled as a graph of its own" in message, message
+
+
+# --- routes that compile but keep no saving warn once --------------------------------------------
+
+
+def _messages(caught, needle):
+    return [str(w.message) for w in caught if needle in str(w.message)]
+
+
+def test_whole_model_compiled_inside_co_offload_warns_once(pool, monkeypatch):
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    x = torch.randn(16, 32)
+    expected = grads(torch.compile(mlp_blocks(2, 32), backend="aot_eager"), lambda m: m(x).sum())
+    torch._dynamo.reset()
+    model = mlp_blocks(2, 32)
+    compiled = torch.compile(model, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # warned at the first compile only
+            got = grads(compiled, lambda m: _in_offload(m, x, pool))
+    warned = _messages(caught, "compiling code inside co.offload()")
+    assert len(warned) == 1 and "co.apply(model, offload=...)" in warned[0], warned
+    assert pool.stats()["bytes_in_use"] == 0
+    assert_bit_identical(expected, got)
+
+
+def _in_offload(model, x, pool):
+    with co.offload(pool=pool, **OPTS):
+        return model(x).sum()
+
+
+def test_wrapped_model_compiled_inside_its_own_contexts_does_not_warn(pool, monkeypatch):
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    model = mlp_blocks(2, 32)
+    co.apply(model, offload={**OPTS, "pool": pool})
+    plan_model = mlp_blocks(2, 32)
+    x = torch.randn(16, 32)
+    co.plan(plan_model, lambda: plan_model(x).sum().backward(), budget=2**40, bandwidth=math.inf,
+            kinds=("offload",), segments=False, offload={**OPTS, "pool": pool}).apply()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m in (model, plan_model):
+            torch.compile(m, backend="aot_eager")(x).sum().backward()
+    assert not _messages(caught, "co.offload()"), [str(w.message) for w in caught]
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_offload_callback_under_compile_warns_once(pool, monkeypatch):
+    pytest.importorskip("transformers")
+    from ckpt_offload import _compile
+
+    monkeypatch.setattr(_compile, "_warned_whole_forward", False)
+    monkeypatch.setattr(_compile, "_region_check", {"warned": False})
+    model = mlp_blocks(2, 32)
+    callback = co.hf.OffloadCallback(pool=pool, **OPTS)
+    callback._install(model)
+    x = torch.randn(16, 32)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(model, backend="aot_eager")
+            for _ in range(2):
+                compiled(x).sum().backward()
+    finally:
+        callback.remove()
+    warned = _messages(caught, "OffloadCallback under torch.compile")
+    assert len(warned) == 1 and "OffloadCheckpointCallback" in warned[0], warned
+    assert not _messages(caught, "compiling code inside co.offload()")  # one warning, the callback's own
+    assert callback.stats()["tensors_offloaded"] > 0
+    assert pool.stats()["bytes_in_use"] == 0
