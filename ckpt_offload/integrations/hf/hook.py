@@ -312,7 +312,11 @@ class HFCheckpointHandle:
             del model.__dict__[_HANDLE_ATTR]
         self.removed = True
 
-    disable = remove
+    def disable(self) -> None:
+        """Deprecated alias of :meth:`remove` (goes in 0.3.0)."""
+        warnings.warn("handle.disable() is deprecated and goes in 0.3.0: use handle.remove()", DeprecationWarning,
+                      stacklevel=2)
+        self.remove()
 
     def __repr__(self) -> str:
         return (
