@@ -288,24 +288,24 @@ def plan_arm(model, tokens, chunk, device, plan_cache) -> Arm:
     recomputed with its input offloaded. Both come from ``co.planner.simulate``."""
     on_gpu = device.type == "cuda"
     pool = co.HostPool() if on_gpu else co.HostPool(pinned=False)
-    extra = {} if on_gpu else {"devices": ["cpu"], "min_bytes": 0}
+    offload = {"pool": pool} if on_gpu else {"pool": pool, "devices": ["cpu"], "min_bytes": 0}
 
     def step():
         h = hidden_states(model, tokens[:, :-1])
         chunked_loss(model, h, tokens[:, 1:], chunk).backward()
 
     t0 = time.perf_counter()
-    first = co.plan(model, step, budget=1 << 62, pool=pool, **extra)
+    first = co.plan(model, step, budget=1 << 62, offload=offload)
     cm = first.costs
     n = len(model.layers)
     ck = co.planner.simulate(cm, singles(["recompute"] * n)).peak_bytes
     ck_off = co.planner.simulate(cm, singles(["recompute_offload"] * n)).peak_bytes
     budget = int((ck + ck_off) // 2)
     try:
-        plan = co.plan(model, step, budget=budget, pool=pool, costs=cm, **extra)
+        plan = co.plan(model, step, budget=budget, costs=cm, offload=offload)
     except co.planner.InfeasibleBudget as e:
         budget = e.minimum
-        plan = co.plan(model, step, budget=budget, pool=pool, costs=cm, **extra)
+        plan = co.plan(model, step, budget=budget, costs=cm, offload=offload)
     model.zero_grad(set_to_none=True)
     handle = {}
 

@@ -215,7 +215,8 @@ def run_plan(args, parser) -> int:
     min_bytes = args.min_bytes if args.min_bytes is not None else (0 if device == "cpu" else None)
     print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
     try:
-        plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth, min_bytes=min_bytes,
+        offload = {"devices": [device]} if min_bytes is None else {"devices": [device], "min_bytes": min_bytes}
+        plan = co.plan(model, step, budget=budget, bandwidth=args.bandwidth, offload=offload,
                        segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
     except InfeasibleBudget as e:
         parser.error(str(e))
