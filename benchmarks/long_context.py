@@ -1016,10 +1016,6 @@ def _arm_list(text: str) -> list[str]:
     return names
 
 
-def gpu_usable() -> bool:
-    return bool(torch.cuda.is_available() and co.build_info()["cuda_compiled"])
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1040,9 +1036,10 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    gpu = co.build_info()["gpu_available"]  # CUDA tensors can be offloaded here (ckpt_offload's one test of it)
     if args.device == "auto":
-        args.device = "cuda" if gpu_usable() and not args.quick else "cpu"
-    elif args.device == "cuda" and not gpu_usable():
+        args.device = "cuda" if gpu and not args.quick else "cpu"
+    elif args.device == "cuda" and not gpu:
         p.error("--device cuda: no usable CUDA device (or ckpt_offload built without CUDA); use --device cpu")
     if args.device == "cpu":
         args.quick = True  # the 8B-class shapes are GPU shapes: CPU always runs the tiny ones
