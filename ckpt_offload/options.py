@@ -20,7 +20,7 @@ import textwrap
 import torch
 
 from ckpt_offload._args import check_bytes, check_choice, closest, device_types
-from ckpt_offload._runtime import cuda_compiled, default_devices, usable_device_types
+from ckpt_offload._runtime import _C, cuda_compiled, default_devices, usable_device_types
 from ckpt_offload._warn import warn_at_user_line
 from ckpt_offload.pool import HostPool
 
@@ -38,8 +38,8 @@ DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
-#: The narrower formats ``store_dtype`` accepts (besides None: exact storage).
-STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+#: The narrower formats ``store_dtype`` accepts (besides None: exact storage): the engine's list.
+STORE_DTYPES = tuple(getattr(torch, name) for name in _C.store_formats())
 ON_FULL_POLICIES = ("keep", "raise")
 
 
