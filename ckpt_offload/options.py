@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import inspect
 import itertools
 import re
 import textwrap
@@ -328,10 +327,11 @@ def option_docs() -> dict:
     :class:`OffloadOptions`, as one line. Empty where the source cannot be read (a frozen
     install): the docstrings then say less, the options work the same."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(OffloadOptions)))
-    except (OSError, TypeError):  # pragma: no cover - no source
+        with open(__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):  # pragma: no cover - no source
         return {}
-    body = tree.body[0].body
+    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OffloadOptions")
     docs = {}
     for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
