@@ -1,8 +1,10 @@
 """Build ckpt_offload's native core.
 
-A CUDAExtension when torch has CUDA and nvcc is found, a CppExtension otherwise.
-CKPT_OFFLOAD_CUDA=1 forces the CUDA build (and fails with an explanation when it cannot be
-done); CKPT_OFFLOAD_CUDA=0 forces the C++-only build.
+A CUDAExtension when torch has CUDA, nvcc is found and a GPU is there to run it
+(torch.cuda.is_available(), or nvidia-smi lists one); a CppExtension otherwise, which builds
+several times faster. CKPT_OFFLOAD_CUDA=1 forces the CUDA build (and fails with an explanation
+when it cannot be done), e.g. for a wheel meant for another machine; CKPT_OFFLOAD_CUDA=0 forces
+the C++-only build.
 """
 
 import glob
@@ -16,9 +18,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The toolkit and include-dir discovery is shared with scripts/check_torch_headers.sh.
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 from build_env import (  # noqa: E402
+    decide_cuda as _decide_cuda,
     extra_cuda_include_flags,
     is_toolkit as _is_toolkit,
     locate_cuda_home as _locate_cuda_home,
+    usable_gpu as _usable_gpu,
 )
 
 _locate_cuda_home()
@@ -72,30 +76,27 @@ if _clash:
     sys.exit("ckpt_offload: sources that would build to the same object file: " + ", ".join(
         f"{s}.*" for s in _clash) + "; rename one of each (e.g. x_kernels.cu next to x.cpp)")
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
-def _fail(msg):
-    sys.exit("ckpt_offload: CUDA build impossible: " + msg)
 
 
 def want_cuda():
     forced = os.environ.get("CKPT_OFFLOAD_CUDA")
-    if forced not in (None, "", "0", "1"):
-        sys.exit(f"ckpt_offload: CKPT_OFFLOAD_CUDA must be 0 or 1, got {forced!r}")
-    if forced == "0":
-        return False
     problems = []
-    if torch.version.cuda is None:
-        problems.append(f"the installed torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)")
-    home = cpp_extension.CUDA_HOME
-    if not home:
-        problems.append("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
-    elif not _is_toolkit(home):
-        problems.append(f"CUDA_HOME={home} has no bin/nvcc or include/cuda_runtime.h")
-    if problems:
-        if forced == "1":
-            _fail("; ".join(problems) + ". Unset CKPT_OFFLOAD_CUDA (or set it to 0) to build the C++-only core.")
-        print("ckpt_offload: building the C++-only core: " + "; ".join(problems), file=sys.stderr)
-        return False
-    return True
+    if forced != "0":
+        if torch.version.cuda is None:
+            problems.append(
+                f"the installed torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)")
+        home = cpp_extension.CUDA_HOME
+        if not home:
+            problems.append("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
+        elif not _is_toolkit(home):
+            problems.append(f"CUDA_HOME={home} has no bin/nvcc or include/cuda_runtime.h")
+    # A GPU is looked for only when it decides: forced builds and impossible ones do not need it.
+    gpu = _usable_gpu(torch) if forced in (None, "") and not problems else None
+    cuda, line, error = _decide_cuda(forced, problems, gpu)
+    if error:
+        sys.exit(error)
+    print(line, file=sys.stderr)
+    return cuda
 
 
 def extension():

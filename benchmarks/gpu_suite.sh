@@ -75,7 +75,8 @@ usage() {
 usage: bash benchmarks/gpu_suite.sh OUT_DIR [--only STEP,...] [--skip STEP,...]
 
 Steps, in the order they run (environment, gpu_present and the summary always run):
-  build         python3 setup.py build_ext --inplace (SKIP_BUILD=1 skips it too)
+  build         python3 setup.py build_ext --inplace, CKPT_OFFLOAD_CUDA=1 where a GPU is
+                (SKIP_BUILD=1 skips it too)
   build_info    co.build_info(): on a GPU machine CUDA compiled, GPU available, pinned pool
   diagnose      OFF by default (on with --only diagnose or DIAGNOSE=1): the crash hunt's runs,
                 each test alone, plainly, under cuda-gdb/gdb (every thread's backtrace) and
@@ -318,6 +319,11 @@ EOF
   elif ! want build; then
     record build "SKIPPED" 0 "not selected (--only/--skip): using the extension already built in place"
   else
+    # The CUDA engine on a GPU machine, whatever setup.py's default finds (it builds C++-only
+    # where it sees no usable GPU); CKPT_OFFLOAD_CUDA set by the caller wins.
+    if [ "$TORCH_GPU" = "1" ] || [ "$GPU_EXPECTED" = "1" ]; then
+      export CKPT_OFFLOAD_CUDA=${CKPT_OFFLOAD_CUDA:-1}
+    fi
     step build 300 "$EXTRAS/build.log" "$PY" setup.py build_ext --inplace
     grep -E "ninja|Falling back|warning: |error" "$EXTRAS/build.log" | grep -v "^\s*$" | head -n 20 || true
   fi

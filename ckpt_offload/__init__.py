@@ -28,6 +28,7 @@ from ckpt_offload.options import (
     DEFAULT_PREFETCH_BYTES,
     OffloadOptions,
 )
+from ckpt_offload.selective import selective_offload_context
 from ckpt_offload.pool import HostPool, PoolFullError, SpillError, default_pool, pinned_available
 from ckpt_offload.profiling import DEPRECATED as _PROFILING_DEPRECATED
 from ckpt_offload.profiling import ProfileReport, profile
@@ -40,6 +41,7 @@ __all__ = [
     "OffloadOptions",
     "checkpoint",
     "checkpoint_sequential",
+    "selective_offload_context",
     "apply",
     "CheckpointHandle",
     "HostPool",

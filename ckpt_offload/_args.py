@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import re
 from typing import Iterable
@@ -46,7 +48,8 @@ def parse_bytes(name: str, value) -> int:
 
     The one reader of sizes: every byte-valued argument of ckpt_offload takes a string this reads
     (``KiB``/``MiB``/``GiB``/``TiB`` are powers of 1024, ``KB``/``MB``/``GB``/``TB`` of 1000, case
-    ignored; ``B`` or no unit: bytes).
+    ignored; ``B`` or no unit: bytes). A size must come to whole bytes: ``"1.5KiB"`` (1536) is
+    read, ``"0.3B"`` is refused (it would silently be 0), as is a float between 0 and 1.
 
     Example::
 
@@ -58,11 +61,21 @@ def parse_bytes(name: str, value) -> int:
     if isinstance(value, (int, float)):
         if not math.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value!r}")
+        if 0 < value < 1:  # int() would make it 0 bytes without a word
+            raise ValueError(f"{name}: {value!r} is a fraction of a byte; sizes are whole bytes (e.g. 1, or 0)")
         return int(value)
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            # Exact arithmetic for the whole-byte check: float("0.1") * 1000 is 100.00000000000001.
+            from fractions import Fraction
+
+            size = Fraction(m.group(1)) * _UNITS[m.group(2).lower()]
+            if size.denominator != 1:
+                raise ValueError(
+                    f"{name}: {value!r} is {float(size)} bytes, not a whole number of bytes; write a size "
+                    f"that is (e.g. {math.ceil(size)} for the next whole byte)")
+            return int(size)
         raise ValueError(f"{name}: cannot read {value!r} as bytes; write e.g. '2GiB', '512MiB', '1.5GB' or an int")
     raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {type(value).__name__}")
 
@@ -175,3 +188,26 @@ def check_keywords(route: str, given: Iterable[str], valid: Iterable[str], *, el
         f"{route} got unknown keyword argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}; "
         f"its options are: {', '.join(valid)}"
     )
+
+
+def suggest_keywords(route: str):
+    """Decorates a public function (or a class's ``__init__``) so that a keyword it does not take
+    raises :func:`check_keywords`'s TypeError (the closest valid name, every option) instead of
+    Python's bare "unexpected keyword argument". A set difference per call with keywords."""
+    def decorate(function):
+        parameters = inspect.signature(function).parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return function  # it reads its own keywords
+        valid = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                      and p.name != "self")
+        valid_set = frozenset(valid)
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if kwargs and not valid_set.issuperset(kwargs):
+                check_keywords(route, kwargs, valid)
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    return decorate

@@ -1,7 +1,8 @@
 """What a block does in a step, as the planner and the block installer both name it.
 
 A :class:`Unit` is blocks ``start..end`` handled as one: kept, offloaded, recomputed (its input
-kept or offloaded), selectively recomputed, or -- several blocks -- a segment recomputed as one.
+kept or offloaded), selectively recomputed (what the policy keeps kept on the device, or offloaded
+to the host pool: "selective_offload"), or -- several blocks -- a segment recomputed as one.
 The planner's solver produces units (``ckpt_offload.planner``); :mod:`ckpt_offload.blocks`
 installs them on a model. Importable as ``ckpt_offload.planner.simulator.Unit`` too.
 """
@@ -10,14 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "Unit", "choice_names"]
+__all__ = ["KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "OFFLOADING_KINDS", "Unit", "choice_names"]
 
 #: What a unit of the plan does with its blocks' saved activations.
-KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
+KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload")
 #: Kinds a unit of several consecutive blocks can have (one checkpoint around them: Chen's segments).
 SEGMENT_KINDS = ("recompute", "recompute_offload")
 #: Kinds that offload, and so may store what they offload in a narrower dtype (``Unit.store``).
 STORE_KINDS = ("offload", "recompute_offload")
+#: Kinds that copy something to the host pool (and reload it in backward).
+OFFLOADING_KINDS = ("offload", "recompute_offload", "selective_offload")
 
 
 #: Kinds of the parts inside a nested segment: a block the segment's recompute runs as is, or an

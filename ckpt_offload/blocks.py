@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import threading
 
 import torch
 import torch.utils.checkpoint
@@ -76,6 +77,33 @@ def _selective_context():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+def offload_policy(ctx, op, *args, **kwargs):
+    """The planner's "selective_offload": :func:`selective_policy` with the outputs it saves
+    offloaded (``CheckpointPolicy.MUST_CPU_OFFLOAD``) instead of kept on the device."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if packet in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_selective_offloads_lock = threading.Lock()
+_selective_offloads: dict = {}  # options -> context_fn of the blocks wrapped without a handle
+
+
+def _selective_offload_context(options, collector):
+    """The ``context_fn`` of a "selective_offload" block: one per handle and options (its packer's
+    counts are the handle's, in ``handle.stats()``)."""
+    from ckpt_offload.selective import selective_offload_context
+
+    table = _selective_offloads if collector is None else collector.__dict__.setdefault("_selective_offloads", {})
+    key = (options.replace(pool=None), id(options.pool))
+    with _selective_offloads_lock:
+        context_fn = table.get(key)
+        if context_fn is None:
+            context_fn = table[key] = selective_offload_context(offload_policy, options)
+    if collector is not None:
+        collector.add(context_fn._context)
+    return context_fn
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -125,13 +153,14 @@ class _Checkpoint:
     ``options``), counted in the handle's collector."""
 
     def __init__(self, options, use_reentrant=False, torch_kwargs=None, collector=None, ranged=False,
-                 selective=False):
+                 selective=False, selective_offload=None):
         self.options = options
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs or {})
         self.collector = collector
         self.ranged = ranged  # a plan's: its recompute runs inside the ckpt_offload::recompute range
         self.selective = selective
+        self.selective_offload = selective_offload  # options: the policy's outputs go to the pool
 
     def __call__(self, forward, args, kwargs):
         torch_kwargs = dict(self.torch_kwargs)
@@ -139,7 +168,9 @@ class _Checkpoint:
             forward = _ranged(forward)
             kwargs = dict(kwargs)
             torch_kwargs.update({k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs})
-        if self.selective:
+        if self.selective_offload is not None:
+            torch_kwargs["context_fn"] = _selective_offload_context(self.selective_offload, self.collector)
+        elif self.selective:
             torch_kwargs["context_fn"] = _selective_context
         return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, torch_kwargs, self.collector)
 
@@ -394,24 +425,47 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _next_args(out, args, kwargs):
+def hidden_key(module) -> str:
+    """The keyword a block's hidden state comes by when the model calls it by keyword: the first
+    parameter of its forward (``x`` of ``forward(self, x, mask)``; ``hidden_states`` for Hugging
+    Face layers and for a forward that takes ``*args``)."""
+    try:
+        first = next(iter(inspect.signature(module.forward).parameters.values()), None)
+    except (TypeError, ValueError):
+        first = None
+    if first is None or first.kind not in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD):
+        return "hidden_states"
+    return first.name
+
+
+def unchained_reason(out) -> str | None:
+    """Why a segment cannot hand ``out``, a block's output, on to the next block (None: it can)."""
+    from collections.abc import Mapping
+
+    if isinstance(out, Mapping):
+        keys = ", ".join(repr(k) for k in list(out)[:4])
+        return (f"returns a dict ({keys}) that the model unpacks before the next block, while a segment hands "
+                "a block's output (or its first element) to the next block as its first argument")
+    return None
+
+
+def _next_args(out, args, kwargs, key="hidden_states"):
     """The arguments of the next block of a segment: the previous block's hidden state as its first
-    argument (positional, or ``hidden_states=`` when the blocks are called by keyword), the others
-    unchanged."""
+    argument (positional, or ``key=`` (:func:`hidden_key`) when the blocks are called by keyword),
+    the others unchanged."""
     h = _hidden(out)
     if args:
         return (h, *args[1:]), kwargs
     kwargs = dict(kwargs)
-    kwargs["hidden_states"] = h
+    kwargs[key] = h
     return (), kwargs
 
 
-def _rest(args, kwargs):
-    """What a segment's block gets besides its hidden state (the first argument, or
-    ``hidden_states=``)."""
+def _rest(args, kwargs, key="hidden_states"):
+    """What a segment's block gets besides its hidden state (the first argument, or ``key=``)."""
     if args:
         return args[1:], kwargs
-    return (), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+    return (), {k: v for k, v in kwargs.items() if k != key}
 
 
 def _same_leaf(a, b) -> bool:
@@ -465,6 +519,7 @@ class _Segment:
         self.unit = unit
         self.collector = collector  # the plan handle's StatsCollector
         self.blocks = list(blocks)  # the modules (their own forwards run; a recompute must not write their buffers)
+        self.key = hidden_key(self.blocks[0])  # the hidden state's keyword, for blocks called by keyword
         self.allow = allow  # the inexact reasons (planner/costs.py INEXACT_REASONS) allowed
         self._reset()
 
@@ -509,7 +564,13 @@ class _Segment:
             outs = []
             forward = not _in_backward()
             for j, p in enumerate(parts):
-                args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw)
+                if j:
+                    why = unchained_reason(outs[-1])
+                    if why is not None:
+                        self._refuse(p.start - base, f"follows {self.names[p.start - base - 1]}, which {why}",
+                                     fix="checkpoint these blocks one by one (co.apply(model, ...) without "
+                                     "segments=; co.plan offers no segments over them)")
+                args, kwargs = (a, kw) if j == 0 else _next_args(outs[-1], a, kw, self.key)
                 if p.kind == "keep" and forward:
                     outs.append(self._checked(p.start - base, args, kwargs))
                 elif p.kind == "keep":
@@ -522,28 +583,30 @@ class _Segment:
 
     def first(self, args, kwargs):
         outs = _Checkpoint(self.offload, collector=self.collector, ranged=True)(self._runner(self.unit.parts), args, kwargs)
-        self.outs, self.prev, self.rest, self.next = list(outs), outs[0], _rest(args, kwargs), 1
+        self.outs, self.prev, self.rest, self.next = list(outs), outs[0], _rest(args, kwargs, self.key), 1
         self.outs[0] = None
         del outs
         return self.prev
 
-    def _refuse(self, j, why):
+    def _refuse(self, j, why, fix=None):
         self._reset()
         raise RuntimeError(
             f"a plan segment ({self.names[0]} .. {self.names[-1]}) runs its blocks one after another, each with the "
             f"previous one's output as its first argument and the other arguments the first block got; "
-            f"{self.names[j]} {why}. Plan without segments (co.plan(..., segments=False)), or apply without "
-            "segments, for this model")
+            f"{self.names[j]} {why}. "
+            + (fix[0].upper() + fix[1:] if fix else "Plan without segments (co.plan(..., segments=False)), or "
+               "apply without segments, for this model")
+            + ".")
 
     def later(self, j, original, args, kwargs):
         if self.outs is None:
             return original(*args, **kwargs)
         if j != self.next:
             self._refuse(j, f"was called out of order (after {self.names[self.next - 1]})")
-        given = args[0] if args else kwargs.get("hidden_states")
+        given = args[0] if args else kwargs.get(self.key)
         if given is not _hidden(self.prev):
             self._refuse(j, "got another input")
-        if not _same_rest(_rest(args, kwargs), self.rest):
+        if not _same_rest(_rest(args, kwargs, self.key), self.rest):
             self._refuse(j, "got other arguments than the first block")
         out = self.outs[j]
         self.outs[j] = None  # handed out: the segment no longer holds it
@@ -589,6 +652,8 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
         if u.kind == "keep":
             continue
         offload = (lossy if u.store else options) if u.kind in ("offload", "recompute_offload") else None
+        if u.kind == "selective_offload":
+            offload = None  # the checkpoint's input stays; the policy's outputs go to the pool
         if u.end > u.start:
             members = named_blocks[u.start:u.end + 1]
             seg = _Segment([b for _, b in members], [n for n, _ in members], offload, u, collector,
@@ -600,7 +665,8 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
                 runs = [_Offload(offload, collector)]
             else:
                 runs = [_Checkpoint(offload, use_reentrant, torch_kwargs, collector, ranged=ranged,
-                                    selective=u.kind == "selective")]
+                                    selective=u.kind in ("selective", "selective_offload"),
+                                    selective_offload=options if u.kind == "selective_offload" else None)]
         for j, ((name, block), run) in enumerate(zip(members, runs)):
             BlockForward(block, run).install()
             wrapped.append(block)
@@ -766,7 +832,8 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.apply")
+    check_checkpoint_keywords(checkpoint_kwargs, "co.apply",
+                              own=("layers", "every_n_layers", "offload", "segments"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None:
         check_offloads_something(options.devices, "co.apply(offload=...)")

@@ -44,9 +44,10 @@ TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
 _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in _CHECKPOINT_PARAMETERS
 
 
-def check_checkpoint_keywords(kwargs, route: str) -> None:
+def check_checkpoint_keywords(kwargs, route: str, own=()) -> None:
     """Raises TypeError for a keyword of ``route`` that is neither ``use_reentrant`` nor one of
-    torch's checkpoint keywords; a co.offload option there gets told to go inside ``offload={...}``."""
+    torch's checkpoint keywords; a co.offload option there gets told to go inside ``offload={...}``.
+    ``own``: the route's own keywords, among which a typo's closest match is looked for too."""
     unknown = sorted(set(kwargs) - {"use_reentrant", *TORCH_KEYWORDS})
     misplaced = [k for k in unknown if k in OFFLOAD_KEYS]
     if misplaced:
@@ -56,8 +57,9 @@ def check_checkpoint_keywords(kwargs, route: str) -> None:
             f"{'it' if one else 'them'} inside offload={{...}}, e.g. offload={{{misplaced[0]!r}: ...}}"
         )
     if unknown:
-        raise TypeError(f"{route}: unknown checkpoint keyword(s) {unknown}; allowed: "
-                        f"{['use_reentrant', *TORCH_KEYWORDS]}")
+        names = [*own, "use_reentrant", *TORCH_KEYWORDS]
+        hints = [f"{k!r} (did you mean {closest(k, names)!r}?)" if closest(k, names) else repr(k) for k in unknown]
+        raise TypeError(f"{route}: unknown checkpoint keyword(s) {', '.join(hints)}; allowed: {names}")
 
 
 def check_reentrant(use_reentrant, options) -> bool:

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from ckpt_offload._args import check_choice
+from ckpt_offload._args import check_choice, suggest_keywords
 from ckpt_offload._runtime import _C
 from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, warn, warn_at_user_line, _warn_lock
 from ckpt_offload.options import (
@@ -179,7 +179,8 @@ class offload:
     taken off the stack (the contexts entered after it stay in force); from another thread or
     another backward, its hooks stop offloading at once and are dropped from the entering
     thread's stack at the next ``co.offload`` enter or exit there. A second ``__exit__`` does
-    nothing; ``__exit__()`` takes no arguments too. Where saved-tensor hooks are disabled
+    nothing, an ``__exit__`` of a context never entered raises ``RuntimeError``; ``__exit__()``
+    takes no arguments too. Where saved-tensor hooks are disabled
     (inside ``torch.func.grad``, ``vjp``, ``jacrev``, ``hessian``) the block runs without
     offload, with a one-time warning. A context that saw saved tensors and offloaded none of
     them (all under ``min_bytes``, or on a device it does not offload) warns once, naming the
@@ -280,6 +281,7 @@ class offload:
                 self._state = None
             raise
         self._state = state
+        self._entered = True  # __exit__ tells a context never entered from one exited twice
         return self
 
     def _activate(self) -> _Activation:
@@ -345,6 +347,11 @@ class offload:
                 self._state = _CLAIMED  # not re-enterable until the teardown below is done
         if state is None:  # not active (a second __exit__)
             _drop_stale_entries()
+            if not getattr(self, "_entered", False):
+                raise RuntimeError(
+                    "co.offload().__exit__ called on a context that was never entered, so nothing was "
+                    "offloaded and there is nothing to end: use `with co.offload(...) as ctx:` (or call "
+                    "ctx.__enter__() first)")
             return
         flush_error = None
         misuse = None
@@ -425,8 +432,9 @@ class offload:
             reasons.append(
                 f"{small} saved tensors ({size} bytes) were each under min_bytes={self.min_bytes} "
                 "(kept_by_reason['too_small']): lower it, e.g. co.offload(min_bytes=0) or "
-                "offload={'min_bytes': 0} (docs/api.md, 'Choosing min_bytes'), or add batch_below= to "
-                "copy small tensors in shared blocks")
+                "offload={'min_bytes': 0} (docs/api.md, 'Choosing min_bytes'); tensors under min_bytes "
+                "are never offloaded, batched or not, so to copy many small ones cheaply lower min_bytes "
+                "and add batch_below= (e.g. min_bytes=4096, batch_below='256KiB')")
         if other_device:
             reasons.append(
                 f"{other_device} saved tensors were on a device this context does not offload "
@@ -596,6 +604,7 @@ class keep:
         return wrapper
 
 
+@suggest_keywords("co.offload_tensor")
 def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: str = "side"):
     """Copies one tensor into the pool, outside autograd; ``handle.reload()`` gives it back.
 

@@ -88,6 +88,39 @@ def check_not_devices(name: str, value) -> None:
     )
 
 
+#: The names ``store_dtype=`` (and ``co.plan``'s ``lossy=``) takes for the storage dtypes.
+STORE_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
+                     "fp8_e5m2": torch.float8_e5m2}
+
+
+def store_dtype_named(name: str) -> torch.dtype:
+    """``"bf16"``, ``"fp16"``, ``"fp8"`` (e4m3fn), ``"fp8_e5m2"`` or a dtype's own name
+    (``"bfloat16"``, ``"float8_e4m3fn"``) -> the storage dtype."""
+    by_name = {**STORE_DTYPE_NAMES, **{str(d).removeprefix("torch."): d for d in STORE_DTYPES}}
+    got = by_name.get(name.strip().lower())
+    if got is None:
+        raise ValueError(f"store_dtype: unknown name {name!r}; accepted: None, {', '.join(map(repr, by_name))} "
+                         f"or a torch.dtype ({', '.join(str(d) for d in STORE_DTYPES)})")
+    return got
+
+
+def _warn_if_without_effect(options) -> None:
+    """Options that would silently do nothing: a warning that names what makes them work."""
+    if options.store_dtype is None:
+        given = [k for k, on in (("measure_error=True", options.measure_error),
+                                 (f"store_min_bytes={options.store_min_bytes}", options.store_min_bytes)) if on]
+        if given:
+            warn_at_user_line(
+                f"co.offload(): {' and '.join(given)} without store_dtype does nothing: only converted tensors "
+                "are measured or exempted, and without store_dtype every tensor is stored exactly. Set "
+                "store_dtype (e.g. store_dtype=torch.bfloat16), or drop the option.", key="co.offload-store-options")
+    if options.stream == "compute" and options.prefetch_bytes:
+        warn_at_user_line(
+            f"co.offload(): prefetch_bytes={options.prefetch_bytes} does nothing with stream='compute' (reloads run "
+            "on the compute stream when backward asks for them; nothing is prefetched). Use stream='side' to "
+            "prefetch, or drop prefetch_bytes.", key="co.offload-prefetch-compute")
+
+
 def check_store_dtype(store_dtype) -> str:
     """Checks ``store_dtype`` and returns the engine's name for it (``""`` for None: exact).
 
@@ -100,7 +133,8 @@ def check_store_dtype(store_dtype) -> str:
         return ""
     accepted = "None (exact), " + ", ".join(str(d) for d in STORE_DTYPES)
     if not isinstance(store_dtype, torch.dtype):
-        raise TypeError(f"store_dtype must be None or a torch.dtype ({accepted}), got {type(store_dtype).__name__}")
+        raise TypeError(f"store_dtype must be None, a torch.dtype ({accepted}) or one of the names "
+                        f"{', '.join(map(repr, STORE_DTYPE_NAMES))}, got {type(store_dtype).__name__}")
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store_dtype must be None or one of {accepted}; got {store_dtype}")
     return str(store_dtype).removeprefix("torch.")
@@ -162,8 +196,10 @@ class OffloadOptions:
     """Size of a batch block (default `DEFAULT_BATCH_BYTES`, 4 MiB). A batch is copied when full, when
     the context exits, or when one of its tensors is needed."""
     store_dtype: torch.dtype | None = None
-    """`None` (default): every offloaded byte is stored exactly, and gradients are bit-identical.
-    `torch.bfloat16` / `torch.float16`: a floating-point saved tensor wider than that (fp32, fp64) is
+    """`None` (default): every offloaded byte is stored exactly, and gradients are bit-identical. A
+    storage dtype may also be given by name: `"bf16"`, `"fp16"`, `"fp8"` (e4m3fn), `"fp8_e5m2"` or the
+    dtype's own (`"bfloat16"`, ...), as `co.plan(lossy=...)` takes them. `torch.bfloat16` /
+    `torch.float16`: a floating-point saved tensor wider than that (fp32, fp64) is
     converted before its copy to the host and converted back after its reload -- half the host bytes
     and copy time of fp32, with the rounding error of `t.to(store_dtype).to(t.dtype)`.
     `torch.float8_e4m3fn` / `torch.float8_e5m2`: a quarter of fp32's bytes, with a per-tensor scale
@@ -178,11 +214,12 @@ class OffloadOptions:
     again); views whose spans only overlap are converted each on its own."""
     store_min_bytes: int = 0
     """With `store_dtype`: tensors spanning fewer bytes than this are stored exactly (default `0`: every
-    offloaded floating-point tensor is converted)."""
+    offloaded floating-point tensor is converted). Without `store_dtype` it does nothing, and warns."""
     measure_error: bool = False
     """With `store_dtype`: measure the relative error `norm(x - stored(x)) / norm(x)` of every converted
     tensor into `stats()["store_error"]`, per class `"<dtype>-><store dtype>"` (plus `" @ <module>"` under
-    `co.profile()`). Synchronizes with the device once per tensor: for measuring, not for training."""
+    `co.profile()`). Synchronizes with the device once per tensor: for measuring, not for training.
+    Without `store_dtype` it does nothing, and warns."""
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: the checks normalize in place, once
@@ -196,6 +233,8 @@ class OffloadOptions:
                 f"batch_below ({self.batch_below}) must not exceed batch_bytes ({self.batch_bytes}): a batched "
                 "tensor has to fit in a batch block; raise batch_bytes or lower batch_below"
             )
+        if isinstance(self.store_dtype, str):  # "bf16" as co.plan's lossy= takes it
+            put(self, "store_dtype", store_dtype_named(self.store_dtype))
         check_store_dtype(self.store_dtype)
         if not isinstance(self.measure_error, bool):
             raise TypeError(f"measure_error must be True or False, got {type(self.measure_error).__name__}")
@@ -264,6 +303,25 @@ def _unknown_message(route: str, unknown) -> str:
     hints = [f"{k!r} (did you mean {closest(k, OFFLOAD_KEYS)!r}?)" if closest(k, OFFLOAD_KEYS) else repr(k)
              for k in unknown]
     return f"{route}: unknown co.offload option(s) {', '.join(hints)}; allowed: {list(OFFLOAD_KEYS)}"
+
+
+def _init_naming_unknown_options(init):
+    # The dataclass's own __init__ answers a typo with Python's bare "unexpected keyword argument".
+    # The warnings are given here, not in __post_init__: under the generated __init__ (whose file
+    # is "<string>") they would point there instead of at the user's line.
+    def __init__(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(OFFLOAD_KEYS))
+        if unknown:
+            raise TypeError(_unknown_message("co.OffloadOptions", unknown))
+        init(self, *args, **kwargs)
+        _warn_if_without_effect(self)
+
+    __init__.__wrapped__ = init  # inspect.signature shows the fields
+    __init__.__doc__, __init__.__qualname__ = init.__doc__, init.__qualname__
+    return __init__
+
+
+OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 
 
 def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool
+from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool, suggest_keywords
 from ckpt_offload._runtime import _C, gpu_usable
 
 __all__ = ["HostPool", "PoolFullError", "SpillError", "default_pool", "pinned_available", "BACKENDS"]
@@ -36,7 +36,8 @@ MIN_SPILL_MAX_BYTES = 4096
 
 
 def _check_cap(name: str, value, minimum: int, unlimited: str):
-    value = check_bytes(name, value, minimum=1, allow_none=True)  # sizes may be strings ("8GiB")
+    if not (isinstance(value, int) and not isinstance(value, bool) and value < minimum):  # -1: the minimum below
+        value = check_bytes(name, value, minimum=1, allow_none=True)  # sizes may be strings ("8GiB")
     if value is not None and value < minimum:
         raise ValueError(
             f"{name}={value} is below the minimum of {minimum} bytes, so nothing could ever be stored under it; "
@@ -103,6 +104,7 @@ class HostPool:
         print(pool.stats()["disk"]["bytes_written"])
     """
 
+    @suggest_keywords("co.HostPool")
     def __init__(
         self,
         max_bytes: int | None = None,

@@ -10,6 +10,7 @@ import glob
 import os
 import shutil
 import site
+import subprocess
 import sys
 
 # Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)
@@ -106,3 +107,56 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     root = args[args.index("--torch-include") + 1] if "--torch-include" in args else None
     print("\n".join(torch_compile_flags("--cuda" in args, root)))
+
+
+def usable_gpu(torch):
+    """What shows a GPU this machine's build could run on, or None: torch sees one
+    (torch.cuda.is_available()), or nvidia-smi lists one (a driver is there, even when this torch
+    cannot use it)."""
+    try:
+        if torch.version.cuda is not None and torch.cuda.is_available():
+            return "torch.cuda.is_available()"
+    except Exception:  # a broken driver is "no usable GPU", not a failed build
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        if any(line.startswith("GPU ") for line in out.splitlines()):
+            return "nvidia-smi -L"
+    return None
+
+
+NO_GPU_MESSAGE = (
+    "ckpt_offload: no usable GPU here (torch.cuda.is_available() is False and nvidia-smi lists none): "
+    "building the C++-only engine, which runs everything on CPU tensors and builds in a fraction of "
+    "the CUDA engine's time. To build the CUDA engine anyway (e.g. a wheel for a GPU machine), set "
+    "CKPT_OFFLOAD_CUDA=1."
+)
+
+
+def decide_cuda(forced, problems, gpu):
+    """setup.py's choice: (build the CUDA engine?, a line to print or None, an error or None).
+
+    forced: CKPT_OFFLOAD_CUDA ("0", "1", or None/"" for the default); problems: what stops a CUDA
+    build (a CPU-only torch, no toolkit); gpu: usable_gpu()'s answer. The default builds CUDA only
+    where it can be built and a GPU could run it."""
+    if forced not in (None, "", "0", "1"):
+        return False, None, f"ckpt_offload: CKPT_OFFLOAD_CUDA must be 0 or 1, got {forced!r}"
+    if forced == "0":
+        return False, "ckpt_offload: CKPT_OFFLOAD_CUDA=0: building the C++-only engine", None
+    if forced == "1":
+        if problems:
+            return False, None, (
+                "ckpt_offload: CUDA build impossible: " + "; ".join(problems)
+                + ". Unset CKPT_OFFLOAD_CUDA (or set it to 0) to build the C++-only core."
+            )
+        return True, "ckpt_offload: CKPT_OFFLOAD_CUDA=1: building the CUDA engine", None
+    if problems:
+        return False, "ckpt_offload: building the C++-only core: " + "; ".join(problems), None
+    if not gpu:
+        return False, NO_GPU_MESSAGE, None
+    return True, (f"ckpt_offload: building the CUDA engine (GPU found by {gpu}; CKPT_OFFLOAD_CUDA=0 builds the "
+                  "C++-only one)"), None

@@ -1,7 +1,7 @@
 """Checks what ckpt_offload's sdist and wheel hold (scripts/check_sdist.sh runs it in CI).
 
-    python scripts/check_dist.py sdist dist/ckpt_offload-0.1.0.tar.gz
-    python scripts/check_dist.py wheel dist/ckpt_offload-0.1.0-cp311-cp311-linux_x86_64.whl
+    python scripts/check_dist.py sdist dist/ckpt_offload-0.2.0.dev0.tar.gz
+    python scripts/check_dist.py wheel dist/ckpt_offload-0.2.0.dev0-cp311-cp311-linux_x86_64.whl
 
 sdist: every file git tracks (except .gitignore) is in it -- so a new header or test cannot be
 left out -- and no build output (_C, objects, _build_config.py, build/). Without git (run from an

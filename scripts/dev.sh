@@ -7,31 +7,64 @@
 #   bash scripts/dev.sh setup  # install everything and build only
 # Environment: VENV (default .venv), TORCH_SPEC (default torch==2.14.1; a pip requirement, e.g. a
 # CPU-only torch, which installs faster and takes far less disk), MAX_JOBS (default 2),
-# CKPT_OFFLOAD_CUDA=0|1 to force the C++-only or the CUDA build (default: CUDA when nvcc and a CUDA
-# torch are there, GPU or not), PYTEST_ARGS (extra pytest arguments, e.g. "-x" or "-k hf").
+# CKPT_OFFLOAD_CUDA=0|1 to force the C++-only or the CUDA build (default: CUDA when nvcc, a CUDA
+# torch and a usable GPU are there, C++-only otherwise), PYTEST_ARGS (extra pytest arguments,
+# e.g. "-x" or "-k hf"), HEARTBEAT_S (default 15: seconds between the progress lines of a build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-$PWD/.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.14.1}
 export MAX_JOBS=${MAX_JOBS:-2}
 
+# Runs "$@" with its output in LOG, and every HEARTBEAT_S seconds (default 15) prints one line of
+# where it is: the elapsed time, the compiler steps done out of all (ninja's [n/m]) and the file
+# being compiled, or else the log's last line. On failure, the log's tail.
+with_progress() {
+  local log=$1 tail_lines=$2
+  shift 2
+  local start=$SECONDS beat=${HEARTBEAT_S:-15} pid rc=0 n=0
+  "$@" > "$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    n=$((n + 1))
+    if [ $((n % beat)) -eq 0 ] && kill -0 "$pid" 2>/dev/null; then
+      local el=$((SECONDS - start)) where step src
+      step=$(grep -o '^\[[0-9]*/[0-9]*\]' "$log" 2>/dev/null | tail -n 1 || true)
+      if [ -n "$step" ]; then
+        src=$(grep '^\[[0-9]*/[0-9]*\]' "$log" | tail -n 1 | grep -oE '[^ ]+\.(cpp|cu)( |$)' | head -n 1 | tr -d ' ' || true)
+        where="compiler step ${step//[\[\]]/}: ${src#"$PWD/"}"
+      else
+        where=$(grep -v '^\s*$' "$log" 2>/dev/null | tail -n 1 | cut -c 1-100 || true)
+      fi
+      printf '   %dm%02ds  %s\n' $((el / 60)) $((el % 60)) "$where"
+    fi
+  done
+  wait "$pid" || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    tail -n "$tail_lines" "$log"
+  fi
+  echo "   ($((SECONDS - start)) s)"
+  return "$rc"
+}
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
-  if ! "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build "$TORCH_SPEC" numpy ninja pytest \
-      pytest-xdist hypothesis matplotlib tqdm transformers accelerate peft > pip.log 2>&1; then
-    tail -n 40 pip.log
+  if ! with_progress pip.log 40 "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build "$TORCH_SPEC" \
+      numpy ninja pytest pytest-xdist hypothesis matplotlib tqdm transformers accelerate peft; then
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
     exit 1
   fi
   echo "== building ckpt_offload (MAX_JOBS=$MAX_JOBS; log in build.log)"
-  if ! "$VENV/bin/python" -m pip install --no-build-isolation -v . > build.log 2>&1; then
-    tail -n 60 build.log
+  if ! with_progress build.log 60 "$VENV/bin/python" -m pip install --no-build-isolation -v .; then
     echo "ckpt_offload: build failed; the full log is in build.log" >&2
     exit 1
   fi
+  # setup.py's choice (CUDA or C++-only, and why), out of the log.
+  grep -m 1 '^ckpt_offload: ' build.log || true
   # Import from outside the source tree: the installed package, not ./ckpt_offload.
   (cd / && "$VENV/bin/python" -c "import ckpt_offload as co, json; print(json.dumps(co.build_info(), indent=1))")
 }

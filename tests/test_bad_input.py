@@ -148,7 +148,7 @@ CASES = [
     C("apply-reentrant-with-offload", "co.apply(model, offload=True, use_reentrant=True)", ValueError,
       "use_reentrant=False"),
     # co.HostPool and its methods
-    C("pool-max_bytes-zero", "co.HostPool(max_bytes=0)", ValueError, "max_bytes", ">= 1"),
+    C("pool-max_bytes-zero", "co.HostPool(max_bytes=0)", ValueError, "max_bytes", ">= 4096"),
     C("pool-max_bytes-str", "co.HostPool(max_bytes='1 parsec')", ValueError, "max_bytes", "cannot read"),
     C("pool-max_bytes-list", "co.HostPool(max_bytes=[1])", TypeError, "max_bytes", "an int or None", "'512MiB'"),
     C("pool-max_bytes-2**64", f"co.HostPool(max_bytes={HUGE})", ValueError, "max_bytes", "2**63 - 1"),
@@ -164,7 +164,7 @@ CASES = [
     C("pool-reserve-str", "pool.reserve('one')", ValueError, "nbytes", "cannot read"),
     C("pool-reserve-float", "pool.reserve(1.5)", TypeError, "nbytes", "an int"),
     C("pool-reserve-2**64", f"pool.reserve({HUGE})", ValueError, "nbytes", "2**63 - 1"),
-    C("pool-cap-negative", "pool.max_bytes = -1", ValueError, "max_bytes", ">= 1"),
+    C("pool-cap-negative", "pool.max_bytes = -1", ValueError, "max_bytes", ">= 4096"),
     C("pool-cap-2**64", f"pool.max_bytes = {HUGE}", ValueError, "max_bytes", "2**63 - 1"),
     C("pool-set_max_bytes-float", "pool.set_max_bytes(1.5)", TypeError, "max_bytes", "an int or None"),
     # issue 23: a cap below one page could never hold a block (and spill_max_bytes rounded to "no cap")

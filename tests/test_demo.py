@@ -193,7 +193,7 @@ def test_info_subprocess(tmp_path):
         (["demo", "--steps", "two"], "argument --steps: expected a positive integer"),
         (["demo", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
         (["demo", "--size", "huge"], "argument --size: invalid choice: 'huge'"),
-        (["demo", "--min-bytes", "-1"], "argument --min-bytes: must be >= 0"),
+        (["demo", "--min-bytes", "-1"], "argument --min-bytes: expected a number of bytes or a size such as '64KiB'"),
         (["demo", "--stream", "fast"], "argument --stream: invalid choice"),
         ([], "required"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -330,3 +330,35 @@ def test_demo_prefetch_bytes_option_reaches_the_context(monkeypatch):
     monkeypatch.setattr(demo, "offload", spy)
     assert main(TINY_DEMO + ["--prefetch-bytes", "1234", "--no-progress"]) == 0
     assert seen["prefetch_bytes"] == 1234
+
+
+def test_tiny_demo_at_the_default_min_bytes_says_why_the_recipe_copies_nothing():
+    from ckpt_offload.demo.runner import format_report
+
+    r = demo.run_demo(size="tiny", steps=1, device="cpu")  # block inputs of 64 KiB, under the default 256 KiB
+    assert r["recipe"]["bytes_offloaded_per_step"] == 0 and r["recipe"]["inputs_under_min_bytes"] > 0
+    text = format_report(r)
+    assert "copied nothing: at size 'tiny' each block's input is under min_bytes=262144" in text, text
+    assert "--min-bytes 0 shows its copies" in text
+
+
+def test_a_warning_during_a_progress_bar_is_printed_above_it():
+    import io
+    import warnings
+
+    pytest.importorskip("tqdm")
+    from tqdm import tqdm
+
+    from ckpt_offload.demo.runner import _warnings_above
+
+    out = io.StringIO()
+    before = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        for i in _warnings_above(tqdm(range(3), desc="run", file=out, ascii=True)):
+            if i == 1:
+                warnings.warn("a library warning")
+    assert warnings.showwarning is before  # restored after the bar
+    lines = out.getvalue().replace("\r", "\n").splitlines()
+    warned = [line for line in lines if "a library warning" in line]
+    assert warned and all("run:" not in line and "it/s" not in line for line in warned), lines

@@ -8,7 +8,11 @@ and its line numbers. A block that cannot run on CPU (it needs a GPU or several 
 preceded by the line ``<!-- docs-test: skip REASON -->``; keep such blocks few, and say why. A
 skipped block must still be complete (every name it uses defined in it) and, run here, fail only
 for the reason stated (no process group, no GPU). Prose is checked too: a paragraph that stops
-mid-sentence (no closing punctuation before a blank line or a heading) fails.
+mid-sentence (no closing punctuation before a blank line or a heading) fails. A block that
+offloads nothing while it sets out to (ckpt_offload's "offloaded none of them" warning: every
+saved tensor under ``min_bytes``, or on a device the context does not offload) fails too; a block
+whose text says it offloads nothing on purpose is preceded by
+``<!-- docs-test: offloads nothing REASON -->``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"<!--\s*docs-test:\s*skip\b(.*?)-->")
+OFFLOADS_NOTHING = re.compile(r"<!--\s*docs-test:\s*offloads nothing\b(.*?)-->")
+NOTHING_WARNING = "offloaded none of them"
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 
 
 def snippets():
     """(path, line, code, skip reason or None) for every python block of the documentation."""
+    return [(path, line, code, skip) for path, line, code, skip, _ in _blocks()]
+
+
+def _blocks():
+    """snippets() with, last, the block's reason to offload nothing (or None)."""
     out = []
     for path in DOCS:
         text = path.read_text()
@@ -36,8 +47,13 @@ def snippets():
             line = text.count("\n", 0, m.start()) + 1
             before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
             skip = SKIP.search(before)
-            out.append((path, line, m.group(1), skip.group(1).strip() if skip else None))
+            nothing = OFFLOADS_NOTHING.search(before)
+            out.append((path, line, m.group(1), skip.group(1).strip() if skip else None,
+                        nothing.group(1).strip() if nothing else None))
     return out
+
+
+NOTHING_ON_PURPOSE = {(p, line): reason for p, line, _, _, reason in _blocks() if reason is not None}
 
 
 SNIPPETS = snippets()
@@ -60,11 +76,48 @@ def test_snippet_runs(path, line, code, skip, tmp_path, monkeypatch):
     # Leading newlines make the compiled line numbers those of the Markdown file.
     compiled = compile("\n" * line + code, str(path), "exec")
     namespace = {"__name__": "__main__"}
+    offloaded_nothing = run_recording_offloaded_nothing(compiled, namespace, monkeypatch)
+    reason = NOTHING_ON_PURPOSE.get((path, line))
+    if reason is None:
+        assert not offloaded_nothing, (
+            f"{path.name}:{line} offloads nothing, while its text says it offloads: {offloaded_nothing[0]}")
+    else:
+        assert reason, f"{path.name}:{line}: an 'offloads nothing' marker gives a reason"
+
+
+def run_recording_offloaded_nothing(compiled, namespace, monkeypatch) -> list:
+    """Runs the compiled block; returns the "offloaded none of them" warnings it raised (each
+    block starts with a fresh once-per-site table, so an earlier run cannot silence one)."""
+    import warnings
+
+    from ckpt_offload import _warn
+
+    monkeypatch.setattr(_warn, "_warned_sites", set())
     try:
-        exec(compiled, namespace)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compiled, namespace)
     finally:
         namespace.clear()  # what the snippet holds (handles, graphs) is let go before conftest's leak check
         gc.collect()
+    for w in caught:  # shown as usual: the block's other warnings stay visible
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return [str(w.message) for w in caught if NOTHING_WARNING in str(w.message)]
+
+
+def test_a_block_that_offloads_nothing_is_caught(monkeypatch):
+    # The check itself: a block with every saved tensor under the default min_bytes.
+    code = ("import torch, ckpt_offload as co\n"
+            "x = torch.randn(4, requires_grad=True)\n"
+            "with co.offload(devices=['cpu']):\n"
+            "    y = (x * x).sum()\n"
+            "y.backward()\n")
+    found = run_recording_offloaded_nothing(compile(code, "example.md", "exec"), {"__name__": "__main__"},
+                                            monkeypatch)
+    assert found and "min_bytes" in found[0]
+    fixed = code.replace("devices=['cpu']", "devices=['cpu'], min_bytes=0")
+    assert run_recording_offloaded_nothing(compile(fixed, "example.md", "exec"), {"__name__": "__main__"},
+                                           monkeypatch) == []
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -248,3 +301,17 @@ def test_each_option_is_described_once_and_the_docstrings_and_api_md_are_made_fr
     text = (ROOT / "docs" / "api.md").read_text()
     assert script.rewritten(text) == text, "docs/api.md's options table is not current: run python scripts/option_docs.py"
     assert script.table() in text
+
+
+def test_one_version_number_the_changelogs():
+    # The package, the CHANGELOG's newest section and the sdist the docs install agree: an
+    # unreleased section is that version's .dev0.
+    scope = {}
+    exec((ROOT / "ckpt_offload" / "_version.py").read_text(), scope)
+    version = scope["__version__"]
+    top = re.search(r"^## (\d+\.\d+\.\d+)( \(unreleased\))?$", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert top, "CHANGELOG.md has no '## X.Y.Z' section"
+    assert version == top.group(1) + (".dev0" if top.group(2) else ""), (version, top.group(0))
+    for path in (ROOT / "README.md", ROOT / "docs" / "install.md"):
+        named = set(re.findall(r"ckpt_offload-([0-9][0-9a-z.]*[0-9a-z])\.tar\.gz", path.read_text()))
+        assert named == {version}, f"{path.name} installs ckpt_offload-{named}.tar.gz, the package is {version}"

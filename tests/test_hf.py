@@ -377,6 +377,8 @@ def test_offload_callback_logs_per_step_averages_over_the_logging_interval(tmp_p
     total = cb.stats()
     per_step = [e["ckpt_offload/tensors_offloaded_per_step"] for e in logged]
     assert per_step[0] == per_step[1] == total["tensors_offloaded"] / 4 > 0
+    # The pool's peak, as the checkpoint callback logs it: at least the bytes one step offloads.
+    assert logged[-1]["ckpt_offload/pool_peak_bytes"] == total["pool_peak_bytes"] >= total["bytes_offloaded"] / 4 > 0
 
 
 def test_hf_disable_method_removes_the_handle_and_enable_works_again():
@@ -488,3 +490,16 @@ def test_enable_handle_device_peak_is_the_profiles():
     handle.reset_stats()
     assert handle.stats()["device_saved_peak_bytes"] == 0
     handle.remove()
+
+
+@pytest.mark.parametrize("order", ["offload_first", "checkpoint_first"])
+def test_offload_callback_and_checkpoint_callback_together_are_refused(tmp_path, order):
+    targs = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], max_steps=1, use_cpu=True,
+                                           save_strategy="no", disable_tqdm=True)
+    callbacks = [co.hf.OffloadCallback(devices=["cpu"], min_bytes=0),
+                 co.hf.OffloadCheckpointCallback(every_n_layers=1, offload={"devices": ["cpu"], "min_bytes": 0})]
+    if order == "checkpoint_first":
+        callbacks.reverse()
+    with pytest.raises(RuntimeError,
+                       match="OffloadCallback and co.hf.OffloadCheckpointCallback on one model.*Keep one"):
+        transformers.Trainer(model=gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=callbacks)

@@ -244,3 +244,68 @@ def test_no_two_sources_build_to_one_object_file():
     assert sources
     stems = [os.path.splitext(p)[0] for p in sources]
     assert sorted({s for s in stems if stems.count(s) > 1}) == []
+
+
+def _build_env():
+    sys.path.insert(0, os.path.join(SOURCE_ROOT, "scripts"))
+    try:
+        import build_env
+    finally:
+        sys.path.pop(0)
+    return build_env
+
+
+@pytest.mark.parametrize(
+    "forced, problems, gpu, cuda, says",
+    [
+        # The default: CUDA only where it can be built and a GPU can run it.
+        (None, [], "torch.cuda.is_available()", True, "building the CUDA engine"),
+        ("", [], "nvidia-smi -L", True, "building the CUDA engine"),
+        (None, [], None, False, "CKPT_OFFLOAD_CUDA=1"),  # no GPU: C++-only, and how to force CUDA
+        (None, ["no CUDA toolkit found"], "nvidia-smi -L", False, "no CUDA toolkit found"),
+        # Forcing works both ways, GPU or not.
+        ("1", [], None, True, "CKPT_OFFLOAD_CUDA=1"),
+        ("0", [], "torch.cuda.is_available()", False, "C++-only"),
+    ],
+)
+def test_setup_builds_cuda_only_where_a_gpu_can_run_it(forced, problems, gpu, cuda, says):
+    got, line, error = _build_env().decide_cuda(forced, problems, gpu)
+    assert error is None and got is cuda and says in line, (got, line)
+
+
+def test_setup_forcing_cuda_that_cannot_be_built_or_a_bad_value_is_an_error():
+    decide = _build_env().decide_cuda
+    cuda, line, error = decide("1", ["no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)"], None)
+    assert not cuda and "CUDA build impossible: no CUDA toolkit found" in error and "CKPT_OFFLOAD_CUDA" in error
+    cuda, _, error = decide("yes", [], "nvidia-smi -L")
+    assert not cuda and error == "ckpt_offload: CKPT_OFFLOAD_CUDA must be 0 or 1, got 'yes'"
+
+
+class _NoCudaTorch:
+    class version:
+        cuda = None
+
+
+def test_usable_gpu_asks_nvidia_smi_when_torch_cannot_see_one(tmp_path, monkeypatch):
+    build_env = _build_env()
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert build_env.usable_gpu(_NoCudaTorch) == "nvidia-smi -L"
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    assert build_env.usable_gpu(_NoCudaTorch) is None
+
+
+def test_setup_without_a_gpu_defaults_to_the_cpp_engine_and_says_how_to_force_cuda(tmp_path):
+    build_env = _build_env()
+    if build_env.usable_gpu(torch):
+        pytest.skip("a GPU is here: the default builds the CUDA engine")
+    env = {k: v for k, v in os.environ.items() if k != "CKPT_OFFLOAD_CUDA"}
+    r = subprocess.run([sys.executable, os.path.join(SOURCE_ROOT, "setup.py"), "--name"], cwd=SOURCE_ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    # Either the toolchain is missing (C++-only for that reason) or the GPU is: both say C++-only.
+    assert "C++-only" in r.stderr, r.stderr
+    if torch.version.cuda is not None and build_env.is_toolkit(os.environ.get("CUDA_HOME", "/usr/local/cuda")):
+        assert build_env.NO_GPU_MESSAGE in r.stderr, r.stderr

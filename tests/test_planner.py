@@ -41,7 +41,7 @@ from conftest import assert_bit_identical, grads_of
 from planner_case import CPU_ALL, PlannerCase
 from models_for_tests import Chain, TinyTransformer, lm_loss, make_batch, make_config
 
-KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective")
+KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload")
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -72,17 +72,22 @@ def gpt2():
 
 
 def _mixed(n):
-    kinds = [KINDS[i % len(KINDS)] for i in range(n)]
+    mixed = ("keep", "offload", "recompute", "recompute_offload", "selective")
+    kinds = [mixed[i % len(mixed)] for i in range(n)]
     return singles(kinds)
 
 
 UNIT_CASES = {
-    **{kind: (lambda n, k=kind: singles([k] * n), 0) for kind in KINDS},
+    **{kind: (lambda n, k=kind: singles([k] * n), 0) for kind in KINDS if kind != "selective_offload"},
     "offload_prefetch": (lambda n: singles(["offload"] * n), 200_000),
     "segments": (lambda n: [Unit(0, 1, "recompute"), Unit(2, n - 1, "recompute")], 0),
     "segments_offload": (lambda n: [Unit(0, n - 2, "recompute_offload"), Unit(n - 1, n - 1, "keep")], 0),
     "mixed": (_mixed, 150_000),
     "hf_mixed": (lambda n: singles(["offload", "recompute_offload", "selective"][:n]), 100_000),
+    # selective recompute whose kept outputs wait in the pool, with a prefetch window
+    "selective_offload": (lambda n: singles(["selective_offload"] * n), 0),
+    "selective_offload_prefetch": (lambda n: singles(["selective_offload"] * n), 200_000),
+    "selective_mixed": (lambda n: singles((["selective_offload", "selective", "offload"] * n)[:n]), 100_000),
 }
 
 
@@ -99,7 +104,7 @@ def test_simulated_peak_matches_measured_tiny_transformer(tiny, name):
     _check_prediction(tiny, name)
 
 
-@pytest.mark.parametrize("name", ["hf_mixed", "recompute", "segments"])
+@pytest.mark.parametrize("name", ["hf_mixed", "recompute", "segments", "selective_offload"])
 def test_simulated_peak_matches_measured_hf_gpt2(gpt2, name):
     # hf_mixed: offload, recompute_offload, selective (with a prefetch window); segments: one
     # checkpoint around blocks 0-1 and one around block 2. GPT-2's blocks
@@ -162,6 +167,36 @@ def test_applied_plan_fits_budget_and_gradients_bit_identical(tiny, fraction):
     assert measured <= budget * 1.0
     assert_bit_identical(reference, with_plan)
     assert _grads(tiny).keys() == reference.keys()  # removed: the model runs unchanged
+
+
+def test_selective_offload_is_offered_where_selective_does_not_fit(tiny):
+    # Selective recompute keeps its matmul outputs on the device; below the least peak it reaches,
+    # the same recompute with those outputs in the pool is what fits (the planner's
+    # "selective_offload", co.selective_offload_context per block), exact as the others.
+    cm = tiny.costs
+    kinds = ("keep", "selective", "selective_offload")
+    with pytest.raises(InfeasibleBudget) as keep_or_selective:
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm,
+                kinds=("keep", "selective"))
+    with pytest.raises(InfeasibleBudget) as with_offload:
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm, kinds=kinds)
+    assert with_offload.value.minimum < keep_or_selective.value.minimum
+    budget = keep_or_selective.value.minimum - 1
+    plan = co.plan(tiny.model, tiny.step, budget=budget, offload=CPU_ALL, costs=cm, kinds=kinds)
+    assert "selective_offload" in plan.choices.values()
+    reference = _grads(tiny)
+    handle = plan.apply()
+    try:
+        tiny.drained_step()
+        measured = saved_activation_peak(tiny.drained_step).peak_bytes
+        with_plan = _grads(tiny)
+        stats = handle.stats()
+    finally:
+        handle.remove()
+    assert_bit_identical(reference, with_plan)
+    assert measured == pytest.approx(plan.predicted_peak_bytes, rel=0.05)
+    assert stats["tensors_offloaded"] > 0 and stats["tensors_reloaded"] > 0
+    assert co.default_pool().stats()["bytes_in_use"] == 0
 
 
 def test_plan_api_summary_and_choices(tiny):

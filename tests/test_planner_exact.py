@@ -228,9 +228,11 @@ class HazardChain(nn.Module):
 
 HAZARDS = {
     # hazard: (the kinds the plan may use, the kinds the hazard rules out, the reason's name)
-    "input_write": (("keep", "recompute"), {"recompute", "recompute_offload", "selective"}, "input_write"),
-    "saved_mutation": (("keep", "selective"), {"selective"}, "saved_mutation"),
-    "running_stats": (("keep", "recompute"), {"recompute", "recompute_offload", "selective"}, "state_write"),
+    "input_write": (("keep", "recompute"), {"recompute", "recompute_offload", "selective", "selective_offload"},
+                    "input_write"),
+    "saved_mutation": (("keep", "selective"), {"selective", "selective_offload"}, "saved_mutation"),
+    "running_stats": (("keep", "recompute"), {"recompute", "recompute_offload", "selective", "selective_offload"},
+                      "state_write"),
 }
 
 

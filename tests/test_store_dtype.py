@@ -252,8 +252,10 @@ def test_measure_error_fp8_larger_than_bf16():
 def test_bad_store_dtype_is_named():
     with pytest.raises(ValueError, match=r"store_dtype must be None or one of .*torch.bfloat16"):
         co.offload(devices=["cpu"], store_dtype=torch.int8)
-    with pytest.raises(TypeError, match="store_dtype must be None or a torch.dtype"):
-        co.offload(devices=["cpu"], store_dtype="bf16")
+    with pytest.raises(TypeError, match="store_dtype must be None, a torch.dtype .* or one of the names 'bf16'"):
+        co.offload(devices=["cpu"], store_dtype=16)
+    with pytest.raises(ValueError, match="store_dtype: unknown name 'int8'"):
+        co.offload(devices=["cpu"], store_dtype="int8")
     with pytest.raises(TypeError, match="measure_error must be True or False"):
         co.offload(devices=["cpu"], measure_error=1)
     with pytest.raises(ValueError, match="store_min_bytes"):

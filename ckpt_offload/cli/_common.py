@@ -30,6 +30,58 @@ _positive_int = _int_at_least(1)
 _non_negative_int = _int_at_least(0)
 
 
+class heartbeat:
+    """``with heartbeat("measuring"):`` prints ``what`` on stderr, then every ``every`` seconds a
+    line with the time it has taken so far, and at the end how long it took: a step of a command
+    that can run for minutes shows that it runs."""
+
+    def __init__(self, what: str, every: float = 10.0, stream=None):
+        import threading
+
+        self.what, self.every, self.stream = what, every, stream or sys.stderr
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+
+    def _say(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every):
+            self._say(f"  ... {self._elapsed():.0f} s")
+
+    def _elapsed(self) -> float:
+        import time
+
+        return time.monotonic() - self._start
+
+    def __enter__(self):
+        import time
+
+        self._start = time.monotonic()
+        self._say(f"{self.what} ...")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        if exc[0] is None:
+            self._say(f"  done in {self._elapsed():.1f} s")
+
+
+def _size(text: str) -> int:
+    """An argparse type for a byte count: an int or a size string ("64KiB", "1.5MB"), as every
+    byte argument of the Python API takes."""
+    from ckpt_offload._args import parse_bytes
+
+    try:
+        return parse_bytes("size", text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of bytes or a size such as '64KiB' or '1.5MB', got {text!r}"
+            + (f" ({str(e).removeprefix('size: ')})" if "whole number" in str(e) else "")) from None
+
+
 def load_script(spec: str, parser):
     """``path/to/file.py:function`` -> the function, or a parser error saying what is wrong."""
     import importlib.util

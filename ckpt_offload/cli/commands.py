@@ -16,7 +16,8 @@ import argparse
 import re
 import sys
 
-from ckpt_offload.cli._common import EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, load_script, write_failed  # noqa: F401
+from ckpt_offload.cli._common import (  # noqa: F401
+    EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, _size, load_script, write_failed)
 from ckpt_offload.cli.plan import add_plan_parser, run_plan
 
 __all__ = ["main", "build_parser"]
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", metavar="DIR", default=None, help="also write DIR/demo.json with every number")
     demo.add_argument(
         "--min-bytes",
-        type=_non_negative_int,
+        type=_size,
         default=DEFAULT_MIN_BYTES,
         help=f"co.offload(min_bytes=...): smaller saved tensors stay on the device (default: {DEFAULT_MIN_BYTES})",
     )
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="seed for weights, data and dropout (default: 0)"
     )
-    demo.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help=_PREFETCH_HELP)
+    demo.add_argument("--prefetch-bytes", type=_size, default=None, help=_PREFETCH_HELP)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(_parser=demo)  # its errors print its own usage
 
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument(
         "--size",
         choices=tuple(CONFIGS),
-        default="small",
+        default=None,
         help=f"built-in model preset (default: small). {sizes}",
     )
     prof.add_argument(
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prof.add_argument(
         "--min-bytes",
-        type=_non_negative_int,
+        type=_size,
         default=DEFAULT_MIN_BYTES,
         help=f"built-in model: co.offload(min_bytes=...) (default: {DEFAULT_MIN_BYTES})",
     )
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stream", choices=STREAM_MODES, default="side", help="built-in model: co.offload(stream=...) (default: side)"
     )
     prof.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
-    prof.add_argument("--prefetch-bytes", type=_non_negative_int, default=None, help="built-in model: " + _PREFETCH_HELP)
+    prof.add_argument("--prefetch-bytes", type=_size, default=None, help="built-in model: " + _PREFETCH_HELP)
     prof.add_argument("--top", type=_positive_int, default=None, help="summary: show the N heaviest modules only")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     prof.set_defaults(_parser=prof)
@@ -257,6 +258,10 @@ def _profile(args, parser) -> int:
     from ckpt_offload.profiling import profile
 
     _check_out(args.out, parser)
+    if args.script is not None and args.size is not None:
+        parser.error("--size picks the built-in model's preset; with --script your FUNCTION builds its own "
+                     "model and sizes: drop --size (or drop --script to profile the built-in model)")
+    args.size = args.size or "small"
     step_fn = load_script(args.script, parser) if args.script is not None else None
     model, pools = None, None  # a script's steps use their own pools: the default one is reported
     if step_fn is None:

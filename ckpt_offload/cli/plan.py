@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 __all__ = ["builtin_model", "add_plan_parser", "run_plan", "plot_memory"]
 
@@ -94,11 +93,11 @@ def add_plan_parser(sub, configs, default_min_bytes):
 
     p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
                        description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from ckpt_offload.cli._common import _non_negative_int, _positive_int
+    from ckpt_offload.cli._common import _non_negative_int, _positive_int, _size
 
     p.add_argument("--budget", required=True, type=_budget_arg,
                    help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
-    p.add_argument("--size", choices=tuple(configs), default="small",
+    p.add_argument("--size", choices=tuple(configs), default=None,
                    help=f"built-in model preset (default: small). {sizes}")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)")
@@ -106,7 +105,7 @@ def add_plan_parser(sub, configs, default_min_bytes):
                    help="plan your own model: FUNCTION() returns (model, step)")
     p.add_argument("--bandwidth", default=None, type=_bandwidth_arg,
                    help="host link bytes/s both ways (e.g. 25GB/s, inf, 0) instead of measuring it")
-    p.add_argument("--min-bytes", type=_non_negative_int, default=None,
+    p.add_argument("--min-bytes", type=_size, default=None,
                    help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)")
     p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
     p.add_argument("--lossy", default=None, metavar="DTYPE", type=_lossy_arg,
@@ -186,10 +185,14 @@ def run_plan(args, parser) -> int:
     import torch
 
     import ckpt_offload as co
-    from ckpt_offload.cli._common import _check_out, write_failed
+    from ckpt_offload.cli._common import _check_out, heartbeat, write_failed
     from ckpt_offload.planner import InfeasibleBudget, parse_bytes
 
     _check_out(args.out, parser)  # before minutes of measuring, not after
+    if args.script is not None and args.size is not None:
+        parser.error("--size picks the built-in model's preset; with --script your FUNCTION builds its own "
+                     "model: drop --size (or drop --script to plan for the built-in model)")
+    args.size = args.size or "small"
     if args.script is not None:
         from ckpt_offload.cli._common import load_script as _load_script
 
@@ -213,21 +216,24 @@ def run_plan(args, parser) -> int:
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     min_bytes = args.min_bytes if args.min_bytes is not None else (0 if device == "cpu" else None)
-    print(f"planning {what} for {args.budget} of saved activations", file=sys.stderr)
     try:
         offload = {"devices": [device]} if min_bytes is None else {"devices": [device], "min_bytes": min_bytes}
-        plan = co.plan(model, step, budget=budget, bandwidth=args.bandwidth, offload=offload,
-                       segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
+        # Measuring (three runs of the step, the link's bandwidth) and the search: minutes on a CPU.
+        with heartbeat(f"planning {what} for {args.budget} of saved activations (measuring, then searching)"):
+            plan = co.plan(model, step, budget=budget, bandwidth=args.bandwidth, offload=offload,
+                           segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     print(plan.summary())
     model.zero_grad(set_to_none=True)
-    base_s, base_mem = _measure(step, device, args.steps)
+    with heartbeat(f"measuring {args.steps} step(s) without the plan"):
+        base_s, base_mem = _measure(step, device, args.steps)
     handle = plan.apply()
     try:
-        plan_s, plan_mem = _measure(step, device, args.steps)
+        with heartbeat(f"measuring {args.steps} step(s) with the plan"):
+            plan_s, plan_mem = _measure(step, device, args.steps)
     finally:
         handle.remove()
     model.zero_grad(set_to_none=True)

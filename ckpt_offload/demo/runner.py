@@ -164,10 +164,29 @@ def progress_range(n: int, label: str, progress: bool):
         try:
             from tqdm import tqdm
 
-            return tqdm(range(n), desc=label, unit="step", file=sys.stderr)
+            return _warnings_above(tqdm(range(n), desc=label, unit="step", file=sys.stderr))
         except ImportError:
             pass
     return range(n)
+
+
+def _warnings_above(bar):
+    """Iterates ``bar``; a warning shown meanwhile is printed above the bar (tqdm.write), not into
+    the middle of its line."""
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"),
+                  file=getattr(bar, "fp", None) or sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield from bar
+    finally:
+        warnings.showwarning = shown
+        bar.close()
 
 
 def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0, progress: bool = False,
@@ -434,6 +453,7 @@ def _recipe_summary(base, ckpt, rec, off, base_grads, pool_stats, layers: int) -
         "losses_match": base["losses"] == rec["losses"] == ckpt["losses"],
         "bytes_offloaded_per_step": s1["bytes_offloaded"],
         "bytes_reloaded_per_step": s1["bytes_reloaded"],
+        "inputs_under_min_bytes": s1["kept_by_reason"].get("too_small", 0),
         "device_saved_peak_bytes": rec.get("device_saved_peak_bytes"),
         "offload_everything_device_saved_peak_bytes": off.get("device_saved_peak_bytes"),
         "saved_bytes_total": off.get("saved_total_bytes"),
@@ -634,6 +654,19 @@ def _x(ratio) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
 
 
+def _nothing_copied_lines(r: dict) -> list:
+    """Why the recipe copied nothing, where it did: its block inputs are under min_bytes."""
+    rc, c = r["recipe"], r["config"]
+    if rc["bytes_offloaded_per_step"] or not rc.get("inputs_under_min_bytes"):
+        return []
+    return [
+        f"  copied nothing: at size {c['size']!r} each block's input is under min_bytes={c['min_bytes']} "
+        f"({_n(rc['inputs_under_min_bytes'], 'input')} kept as too_small), so here the recipe is checkpointing "
+        "alone; --min-bytes 0 shows its copies, and a larger --size has inputs above the default "
+        "(co.apply(model, offload={'min_bytes': 0}) in your own code)",
+    ]
+
+
 def _recipe_lines(r: dict) -> list:
     """The recommended recipe first, offload-everything as the contrast, and the bandwidth
     arithmetic that tells them apart."""
@@ -656,6 +689,7 @@ def _recipe_lines(r: dict) -> list:
          f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)"),
         "  gradients on step 1 and every loss: " + ("bit-identical to the baseline"
                                                      if rc["grads_match"] and rc["losses_match"] else "MISMATCH"),
+        *_nothing_copied_lines(r),
         "contrast: offload every saved tensor -- with co.offload(): around the forward",
         (f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
          f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}"),

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ckpt_offload._runtime import _C, synchronize
-from ckpt_offload.blocks import SELECTIVE_SAVE_OPS, running_stats
+from ckpt_offload.blocks import SELECTIVE_SAVE_OPS, _hidden, hidden_key, running_stats, unchained_reason
 from ckpt_offload.offloading import offload_tensor
 from ckpt_offload.pool import HostPool
 
@@ -37,10 +37,15 @@ _SAVE_PACKETS = {op for op in SELECTIVE_SAVE_OPS}
 #: ``saved_mutation``: it writes in place the output of an op selective recompute saves (torch's
 #: selective checkpoint raises "... has been mutated").
 INEXACT_REASONS = {
-    "input_write": ("recompute", "recompute_offload", "selective"),
-    "state_write": ("recompute", "recompute_offload", "selective"),
-    "saved_mutation": ("selective",),
+    "input_write": ("recompute", "recompute_offload", "selective", "selective_offload"),
+    "state_write": ("recompute", "recompute_offload", "selective", "selective_offload"),
+    "saved_mutation": ("selective", "selective_offload"),
 }
+#: A reason in a block's ``inexact`` that no ``allow_inexact`` allows: the block does not hand its
+#: output on to the next block the way a segment would (a dict the model unpacks, a next block
+#: called by keyword without its first parameter, something between them), so no segment may
+#: span it and the next one; in a plan's ``excluded`` as the pseudo-kind ``"segment"``.
+UNCHAINED = "unchained"
 
 
 def _written(func, args, kwargs):
@@ -477,10 +482,34 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         state["backward"] = True
     rec_mode = _Recorder(sync)
 
+    # Whether a segment could run block i+1 inside block i's checkpoint: the model must call it
+    # right after block i with block i's output (or its first element) as its first argument,
+    # as a segment does (Note in blocks._Segment). unchained[i]: why not, between i and i+1.
+    unchained = {}
+
+    def check_chain(i, module, args, kwargs):
+        last = state.pop("last_out", None)
+        if last is None or last[0] != i - 1:
+            return
+        out = last[1]
+        why = unchained_reason(out)
+        if why is None:
+            key = hidden_key(module)
+            given = args[0] if args else kwargs.get(key, last)
+            if given is last:
+                why = (f"is followed by {named_blocks[i][0]}, which the model calls by keyword without "
+                       f"{key}= (its forward's first parameter), while a segment passes the hidden state so")
+            elif given is not _hidden(out):
+                why = (f"is followed by {named_blocks[i][0]}, whose first argument is not its output (or the "
+                       "output's first element), while a segment passes exactly that")
+        if why is not None:
+            unchained.setdefault(i - 1, why)
+
     def pre_hook(i):
         def hook(module, args, kwargs):
             if state["current"] is not None:
                 return  # a block inside a block: attributed to the outer one
+            check_chain(i, module, args, kwargs)
             state["current"] = i
             state["started"] = True
             recs[i].calls += 1
@@ -535,6 +564,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                     break
             state["current"] = None
             state["done"].add(i)
+            state["last_out"] = (i, output)  # held until the next block starts (check_chain)
             rec_mode.block = None
         return hook
 
@@ -595,6 +625,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
     finally:
         for h in handles:
             h.remove()
+        state.pop("last_out", None)
     missing = [named_blocks[i][0] for i in range(len(recs)) if i not in state["done"]]
     if missing:
         raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
@@ -620,6 +651,8 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
         mine = [cr for cr, b in zip(calls, call_order) if b == i]
         op_s = sum(cr.op_s for cr in mine)
         r._fraction_dropped = (1.0 - sum(cr.saved_op_s for cr in mine) / op_s) if op_s > 0 else 1.0
+    for i, why in unchained.items():
+        recs[i].cost.inexact.setdefault(UNCHAINED, why)
     pre = sum(outside["pre"].values())
     post = sum(outside["post"].values())
     return recs, pre, post, calls, call_order

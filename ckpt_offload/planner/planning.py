@@ -9,11 +9,12 @@ import warnings
 
 import torch
 
-from ckpt_offload._args import check_int, parse_bytes
+from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
 from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
-from ckpt_offload.options import OffloadOptions, as_options
+from ckpt_offload.selective import OFFLOAD_POLICIES
+from ckpt_offload.options import STORE_DTYPE_NAMES, OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import INEXACT_REASONS, Bandwidth, CostModel, measure_costs
+from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 
@@ -23,9 +24,11 @@ __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "parse_lossy", "LOS
 #: backward that the cost model does not see (16 bytes a step on the built-in model).
 SLACK_BYTES = 256
 
-#: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves.
-LOSSY_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
-               "fp8_e5m2": torch.float8_e5m2}
+#: The deepest nesting of segments co.plan builds (levels=); deeper would plan like this anyway.
+MAX_LEVELS = 3
+
+#: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves: store_dtype='s.
+LOSSY_NAMES = STORE_DTYPE_NAMES
 
 
 def parse_lossy(value):
@@ -74,6 +77,9 @@ def parse_bandwidth(value) -> Bandwidth | None:
             if v.lower() in ("inf", "infinite"):
                 return math.inf
             v = v[:-2] if v.lower().endswith("/s") else v
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
+            raise ValueError(f"bandwidth{key} must be bytes per second >= 0, got {original!r}: a copy rate cannot "
+                             "be negative; write e.g. '25GB/s', 'inf' (no copy cost), or None to measure it")
         try:
             return float(parse_bytes(f"bandwidth{key}", v))
         except (TypeError, ValueError) as e:
@@ -113,7 +119,8 @@ class Plan:
 
     Attributes:
         choices: ``{block name: kind}``, kind in ``keep``, ``offload``, ``recompute``,
-            ``recompute_offload``, ``selective``, or ``recompute_segment`` /
+            ``recompute_offload``, ``selective``, ``selective_offload`` (selective recompute whose
+            kept outputs wait in the host pool), or ``recompute_segment`` /
             ``recompute_offload_segment`` for the blocks of a segment checkpointed as one; in a
             nested segment, the checkpoints around the block from the outermost in, joined by
             ``">"`` (``"recompute_segment>recompute_segment"``: a block of an inner segment).
@@ -211,6 +218,9 @@ class Plan:
                 for kind, why in ex.items():
                     by_why.setdefault(why, []).append(kind)
                 for why, kinds in by_why.items():
+                    if kinds == ["segment"]:  # not an exactness matter: allow_inexact cannot lift it
+                        lines.append(f"  {name}: {why}")
+                        continue
                     if "recompute" in kinds:
                         kinds = kinds + ["segments"]
                     lines.append(f"  {name}: no {', '.join(kinds)}: {why}")
@@ -247,12 +257,13 @@ def _model_device(model) -> str:
     return "cpu"
 
 
+@suggest_keywords("co.plan")
 def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
          costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
-    recompute_offload / selective (and segments of blocks recomputed as one) so that the device
-    peak of saved activations fits ``budget`` with the least predicted step time.
+    recompute_offload / selective / selective_offload (and segments of blocks recomputed as one)
+    so that the device peak of saved activations fits ``budget`` with the least predicted step time.
 
     Args:
         model: the ``nn.Module`` whose blocks are planned (its parameters' device is the device).
@@ -271,10 +282,13 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             to plan for a GPU from a CPU machine.
         min_bytes: deprecated (warns; goes in 0.3.0): ``offload={"min_bytes": ...}``.
         kinds: the choices allowed (a subset of ``("keep", "offload", "recompute",
-            "recompute_offload", "selective")``).
+            "recompute_offload", "selective", "selective_offload")``). ``selective`` keeps the
+            outputs of the block's matmuls, convolutions and fused attention on the device and
+            recomputes the rest; ``selective_offload`` recomputes the same ops but keeps those
+            outputs in the host pool (:func:`~ckpt_offload.selective_offload_context`).
         segments: allow segments of consecutive blocks checkpointed as one (needs blocks chained
             through their first argument).
-        levels: how deep segments may nest: 1 = flat segments (Chen's), 2 = a segment whose
+        levels: how deep segments may nest (1 to 3): 1 = flat segments (Chen's), 2 = a segment whose
             recompute checkpoints inner segments again (multi-level, as in rotor: less memory, more
             recompute), 3 = one more level (a slower search: seconds for 16 blocks).
         prefetch_bytes: deprecated (warns; goes in 0.3.0): ``offload={"prefetch_bytes": ...}``.
@@ -349,7 +363,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
-    levels = check_int("levels", levels, minimum=1)
+    levels = check_int("levels", levels, minimum=1, maximum=MAX_LEVELS)
     bw = parse_bandwidth(bandwidth)
     store_dtype = parse_lossy(lossy)
     device = _model_device(model)
@@ -394,7 +408,9 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     if device not in dev_types:
         kinds = tuple(k for k in kinds if k in ("keep", "recompute", "selective"))
     if create_selective_checkpoint_contexts is None:
-        kinds = tuple(k for k in kinds if k != "selective")
+        kinds = tuple(k for k in kinds if k not in ("selective", "selective_offload"))
+    if not OFFLOAD_POLICIES:  # a torch without CheckpointPolicy.MUST_CPU_OFFLOAD
+        kinds = tuple(k for k in kinds if k != "selective_offload")
     if store_dtype is not None and costs.bandwidth.convert is None and any(k in STORE_KINDS for k in kinds):
         # Measured like the link (the planner's costs are this machine's), unless stated.
         from ckpt_offload.planner.costs import measure_conversion
@@ -416,7 +432,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
             "lowers it)") from None
     if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
-            u.kind in ("recompute", "recompute_offload", "selective") for u in best.units):
+            u.kind in ("recompute", "recompute_offload", "selective", "selective_offload") for u in best.units):
         warnings.warn(
             "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
             "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
@@ -502,6 +518,9 @@ def _excluded(costs, allow) -> list:
     for b in costs.blocks:
         ex = {}
         for reason, what in (getattr(b, "inexact", None) or {}).items():
+            if reason == UNCHAINED:  # not a matter of exactness: such a segment cannot run at all
+                ex.setdefault("segment", f"no segment over it and the next block: it {what}")
+                continue
             if reason in allow:
                 continue
             for kind in INEXACT_REASONS.get(reason, ()):

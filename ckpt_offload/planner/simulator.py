@@ -35,7 +35,15 @@ import math
 from dataclasses import dataclass, field
 
 # The vocabulary of units lives with the block installer's, so both read one definition.
-from ckpt_offload._units import INNER_KINDS, KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, choice_names  # noqa: F401
+from ckpt_offload._units import (  # noqa: F401
+    INNER_KINDS,
+    KINDS,
+    OFFLOADING_KINDS,
+    SEGMENT_KINDS,
+    STORE_KINDS,
+    Unit,
+    choice_names,
+)
 from ckpt_offload.planner.costs import converted_inputs, converted_packs, converted_shares
 
 __all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
@@ -127,13 +135,14 @@ class _Step:
         self.store = getattr(costs, "store_dtype", None)
         if self.store is None and any(u.store for u in units):
             raise ValueError("units store lossy (Unit.store) but costs.store_dtype is None: set the storage dtype")
-        # pack order of offloaded storages, per co.offload context: the exact units' (False) and the
-        # lossy units' (True), each with its own prefetcher
-        self.groups = {False: [], True: []}
+        # pack order of offloaded storages, per co.offload context: the exact units' (False), the
+        # lossy units' (True) and the selective_offload units' ("selective": the policy's context),
+        # each with its own prefetcher
+        self.groups = {False: [], True: [], "selective": []}
         # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle ;
         # (unit, block, storage index, pack position) -> _Handle of one converted saved tensor
         self.handles = {}
-        self.outstanding = {False: 0, True: 0}  # prefetched bytes waiting, per context
+        self.outstanding = {False: 0, True: 0, "selective": 0}  # prefetched bytes waiting, per context
         self.prefetch_bytes = max(0, int(prefetch_bytes))
         self.cb = getattr(costs, "checkpoint_bytes", 0)
         self.t = 0.0  # the compute stream's clock
@@ -195,6 +204,8 @@ class _Step:
                 extra = sum(n for n, si in zip(b.selective, b.selective_saved))
                 self.mem(self.t, extra + b.input_bytes)
                 info["device_bytes"] += extra + b.input_bytes
+            elif u.kind == "selective_offload":
+                self.selective_offload_forward(ui, bi, t0)
 
     def checkpoint_inputs(self, ui):
         """A checkpoint's inputs: kept, or (recompute_offload) copied to the host, converted first
@@ -262,6 +273,22 @@ class _Step:
             else:
                 info["device_bytes"] += s.nbytes
 
+    def selective_offload_forward(self, ui, bi, t0):
+        """The checkpoint's input stays; each output the policy keeps is copied to the pool as its
+        op ends (spread over the block's forward) and leaves the device once copied."""
+        info, b = self.infos[ui], self.blocks[bi]
+        self.mem(self.t, b.input_bytes)
+        info["device_bytes"] += b.input_bytes
+        k = max(1, len(b.selective))
+        for j, n in enumerate(b.selective):
+            tp = t0 + b.forward_s * (j + 1) / k
+            self.mem(tp, n)
+            if self.offloadable(n):
+                self.handles[(ui, "selective", j)] = self.new_handle(n, 1, "selective")
+                self.copy_out(info, tp, n)
+            else:
+                info["device_bytes"] += n
+
     def loss(self, _):
         """Between the last block's forward and the last block's backward: the model's head, the
         loss and its backward, whose activations live only there."""
@@ -280,7 +307,7 @@ class _Step:
                     self.feasible = False
             self.recompute_backward(ui, u, info)
             self.mem(self.t, -first.input_bytes - self.cb)
-        elif u.kind == "selective":
+        elif u.kind in ("selective", "selective_offload"):
             self.selective_backward(ui, u, info)
         else:
             for bi in range(u.end, u.start - 1, -1):
@@ -402,9 +429,17 @@ class _Step:
                 self.block_backward(ui, u.kind, p.start, info, skip_input=(j == 0))
 
     def selective_backward(self, ui, u, info):
-        """The recompute allocates the dropped saved tensors in pack order and frees each kept
-        output nothing saved once the last op reading it has run again; then the block's backward."""
+        """(selective_offload: the kept outputs come back first.) The recompute allocates the dropped
+        saved tensors in pack order and frees each kept output nothing saved once the last op
+        reading it has run again; then the block's backward."""
         b = self.blocks[u.start]
+        # selective_offload: the recompute reads the kept outputs back as it reaches their ops
+        # (modelled as its start: the conservative end); from then on the block's backward is
+        # selective's.
+        for j in range(len(b.selective)):
+            h = self.handles.get((ui, "selective", j))
+            if h is not None and not self.unpack(h, info):
+                self.feasible = False
         self.t += b.selective_recompute_s
         info["recompute_s"] = b.selective_recompute_s
         kept = {si for si in b.selective_saved if si >= 0}

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ckpt_offload.planner.costs import converted_inputs, converted_packs
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
-from ckpt_offload.planner.simulator import KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, simulate, singles
+from ckpt_offload.planner.simulator import KINDS, OFFLOADING_KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, simulate, singles
 
 __all__ = ["Candidate", "solve", "chain_dp", "chain_exhaustive", "chain_cost", "baselines", "rotor",
            "chen_units", "InfeasibleBudget"]
@@ -162,12 +162,15 @@ def _terms6(cm, u):
     if u.kind == "recompute_offload":
         o = [n for n in first.input_sizes if off(n)]
         return inp - sum(o) + cbs, inp + cb + not_input, fwd, bwd + fwd, sum(o), len(o)
-    # selective
+    # selective (what its policy keeps stays on the device) / selective_offload (what the policy
+    # keeps waits in the pool, at least min_bytes; the recompute reloads it, so its backward
+    # works with the same bytes)
     b = first
     sel = sum(b.selective)
     sel_only = sum(n for n, si in zip(b.selective, b.selective_saved) if si < 0)
-    return (inp + sel + cb, inp + cb + not_input + sel_only, b.selective_recompute_s, bwd + b.selective_recompute_s,
-            0, 0)
+    o = [n for n in b.selective if off(n)] if u.kind == "selective_offload" else []
+    return (inp + sel - sum(o) + cb, inp + cb + not_input + sel_only, b.selective_recompute_s,
+            bwd + b.selective_recompute_s, sum(o), len(o))
 
 
 def allowed(cm, u) -> bool:
@@ -178,7 +181,9 @@ def allowed(cm, u) -> bool:
         return True
     if u.start == u.end:
         return u.kind not in ex[u.start]
-    return all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+    # "segment": block i does not hand its output to block i+1 as a segment would (UNCHAINED).
+    return (all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
+            and all("segment" not in ex[i] for i in range(u.start, u.end)))
 
 
 def _unit_options(n, kinds, max_segment, inners=None):
@@ -576,7 +581,7 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
             cands.append(evaluate(cm, r, p, "rotor"))
     if n <= exhaustive_max_blocks:
         for units in _all_unit_lists(n, kinds, max_segment, levels, cm):
-            for p in windows if any(u.kind in ("offload", "recompute_offload") for u in units) else windows[:1]:
+            for p in windows if any(u.kind in OFFLOADING_KINDS for u in units) else windows[:1]:
                 cands.append(evaluate(cm, units, p, "exhaustive"))
     # The fixed recipes (rotor's keep/recompute, first-k offload with the rest kept) may give a
     # block a kind the caller did not allow: only plans within ``kinds`` are candidates.

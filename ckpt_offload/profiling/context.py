@@ -27,6 +27,7 @@ import threading
 
 import torch
 
+from ckpt_offload._args import suggest_keywords
 from ckpt_offload._runtime import _C
 from ckpt_offload.profiling.report import ProfileReport
 
@@ -169,6 +170,7 @@ class profile:
         prof.export_chrome_trace("trace.json")    # open in https://ui.perfetto.dev
     """
 
+    @suggest_keywords("co.profile")
     def __init__(self, model: torch.nn.Module | None = None, record_shapes: bool = True, pools=None):
         # Argument checks first, before anything is set up.
         from ckpt_offload.pool import HostPool

@@ -344,7 +344,16 @@ class ProfileReport:
         folder = os.fspath(folder)
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise ValueError(f"folder: {folder!r} exists and is not a folder; pass a folder path (it is created)")
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, ".ckpt_offload_write_check")
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise type(e)(e.errno, f"ProfileReport.save: cannot write into the folder {folder!r} "
+                          f"({e.strerror or e}); pass a folder you can create and write to, e.g. "
+                          "prof.save('ckpt_offload_profile')") from e
         paths = {}
         summary = self.summary()
         try:

@@ -295,6 +295,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   testing.def("set_cpu_copy_delay_us", &set_cpu_copy_delay_us, py::arg("us"),
               "Delay before every copy on the CPU worker streams (default: CKPT_OFFLOAD_CPU_COPY_DELAY_US).");
   testing.def("cpu_copy_delay_us", &cpu_copy_delay_us);
+  testing.def("drain_cpu_streams", &drain_cpu_streams, py::call_guard<py::gil_scoped_release>(),
+              "Waits for the copies on the CPU worker streams to finish without releasing what the copy "
+              "engine holds for them (co.synchronize() does both).");
   testing.def("fail_next_prefetches", &fail_next_prefetches, py::arg("n"),
               "The next n prefetches raise, as running out of device memory would.");
   testing.def("set_failing_capture_probe", &set_failing_capture_probe, py::arg("on"),

@@ -147,6 +147,8 @@ void set_cpu_copy_delay_us(int64_t us) {
 
 int64_t cpu_copy_delay_us() { return cpu_streams().d2h.delay_us(); }
 
+void drain_cpu_streams() { cpu_streams().drain(); }
+
 void synchronize_side_streams() {
   cpu_streams().drain();
   device_runtime::synchronize_streams();  // skips CUDA in a fork child (Note [Fork])

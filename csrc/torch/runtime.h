@@ -125,6 +125,8 @@ int64_t device_allocated_bytes(const c10::Device& device);
 // CKPT_OFFLOAD_CPU_COPY_DELAY_US).
 void set_cpu_copy_delay_us(int64_t us);
 int64_t cpu_copy_delay_us();
+// Waits for the copies queued on the CPU worker streams; releases nothing (unlike synchronize).
+void drain_cpu_streams();
 // Waits until every copy enqueued on the side streams has finished.
 void synchronize_side_streams();
 // How many forks this process came out of as the child (0 in the original process). See

@@ -33,6 +33,16 @@ SavedTensor::~SavedTensor() {
     if (converted_ && !unpacked_) converted_->unlink();
   } catch (...) {
   }
+  // Note [Sources released with their graph]: a side-stream copy holds its source (the device
+  // tensor autograd, or a selective checkpoint's cache, saved) until the engine sees it finished,
+  // and the engine looks only when something is copied, at the end of a backward or at
+  // synchronize(). A graph dropped without a backward (or a checkpoint's cache dropped with it)
+  // would leave those device tensors alive until the next step; the copies that have finished
+  // let go of their sources here, as the graph that saved them goes.
+  try {
+    engine().poll();
+  } catch (...) {
+  }
 }
 
 at::Tensor SavedTensor::unpack() {

@@ -22,7 +22,7 @@ try:  # recent transformers (4.57 has it): every decoder/encoder layer is one of
 except ImportError:  # pragma: no cover - older transformers: checkpointing lives in the layer stacks
     GradientCheckpointingLayer = None
 
-from ckpt_offload._args import check_int
+from ckpt_offload._args import check_int, suggest_keywords
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import warn
 from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
@@ -418,7 +418,7 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable")
+    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable", own=("every_n_layers", "offload"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None and route is not None:
         check_offloads_something(options.devices, route)
@@ -456,6 +456,7 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
     return handle
 
 
+@suggest_keywords("co.hf.disable")
 def disable(model) -> None:
     """Removes ckpt_offload's checkpointing from ``model`` (what ``handle.remove()`` does);
     does nothing if :func:`enable` is not active on it.

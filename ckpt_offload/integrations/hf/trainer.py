@@ -38,6 +38,19 @@ PEAK_KEYS = ("pool_peak_bytes", "device_saved_peak_bytes", "peak_prefetch_bytes"
 LOG_KEYS = PER_STEP_KEYS + PEAK_KEYS
 
 
+BOTH_CALLBACKS = (
+    "co.hf.OffloadCallback and co.hf.OffloadCheckpointCallback on one model: the first offloads every saved "
+    "tensor of the forward, the second checkpoints the layers and offloads their inputs, and together each "
+    "layer's inputs would be copied twice while the recompute saves them again. Keep one: "
+    "OffloadCheckpointCallback(every_n_layers=..., offload=True) to recompute with offloaded inputs, or "
+    "OffloadCallback(...) to offload without recompute")
+
+
+def _has_offload_callback(model) -> bool:
+    wrapper = model.__dict__.get("forward")
+    return isinstance(wrapper, BlockForward) and isinstance(wrapper.run, InContext)
+
+
 class _StepLog:
     """Turns a callback's running totals into what each Trainer log entry reports: the counters
     per optimizer step since the previous entry, the peaks as they are."""
@@ -138,6 +151,8 @@ class OffloadCheckpointCallback(TrainerCallback):
     def _ensure(self, args, model) -> None:
         if model is None:
             return
+        if _has_offload_callback(model):
+            raise RuntimeError(BOTH_CALLBACKS)
         every_n, offload, kwargs = self._settings(args)
         handle = active_handle(model)
         if handle is not None:
@@ -154,6 +169,7 @@ class OffloadCheckpointCallback(TrainerCallback):
         # offload_decided: the callback resolved offload itself (its own argument first, then
         # TrainingArguments' entry): Trainer's later enable call must not turn on what it turned off.
         self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True)
+        self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure(args, model)
@@ -213,8 +229,10 @@ class OffloadCallback(TrainerCallback):
     def _install(self, model) -> None:
         if model is None:
             return
-        wrapper = model.__dict__.get("forward")
-        if isinstance(wrapper, BlockForward) and isinstance(wrapper.run, InContext):
+        handle = active_handle(model)
+        if isinstance(handle, HFCheckpointHandle) and getattr(handle, "_from_callback", False):
+            raise RuntimeError(BOTH_CALLBACKS)
+        if _has_offload_callback(model):
             return
         # The one forward installer co.apply uses: a training forward runs inside this context;
         # in eval or under no_grad the model's own forward runs as is.
@@ -230,11 +248,16 @@ class OffloadCallback(TrainerCallback):
                 BlockForward.uninstall(model)
 
     def stats(self) -> dict:
-        """The co.offload context's :meth:`~ckpt_offload.offload.stats`."""
-        return self.context.stats()
+        """The co.offload context's :meth:`~ckpt_offload.offload.stats`, with ``pool_peak_bytes``
+        (its pool's ``peak_bytes_in_use``, since :meth:`reset_stats` -- called when ``train()``
+        begins -- which resets the pool's peaks) like the checkpoint callback's."""
+        out = self.context.stats()
+        out["pool_peak_bytes"] = self.context.pool.stats()["peak_bytes_in_use"]
+        return out
 
     def reset_stats(self) -> None:
         self.context.reset_stats()
+        self.context.pool.reset_peak()
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._install(model)
