@@ -115,11 +115,12 @@ class StatsCollector:
     def add(self, ctx) -> None:
         if ctx not in self._contexts:
             self._contexts.add(ctx)
-            if not any(ctx is c for c in self._table().values()):
-                # A fresh (nested) context: its counts stay once it dies. The finalizer holds
-                # only the packer's bound method; the handle's own contexts need none (they
-                # live as long as it does, and a finalizer would keep the handle alive).
-                weakref.finalize(ctx, _retire_into, weakref.ref(self), ctx._packer.stats)
+            # Its counts stay once it dies: a fresh (nested) context when its graph goes, the
+            # handle's shared context of a thread when that thread ends (its table is
+            # thread-local). The finalizer holds only a weak reference to this collector and the
+            # packer's bound method, so it keeps neither the handle nor the context alive.
+            # Not at interpreter exit: nothing reads the counts then.
+            weakref.finalize(ctx, _retire_into, weakref.ref(self), ctx._packer.stats).atexit = False
 
     def stats(self) -> dict:
         contexts = list(self._contexts)

@@ -189,7 +189,9 @@ class offload:
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
     ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other devices, sparse / nested / quantized
-    / conjugate-view tensors, tensor subclasses, tensors with no data of their own (``no_data``: ZeroTensors,
+    / conjugate-view tensors, ``__torch_dispatch__`` tensor subclasses other than DTensor (a DTensor, what
+    tensor parallelism saves, is offloaded through its local tensor and rebuilt with its mesh and placements
+    on unpack), tensors with no data of their own (``no_data``: ZeroTensors,
     such as forward-mode AD's zero tangents, and tensors whose storage was freed), and tensors smaller than
     ``min_bytes``. Several
     saved tensors that view one storage are offloaded once. A saved tensor modified in place
@@ -381,8 +383,10 @@ class offload:
         # were kept on the device either way, so backward still works.
         if flush_error is not None and exc_type is None:
             raise flush_error
-        if not self._warned_full and self.on_full == "keep":
-            self._warn_if_pool_was_full()
+        if not self._warned_full and self.on_full == "keep" and self.pool._share is None:
+            self._warn_if_pool_was_full()  # a pool's share of the node says so once per node instead
+        if self.pool._fallback_possible or self.pool._share is not None:
+            self.pool._check_host_limits()
         if state.hooks is not None and (self._noop_checks_left or (
                 not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None)):
             self._check_exit_stats()

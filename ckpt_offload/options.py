@@ -203,8 +203,8 @@ class OffloadOptions:
     converted before its copy to the host and converted back after its reload -- half the host bytes
     and copy time of fp32, with the rounding error of `t.to(store_dtype).to(t.dtype)`.
     `torch.float8_e4m3fn` / `torch.float8_e5m2`: a quarter of fp32's bytes, with a per-tensor scale
-    (the absolute maximum / the format's largest value) stored with it; fp16 / bf16 tensors are
-    converted too. Not bit-exact: an accuracy trade-off ("Low-precision storage" in docs/api.md);
+    (the absolute maximum of the tensor's own finite elements / the format's largest value) stored with
+    it; infinities and NaN come back as themselves; fp16 / bf16 tensors are converted too. Not bit-exact: an accuracy trade-off ("Low-precision storage" in docs/api.md);
     `stats()` counts `bytes_stored` against `bytes_offloaded`. Integer, bool and complex tensors, and
     tensors already at or below the storage width, are stored exactly. Converted tensors are copied one
     by one (never batched). A saved tensor whose span is exactly an earlier converted one's (same

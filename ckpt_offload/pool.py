@@ -7,6 +7,7 @@ import threading
 
 from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool, suggest_keywords
 from ckpt_offload._runtime import _C, gpu_usable
+from ckpt_offload._warn import warn_at_user_line
 
 __all__ = ["HostPool", "PoolFullError", "SpillError", "default_pool", "pinned_available", "BACKENDS"]
 
@@ -46,6 +47,64 @@ def _check_cap(name: str, value, minimum: int, unlimited: str):
     return value
 
 
+#: With ``max_bytes="auto"`` and no ``node_max_bytes``: the fraction of the host's available
+#: memory (``MemAvailable`` when the pool is made) that the local ranks' pools share.
+DEFAULT_HOST_FRACTION = 0.5
+
+
+def _available_host_bytes() -> int:
+    """The host memory available to new allocations without swapping: ``MemAvailable`` of
+    /proc/meminfo, or free physical pages where there is no /proc."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _local_world_size(value) -> int:
+    if value is not None:
+        return check_native_int("local_world_size", value, minimum=1)
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env is None:
+        return 1
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"the environment variable LOCAL_WORLD_SIZE={env!r} is not a positive integer (torchrun sets it to "
+            "the number of ranks on this host); fix it, or pass local_world_size= to co.HostPool"
+        )
+    return n
+
+
+def _node_share(node_max_bytes, host_fraction, local_world_size) -> dict:
+    """Note [Host shared by local ranks]: this rank's cap under ``max_bytes="auto"``."""
+    ranks = _local_world_size(local_world_size)
+    if node_max_bytes is not None:
+        node, source = node_max_bytes, f"node_max_bytes={node_max_bytes}"
+    else:
+        available = _available_host_bytes()
+        node = int(available * host_fraction)
+        source = f"host_fraction={host_fraction} of the {available} bytes available"
+    # Whole pages (a pool's segments are), rounded down: the local ranks' caps sum to at most
+    # the node's budget.
+    share = node // ranks // MIN_MAX_BYTES * MIN_MAX_BYTES
+    if share < MIN_MAX_BYTES:
+        raise ValueError(
+            f"max_bytes='auto': the node's {node} bytes ({source}) divided between LOCAL_WORLD_SIZE={ranks} local "
+            f"ranks leave {share} bytes per rank, under the minimum of {MIN_MAX_BYTES}; raise node_max_bytes "
+            "(or host_fraction)"
+        )
+    return {"max_bytes": share, "node_max_bytes": node, "local_world_size": ranks,
+            "host_fraction": None if node_max_bytes is not None else host_fraction}
+
+
 def pinned_available() -> bool:
     """True when this build can pin host memory: CUDA compiled in and a usable GPU present."""
     return gpu_usable()
@@ -63,9 +122,22 @@ class HostPool:
         max_bytes: cap on the host memory the pool reserves, in bytes (at least
             :data:`MIN_MAX_BYTES`, one page); ``None`` for no cap.
             At the cap, :func:`ckpt_offload.offload` keeps tensors on the device (``on_full="keep"``)
-            or raises :class:`PoolFullError` (``on_full="raise"``).
+            or raises :class:`PoolFullError` (``on_full="raise"``). ``"auto"``: this rank's share
+            of the node, ``node_max_bytes`` (or ``host_fraction`` of the host's available memory)
+            divided between the ``LOCAL_WORLD_SIZE`` local ranks, rounded down to a page; the
+            first local rank to reach its share says so once (with ``spill_dir`` the excess goes
+            to disk). See :attr:`share`.
+        node_max_bytes: with ``max_bytes="auto"``, the host memory all local ranks' pools may
+            reserve together. Spill staging memory (``spill_staging_bytes`` per rank) is outside it.
+        host_fraction: with ``max_bytes="auto"`` and no ``node_max_bytes``, the fraction of the
+            host's available memory (``MemAvailable`` when the pool is made) the local ranks
+            share; default 0.5 (``ckpt_offload.pool.DEFAULT_HOST_FRACTION``).
+        local_world_size: with ``max_bytes="auto"``, the number of ranks sharing this host;
+            default: the ``LOCAL_WORLD_SIZE`` environment variable (torchrun sets it), else 1.
         pinned: ``True`` for page-locked memory (``cudaHostAlloc``; needs a GPU), ``False`` for
-            pageable memory, ``None`` to pin whenever a GPU is usable.
+            pageable memory, ``None`` to pin whenever a GPU is usable. A segment the driver
+            refuses to pin (``vm.max_map_count`` or ``RLIMIT_MEMLOCK`` exhausted) is taken as
+            pageable memory instead, with a warning naming the limit (:meth:`pinned_fallback`).
         segment_bytes: size of the segments small requests are carved from (default 64 MiB).
         backend: overrides ``pinned`` with a backend by name, one of :data:`BACKENDS`:
             ``"registered"`` pins large page-aligned host allocations with ``cudaHostRegister``
@@ -99,6 +171,10 @@ class HostPool:
         loss.backward()
         print(pool.stats()["peak_bytes_in_use"])
 
+        # 8 ranks on a node (torchrun sets LOCAL_WORLD_SIZE): 256 GiB of host memory between them,
+        # 32 GiB each, and what does not fit goes to the local disk
+        pool = co.HostPool(max_bytes="auto", node_max_bytes="256GiB", spill_dir="/local/nvme")
+
         # 4 GiB of pinned memory, then up to 100 GiB on a local NVMe disk
         pool = co.HostPool(max_bytes=4 << 30, spill_dir="/local/nvme", spill_max_bytes=100 << 30)
         print(pool.stats()["disk"]["bytes_written"])
@@ -116,7 +192,31 @@ class HostPool:
         spill_file_bytes: int | None = None,
         spill_io_threads: int | None = None,
         spill_staging_bytes: int | None = None,
+        node_max_bytes: int | str | None = None,
+        host_fraction: float | None = None,
+        local_world_size: int | None = None,
     ):
+        # Note [Host shared by local ranks]
+        self._share = None
+        if isinstance(max_bytes, str) and max_bytes == "auto":
+            node_max_bytes = check_bytes("node_max_bytes", node_max_bytes, minimum=1, allow_none=True)
+            if host_fraction is not None:
+                if node_max_bytes is not None:
+                    raise ValueError("pass node_max_bytes or host_fraction, not both: node_max_bytes is the node's "
+                                     "budget in bytes, host_fraction a fraction of the host's available memory")
+                if isinstance(host_fraction, bool) or not isinstance(host_fraction, (int, float)) \
+                        or not 0 < host_fraction <= 1:
+                    raise ValueError(f"host_fraction must be a number in (0, 1], got {host_fraction!r}")
+            self._share = _node_share(node_max_bytes, DEFAULT_HOST_FRACTION if host_fraction is None
+                                      else float(host_fraction), local_world_size)
+            max_bytes = self._share["max_bytes"]
+        else:
+            given = [n for n, v in (("node_max_bytes", node_max_bytes), ("host_fraction", host_fraction),
+                                    ("local_world_size", local_world_size)) if v is not None]
+            if given:
+                raise ValueError(f"{given[0]} needs max_bytes='auto' (the pool's share of the node); pass "
+                                 f"co.HostPool(max_bytes='auto', {given[0]}=...)")
+        self._warned_fallback = False
         # Sizes may be strings ("8GiB"); from here on they are ints.
         max_bytes = _check_cap("max_bytes", max_bytes, MIN_MAX_BYTES, "no cap")
         spill_max_bytes = _check_cap("spill_max_bytes", spill_max_bytes, MIN_SPILL_MAX_BYTES, "what the disk has")
@@ -158,6 +258,8 @@ class HostPool:
             max_bytes=max_bytes or 0,
             segment_bytes=segment_bytes if segment_bytes is not None else _C.DEFAULT_SEGMENT_BYTES,
         )
+        self._fallback_possible = backend != "pageable"
+        self._warned_share = False
         self._tier = None
         self._staging = None
         if spill_dir is not None:
@@ -175,6 +277,57 @@ class HostPool:
             # keep what they need to come back.
             self._spill = _C.attach_spill(
                 self._impl, self._tier, self._staging, spill_staging_bytes or DEFAULT_SPILL_STAGING_BYTES
+            )
+
+    @property
+    def share(self) -> dict | None:
+        """With ``max_bytes="auto"``: how the cap was sized, ``{"max_bytes", "node_max_bytes",
+        "local_world_size", "host_fraction"}`` (``host_fraction`` None when ``node_max_bytes``
+        was given); None otherwise."""
+        return dict(self._share) if self._share is not None else None
+
+    def pinned_fallback(self) -> dict | None:
+        """For a pinned pool: ``{"segments", "bytes", "reason"}`` -- segments the driver refused
+        to pin and that were taken as pageable memory instead (``bytes``: those the pool holds
+        now), and the first refusal's diagnosis naming the host limit (``vm.max_map_count``,
+        ``RLIMIT_MEMLOCK``); None for a pageable pool."""
+        return self._impl.pinned_fallback()
+
+    def _check_host_limits(self) -> None:
+        """Warns once per pool when pinned memory was refused, and, for a ``max_bytes="auto"``
+        pool, once per node when the first local rank reaches its share (Note [Host shared by
+        local ranks]). Called at context exits and after :meth:`reserve`."""
+        if self._fallback_possible and not self._warned_fallback:
+            fb = self._impl.pinned_fallback()
+            if fb and fb["segments"]:
+                self._warned_fallback = True
+                warn_at_user_line(
+                    f"co.HostPool: {fb['reason']}. The pool took that segment (and takes any later refused one) "
+                    "as pageable memory instead: correct, but its copies are slower and not asynchronous. "
+                    "pool.pinned_fallback() counts them. (Warned once per pool.)",
+                    key=None,
+                )
+        if self._share is not None and not self._warned_share:
+            if not self._impl.stats()["num_cap_hits"]:
+                return
+            self._warned_share = True
+            # One rank on the host: nobody else to leave the message to.
+            if self._share["local_world_size"] > 1 and not _first_on_node("share-full"):
+                return
+            sh = self._share
+            where = (f"what exceeds it goes to spill_dir={self.spill_dir!r} (on disk) instead"
+                     if self._tier is not None else
+                     "what exceeds it stays on the device (kept_by_reason['pool_full']); pass spill_dir= to "
+                     "send it to a local disk instead")
+            budget = (f"node_max_bytes={sh['node_max_bytes']}" if sh["host_fraction"] is None else
+                      f"host_fraction={sh['host_fraction']} of the host's available memory = {sh['node_max_bytes']} "
+                      "bytes")
+            warn_at_user_line(
+                f"co.HostPool(max_bytes='auto'): this rank's pool reached its share of the node's host memory "
+                f"({budget}, divided between LOCAL_WORLD_SIZE={sh['local_world_size']} local ranks: "
+                f"{sh['max_bytes']} bytes per rank); {where}. Raise node_max_bytes (or host_fraction) to give "
+                "the ranks more. (Said once per node, by the first rank to reach its share.)",
+                key=None,
             )
 
     @property
@@ -260,6 +413,7 @@ class HostPool:
         """
         nbytes = check_bytes("nbytes", nbytes, minimum=1)
         got = self._impl.reserve(nbytes)
+        self._check_host_limits()
         if got == 0:
             s = self.stats()
             raise PoolFullError(
@@ -286,6 +440,32 @@ class HostPool:
             f"HostPool(backend={s['backend']!r}, in_use={s['bytes_in_use']:,}, "
             f"reserved={s['bytes_reserved']:,}, max_bytes={cap}{disk})"
         )
+
+
+def _first_on_node(what: str) -> bool:
+    """True in exactly one of the local ranks of this launch that call it with ``what``: the
+    first to create a marker file in the temporary directory, named for the launch -- the ranks'
+    common parent process (torchrun's agent, a spawner), its start time, and MASTER_PORT (a
+    parent that launches ranks again with the same port, as no launcher does, would find the
+    marker and stay silent). True where that cannot be decided (better said by every rank than
+    by none)."""
+    import tempfile
+
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/stat") as f:
+            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, after the name in parentheses
+    except (OSError, IndexError):
+        return True
+    name = f"ckpt_offload-{what}-{ppid}-{started}-{os.environ.get('MASTER_PORT', '')}"
+    try:
+        fd = os.open(os.path.join(tempfile.gettempdir(), name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    os.close(fd)
+    return True
 
 
 _default_pool: HostPool | None = None

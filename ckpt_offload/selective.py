@@ -31,6 +31,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from ckpt_offload._args import suggest_keywords
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
@@ -262,6 +263,7 @@ class SelectiveOffload:
         return f"co.selective_offload_context({name}, offload={self.options!r})"
 
 
+@suggest_keywords("co.selective_offload_context")
 def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
                               allow_cache_entry_mutation: bool = False) -> SelectiveOffload:
     """A ``context_fn`` for selective activation checkpointing in which the outputs the policy marks

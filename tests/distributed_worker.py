@@ -184,44 +184,157 @@ def fsdp2_scenario(how, order, reshard):
 # --- tensor parallel (DTensor) --------------------------------------------------------------
 
 
-def tp_scenario():
-    """An MLP split column-wise then row-wise over the ranks (``parallelize_module``), run inside
-    ``co.offload``: autograd saves DTensors there (a tensor subclass), which ckpt_offload keeps."""
+class MLPBlock(nn.Module):
+    """A residual MLP block; tensor parallel splits fc1 column-wise and fc2 row-wise."""
+
+    def __init__(self, dim=32, hidden=128):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class MLPStack(nn.Module):
+    def __init__(self, layers=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock() for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def tp_loss(out):
+    # The row-wise layer's output is a replicated DTensor (use_local_output=False): its local
+    # tensor is the whole output on every rank.
+    return (out.to_local() if hasattr(out, "to_local") else out).square().mean()
+
+
+def train_tp(how, pool, fsdp=False):
+    """Tensor parallel over every rank (or, with ``fsdp``, FSDP2 over a 2-D mesh's first
+    dimension on top of tensor parallel over its second, the composition torchtitan uses: 1 x 2
+    on 2 ranks, 2 x 2 on 4).
+    The blocks' outputs stay DTensors, so the residual stream, the blocks' inputs (what
+    ``co.apply`` offloads) and everything autograd saves inside them are DTensors."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    dp = 2 if fsdp and world >= 4 and world % 2 == 0 else 1  # 4 ranks: a 2 x 2 mesh
+    mesh2d = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp")) if fsdp else None
+    tp_mesh = mesh2d["tp"] if fsdp else init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = MLPStack()
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel(use_local_output=False)})
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
 
-    def train(ctx):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32))
-        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        g = torch.Generator().manual_seed(7)  # tensor parallel: every rank sees the same batch
-        for _ in range(STEPS):
-            x = torch.randn(8, 32, generator=g)
-            with ctx if ctx is not None else contextlib.nullcontext():
-                loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        return full_params(model)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh2d["dp"])
+        fully_shard(model, mesh=mesh2d["dp"])
+    opts = cpu_options(pool)
+    ctx = co.offload(**opts) if how == "offload" else None
+    handle = co.apply(model, offload=opts) if how == "apply" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(7)  # tensor parallel: every rank sees the same batch
+    for _ in range(STEPS):
+        x = DTensor.from_local(torch.randn(8, 32, generator=g), tp_mesh, [Replicate()])
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = tp_loss(model(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model), ctx, handle
 
-    plain = train(None)
+
+def tp_scenario(how, fsdp=False):
+    if fsdp and fsdp2_available():
+        return {"unsupported": fsdp2_available()}
+    plain, _, _ = train_tp(None, co.HostPool(pinned=False), fsdp)
     pool = co.HostPool(pinned=False)
+    got, ctx, handle = train_tp(how, pool, fsdp)
+    extra = {}
+    if handle is not None:
+        # What the checkpoints' own offload contexts did: the blocks' DTensor inputs went to the pool.
+        extra["apply_stats"] = handle.stats()
+    return result(plain, got, pool, ctx, handle, **extra)
+
+
+def dtensor_details_scenario():
+    """Deduplication and in-place detection on DTensors, and a DTensor parameter saved for backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    pool = co.HostPool(pinned=False)
+    d = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]).requires_grad_()
     ctx = co.offload(**cpu_options(pool))
-    got = train(ctx)
-    return result(plain, got, pool, ctx)
+    with ctx:
+        h = d * 3                       # a DTensor activation
+        a = h.sin()                     # saves h
+        b = h.view(-1).cos()            # saves a view of h: the same local storage
+    (a.sum() + b.sum()).backward()
+    d2 = d.detach().clone().requires_grad_()  # the same without ckpt_offload
+    h2 = d2 * 3
+    (h2.sin().sum() + h2.view(-1).cos().sum()).backward()
+    out["grad_bit_identical"] = torch.equal(d.grad.to_local(), d2.grad.to_local())
+    out["ctx"] = ctx.stats()
+    out["grad_type"] = type(d.grad).__name__
+    # In place after saving: backward must raise, as autograd does without hooks.
+    with co.offload(**cpu_options(pool)):
+        h = d * 2
+        z = h.sin()
+    h.add_(1)
+    try:
+        z.sum().backward()
+        out["inplace"] = "no error"
+    except RuntimeError as e:
+        out["inplace"] = str(e)
+    del h, z
+    # A replicated DTensor parameter used in a matmul: autograd saves the parameter (kept as one).
+    w = nn.Parameter(distribute_tensor(torch.randn(16, 16), mesh, [Replicate()]))
+    x = distribute_tensor(torch.randn(4, 16), mesh, [Replicate()]).requires_grad_()
+    pctx = co.offload(**cpu_options(pool))
+    with pctx:
+        y = (x @ w.t()).relu()
+    y.sum().backward()
+    out["param_ctx"] = pctx.stats()
+    # Any other __torch_dispatch__ subclass (here torch's test TwoTensor) is still kept.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    tt = TwoTensor(torch.randn(64), torch.randn(64)).requires_grad_()
+    sctx = co.offload(**cpu_options(pool))
+    with sctx:
+        u = (tt * 2).sin()
+    u.sum().backward()
+    out["subclass_ctx"] = sctx.stats()
+    co.synchronize()
+    out["pool"] = {k: v for k, v in pool.stats().items() if isinstance(v, int)}
+    return out
 
 
 # --- Accelerate with its FSDP2 plugin ---------------------------------------------------------
 
 
 def accelerate_fsdp2_scenario():
+    """Accelerate's FSDP2 plugin. Accelerate picks FSDP only for accelerator devices, so on CPU
+    processes ``Accelerator(cpu=True, fsdp_plugin=...)`` runs as MULTI_CPU and ``prepare`` would not
+    shard; there the model goes through accelerate's own FSDP2 preparation,
+    ``accelerate.utils.fsdp_utils.fsdp2_prepare_model`` (what ``prepare`` calls under FSDP:
+    ``fully_shard`` on every layer its wrap policy picks, then on the root), with the plugin set on
+    the accelerator's state -- the same composition, run by accelerate's code."""
     import accelerate
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import FSDPModule
 
     def train(how, pool):
         AcceleratorState._reset_state(True)
@@ -231,27 +344,31 @@ def accelerate_fsdp2_scenario():
             reshard_after_forward=True,
         )
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-        if accelerator.distributed_type != DistributedType.FSDP:
-            return None, accelerator.distributed_type
         model = TinyTransformer(**MODEL, seed=0)
         handle = co.apply(model, offload=cpu_options(pool)) if how else None  # on the bare model, as documented
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        model, opt = accelerator.prepare(model, opt)
+        kind = accelerator.distributed_type
+        if kind == DistributedType.FSDP:
+            model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        else:  # prepare would wrap the model in DDP (MULTI_CPU): accelerate's FSDP2 step, then the optimizer
+            accelerator.state.fsdp_plugin = plugin
+            model = fsdp2_prepare_model(accelerator, model)
+            opt = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sharded = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         torch.manual_seed(1234)
         for (tokens,) in batches():
             accelerator.backward(lm_loss(model, tokens))
             opt.step()
             opt.zero_grad()
-        return (full_params(model), handle), accelerator.distributed_type
+        return full_params(model), handle, kind, sharded
 
-    plain, kind = train(None, None)
-    if plain is None:
-        return {"unsupported": f"accelerate {accelerate.__version__} does not use its FSDP plugin for CPU "
-                               f"processes (Accelerator(cpu=True, fsdp_plugin=...) gives "
-                               f"distributed_type={kind.value}, not FSDP)"}
+    plain, _, kind, sharded = train(None, None)
     pool = co.HostPool(pinned=False)
-    (got, handle), _ = train("apply", pool)
-    return result(plain[0], got, pool, handle=handle)
+    got, handle, _, _ = train("apply", pool)
+    out = result(plain, got, pool, handle=handle)
+    out["distributed_type"] = kind.value
+    out["accelerate"] = accelerate.__version__
+    out["sharded"] = sharded
+    return out
 
 
 # --- Hugging Face Trainer (DDP over gloo, accelerate underneath) ---------------------------
@@ -295,6 +412,46 @@ def hf_trainer_scenario(out_dir):
                   parallel_mode=str(trainer.args.parallel_mode), wrapped=type(trainer.model_wrapped).__name__)
 
 
+def trl_sft_scenario(out_dir):
+    """TRL's SFTTrainer (a Trainer subclass: its own dataset preparation, loss and metrics) over 2
+    processes with ``co.hf.OffloadCheckpointCallback``: same losses, same parameters."""
+    import datasets
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    # A word-level tokenizer built here: SFTTrainer wants a processing class, and nothing is downloaded.
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(100)}, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w0", pad_token="w0", unk_token="w1")
+    ids = torch.randint(2, 100, (16, 8), generator=torch.Generator().manual_seed(2)).tolist()
+    data = datasets.Dataset.from_dict({"input_ids": ids})  # already tokenized
+
+    def model():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    def train(m, callbacks, tag):
+        args = trl.SFTConfig(
+            output_dir=os.path.join(out_dir, tag), report_to=[], max_steps=3, per_device_train_batch_size=2,
+            use_cpu=True, logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+            ddp_backend="gloo",
+        )
+        trainer = trl.SFTTrainer(model=m, args=args, train_dataset=data, processing_class=tok, callbacks=callbacks)
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach().clone() for n, p in m.named_parameters()}, trainer
+
+    plain_losses, plain, _ = train(model(), [], "plain")
+    pool = co.HostPool(pinned=False)
+    cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_options(pool))
+    losses, got, trainer = train(model(), [cb], "offload")
+    return result(plain, got, pool, handle=cb.handle, plain_losses=plain_losses, losses=losses,
+                  calls=cb.handle.function.calls, world_size=trainer.args.world_size, trl=trl.__version__)
+
+
 SCENARIOS = {
     "ddp_offload": lambda out: ddp_scenario("offload"),
     "ddp_checkpoint": lambda out: ddp_scenario("checkpoint"),
@@ -308,9 +465,14 @@ SCENARIOS = {
     "fsdp2_apply_before_reshard": lambda out: fsdp2_scenario("apply", "before", True),
     "fsdp2_apply_after_reshard": lambda out: fsdp2_scenario("apply", "after", True),
     "fsdp2_apply_before_no_reshard": lambda out: fsdp2_scenario("apply", "before", False),
-    "tp_offload": lambda out: tp_scenario(),
+    "tp_offload": lambda out: tp_scenario("offload"),
+    "tp_apply": lambda out: tp_scenario("apply"),
+    "fsdp2_tp_offload": lambda out: tp_scenario("offload", fsdp=True),
+    "fsdp2_tp_apply": lambda out: tp_scenario("apply", fsdp=True),
+    "dtensor_details": lambda out: dtensor_details_scenario(),
     "accelerate_fsdp2": lambda out: accelerate_fsdp2_scenario(),
     "hf_trainer": hf_trainer_scenario,
+    "trl_sft": trl_sft_scenario,
 }
 
 

@@ -467,3 +467,31 @@ def test_demand_reload_does_not_wait_behind_prefetches(pool):
     last_demand = max(demand, key=lambda c: c["start_us"])
     assert last_demand["end_us"] < max(c["end_us"] for c in prefetches)
     assert {c["stream"] for c in demand}.isdisjoint({c["stream"] for c in prefetches})
+
+
+@pytest.mark.parametrize("stream", ["side", "compute"])
+def test_a_batch_flushed_by_an_unpack_into_a_full_pool_still_unpacks(stream):
+    """Double backward inside the context: the first unpack flushes the open batch, and the pool
+    at its cap refuses it. Its members stay on the device, and that unpack (and the second
+    backward's) returns them instead of looking for a reload that was never made."""
+    pool = co.HostPool(pinned=False, max_bytes=4096)
+    with cpu_offload(pool):
+        a = torch.randn(1024, requires_grad=True)
+        held = (a * 2).exp()  # exp saves its 4096-byte result: the pool is at its cap
+    assert pool.stats()["bytes_in_use"] == 4096
+
+    def run(ctx):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        with ctx if ctx is not None else torch.enable_grad():
+            y = torch.tanh(x)
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            (g * g).sum().backward()
+        return [x.grad]
+
+    ref = run(None)
+    ctx = cpu_offload(pool, stream=stream, prefetch_bytes=0, batch_below=512, batch_bytes=65536)
+    got = run(ctx)
+    assert torch.equal(ref[0], got[0])
+    s = ctx.stats()
+    assert s["kept_by_reason"]["pool_full"] > 0 and s["tensors_offloaded"] == 0, s
+    del held

@@ -393,3 +393,73 @@ def test_size_below_minimum_names_the_argument():
         co.offload(devices=["cpu"], batch_bytes="0KiB")
     with pytest.raises(TypeError, match=r"max_bytes must be an int or None \(or a size string such as '512MiB'\)"):
         co.HostPool(pinned=False, max_bytes=[1])
+
+
+# ---------------------------------------------------------------- counts that add up
+
+
+def test_joined_views_count_the_bytes_the_host_holds():
+    # Three views of one storage: two in cells of their own, then one that bridges them, which
+    # joins both copies into one (only the missing cells are copied). The stats say what the
+    # pool holds, not just the first two views' spans.
+    pool = co.HostPool(pinned=False)
+    leaf = torch.randn(4096, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        x = leaf * 1.0  # 4096 float32: 16,384 bytes, saved by nothing (a scalar multiply)
+        ys = [x[:100].sin(), x[4000:].sin(), x[50:4050].sin()]  # sin saves its input view
+    s = ctx.stats()
+    held = pool.stats()["bytes_in_use"]
+    assert held == 16384, pool.stats()
+    assert s["tensors_offloaded"] == 2 and s["tensors_deduplicated"] == 1, s
+    assert s["bytes_offloaded"] == s["bytes_stored"] == held, s
+    ref = leaf.detach()
+    sum(y.sum() for y in ys).backward()
+    expect = torch.zeros(4096)
+    for sl in (slice(0, 100), slice(4000, 4096), slice(50, 4050)):
+        expect[sl] += ref[sl].cos()
+    assert torch.equal(leaf.grad, expect)
+
+
+def _in_a_thread(step):
+    """Runs ``step()`` in a new thread that has ended when this returns (its errors raise here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=1) as pool:  # leaving the block joins the thread
+        pool.submit(step).result()
+
+
+def test_apply_handle_keeps_counts_of_a_thread_that_ended():
+    import gc
+
+    torch.manual_seed(0)
+    model = _model()
+    handle = co.apply(model, offload=_cpu(co.HostPool(pinned=False)))
+    x = torch.randn(8, 32, requires_grad=True)
+    _in_a_thread(lambda: model(x).sum().backward())
+    gc.collect()  # the thread's contexts are gone
+    in_thread = handle.stats()["tensors_offloaded"]
+    model(x).sum().backward()
+    on_main = handle.stats()["tensors_offloaded"] - in_thread
+    assert on_main > 0 and in_thread == on_main, (in_thread, on_main)
+    _in_a_thread(lambda: model(x).sum().backward())
+    gc.collect()
+    assert handle.stats()["tensors_offloaded"] == 3 * on_main  # counts never go backwards
+    handle.remove()
+
+
+def test_hf_handle_keeps_counts_of_a_thread_that_ended():
+    pytest.importorskip("transformers")
+    import gc
+
+    from helpers import gpt2, loss_of
+
+    torch.manual_seed(0)
+    model = gpt2().train()
+    model.config.use_cache = False
+    handle = co.hf.enable(model, offload=_cpu(co.HostPool(pinned=False)))
+    _in_a_thread(lambda: loss_of(model).backward())
+    gc.collect()
+    in_thread = handle.stats()["tensors_offloaded"]
+    loss_of(model).backward()
+    assert in_thread > 0 and handle.stats()["tensors_offloaded"] == 2 * in_thread
+    handle.remove()

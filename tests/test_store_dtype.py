@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import GPU_REASON, HAS_GPU
 from torch import nn
+from torch.nn import functional as F
 
 import ckpt_offload as co
 from ckpt_offload import _C
@@ -38,11 +39,20 @@ def sample(dtype, n=1 << 14, device="cpu", seed=0):
 
 
 def torch_fp8_reference(t, fmt):
-    amax = t.float().abs().max()
-    top = 448.0 if fmt == torch.float8_e4m3fn else 57344.0
+    """docs/api.md's formula: scale = amax / 448 (e4m3fn) or / 57344 (e5m2), amax over the tensor's
+    own finite values; an e4m3fn tensor holding +-inf scales to 416 instead and keeps +-inf (e4m3fn
+    has no infinity); e5m2 keeps its infinities; NaN stays NaN."""
+    f = t.float()
+    finite = torch.isfinite(f)
+    amax = torch.where(finite, f.abs(), 0).max()
+    inf = bool(torch.isinf(f).any())
+    top = (416.0 if inf else 448.0) if fmt == torch.float8_e4m3fn else 57344.0
     scale = (amax / top) if amax > 0 else torch.tensor(1.0)
-    codes = (t.float() / scale).to(fmt)
-    return codes, (codes.float() * scale).to(t.dtype)
+    codes = torch.where(finite, f / scale, f).to(fmt).view(torch.uint8)  # NaN, +-inf as themselves
+    if fmt == torch.float8_e4m3fn:
+        codes = torch.where(torch.isinf(f), torch.where(f > 0, 0x7E, 0xFE).to(torch.uint8), codes)  # +-448
+    back = torch.where(finite, codes.view(fmt).float() * scale, f)
+    return codes, back.to(t.dtype)
 
 
 # --- the rounding (CPU), bit for bit against torch --------------------------------------------------------------
@@ -78,6 +88,43 @@ def test_fp8_rounding_and_scale_match_torch(src, fmt):
 def test_fp8_of_zeros_is_exact():
     _, back = _C._store_convert(torch.zeros(100), "float8_e4m3fn")
     assert torch.equal(back, torch.zeros(100))
+
+
+def specials(src, n=4096, seed=1):
+    """`sample` within fp8's comfortable range, with +-inf and NaN sprinkled in."""
+    x = sample(src, n, seed=seed)[:n].clamp(-1e4, 1e4)
+    x[::97] = float("inf")
+    x[5::89] = float("-inf")
+    x[7::101] = float("nan")
+    return x
+
+
+def assert_same_values(got, ref):
+    """Bit for bit, except that a NaN only has to be a NaN."""
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(bits(got)[~nan], bits(ref)[~nan])
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_scales_from_finite_values_and_keeps_infinities(src, fmt):
+    x = specials(src)
+    stored, back = _C._store_convert(x, name(fmt))
+    codes, ref = torch_fp8_reference(x, fmt)
+    n = x.numel()
+    nan = torch.isnan(x)
+    assert torch.equal(stored[:n][~nan], codes[~nan]) and torch.isnan(stored[:n].view(fmt).float()[nan]).all()
+    xf = x.float()
+    amax = torch.where(torch.isfinite(xf), xf.abs(), 0).max().view(torch.int32).item()
+    assert stored[-4:].view(torch.int32).item() & 0xFFFFFFFF == amax | 0x80000000  # amax, then "has inf"
+    assert_same_values(back, ref)
+    assert torch.equal(torch.isinf(back), torch.isinf(x)) and torch.equal(back[torch.isinf(x)], x[torch.isinf(x)])
+    # Without an infinity the formula is the plain one (448 / 57344), NaN skipped.
+    x[torch.isinf(x)] = 0.0
+    stored, back = _C._store_convert(x, name(fmt))
+    assert stored[-4:].view(torch.int32).item() == amax  # no flag
+    assert_same_values(back, torch_fp8_reference(x, fmt)[1])
 
 
 def test_store_convert_refuses_what_is_stored_exactly():
@@ -124,19 +171,100 @@ def roundtrip(xs, **options):
 @pytest.mark.parametrize("fmt", STORE)
 def test_offload_round_trip_is_torchs_rounding(fmt):
     x32 = sample(torch.float32, 4096).clamp(-1e4, 1e4)
-    view = nonleaf(torch.randn(64, 96))[:, 8:72].t()  # strided, offset: converted as its storage span
+    # Strided, offset: converted over its storage span, scaled by its own elements (fp8).
+    view = nonleaf(torch.randn(64, 96))[:, 8:72].t()
     got, stats, (a, b) = roundtrip([x32, view], store_dtype=fmt)
     for saved, orig in zip(got, (a, b)):
         assert saved.shape == orig.shape and saved.stride() == orig.stride() and saved.dtype == orig.dtype
         if fmt in FP8:
-            span = orig.as_strided((orig.untyped_storage().nbytes() // 4 - orig.storage_offset(),), (1,))
-            span = span[: 1 + sum((s - 1) * st for s, st in zip(orig.shape, orig.stride()))]
-            ref_span = torch_fp8_reference(span.detach(), fmt)[1]
-            ref = ref_span.as_strided(orig.shape, orig.stride())
+            ref = torch_fp8_reference(orig.detach(), fmt)[1]
         else:
             ref = orig.detach().to(fmt).to(orig.dtype)
         assert torch.equal(bits(saved), bits(ref))
     assert stats["tensors_converted"] == 2 and stats["store_dtype"] == name(fmt)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_chunked_views_are_scaled_by_their_own_elements(fmt):
+    # q, k, v of one projection, where k and v are a million times larger than q: each is scaled
+    # by its own amax, not by the span it reaches (which takes in k and v).
+    base = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    base[:, 64:] *= 1e6
+    leaf = base.requires_grad_()
+    ws = [torch.ones(64, 32, requires_grad=True) for _ in range(3)]
+    with co.offload(devices=["cpu"], min_bytes=0, store_dtype=fmt, measure_error=True) as ctx:
+        parts = (leaf * 1.0).chunk(3, -1)
+        y = sum(p * w for p, w in zip(parts, ws))  # mul saves each view for its weight's gradient
+    y.sum().backward()
+    for w, part in zip(ws, parts):
+        part = part.detach()
+        assert torch.equal(bits(w.grad), bits(torch_fp8_reference(part, fmt)[1]))  # w.grad is the saved view
+        assert ((w.grad - part).norm() / part.norm()).item() < 0.1
+    err = ctx.stats()["store_error"]["float32->" + name(fmt)]
+    assert err["tensors"] == 6 and err["max_rel_error"] < 0.1, err  # the views' own elements
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("first", ["strided", "dense"])
+def test_views_of_one_span_with_other_elements_are_not_shared(fmt, first):
+    # x and x[::2] reach the same bytes but x[::2] holds only the small values: a copy of one
+    # has the other's scale, so each is converted on its own.
+    x = nonleaf(torch.tensor([1.0, 1e6, 2.0, -1e6, 3.0]))
+    views = [x[::2], x] if first == "strided" else [x, x[::2]]
+    got, stats, _ = roundtrip(views, store_dtype=fmt)
+    for saved, orig in zip(got, views):
+        assert torch.equal(bits(saved), bits(torch_fp8_reference(orig.detach(), fmt)[1]))
+    assert stats["tensors_converted"] == 2 and stats["tensors_deduplicated"] == 0
+    # The same view saved twice still shares one narrow copy.
+    got, stats, _ = roundtrip([x[::2], x[::2]], store_dtype=fmt)
+    assert stats["tensors_converted"] == 1 and stats["tensors_deduplicated"] == 1
+    assert torch.equal(bits(got[0]), bits(got[1]))
+
+
+@pytest.mark.parametrize("fmt", STORE)
+@pytest.mark.parametrize("how", ["masked_fill", "additive"])
+def test_masked_log_softmax_gradients_are_as_finite_as_without_offload(fmt, how):
+    # log_softmax saves its output, which holds -inf where the mask is: e4m3fn has no infinity.
+    # The gradient reaching the masked logits is 0 there without offload (exp(-inf) = 0).
+    g = torch.Generator().manual_seed(0)
+    logits0 = torch.randn(256, 256, generator=g) * 4
+    mask = torch.rand(256, 256, generator=g) < 0.8
+    weight = torch.randn(256, 256, generator=g)
+
+    def grad(store):
+        logits = logits0.clone().requires_grad_()
+        ctx = co.offload(devices=["cpu"], min_bytes=0, store_dtype=store)
+        with ctx if store is not None else torch.enable_grad():
+            if how == "masked_fill":
+                masked = logits.masked_fill(mask, float("-inf"))
+            else:  # an additive attention mask
+                masked = logits + torch.zeros(256, 256).masked_fill(mask, float("-inf"))
+            masked.retain_grad()
+            lp = F.log_softmax(masked, -1)
+            loss = (lp.masked_fill(mask, 0.0) * weight).sum()
+        loss.backward()
+        if store is not None:
+            assert ctx.stats()["tensors_converted"] > 0
+        return masked.grad
+
+    ref, got = grad(None), grad(fmt)
+    assert torch.isfinite(ref).all()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), int((~torch.isfinite(got)).sum())
+    assert ((got - ref).norm() / ref.norm()).item() < 0.2
+
+
+def test_store_error_counts_only_converted_tensors():
+    # A capped pool takes some of the converted copies; the rest are kept as they are (pool_full)
+    # and were never converted, so they have no error to count.
+    pool = co.HostPool(pinned=False, max_bytes=16384)
+    xs = [torch.randn(4096) for _ in range(8)]  # 4,100 stored bytes each
+    _, stats, _ = roundtrip(xs, store_dtype=torch.float8_e4m3fn, measure_error=True, pool=pool)
+    assert stats["kept_by_reason"]["pool_full"] > 0 and stats["tensors_converted"] > 0, stats
+    assert stats["store_error"]["float32->float8_e4m3fn"]["tensors"] == stats["tensors_converted"]
+    tiny = co.HostPool(pinned=False, max_bytes=4096)
+    _, stats, _ = roundtrip(xs, store_dtype=torch.float8_e4m3fn, measure_error=True, pool=tiny)
+    assert stats["kept_by_reason"]["pool_full"] == 8 and stats["tensors_converted"] == 0
+    assert stats["store_error"] == {}
 
 
 def test_excluded_tensors_are_stored_exactly():
@@ -416,3 +544,36 @@ def test_cuda_offload_round_trip(fmt, stream):
             assert stats["tensors_converted"] > 0 and stats["bytes_stored"] < stats["bytes_offloaded"]
             rel = ((grad - ref).norm() / ref.norm()).item()
             assert 0 < rel < (0.2 if fmt in FP8 else 2e-2)
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("n", [5, 4096, 1 << 20 | 7])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_cuda_fp8_scales_from_finite_values_and_keeps_infinities(src, fmt, n):
+    x = specials(src, n)
+    stored_cpu, back_cpu = _C._store_convert(x, name(fmt))
+    stored, back = _C._store_convert(x.cuda(), name(fmt))
+    assert torch.equal(stored.cpu(), stored_cpu)  # the scale word (amax, "has inf") included
+    assert_same_values(back.cpu(), back_cpu)
+    assert_same_values(back.cpu(), torch_fp8_reference(x, fmt)[1])
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)
+def test_cuda_chunked_views_are_scaled_by_their_own_elements(fmt):
+    base = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    base[:, 64:] *= 1e6
+    base[3, 70] = float("inf")  # in v: v keeps it, q and k do not see it
+    leaf = base.cuda().requires_grad_()
+    ws = [torch.ones(64, 32, device="cuda", requires_grad=True) for _ in range(3)]
+    with co.offload(min_bytes=0, store_dtype=fmt, measure_error=True) as ctx:
+        parts = (leaf * 1.0).chunk(3, -1)
+        y = sum(p * w for p, w in zip(parts, ws))
+    y.sum().backward()
+    torch.cuda.synchronize()
+    for w, part in zip(ws, parts):
+        assert_same_values(w.grad.cpu(), torch_fp8_reference(part.detach().cpu(), fmt)[1])
+    assert ctx.stats()["tensors_converted"] == 6

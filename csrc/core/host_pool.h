@@ -112,6 +112,7 @@ class HostPool {
   // block could fit under.
   static void check_max_bytes(size_t max_bytes);
   const char* backend_name() const { return backend_->name(); }
+  Backend& backend() const { return *backend_; }
   size_t segment_bytes() const { return segment_bytes_; }
 
   // Checks the internal invariants (blocks tile segments, free list matches). Test-only.

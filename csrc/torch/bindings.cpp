@@ -14,6 +14,7 @@
 #include "device_bytes.h"
 #include "device_memory.h"
 #include "packer.h"
+#include "pinned_fallback.h"
 #include "store_dtype.h"
 #include "tensor_layout.h"
 #include "saved_tensor.h"
@@ -188,6 +189,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         p.check_invariants(&why);
         return why;
       })
+      .def("pinned_fallback",
+           [](HostPool& p) -> py::object {
+             // Note [Pinned fallback]: None for a pageable pool, else what was taken as pageable.
+             auto* f = dynamic_cast<FallbackBackend*>(&p.backend());
+             if (!f) return py::none();
+             const PinnedFallbackStats s = f->stats();
+             py::dict d;
+             d["segments"] = s.segments;
+             d["bytes"] = s.bytes;
+             d["reason"] = s.reason;
+             return d;
+           })
       .def_property_readonly("backend", &HostPool::backend_name)
       .def_property_readonly("segment_bytes", &HostPool::segment_bytes);
 
@@ -302,6 +315,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               "The next n prefetches raise, as running out of device memory would.");
   testing.def("set_failing_capture_probe", &set_failing_capture_probe, py::arg("on"),
               "On: the graph-capture probe raises, as it does after a CUDA error; off: the previous probe.");
+  testing.def("simulate_pinned_refusal", &simulate_pinned_refusal, py::arg("limit"),
+              "While limit ('vm.max_map_count' or 'RLIMIT_MEMLOCK') is set, pools made with a pinned backend get "
+              "one that refuses every segment as that limit would, on any build; '' restores the real backend.");
   testing.def("set_batch_staging", &set_batch_staging, py::arg("on"),
               "Off: batches find no device staging block and copy each member on its own.");
   testing.def("copy_batch_on_host", [](std::vector<std::tuple<uintptr_t, uintptr_t, size_t>> segs) {

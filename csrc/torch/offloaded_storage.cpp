@@ -263,6 +263,14 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       bool need;
       {
         std::lock_guard<std::mutex> lock(mu_);
+        if (on_device_) {
+          // This unpack's flush found the pool full: the batch kept its members on the device
+          // (as above), and there are no host bytes to reload.
+          if (first) --pending_;
+          *shared = true;
+          record_consumer(on_device_, device_);
+          return on_device_;
+        }
         need = !resident_locked();
       }
       if (need) {

@@ -57,6 +57,8 @@ PyObject* call_impl_code() {
   return code == Py_None ? nullptr : code;
 }
 
+PyObject* dtensor_class();
+
 // Adds the storages of a module's `_parameters` or `_buffers` dict to `into`; true when `target`
 // is among them.
 bool scan_state(PyObject* module, const char* attr, const void* target, std::unordered_set<const void*>& into) {
@@ -71,8 +73,16 @@ bool scan_state(PyObject* module, const char* attr, const void* target, std::uno
     Py_ssize_t pos = 0;
     while (PyDict_Next(dict, &pos, &key, &value)) {
       if (value == Py_None || !THPVariable_Check(value)) continue;
+      // A DTensor parameter's storage is its local tensor's (Note [DTensor activations]).
+      PyObject* dtensor = dtensor_class();
+      py::object local;
+      if (dtensor && Py_TYPE(value) == reinterpret_cast<PyTypeObject*>(dtensor)) {
+        local = py::getattr(py::handle(value), "_local_tensor", py::none());
+        if (!THPVariable_Check(local.ptr())) continue;
+        value = local.ptr();
+      }
       const at::Tensor& v = THPVariable_Unpack(value);
-      if (!v.has_storage()) continue;
+      if (!v.has_storage() || v.key_set().has(c10::DispatchKey::Python)) continue;
       const void* st = v.storage().unsafeGetStorageImpl();
       into.insert(st);
       hit = hit || st == target;
@@ -192,7 +202,115 @@ bool sac_allows_mutation() {
   return allowed;
 }
 
+// Note [DTensor activations]
+// Under tensor parallelism (torch.distributed.tensor) the tensors autograd saves are DTensors:
+// wrapper subclasses whose own storage holds nothing, with the data in a plain local tensor
+// (`_local_tensor`, this rank's shard or replica) and the layout in a spec (`_spec`: mesh,
+// placements, global shape and strides). Pack offloads the local tensor through the same path as
+// any saved tensor -- several DTensor views of one local storage are copied once, and the
+// version check runs on the local tensor's counter, which an in-place op on the DTensor bumps
+// (DTensor runs the op on the local tensor) -- and keeps the spec; unpack builds the DTensor
+// again from the reloaded local tensor and the spec. The local tensor of a DTensor computed by an
+// op is always a leaf (DTensor computes below autograd), so the parameter lookup runs on the
+// DTensor: a DTensor parameter, or a view of one, is kept as a parameter. Every other
+// __torch_dispatch__ subclass is kept (KeepReason::Subclass): its storage is not its data.
+// Only exactly DTensor: a subclass of it may hold more than its local tensor and spec.
+PyObject* dtensor_class() {
+  static PyObject* cls = nullptr;  // leaked on purpose, as module_class()
+  if (cls) return cls;
+  // Not imported: no DTensor can exist, and importing it here would cost every subclass pack.
+  PyObject* mod = PyDict_GetItemString(PyImport_GetModuleDict(), "torch.distributed.tensor");  // borrowed
+  if (!mod) return nullptr;
+  PyObject* c = PyObject_GetAttrString(mod, "DTensor");
+  if (!c) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  cls = c;
+  return cls;
+}
+
+// What pack returns for a DTensor: the packed local tensor, the DTensor's spec, and the
+// DTensor's own version. An in-place op on a DTensor bumps the DTensor's version counter
+// (autograd's in-place kernel runs on it), not its local tensor's (DTensor runs the op on the
+// local tensor below autograd), so both are checked.
+struct SavedDTensorObject {
+  PyObject_HEAD
+  PyObject* local;
+  PyObject* spec;
+  std::shared_ptr<SavedTensor> outer;
+};
+
+void saved_dtensor_dealloc(PyObject* self) {
+  auto* d = reinterpret_cast<SavedDTensorObject*>(self);
+  Py_XDECREF(d->local);
+  Py_XDECREF(d->spec);
+  d->outer.~shared_ptr();
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyTypeObject* saved_dtensor_type() {
+  static PyTypeObject* type = [] {
+    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "ckpt_offload._C.SavedDTensor";
+    t.tp_basicsize = sizeof(SavedDTensorObject);
+    t.tp_dealloc = saved_dtensor_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no object that can refer back to it: no GC
+    t.tp_doc = "A DTensor saved by co.offload's pack hook: its packed local tensor and its spec.";
+    if (PyType_Ready(&t) < 0) throw py::error_already_set();
+    return &t;
+  }();
+  return type;
+}
+
+// True while pack_dtensor packs the local tensor of a DTensor that is an activation: that local
+// tensor is a leaf, but no parameter or buffer (Note [DTensor activations]).
+thread_local bool t_local_of_activation = false;
+
 }  // namespace
+
+py::object Packer::pack_dtensor(py::handle obj, const at::Tensor& t, int64_t nbytes) {
+  PyObject* cls = dtensor_class();
+  if (!cls || Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(cls)) return py::object();
+  const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
+  const bool leaf = root.is_leaf();
+  if (leaf) {
+    // nn.Parameter(a DTensor) is a DTensor marked `_is_param` (what isinstance(p, Parameter)
+    // reads for subclasses), not an instance of Parameter.
+    PyObject* root_obj = THPVariable_Wrap(root);
+    int param = -1;
+    if (root_obj) {
+      PyObject* flag = PyObject_GetAttrString(root_obj, "_is_param");
+      param = flag ? PyObject_IsTrue(flag) : 0;
+      Py_XDECREF(flag);
+      Py_DECREF(root_obj);
+    }
+    PyErr_Clear();
+    if (param == 1) return keep(t, KeepReason::Parameter, nbytes);
+  }
+  py::object local = obj.attr("_local_tensor");
+  py::object spec = obj.attr("_spec");
+  py::object inner;
+  {
+    const bool outer = t_local_of_activation;
+    t_local_of_activation = !leaf;
+    try {
+      inner = pack(local);
+    } catch (...) {
+      t_local_of_activation = outer;
+      throw;
+    }
+    t_local_of_activation = outer;
+  }
+  PyTypeObject* type = saved_dtensor_type();
+  PyObject* o = type->tp_alloc(type, 0);
+  if (!o) throw py::error_already_set();
+  auto* d = reinterpret_cast<SavedDTensorObject*>(o);
+  new (&d->outer) std::shared_ptr<SavedTensor>(SavedTensor::describe_layout(t, counters_));
+  d->local = inner.release().ptr();
+  d->spec = spec.release().ptr();
+  return py::reinterpret_steal<py::object>(o);
+}
 
 std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::TensorBase& root) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
@@ -310,7 +428,8 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   // by its own node does not form a reference cycle that would leak the graph. For a plain
   // strided tensor made directly (what the detach op does, without its dispatch); subclasses
   // and other layouts go through their own detach.
-  if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData) {
+  if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData ||
+      t.key_set().has(c10::DispatchKey::Python)) {
     saved->kept_ = t.detach();
   } else {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -359,7 +478,8 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   // one flag test here, or two under autocast.
   const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
   if (root.is_leaf()) {
-    if (auto why = leaf_owner(t, root)) return why;
+    if (!t_local_of_activation)
+      if (auto why = leaf_owner(t, root)) return why;
   } else if (autocast_region_active() && is_autocast_weight_cast(root)) {
     return KeepReason::AutocastCast;
   }
@@ -405,7 +525,8 @@ std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const S
       break;
     }
     // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
-    if (wide.lo < g.hi && wide.hi > g.lo) touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable});
+    if (wide.lo < g.hi && wide.hi > g.lo)
+      touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable, g.counted});
   }
   if (!held) return nullptr;
   touched->clear();
@@ -483,6 +604,12 @@ std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const S
     }
     groups[at[0]].lo = lo;
     groups[at[0]].hi = hi;
+    // The joined copy holds lo..hi on the host: what its views had counted becomes that.
+    int64_t counted = 0;
+    for (const auto& g : touched) counted += g.counted;
+    groups[at[0]].counted = hi - lo;
+    counters_->bytes_offloaded += hi - lo - counted;
+    counters_->bytes_stored += hi - lo - counted;
     std::sort(at.begin() + 1, at.end());
     for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
   }
@@ -561,6 +688,7 @@ void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_p
   g.lo = span.lo;
   g.hi = span.hi;
   g.extendable = extendable;
+  g.counted = saved->nbytes();
   e.groups.push_back(std::move(g));
 }
 
@@ -580,9 +708,10 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
     }
     ++i;
     // The same bytes, read as the same elements at the same version: converting them again
-    // would give the same bits (fp8's scale is the span's amax), so they are shared. Spans
+    // would give the same bits (fp8's scale is their amax), so they are shared. Spans
     // that only overlap convert on their own.
-    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type())
+    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
+        (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides)))
       return copy;
   }
   return nullptr;
@@ -615,6 +744,11 @@ void Packer::remember_converted(const at::Tensor& t, const Span& span, const std
   g.lo = span.lo;
   g.hi = span.hi;
   g.dtype = t.scalar_type();
+  g.dense = t.is_non_overlapping_and_dense();
+  if (!g.dense) {
+    g.sizes = t.sizes().vec();
+    g.strides = t.strides().vec();
+  }
   e.groups.push_back(std::move(g));
 }
 
@@ -625,7 +759,11 @@ py::object Packer::pack(py::handle obj) {
   Span span;
   int64_t keep_bytes = 0;
   std::optional<CurrentStream> current;
-  if (auto why = classify(o, t, &span, &keep_bytes, &current)) return keep(t, *why, keep_bytes);
+  if (auto why = classify(o, t, &span, &keep_bytes, &current)) {
+    if (*why == KeepReason::Subclass)
+      if (py::object d = pack_dtensor(obj, t, keep_bytes)) return d;
+    return keep(t, *why, keep_bytes);
+  }
   // Note [One copy per storage]: the span widened to the 512-byte cells of its storage.
   Span wide = span;
   wide.lo = span.lo / static_cast<int64_t>(kAlignment) * static_cast<int64_t>(kAlignment);
@@ -699,6 +837,15 @@ py::object Packer::pack(py::handle obj) {
 }
 
 at::Tensor Packer::unpack(py::handle obj) {
+  if (Py_TYPE(obj.ptr()) == saved_dtensor_type()) {  // Note [DTensor activations]
+    auto* d = reinterpret_cast<SavedDTensorObject*>(obj.ptr());
+    d->outer->check_version();
+    at::Tensor local = unpack(py::handle(d->local));
+    py::object local_obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(local)));
+    // autograd gives the unpacked tensor its grad_fn or requires_grad itself.
+    py::object dt = py::handle(dtensor_class())(local_obj, py::handle(d->spec), py::arg("requires_grad") = false);
+    return THPVariable_Unpack(dt.ptr());
+  }
   if (Py_TYPE(obj.ptr()) != saved_type()) {  // Note [Saved activation objects]
     if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");

@@ -125,6 +125,7 @@ class Packer {
     std::shared_ptr<OffloadedStorage> held;
     int64_t lo = 0, hi = 0;
     bool extendable = false;
+    int64_t counted = 0;  // DedupGroup::counted
   };
   // A saved tensor viewing an already offloaded span of the same storage, or null; then
   // `touched` gets the copies of that storage (same version) whose cells `wide` shares.
@@ -142,6 +143,9 @@ class Packer {
                                            TieredRefusal* why);
   void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved, bool extendable);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
+  // Note [DTensor activations]: a DTensor packed through its local tensor; a null object when
+  // `obj` is not a DTensor (it is then kept as a subclass).
+  pybind11::object pack_dtensor(pybind11::handle obj, const at::Tensor& t, int64_t nbytes);
   // Note [Low-precision storage]: the narrow copy of exactly t's span (same storage, first and
   // last byte, dtype, version) made earlier, or null; and remembering one.
   std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
@@ -153,6 +157,7 @@ class Packer {
     uint32_t version = 0;
     int64_t lo = 0, hi = 0;   // byte range of the storage held on the host
     bool extendable = false;  // a copy of its own (not a batch member): can take more pieces
+    int64_t counted = 0;      // its bytes in bytes_offloaded / bytes_stored (a joined copy: hi - lo)
   };
   struct DedupEntry {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -166,6 +171,10 @@ class Packer {
     uint32_t version = 0;
     int64_t lo = 0, hi = 0;
     c10::ScalarType dtype = c10::kFloat;
+    // Its elements are the span's (non-overlapping and dense); else only a view of the same
+    // sizes and strides has the same elements, and so the same fp8 scale.
+    bool dense = true;
+    std::vector<int64_t> sizes, strides;  // when not dense
   };
   struct ConvertedEntry {
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};

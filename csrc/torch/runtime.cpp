@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "../core/cpu_stream.h"
+#include "pinned_fallback.h"
 #include "runtime_backend.h"
 
 namespace ckpt_offload {
@@ -182,7 +183,8 @@ std::shared_ptr<HostPool> make_pool(const std::string& backend_name, size_t max_
   if (backend_name == "pageable") {
     backend = std::make_unique<PageableBackend>();
   } else if (backend_name == "pinned" || backend_name == "registered") {
-    backend = device_runtime::pinned_backend(backend_name);
+    // Note [Pinned fallback]: a refused pinned segment is taken as pageable memory.
+    backend = std::make_unique<FallbackBackend>(pinned_or_simulated_backend(backend_name));
   } else {
     throw std::invalid_argument("ckpt_offload: backend must be 'pinned', 'registered' or 'pageable', got '" +
                                 backend_name + "'");

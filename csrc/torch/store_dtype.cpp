@@ -47,19 +47,50 @@ std::optional<lowp::Source> store_source(const at::Tensor& t, lowp::Format f) {
   return s;
 }
 
+namespace {
+// The finite amax of `t`'s own elements read as fp32 (as the conversion reads them: fp64 is
+// rounded first), and whether one is infinite, as 0-dim tensors on t's device (no sync).
+std::pair<at::Tensor, at::Tensor> own_amax(const at::Tensor& t) {
+  const at::Tensor a = t.detach().to(at::kFloat).abs();
+  const at::Tensor amax = at::where(at::isfinite(a), a, at::zeros({}, a.options())).max();
+  return {amax, at::isinf(a).any()};
+}
+}  // namespace
+
 at::Tensor store_down(lowp::Source s, const void* src, int64_t n, lowp::Format f, const c10::Device& device,
-                      const CurrentStream& current) {
-  // From the caching allocator in the current stream's order: the conversion runs on that
-  // stream, and the D2H copy waits on it.
-  at::Tensor out = device_bytes(device, static_cast<size_t>(lowp::stored_bytes(f, n)));
+                      const CurrentStream& current, const at::Tensor* elements) {
+  if (!lowp::format_scaled(f)) elements = nullptr;
+  const int64_t stored = lowp::stored_bytes(f, n);
   if (device.is_cpu()) {
-    lowp::down_cpu(s, src, n, f, out.data_ptr());
+    // From the caching allocator in the current stream's order: the conversion runs on that
+    // stream, and the D2H copy waits on it.
+    at::Tensor out = device_bytes(device, static_cast<size_t>(stored));
+    if (elements) {
+      const auto [amax, inf] = own_amax(*elements);
+      const uint32_t word = lowp::scale_word(amax.item<float>(), inf.item<bool>());
+      lowp::down_cpu(s, src, n, f, out.data_ptr(), &word);
+    } else {
+      lowp::down_cpu(s, src, n, f, out.data_ptr());
+    }
     return out;
   }
 #ifdef CKPT_OFFLOAD_WITH_CUDA
   if (device.is_cuda()) {
-    lowp::down_cuda(s, src, n, f, out.data_ptr(), current.cuda_stream());
-    return out;
+    // Scaled formats: 8 bytes of scratch after the stored bytes (the amax pass's result, which
+    // the cast reads), in the same allocation and never copied to the host.
+    const int64_t scratch = lowp::format_scaled(f) ? 8 : 0;
+    at::Tensor out = device_bytes(device, static_cast<size_t>(stored + scratch));
+    char* base = static_cast<char*>(out.data_ptr());
+    if (elements) {
+      const auto [amax, inf] = own_amax(*elements);
+      const auto opts = at::TensorOptions().dtype(at::kInt).device(device);
+      at::Tensor words = at::from_blob(base + stored, {2}, opts);
+      words.narrow(0, 0, 1).copy_(amax.view(at::kInt).reshape({1}));
+      words.narrow(0, 1, 1).copy_(inf.to(at::kInt).reshape({1}));
+    }
+    lowp::down_cuda(s, src, n, f, base, scratch ? base + stored : nullptr, elements != nullptr,
+                    current.cuda_stream());
+    return scratch ? out.narrow(0, 0, stored) : out;
   }
 #endif
   throw std::runtime_error("ckpt_offload: store_dtype has no conversion for tensors on " + device.str());
@@ -91,15 +122,18 @@ at::ScalarType scalar_of(lowp::Source s) {
 }
 }  // namespace
 
-double store_relative_error(lowp::Source s, const void* src, int64_t n, lowp::Format f, const at::Tensor& stored,
-                            const c10::Device& device, const CurrentStream& current) {
-  const auto opts = at::TensorOptions().dtype(scalar_of(s)).device(device);
-  at::Tensor x = at::from_blob(const_cast<void*>(src), {n}, opts);
+double store_relative_error(const at::Tensor& t, lowp::Source s, int64_t n, lowp::Format f, const at::Tensor& stored,
+                            const CurrentStream& current) {
+  const auto opts = at::TensorOptions().dtype(scalar_of(s)).device(t.device());
   at::Tensor back = at::empty({n}, opts);
   store_up(s, back.data_ptr(), n, f, stored, current);
-  const at::Tensor xd = x.to(at::kDouble);
-  const double norm = xd.norm().item<double>();
-  const double diff = (back.to(at::kDouble) - xd).norm().item<double>();
+  // The tensor's own elements, in its layout over the span (index 0 is its first byte).
+  const at::Tensor xd = t.detach().to(at::kDouble);
+  const at::Tensor bd = back.as_strided(t.sizes(), t.strides(), 0).to(at::kDouble);
+  const at::Tensor zero = at::zeros({}, xd.options());
+  const at::Tensor exact = at::eq(xd, bd).logical_or(at::isnan(xd).logical_and(at::isnan(bd)));
+  const double norm = at::where(at::isfinite(xd), xd, zero).norm().item<double>();
+  const double diff = at::where(exact, zero, bd - xd).norm().item<double>();
   return norm > 0.0 ? diff / norm : (diff > 0.0 ? 1.0 : 0.0);
 }
 
@@ -149,16 +183,21 @@ std::shared_ptr<SavedTensor> SavedTensor::offload_converted(const at::Tensor& t,
   const int64_t lo = t.storage_offset() * item;
   const int64_t n = saved->nbytes_ / item;
   const void* src = static_cast<const char*>(t.storage().data()) + lo;
-  at::Tensor staged = store_down(s, src, n, f, t.device(), cur);
-  if (errors) {
-    std::string cls = dtype_name(t.scalar_type()) + "->" + store_format_name(f);
-    if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
-    errors->add(cls, store_relative_error(s, src, n, f, staged, t.device(), cur));
-  }
+  // Dense over its span (the common case): the span's n elements are its own, and the scale
+  // comes from them in the conversion's own pass. Else from its elements (Note [fp8 scale word]).
+  const bool dense = t.is_non_overlapping_and_dense();
+  at::Tensor staged = store_down(s, src, n, f, t.device(), cur, dense ? nullptr : &t);
+  double error = 0.0;
+  if (errors) error = store_relative_error(t, s, n, f, staged, cur);
   // The staging tensor goes through the exact path; its keep-alive holds it until the copy has
   // read it, and its copy waits on `cur`, where the conversion ran.
   auto inner = offload(staged, pool, side_stream, counters, why, &cur);
-  if (!inner) return nullptr;
+  if (!inner) return nullptr;  // kept as it is: never converted, so no error to count
+  if (errors) {
+    std::string cls = dtype_name(t.scalar_type()) + "->" + store_format_name(f);
+    if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
+    errors->add(cls, error);
+  }
   saved->converted_ = std::make_shared<ConvertedCopy>(std::move(inner), f, s, t.scalar_type(), t.device(), lo, n);
   saved->converted_->link();
   return saved;
