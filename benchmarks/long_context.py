@@ -288,24 +288,24 @@ def plan_arm(model, tokens, chunk, device, plan_cache) -> Arm:
     recomputed with its input offloaded. Both come from ``co.planner.simulate``."""
     on_gpu = device.type == "cuda"
     pool = co.HostPool() if on_gpu else co.HostPool(pinned=False)
-    extra = {} if on_gpu else {"devices": ["cpu"], "min_bytes": 0}
+    offload = {"pool": pool} if on_gpu else {"pool": pool, "devices": ["cpu"], "min_bytes": 0}
 
     def step():
         h = hidden_states(model, tokens[:, :-1])
         chunked_loss(model, h, tokens[:, 1:], chunk).backward()
 
     t0 = time.perf_counter()
-    first = co.plan(model, step, budget=1 << 62, pool=pool, **extra)
+    first = co.plan(model, step, budget=1 << 62, offload=offload)
     cm = first.costs
     n = len(model.layers)
     ck = co.planner.simulate(cm, singles(["recompute"] * n)).peak_bytes
     ck_off = co.planner.simulate(cm, singles(["recompute_offload"] * n)).peak_bytes
     budget = int((ck + ck_off) // 2)
     try:
-        plan = co.plan(model, step, budget=budget, pool=pool, costs=cm, **extra)
+        plan = co.plan(model, step, budget=budget, costs=cm, offload=offload)
     except co.planner.InfeasibleBudget as e:
         budget = e.minimum
-        plan = co.plan(model, step, budget=budget, pool=pool, costs=cm, **extra)
+        plan = co.plan(model, step, budget=budget, costs=cm, offload=offload)
     model.zero_grad(set_to_none=True)
     handle = {}
 
@@ -1016,10 +1016,6 @@ def _arm_list(text: str) -> list[str]:
     return names
 
 
-def gpu_usable() -> bool:
-    return bool(torch.cuda.is_available() and co.build_info()["cuda_compiled"])
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1040,9 +1036,10 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    gpu = co.build_info()["gpu_available"]  # CUDA tensors can be offloaded here (ckpt_offload's one test of it)
     if args.device == "auto":
-        args.device = "cuda" if gpu_usable() and not args.quick else "cpu"
-    elif args.device == "cuda" and not gpu_usable():
+        args.device = "cuda" if gpu and not args.quick else "cpu"
+    elif args.device == "cuda" and not gpu:
         p.error("--device cuda: no usable CUDA device (or ckpt_offload built without CUDA); use --device cpu")
     if args.device == "cpu":
         args.quick = True  # the 8B-class shapes are GPU shapes: CPU always runs the tiny ones

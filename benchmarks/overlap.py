@@ -109,10 +109,6 @@ def _strategy_list(text: str) -> list[str]:
     return names
 
 
-def gpu_usable() -> bool:
-    return bool(torch.cuda.is_available() and co.build_info()["cuda_compiled"])
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,9 +134,10 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
 
+    gpu = co.build_info()["gpu_available"]  # CUDA tensors can be offloaded here (ckpt_offload's one test of it)
     if args.device == "auto":
-        args.device = "cuda" if gpu_usable() else "cpu"
-    elif args.device == "cuda" and not gpu_usable():
+        args.device = "cuda" if gpu else "cpu"
+    elif args.device == "cuda" and not gpu:
         p.error("--device cuda: no usable CUDA device here (torch.cuda.is_available() is False or ckpt_offload "
                 "was built without CUDA); use --device cpu or auto")
     on_gpu = args.device == "cuda"

@@ -108,16 +108,16 @@ def main(argv=None) -> int:
     points = args.points or (4 if args.quick else 6)
     steps = args.steps or (2 if args.quick else 5)
     model, step, cfg = builtin_model(size, device, 0, **overrides)
-    min_bytes = 0 if device == "cpu" else None
+    # The plan's offload options: CPU tensors offloaded whatever their size on a CPU run.
+    offload = {"devices": [device], "min_bytes": 0} if device == "cpu" else {"devices": [device]}
     print(f"planner sweep: TinyTransformer {size} ({cfg.layers} layers) on {device}", file=sys.stderr)
 
-    first = co.plan(model, step, budget=1 << 62, devices=[device], bandwidth=args.bandwidth,
-                    min_bytes=min_bytes)
+    first = co.plan(model, step, budget=1 << 62, bandwidth=args.bandwidth, offload=offload)
     cm = first.costs
     model.zero_grad(set_to_none=True)
     full = first.baseline["peak_bytes"]
     try:
-        co.plan(model, step, budget=0, devices=[device], min_bytes=min_bytes, costs=cm)
+        co.plan(model, step, budget=0, offload=offload, costs=cm)
         low = 0
     except InfeasibleBudget as e:
         low = e.minimum
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                 skipped += 1
                 continue
             if name == "plan":
-                pl = co.plan(model, step, budget=budget, devices=[device], min_bytes=min_bytes, costs=cm)
+                pl = co.plan(model, step, budget=budget, offload=offload, costs=cm)
                 units, prefetch = pl.units, pl.prefetch_bytes
                 choices = _choices(units)
             else:

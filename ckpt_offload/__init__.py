@@ -18,6 +18,7 @@ import sys
 from ckpt_offload._version import __version__  # noqa: F401  (co.__version__)
 from ckpt_offload._runtime import synchronize  # loads the native extension (a clear error if it cannot)
 from ckpt_offload._info import build_info
+from ckpt_offload._warn import deprecated_names as _deprecated_names
 from ckpt_offload.blocks import CheckpointHandle, apply
 from ckpt_offload.checkpointing import checkpoint, checkpoint_sequential
 from ckpt_offload.offloading import keep, offload, offload_tensor
@@ -29,6 +30,7 @@ from ckpt_offload.options import (
 )
 from ckpt_offload.selective import selective_offload_context
 from ckpt_offload.pool import HostPool, PoolFullError, SpillError, default_pool, pinned_available
+from ckpt_offload.profiling import DEPRECATED as _PROFILING_DEPRECATED
 from ckpt_offload.profiling import ProfileReport, profile
 from ckpt_offload.planner import Plan, plan
 
@@ -86,14 +88,13 @@ if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
     sys.meta_path.append(_MovedModuleFinder())
 
 
+_deprecated = _deprecated_names(__name__, _PROFILING_DEPRECATED, stacklevel=3)
+
+
 def __getattr__(name):
     # co.hf imports transformers only when asked for.
     if name == "hf":
         module = importlib.import_module("ckpt_offload.integrations.hf")
         globals()["hf"] = module
         return module
-    if name == "Profile":  # deprecated alias of ProfileReport (it warns)
-        import ckpt_offload.profiling as profiling
-
-        return profiling.__getattr__(name)
-    raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")
+    return _deprecated(name)  # co.Profile: the alias co.profiling keeps (it warns)

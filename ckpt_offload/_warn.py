@@ -115,3 +115,25 @@ def hooks_disabled_reason() -> str | None:
     get_message = getattr(autograd, "_saved_tensors_hooks_get_disabled_error_message", None)
     message = get_message() if get_message is not None else None
     return message or "saved tensor hooks are disabled"
+
+
+def deprecated_names(module: str, aliases: dict, stacklevel: int = 2):
+    """The ``__getattr__`` of a module that keeps old names for one release: ``aliases`` maps each
+    old name to ``(message, get)``; reading the name warns ``DeprecationWarning`` with ``message``
+    at the reader's line and returns ``get()``. Any other name raises ``AttributeError``.
+    ``stacklevel``: 2 when the result is the module's ``__getattr__``, one more per caller in between.
+
+    Example::
+
+        __getattr__ = deprecated_names(__name__, {"Old": ("Old goes in 0.3.0: use New", lambda: New)})
+    """
+
+    def __getattr__(name):
+        entry = aliases.get(name)
+        if entry is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        message, get = entry
+        warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+        return get()
+
+    return __getattr__

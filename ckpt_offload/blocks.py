@@ -52,7 +52,7 @@ from ckpt_offload.checkpointing import (
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
 __all__ = ["apply", "CheckpointHandle", "BlockForward", "InContext", "install_units", "select_blocks", "check_not_applied",
-           "selective_policy", "SELECTIVE_SAVE_OPS", "running_stats"]
+           "active_handle", "selective_policy", "SELECTIVE_SAVE_OPS", "running_stats"]
 
 # What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
 # whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
@@ -334,9 +334,10 @@ def _own_forward(block):
 
 
 class CheckpointHandle:
-    """Returned by :func:`apply` and ``Plan.apply``: which blocks are wrapped (:attr:`names`) and
-    what each does (:attr:`kinds`), their offload counts (:meth:`stats`), and :meth:`remove` to
-    restore the model.
+    """Returned by :func:`apply`, ``Plan.apply`` and ``co.hf.enable`` (its
+    :class:`~ckpt_offload.integrations.hf.HFCheckpointHandle` is this class with Hugging Face's
+    installing and restoring): which blocks are wrapped (:attr:`names`) and what each does
+    (:attr:`kinds`), their offload counts (:meth:`stats`), and :meth:`remove` to restore the model.
 
     Example::
 
@@ -350,10 +351,15 @@ class CheckpointHandle:
         self._model = model
         self._blocks = blocks
         self.names = names  #: qualified names of the wrapped blocks
-        self.kinds = kinds  #: per wrapped block, what it does (as ``plan.choices`` names it)
+        self._kinds = kinds
         self.every_n_layers = every_n_layers
         self.removed = False
         self._collector = collector if collector is not None else StatsCollector()
+
+    @property
+    def kinds(self) -> list:
+        """Per wrapped block, what it does (as ``plan.choices`` names it)."""
+        return self._kinds
 
     def stats(self) -> dict:
         """What offload did in this handle's checkpoints, and only theirs: the keys of
@@ -384,26 +390,36 @@ class CheckpointHandle:
         twice is harmless."""
         if self.removed:
             return
-        for block in self._blocks:
-            BlockForward.uninstall(block)
+        self._restore()
         if self._model.__dict__.get(HANDLE_ATTR) is self:
             del self._model.__dict__[HANDLE_ATTR]
         self.removed = True
 
+    def _restore(self) -> None:
+        """What :meth:`remove` undoes besides the model's handle attribute (a route's own part)."""
+        for block in self._blocks:
+            BlockForward.uninstall(block)
+
     def __repr__(self) -> str:
         every = f", every_n_layers={self.every_n_layers}" if self.every_n_layers != 1 else ""
-        return f"CheckpointHandle({len(self.names)} blocks{every}, removed={self.removed})"
+        return f"{type(self).__name__}({len(self.names)} blocks{every}, removed={self.removed})"
 
 
 #: Where a model keeps the handle of what ckpt_offload applied to it (co.apply, a plan, co.hf.enable).
 HANDLE_ATTR = "_ckpt_offload_handle"
 
 
+def active_handle(model: torch.nn.Module) -> CheckpointHandle | None:
+    """The handle of what co.apply, a plan or co.hf.enable applied to ``model``, while it is
+    applied (not removed); else None."""
+    handle = getattr(model, "__dict__", {}).get(HANDLE_ATTR)
+    return handle if isinstance(handle, CheckpointHandle) and not handle.removed else None
+
+
 def check_not_applied(model: torch.nn.Module, named_blocks=(), route: str = "co.apply", why: str = "") -> None:
     """Refuses a model (or one of ``named_blocks``) that co.apply, co.hf.enable or a plan already
     wraps: wrapping twice would checkpoint twice (and ``remove`` could not restore the model)."""
-    existing = model.__dict__.get(HANDLE_ATTR)
-    if existing is not None and not existing.removed:
+    if active_handle(model) is not None:
         raise RuntimeError(
             f"{route}: the model is already wrapped by co.apply, co.hf.enable or a plan (ckpt_offload is already "
             f"applied to it){why}. Call .remove() on the handle it returned (model._ckpt_offload_handle.remove()) "

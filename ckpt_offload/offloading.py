@@ -22,8 +22,10 @@ from ckpt_offload.options import (
     POSITIONAL_KEYS,
     STREAM_MODES,
     OffloadOptions,
+    args_section,
     check_offloads_something,
     from_arguments,
+    option_docs,
 )
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool
 
@@ -171,64 +173,7 @@ class offload:
     deduplicating, restoring) runs in C++. Gradients are bit-identical to a run without it.
 
     Args:
-        min_bytes: the smallest tensor (bytes of storage it spans) worth a copy; smaller ones
-            stay on the device. Default :data:`DEFAULT_MIN_BYTES` (256 KiB). This and the other
-            byte counts (``prefetch_bytes``, ``batch_below``, ``batch_bytes``) take an int or a
-            size string such as ``"64KiB"`` or ``"1MiB"``.
-        stream: ``"side"`` (default) copies on a dedicated copy stream per device, ordered
-            after the compute stream by events, so copies overlap compute; ``"compute"`` copies
-            on the current stream (simplest, no overlap).
-        devices: device types whose tensors are offloaded: ``"cuda"``, ``"cpu"`` or a list.
-            Default: the accelerator in use (``["cuda"]`` with a GPU; nothing without one).
-        pool: the :class:`~ckpt_offload.HostPool` to use; default :func:`~ckpt_offload.default_pool`.
-        on_full: at the pool's cap, ``"keep"`` (default) leaves the tensor on the device and
-            counts it as ``kept_by_reason["pool_full"]``; ``"raise"`` raises
-            :class:`~ckpt_offload.PoolFullError`.
-        prefetch_bytes: with ``stream="side"``, each reload in backward starts the reloads of
-            the tensors packed just before it (the ones backward needs next) on the copy stream,
-            while fewer than a window of bytes of such prefetched tensors wait unused on the
-            device. ``None`` (default): the window follows the model -- about one block (a
-            checkpointed block, or one of the repeated layers the forward packed), as many
-            blocks ahead as copies need to start to hide behind compute (measured as backward
-            runs), at most :data:`DEFAULT_PREFETCH_BYTES`; so backward holds about the block it
-            differentiates, one block prefetched and what is kept, not the whole step. An int
-            fixes the window at that many bytes; ``0`` turns prefetch off. Correct for any
-            unpack order: a prefetched tensor is used by whichever unpack asks first and, if
-            none does, released once its copy has finished.
-        batch_below: saved tensors spanning fewer bytes than this (and at least ``min_bytes``)
-            are gathered into shared blocks of ``batch_bytes`` and copied once (a gather kernel
-            on a GPU), then scattered back into tensors of their own on reload. ``0`` (default)
-            turns batching off. Lower ``min_bytes`` with it to offload small tensors cheaply,
-            e.g. ``co.offload(min_bytes=4096, batch_below=256 * 1024)``.
-        batch_bytes: size of a batch block (default :data:`DEFAULT_BATCH_BYTES`, 4 MiB). A batch
-            is copied when full, when the context exits, or when one of its tensors is needed.
-        keep_dedup: keep the table of offloaded storages from one entry of this context to the
-            next (default ``False``: each entry starts afresh), so that a tensor saved in several
-            entries -- an input every checkpointed layer receives -- is stored once. The table
-            holds no tensor. ``co.checkpoint`` uses this for the context it shares across layers.
-        store_dtype: ``None`` (default): every offloaded byte is stored exactly, and gradients are
-            bit-identical. ``torch.bfloat16`` / ``torch.float16``: a floating-point saved tensor
-            wider than that (fp32, fp64) is converted before its copy to the host and converted back
-            after its reload -- half the host bytes and copy time of fp32, with the rounding error of
-            ``t.to(store_dtype).to(t.dtype)``. ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``: a
-            quarter of fp32's bytes, with a per-tensor scale (the absolute maximum of the tensor's
-            own finite elements / the format's largest value) stored with it; infinities and NaN
-            come back as themselves; fp16 / bf16 tensors are converted too. Not bit-exact:
-            an accuracy trade-off; :meth:`stats` counts ``bytes_stored`` against
-            ``bytes_offloaded``. Integer, bool and complex tensors, and tensors already at or below
-            the storage width, are stored exactly. Converted tensors are copied one by one (never
-            batched). A saved tensor whose span is exactly an earlier converted one's (same
-            storage, first and last byte, dtype and version: the same tensor saved twice, or a view
-            of it in another layout, like softmax's output reshaped for a matmul) shares its narrow
-            copy and its conversion back (counted in ``tensors_deduplicated``; gradients are the
-            same bits as converting it again); views whose spans only overlap are converted each
-            on its own.
-        store_min_bytes: tensors spanning fewer bytes than this are stored exactly even with
-            ``store_dtype`` (default ``0``: every offloaded floating-point tensor is converted).
-        measure_error: with ``store_dtype``, measure the relative error ``||x - stored(x)|| /
-            ||x||`` of every converted tensor into ``stats()["store_error"]``, per class
-            ``"<dtype>-><store dtype>"`` (plus ``" @ <module>"`` under :func:`~ckpt_offload.profile`).
-            Synchronizes with the device once per tensor: for measuring, not for training runs.
+        {options}
 
     One context object is active at most once at a time: entering it again (also from another
     thread) before it exits raises ``RuntimeError``; nest a new ``co.offload()`` instead.
@@ -612,6 +557,25 @@ def _signature() -> inspect.Signature:
 
 
 offload.__init__.__signature__ = _signature()
+
+#: co.offload's one option that is not an OffloadOptions field (it is about the context object).
+KEEP_DEDUP_DOC = (
+    "Keep the table of offloaded storages from one entry of this context to the next (default `False`: each "
+    "entry starts afresh), so that a tensor saved in several entries -- an input every checkpointed layer "
+    "receives -- is stored once. The table holds no tensor. `co.checkpoint` uses this for the context it "
+    "shares across layers.")
+
+
+def argument_docs() -> dict:
+    """co.offload's arguments and their descriptions, in its signature's order: the options'
+    (from :class:`OffloadOptions`' fields) with ``keep_dedup`` after the positional ones."""
+    docs = list(option_docs().items())
+    docs.insert(len(POSITIONAL_KEYS), ("keep_dedup", KEEP_DEDUP_DOC))
+    return dict(docs)
+
+
+if offload.__doc__:  # None under python -OO
+    offload.__doc__ = offload.__doc__.replace("        {options}\n", args_section(argument_docs()) + "\n")
 
 
 def _keep_pack(t):

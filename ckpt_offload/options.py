@@ -9,12 +9,17 @@ packer receives. Keyword arguments and ``offload={...}`` dicts are spellings of 
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import itertools
+import re
+import textwrap
 
 import torch
 
 from ckpt_offload._args import check_bytes, check_choice, closest, device_types
-from ckpt_offload._runtime import cuda_compiled, default_devices, usable_device_types
+from ckpt_offload._runtime import _C, cuda_compiled, default_devices, usable_device_types
 from ckpt_offload._warn import warn_at_user_line
 from ckpt_offload.pool import HostPool
 
@@ -32,8 +37,8 @@ DEFAULT_PREFETCH_BYTES = 256 * 1024 * 1024
 #: Size of the blocks that batched small tensors are gathered into (``batch_below``).
 DEFAULT_BATCH_BYTES = 4 * 1024 * 1024
 STREAM_MODES = ("side", "compute")
-#: The narrower formats ``store_dtype`` accepts (besides None: exact storage).
-STORE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+#: The narrower formats ``store_dtype`` accepts (besides None: exact storage): the engine's list.
+STORE_DTYPES = tuple(getattr(torch, name) for name in _C.store_formats())
 ON_FULL_POLICIES = ("keep", "raise")
 
 
@@ -155,16 +160,66 @@ class OffloadOptions:
     """
 
     min_bytes: int = DEFAULT_MIN_BYTES
+    """The smallest tensor (bytes of storage it spans) worth a copy; smaller ones stay on the device.
+    Default `DEFAULT_MIN_BYTES` (256 KiB; how it was chosen: "Choosing `min_bytes`" in docs/api.md). This
+    and the other byte counts (`prefetch_bytes`, `batch_below`, `batch_bytes`, `store_min_bytes`) take an
+    int or a size string such as `"64KiB"` or `"1MiB"`."""
     stream: str = "side"
+    """`"side"` (default): copies on a dedicated copy stream per device and direction, ordered after the
+    compute stream by events, so copies overlap compute. `"compute"`: copies on the current stream
+    (simplest, no overlap)."""
     devices: tuple | None = None
+    """Device types whose tensors are offloaded: `"cuda"`, `"cpu"`, or a list. Default: the accelerator
+    in use (`["cuda"]` with a GPU; nothing, with a warning, on a machine without one)."""
     pool: HostPool | None = None
+    """The `co.HostPool` to use; default `co.default_pool()`."""
     on_full: str = "keep"
+    """At the pool's cap: `"keep"` (default) leaves the tensor on the device and counts it as
+    `kept_by_reason["pool_full"]`; `"raise"` raises `co.PoolFullError`."""
     prefetch_bytes: int | None = None
+    """With `stream="side"`, each reload in backward starts the reloads of the tensors packed just before
+    it (the ones backward needs next) on the copy stream, while fewer than a window of bytes of such
+    prefetched tensors wait unused on the device. `None` (default): the window follows the model --
+    about one block (a checkpointed block, or one of the repeated layers the forward packed), started
+    as many blocks ahead as the copies need to hide behind compute (measured as backward runs, 1 to 8
+    blocks), at most `DEFAULT_PREFETCH_BYTES` (256 MiB); so backward holds about the block it
+    differentiates, one block prefetched and what is kept, not the whole step. An int fixes the window
+    at that many bytes; `0` turns prefetch off. Correct for any unpack order: a prefetched tensor is
+    used by whichever unpack asks first and, if none does, released once its copy has finished.
+    `stats()` reports `prefetch_window_bytes`, `prefetch_block_bytes` and `prefetch_lead`."""
     batch_below: int = 0
+    """Saved tensors spanning fewer bytes than this (and at least `min_bytes`) are gathered into shared
+    blocks of `batch_bytes` and copied once (a gather kernel on a GPU), then scattered back into tensors
+    of their own on reload. `0` (default) turns batching off. Lower `min_bytes` with it to offload small
+    tensors cheaply, e.g. `co.offload(min_bytes=4096, batch_below=256 * 1024)`."""
     batch_bytes: int = DEFAULT_BATCH_BYTES
+    """Size of a batch block (default `DEFAULT_BATCH_BYTES`, 4 MiB). A batch is copied when full, when
+    the context exits, or when one of its tensors is needed."""
     store_dtype: torch.dtype | None = None
+    """`None` (default): every offloaded byte is stored exactly, and gradients are bit-identical. A
+    storage dtype may also be given by name: `"bf16"`, `"fp16"`, `"fp8"` (e4m3fn), `"fp8_e5m2"` or the
+    dtype's own (`"bfloat16"`, ...), as `co.plan(lossy=...)` takes them. `torch.bfloat16` /
+    `torch.float16`: a floating-point saved tensor wider than that (fp32, fp64) is
+    converted before its copy to the host and converted back after its reload -- half the host bytes
+    and copy time of fp32, with the rounding error of `t.to(store_dtype).to(t.dtype)`.
+    `torch.float8_e4m3fn` / `torch.float8_e5m2`: a quarter of fp32's bytes, with a per-tensor scale
+    (the absolute maximum of the tensor's own finite elements / the format's largest value) stored with
+    it; infinities and NaN come back as themselves; fp16 / bf16 tensors are converted too. Not bit-exact: an accuracy trade-off ("Low-precision storage" in docs/api.md);
+    `stats()` counts `bytes_stored` against `bytes_offloaded`. Integer, bool and complex tensors, and
+    tensors already at or below the storage width, are stored exactly. Converted tensors are copied one
+    by one (never batched). A saved tensor whose span is exactly an earlier converted one's (same
+    storage, first and last byte, dtype and version: the same tensor saved twice, or a view of it in
+    another layout, like softmax's output reshaped for a matmul) shares its narrow copy and its
+    conversion back (counted in `tensors_deduplicated`; gradients are the same bits as converting it
+    again); views whose spans only overlap are converted each on its own."""
     store_min_bytes: int = 0
+    """With `store_dtype`: tensors spanning fewer bytes than this are stored exactly (default `0`: every
+    offloaded floating-point tensor is converted). Without `store_dtype` it does nothing, and warns."""
     measure_error: bool = False
+    """With `store_dtype`: measure the relative error `norm(x - stored(x)) / norm(x)` of every converted
+    tensor into `stats()["store_error"]`, per class `"<dtype>-><store dtype>"` (plus `" @ <module>"` under
+    `co.profile()`). Synchronizes with the device once per tensor: for measuring, not for training.
+    Without `store_dtype` it does nothing, and warns."""
 
     def __post_init__(self):
         put = object.__setattr__  # frozen: the checks normalize in place, once
@@ -316,3 +371,54 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}) "
         f"or a co.OffloadOptions; got {type(offload).__name__}"
     )
+
+
+# --- the options' descriptions ---------------------------------------------------------------------
+# Each option is described once, in the string under its field in OffloadOptions (markdown-style
+# `code`). co.offload's docstring, OffloadOptions' and the table in docs/api.md are made from them
+# (scripts/option_docs.py writes the table; tests/test_docs.py checks it is current).
+
+
+@functools.cache
+def option_docs() -> dict:
+    """``{option: description}`` in field order: the string under each field of
+    :class:`OffloadOptions`, as one line. Empty where the source cannot be read (a frozen
+    install): the docstrings then say less, the options work the same."""
+    try:
+        with open(__file__, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError):  # pragma: no cover - no source
+        return {}
+    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OffloadOptions")
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return {k: docs[k] for k in OFFLOAD_KEYS if k in docs}
+
+
+def _rst(text: str) -> str:
+    """A description's `code` as reStructuredText's ``code``."""
+    return re.sub(r"`([^`]+)`", r"``\1``", text)
+
+
+def args_section(docs: dict, indent: int = 8) -> str:
+    """``docs`` (``{name: description}``) as the entries of a docstring's ``Args:``, wrapped at
+    100 columns, continuation lines 4 deeper."""
+    lines = []
+    for name, text in docs.items():
+        lines += textwrap.wrap(f"{name}: {_rst(text)}", 100, initial_indent=" " * indent,
+                               subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def markdown_table(docs: dict) -> str:
+    """``docs`` as the argument table of docs/api.md (a description holds no ``|``)."""
+    rows = ["| argument | meaning |", "| --- | --- |"]
+    rows += [f"| `{name}` | {text} |" for name, text in docs.items()]
+    return "\n".join(rows)
+
+
+if OffloadOptions.__doc__ and option_docs():  # None under python -OO
+    OffloadOptions.__doc__ += "\n    Fields:\n" + args_section(option_docs()) + "\n"

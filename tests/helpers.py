@@ -21,15 +21,10 @@ import torch
 import ckpt_offload as co
 
 
-def gpu_usable() -> bool:
-    """A CUDA device is usable and ckpt_offload was built with its CUDA engine."""
-    try:
-        return bool(torch.cuda.is_available() and co.build_info()["gpu_available"])
-    except Exception:  # a broken driver must skip, not error at collection
-        return False
-
-
-HAS_GPU = gpu_usable()
+try:  # ckpt_offload's one test of "CUDA tensors can be offloaded here" (_runtime.gpu_usable)
+    HAS_GPU = bool(co.build_info()["gpu_available"])
+except Exception:  # a broken driver must skip, not error at collection
+    HAS_GPU = False
 GPU_REASON = "needs a CUDA GPU and a CUDA build of ckpt_offload (co.build_info()['gpu_available'])"
 
 # Spin-kernel length that holds the compute stream for a few milliseconds (~2 GHz clocks).

@@ -41,7 +41,8 @@ class PlannerCase:
 
     def plan(self, **kwargs):
         """``co.plan`` of this case on CPU, from its measured costs."""
-        return co.plan(self.model, self.step, **{**CPU_ALL, "costs": self.costs, **kwargs})
+        offload = {**CPU_ALL, **kwargs.pop("offload", {})}
+        return co.plan(self.model, self.step, **{"costs": self.costs, "offload": offload, **kwargs})
 
     def grads(self, drained: bool = False) -> dict:
         """The gradients of one step (from zero), as the model is wrapped now."""

@@ -275,6 +275,34 @@ def test_ci_runs_the_readmes_test_command_first_then_the_release_checks():
         assert check in release and check not in dev[dev.index("run_tests() {"):dev.index("run_release_checks() {")]
 
 
+def test_each_option_is_described_once_and_the_docstrings_and_api_md_are_made_from_it():
+    """The string under each OffloadOptions field is that option's one description: co.offload's
+    docstring, OffloadOptions' and the table in docs/api.md are made from it."""
+    import importlib.util
+    import dataclasses
+
+    import ckpt_offload as co
+    from ckpt_offload.offloading import argument_docs
+    from ckpt_offload.options import OFFLOAD_KEYS, option_docs
+
+    docs = option_docs()
+    assert tuple(docs) == OFFLOAD_KEYS == tuple(f.name for f in dataclasses.fields(co.OffloadOptions))
+    assert all(len(text) > 20 and "|" not in text for text in docs.values())
+    assert list(argument_docs()) == list(co.offload.__init__.__signature__.parameters)[1:]
+    flat = " ".join(co.offload.__doc__.split())
+    flat_options = " ".join(co.OffloadOptions.__doc__.split())
+    for name, text in argument_docs().items():
+        rst = re.sub(r"`([^`]+)`", r"``\1``", text)
+        assert f"{name}: {rst}" in flat, name
+        assert name == "keep_dedup" or f"{name}: {rst}" in flat_options, name
+    spec = importlib.util.spec_from_file_location("option_docs", ROOT / "scripts" / "option_docs.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert script.rewritten(text) == text, "docs/api.md's options table is not current: run python scripts/option_docs.py"
+    assert script.table() in text
+
+
 def test_one_version_number_the_changelogs():
     # The package, the CHANGELOG's newest section and the sdist the docs install agree: an
     # unreleased section is that version's .dev0.

@@ -156,6 +156,19 @@ def test_remove_restores_the_model_and_disable():
     assert "_ckpt_offload_handle" not in model.__dict__
 
 
+def test_enable_returns_the_handle_class_of_every_route():
+    model = make("llama")
+    handle = co.hf.enable(model, every_n_layers=2, offload=False)
+    assert isinstance(handle, co.CheckpointHandle) and handle.names == ["model.layers.0", "model.layers.2"]
+    assert handle.kinds == ["recompute", "recompute"]
+    handle.function.options = co.OffloadOptions(devices=["cpu"])
+    assert handle.kinds == ["recompute_offload", "recompute_offload"]
+    with pytest.warns(DeprecationWarning, match=r"handle\.remove\(\)"):
+        handle.disable()  # 0.1.0's name of remove()
+    assert handle.removed and "_ckpt_offload_handle" not in model.__dict__
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def test_deepcopy_of_an_enabled_model(pool):
     import copy
 

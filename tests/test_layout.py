@@ -205,6 +205,23 @@ def test_public_names_are_what_all_lists():
         assert co.Profile is co.ProfileReport
 
 
+def test_names_of_0_1_0_kept_for_one_release_warn_at_the_readers_line():
+    import ckpt_offload.planner.apply as planner_apply
+    from ckpt_offload import profiling
+    from ckpt_offload.planner import solver
+
+    for module, name, expected, fix in [(co, "Profile", co.ProfileReport, "ProfileReport"),
+                                        (profiling, "Profile", co.ProfileReport, "ProfileReport"),
+                                        (co.planner, "chain_dp", solver.chain_dp, "planner.solver"),
+                                        (planner_apply, "PlanHandle", co.CheckpointHandle, "co.CheckpointHandle")]:
+        with pytest.warns(DeprecationWarning, match=re.escape(fix)) as record:
+            assert getattr(module, name) is expected
+        assert record[0].filename == __file__, (module.__name__, name, record[0].filename)
+    for module in (co, profiling, co.planner, planner_apply):
+        with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+            module.NoSuchName  # noqa: B018
+
+
 # --- one option list -------------------------------------------------------------------------------
 
 

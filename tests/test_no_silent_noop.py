@@ -291,7 +291,7 @@ _PLAN_QUIETLY = """
 import torch, ckpt_offload as co
 model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
 x = torch.randn(32, 64)
-plan = co.plan(model, lambda: model(x).sum().backward(), budget="1MiB", devices=["cpu"], min_bytes=0)
+plan = co.plan(model, lambda: model(x).sum().backward(), budget="1MiB", offload={"devices": ["cpu"], "min_bytes": 0})
 print("planned", len(plan.choices))
 """
 

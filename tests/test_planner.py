@@ -38,7 +38,7 @@ from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.solver import baselines, chain_cost, evaluate, first_k_units
 
 from conftest import assert_bit_identical, grads_of
-from planner_case import PlannerCase
+from planner_case import CPU_ALL, PlannerCase
 from models_for_tests import Chain, TinyTransformer, lm_loss, make_batch, make_config
 
 KINDS = ("keep", "offload", "recompute", "recompute_offload", "selective", "selective_offload")
@@ -153,7 +153,7 @@ def test_applied_plan_fits_budget_and_gradients_bit_identical(tiny, fraction):
     cm = tiny.costs
     full = simulate(cm, singles(["keep"] * len(cm.blocks))).peak_bytes
     budget = int(full * fraction)
-    plan = co.plan(tiny.model, tiny.step, budget=budget, devices=["cpu"], min_bytes=0, costs=cm)
+    plan = co.plan(tiny.model, tiny.step, budget=budget, offload=CPU_ALL, costs=cm)
     assert plan.predicted_peak_bytes <= budget
     assert any(k != "keep" for k in plan.choices.values())
     reference = _grads(tiny)
@@ -176,13 +176,13 @@ def test_selective_offload_is_offered_where_selective_does_not_fit(tiny):
     cm = tiny.costs
     kinds = ("keep", "selective", "selective_offload")
     with pytest.raises(InfeasibleBudget) as keep_or_selective:
-        co.plan(tiny.model, tiny.step, budget=1000, devices=["cpu"], min_bytes=0, costs=cm,
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm,
                 kinds=("keep", "selective"))
     with pytest.raises(InfeasibleBudget) as with_offload:
-        co.plan(tiny.model, tiny.step, budget=1000, devices=["cpu"], min_bytes=0, costs=cm, kinds=kinds)
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm, kinds=kinds)
     assert with_offload.value.minimum < keep_or_selective.value.minimum
     budget = keep_or_selective.value.minimum - 1
-    plan = co.plan(tiny.model, tiny.step, budget=budget, devices=["cpu"], min_bytes=0, costs=cm, kinds=kinds)
+    plan = co.plan(tiny.model, tiny.step, budget=budget, offload=CPU_ALL, costs=cm, kinds=kinds)
     assert "selective_offload" in plan.choices.values()
     reference = _grads(tiny)
     handle = plan.apply()
@@ -201,7 +201,7 @@ def test_selective_offload_is_offered_where_selective_does_not_fit(tiny):
 
 def test_plan_api_summary_and_choices(tiny):
     cm = tiny.costs
-    plan = co.plan(tiny.model, tiny.step, budget="1MiB", devices=["cpu"], min_bytes=0, costs=cm)
+    plan = co.plan(tiny.model, tiny.step, budget="1MiB", offload=CPU_ALL, costs=cm)
     assert set(plan.choices) == {n for n, _ in tiny.named}
     assert all(v in KINDS or v.endswith("_segment") for v in plan.choices.values())
     text = plan.summary()
@@ -215,10 +215,10 @@ def test_plan_api_summary_and_choices(tiny):
 def test_impossible_budget_raises_with_smallest_feasible(tiny):
     cm = tiny.costs
     with pytest.raises(InfeasibleBudget, match=r"pass budget >= \d+") as info:
-        co.plan(tiny.model, tiny.step, budget=1000, devices=["cpu"], min_bytes=0, costs=cm)
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm)
     smallest = info.value.minimum
     assert smallest > 1000
-    plan = co.plan(tiny.model, tiny.step, budget=smallest, devices=["cpu"], min_bytes=0, costs=cm)
+    plan = co.plan(tiny.model, tiny.step, budget=smallest, offload=CPU_ALL, costs=cm)
     assert plan.predicted_peak_bytes <= smallest
 
 
@@ -230,18 +230,18 @@ def test_impossible_budget_raises_with_smallest_feasible(tiny):
         (dict(kinds=("keep", "teleport")), ValueError, "kinds must be a non-empty subset"),
         (dict(bandwidth={"d2h": 1e9}), ValueError, "needs both 'd2h' and 'h2d'"),
         (dict(bandwidth={"d2h": 1, "h2d": 1, "lag": 2}), TypeError, "unknown key"),
-        (dict(min_bytes=-3), ValueError, "min_bytes must be >= 0"),
+        (dict(offload={"devices": ["cpu"], "min_bytes": -3}), ValueError, "min_bytes must be >= 0"),
     ],
 )
 def test_bad_arguments(tiny, kwargs, error, match):
-    kwargs = {"budget": "1MiB", **kwargs}
+    kwargs = {"budget": "1MiB", "offload": {"devices": ["cpu"]}, **kwargs}
     with pytest.raises(error, match=match):
-        co.plan(tiny.model, tiny.step, devices=["cpu"], costs=tiny.costs, **kwargs)
+        co.plan(tiny.model, tiny.step, costs=tiny.costs, **kwargs)
 
 
 def test_a_plan_without_a_budget_warns_that_it_will_be_required(tiny):
     with pytest.warns(DeprecationWarning, match=r"co.plan without budget= is deprecated.*budget='2GiB'"):
-        p = co.plan(tiny.model, tiny.step, devices=["cpu"], costs=tiny.costs)
+        p = co.plan(tiny.model, tiny.step, offload={"devices": ["cpu"]}, costs=tiny.costs)
     assert p.budget == 2 << 30
     # The plan's settings went on a copy: the shared costs keep min_bytes=0 for the other tests.
     assert tiny.costs.min_bytes == 0 and p.costs is not tiny.costs and p.costs.min_bytes == co.DEFAULT_MIN_BYTES
@@ -524,7 +524,7 @@ def test_warns_when_hf_cache_keeps_recomputed_tensors(gpt2):
     try:
         full = simulate(gpt2.costs, singles(["keep"] * 3)).peak_bytes
         with pytest.warns(UserWarning, match="use_cache is True"):
-            co.plan(gpt2.model, gpt2.step, budget=full // 2, devices=["cpu"], min_bytes=0, costs=gpt2.costs,
+            co.plan(gpt2.model, gpt2.step, budget=full // 2, offload=CPU_ALL, costs=gpt2.costs,
                     kinds=("keep", "recompute"))
     finally:
         gpt2.model.config.use_cache = False
@@ -578,8 +578,8 @@ def test_plan_applies_through_a_spilling_pool(tiny, tmp_path):
     cm = tiny.costs
     full = simulate(cm, singles(["keep"] * len(cm.blocks))).peak_bytes
     pool = co.HostPool(pinned=False, max_bytes=64 * 1024, spill_dir=str(tmp_path))
-    plan = co.plan(tiny.model, tiny.step, budget=int(full * 0.2), devices=["cpu"], min_bytes=0, costs=cm,
-                   kinds=("keep", "offload"), pool=pool)
+    plan = co.plan(tiny.model, tiny.step, budget=int(full * 0.2), offload={**CPU_ALL, "pool": pool}, costs=cm,
+                   kinds=("keep", "offload"))
     assert "offload" in plan.choices.values()
     reference = _grads(tiny)
     handle = plan.apply()
@@ -592,26 +592,31 @@ def test_plan_applies_through_a_spilling_pool(tiny, tmp_path):
     assert pool.stats()["bytes_in_use"] == 0
     assert_bit_identical(reference, with_plan)
     with pytest.raises(TypeError, match="pool must be a ckpt_offload.HostPool"):
-        co.plan(tiny.model, tiny.step, budget=full, devices=["cpu"], costs=cm, pool="fast")
+        co.plan(tiny.model, tiny.step, budget=full, offload={"devices": ["cpu"], "pool": "fast"}, costs=cm)
 
 
 def test_plan_takes_the_option_set(tiny):
     """co.plan(offload=...): the one spelling of the options every route takes. It makes the same
-    plan as the loose arguments, its other options reach the plan's offloads (on_full="raise"
-    with a pool at its cap raises), and what the planner chooses itself is refused."""
+    plan as the deprecated loose arguments (which warn, naming offload=), its other options reach
+    the plan's offloads (on_full="raise" with a pool at its cap raises), and what the planner
+    chooses itself is refused."""
     cm, full = tiny.costs, simulate(tiny.costs, singles(["keep"] * len(tiny.costs.blocks))).peak_bytes
     common = dict(budget=int(full * 0.4), costs=cm, kinds=("keep", "offload"))
-    loose = co.plan(tiny.model, tiny.step, devices=["cpu"], min_bytes=0, **common)
+    with pytest.warns(DeprecationWarning, match=r"co.plan\(devices=, min_bytes=\) is deprecated.*offload=\{'devices'"):
+        loose = co.plan(tiny.model, tiny.step, devices=["cpu"], min_bytes=0, **common)
     as_one = co.plan(tiny.model, tiny.step, offload=co.OffloadOptions(devices=["cpu"], min_bytes=0), **common)
-    as_dict = co.plan(tiny.model, tiny.step, offload={"devices": ["cpu"]}, min_bytes=0, **common)
+    with pytest.warns(DeprecationWarning, match=r"co.plan\(min_bytes=\) is deprecated"):
+        as_dict = co.plan(tiny.model, tiny.step, offload={"devices": ["cpu"]}, min_bytes=0, **common)
+    with pytest.warns(DeprecationWarning, match="offload="):  # twice with one value: allowed
+        twice = co.plan(tiny.model, tiny.step, offload=CPU_ALL, min_bytes=0, **common)
+    assert twice.offload_options == as_one.offload_options
     assert loose.choices == as_one.choices == as_dict.choices and "offload" in loose.choices.values()
     assert loose.offload_options == as_one.offload_options == as_dict.offload_options
     assert as_one.offload_options.devices == ("cpu",) and as_one.offload_options.min_bytes == 0
 
     small = co.HostPool(pinned=False, max_bytes=4096)
     for on_full, raises in (("keep", False), ("raise", True)):
-        p = co.plan(tiny.model, tiny.step, devices=["cpu"], min_bytes=0,
-                    offload={"pool": small, "on_full": on_full}, **common)
+        p = co.plan(tiny.model, tiny.step, offload={**CPU_ALL, "pool": small, "on_full": on_full}, **common)
         assert p.offload_options.on_full == on_full and p.offload_options.pool is small
         handle = p.apply()
         try:
@@ -630,7 +635,11 @@ def test_plan_takes_the_option_set(tiny):
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(offload={"min_bytes": 0}, min_bytes=0), TypeError, "co.plan got min_bytes both as an argument and in offload="),
+    (dict(offload={"min_bytes": 0}, min_bytes=1), TypeError,
+     r"co.plan got min_bytes twice with different values: min_bytes=1 as an argument and 0 in offload="),
+    # A value equal to the default is given too (it used to lose silently to the loose argument).
+    (dict(offload={"min_bytes": co.DEFAULT_MIN_BYTES}, min_bytes=0), TypeError, "co.plan got min_bytes twice"),
+    (dict(offload=co.OffloadOptions(), pool=co.HostPool(pinned=False)), TypeError, "co.plan got pool twice"),
     (dict(offload={"store_dtype": torch.bfloat16}), ValueError, r"pass lossy=torch.bfloat16 instead"),
     (dict(offload={"stream": "compute"}), ValueError, r"stream='compute'.*leave stream out"),
     (dict(offload=False), ValueError, r"kinds=\('keep', 'recompute', 'selective'\)"),

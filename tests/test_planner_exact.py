@@ -261,7 +261,7 @@ def test_plan_never_gives_an_inexact_choice(hazard, levels):
     model, reference, step_of = _hazard_case(hazard)
     before = [b.clone() for b in model.buffers()]
     ref = _run(reference, step_of(reference))
-    opts = dict(devices=["cpu"], min_bytes=0, kinds=kinds, levels=levels, bandwidth=math.inf)
+    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0}, kinds=kinds, levels=levels, bandwidth=math.inf)
     with pytest.raises(co.planner.InfeasibleBudget) as info:
         co.plan(model, step_of(model), budget=1, **opts)
     # The least memory the plan reaches recomputes what it may: never a hazardous block.
@@ -289,7 +289,7 @@ def test_plan_never_gives_an_inexact_choice(hazard, levels):
 def test_allow_inexact_lets_the_plan_recompute_them(hazard):
     kinds, ruled_out, reason = HAZARDS[hazard]
     model, _, step_of = _hazard_case(hazard)
-    opts = dict(devices=["cpu"], min_bytes=0, kinds=kinds, levels=1, bandwidth=math.inf)
+    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0}, kinds=kinds, levels=1, bandwidth=math.inf)
     with pytest.raises(co.planner.InfeasibleBudget) as strict:
         co.plan(model, step_of(model), budget=1, **opts)
     with pytest.raises(co.planner.InfeasibleBudget) as loose:

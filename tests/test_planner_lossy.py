@@ -332,6 +332,36 @@ class _Net(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.bool, torch.complex64])
+def test_the_planner_counts_the_bytes_the_engine_stores_for_every_format(dtype):
+    """For every storage format the engine has, the planner's stored bytes of a saved tensor are
+    what the engine's conversion writes and what an offload with that store_dtype stores (None:
+    stored exactly, counted as its own bytes)."""
+    from ckpt_offload._runtime import _C
+    from ckpt_offload.options import STORE_DTYPES
+
+    assert STORE_DTYPES == tuple(getattr(torch, name) for name in _C.store_formats())
+    assert {str(d).removeprefix("torch.") for d in STORE_DTYPES} >= {"bfloat16", "float16", "float8_e4m3fn"}
+    x = torch.ones(1001, dtype=dtype)  # an odd element count: fp8's scale is 4-byte aligned after the codes
+    span = x.untyped_storage().nbytes()
+    for store_dtype in STORE_DTYPES:
+        name = str(store_dtype).removeprefix("torch.")
+        planned = stored_bytes(str(dtype).removeprefix("torch."), span, store_dtype)
+        try:
+            converted = _C._store_convert(x, name)[0].numel()
+        except ValueError:  # the engine does not convert this dtype into this format
+            converted = None
+        assert planned == converted, (dtype, store_dtype)
+        if not dtype.is_floating_point:
+            continue
+        leaf = torch.ones(1001, dtype=dtype, requires_grad=True)
+        with co.offload(devices=["cpu"], min_bytes=0, store_dtype=store_dtype, pool=co.HostPool(pinned=False)) as ctx:
+            out = leaf.exp()  # saves its result: 1001 elements of dtype
+        assert ctx.stats()["bytes_stored"] == (span if planned is None else planned), (dtype, store_dtype)
+        del out
+
+
 def test_integer_tensors_are_not_counted_as_convertible():
     assert stored_bytes("int64", 4096, torch.bfloat16) is None
     assert stored_bytes("bool", 4096, torch.bfloat16) is None

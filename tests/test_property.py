@@ -689,8 +689,8 @@ def test_random_plans_never_change_loss_gradients_or_state(c, o):
     costs = measure_costs(lambda: probe(x).backward(), _select_blocks(probe, None), "cpu",
                           bandwidth=Bandwidth(math.inf, math.inf, 0.0), min_bytes=0)
     full = simulate(costs, singles(["keep"] * len(costs.blocks))).peak_bytes
-    opts = dict(devices=["cpu"], min_bytes=0, kinds=o["kinds"], levels=o["levels"], segments=o["segments"],
-                costs=costs)
+    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0}, kinds=o["kinds"], levels=o["levels"],
+                segments=o["segments"], costs=costs)
     try:
         plan = co.plan(planned, lambda: None, budget=max(1, int(full * o["fraction"])), **opts)
     except co.planner.InfeasibleBudget as e:

@@ -419,10 +419,10 @@ def test_plan_takes_size_strings():
 
     model = _model()
     costs = CostModel(blocks=[BlockCost(name=str(i)) for i in range(4)], bandwidth=Bandwidth(1e9, 1e9))
-    p = co.plan(model, lambda: None, budget="1MiB", devices=["cpu"], costs=costs, min_bytes="1KiB")
+    p = co.plan(model, lambda: None, budget="1MiB", costs=costs, offload={"devices": ["cpu"], "min_bytes": "1KiB"})
     assert p.costs.min_bytes == 1024 and costs.min_bytes == 0  # the plan's copy, not the caller's costs
     with pytest.raises(ValueError, match=r"min_bytes: cannot read 'lots' as bytes"):
-        co.plan(model, lambda: None, budget="1MiB", devices=["cpu"], costs=costs, min_bytes="lots")
+        co.plan(model, lambda: None, budget="1MiB", costs=costs, offload={"devices": ["cpu"], "min_bytes": "lots"})
 
 
 @pytest.mark.parametrize("call", [

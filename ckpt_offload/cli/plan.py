@@ -217,10 +217,11 @@ def run_plan(args, parser) -> int:
         parser.error(str(e))
     min_bytes = args.min_bytes if args.min_bytes is not None else (0 if device == "cpu" else None)
     try:
+        offload = {"devices": [device]} if min_bytes is None else {"devices": [device], "min_bytes": min_bytes}
         # Measuring (three runs of the step, the link's bandwidth) and the search: minutes on a CPU.
         with heartbeat(f"planning {what} for {args.budget} of saved activations (measuring, then searching)"):
-            plan = co.plan(model, step, budget=budget, devices=[device], bandwidth=args.bandwidth,
-                           min_bytes=min_bytes, segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
+            plan = co.plan(model, step, budget=budget, bandwidth=args.bandwidth, offload=offload,
+                           segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:

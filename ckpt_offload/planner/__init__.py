@@ -13,8 +13,8 @@ See docs/planner.md.
 """
 
 import importlib as _importlib
-import warnings as _warnings
 
+from ckpt_offload._warn import deprecated_names as _deprecated_names
 from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel, Storage, measure_bandwidth, measure_costs
 from ckpt_offload.planner.measure import SavedTimeline, saved_activation_peak
 from ckpt_offload.planner.planning import Plan, parse_bandwidth, parse_bytes, plan
@@ -29,14 +29,10 @@ __all__ = [
 
 # The solver's and the simulator's internals were exported here in 0.1.0; they stay reachable
 # (with a DeprecationWarning) for one release, and from their modules for good.
-_MOVED = {"chain_dp": "solver", "chain_exhaustive": "solver", "rotor": "solver", "baselines": "solver",
-          "solve": "solver", "singles": "simulator"}
-
-
-def __getattr__(name):
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _warnings.warn(f"ckpt_offload.planner.{name} is deprecated (an internal of the planner) and goes in 0.3.0: "
-                   f"import it from ckpt_offload.planner.{module}", DeprecationWarning, stacklevel=2)
-    return getattr(_importlib.import_module(f"ckpt_offload.planner.{module}"), name)
+__getattr__ = _deprecated_names(__name__, {
+    name: ((f"ckpt_offload.planner.{name} is deprecated (an internal of the planner) and goes in 0.3.0: "
+            f"import it from ckpt_offload.planner.{module}"),
+           lambda name=name, module=module: getattr(_importlib.import_module(f"ckpt_offload.planner.{module}"), name))
+    for name, module in {"chain_dp": "solver", "chain_exhaustive": "solver", "rotor": "solver",
+                         "baselines": "solver", "solve": "solver", "singles": "simulator"}.items()
+})

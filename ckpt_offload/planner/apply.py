@@ -9,6 +9,7 @@ back each block's own forward.
 
 from __future__ import annotations
 
+from ckpt_offload._warn import deprecated_names
 from ckpt_offload.blocks import (  # noqa: F401  (importable from here as before)
     CheckpointHandle,
     create_selective_checkpoint_contexts,
@@ -16,10 +17,13 @@ from ckpt_offload.blocks import (  # noqa: F401  (importable from here as before
     selective_policy,
 )
 
-__all__ = ["apply_units", "PlanHandle", "selective_policy"]
+__all__ = ["apply_units", "selective_policy"]
 
-#: The handle a plan's ``apply()`` returns: the same class as ``co.apply``'s.
-PlanHandle = CheckpointHandle
+# PlanHandle, 0.1.0's class of a plan's handle, is co.CheckpointHandle since 0.2.0 (co.apply's).
+__getattr__ = deprecated_names(__name__, {
+    "PlanHandle": (("ckpt_offload.planner.apply.PlanHandle is deprecated and goes in 0.3.0: use co.CheckpointHandle "
+                    "(plan.apply() returns one)"), lambda: CheckpointHandle),
+})
 
 
 def apply_units(model, named_blocks, units, offload_options, allow=frozenset(), store_dtype=None):

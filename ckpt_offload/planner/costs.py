@@ -10,6 +10,7 @@ block input saved by a LayerNorm and a Linear) counts once, for the block that s
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ckpt_offload._runtime import synchronize
+from ckpt_offload._runtime import _C, synchronize
 from ckpt_offload.blocks import SELECTIVE_SAVE_OPS, _hidden, hidden_key, running_stats, unchained_reason
 from ckpt_offload.offloading import offload_tensor
 from ckpt_offload.pool import HostPool
@@ -230,33 +231,29 @@ class CostModel:
 
 # ---- lossy storage (co.offload(store_dtype=...)) -------------------------------------------------
 
-#: The floating-point dtypes co.offload(store_dtype=...) converts, and their widths; every other
-#: dtype (integers, bool, complex, fp8) is stored exactly (csrc/torch/store_dtype.cpp, store_source).
-_FLOAT_WIDTHS = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
-
-
-def _store_width(store_dtype) -> int:
-    return 2 if store_dtype in (torch.bfloat16, torch.float16) else 1
-
-
 def stored_bytes(dtype_name: str, span: int, store_dtype) -> int | None:
     """The host bytes ``co.offload(store_dtype=store_dtype)`` stores for a saved tensor of dtype
     ``dtype_name`` spanning ``span`` bytes, or None when it stores it exactly (not a floating-point
-    dtype wider than the storage). fp8 adds its fp32 scale, 4-byte aligned, as the engine does.
+    dtype wider than the storage): the engine's own rule (``_C.stored_bytes``), fp8's fp32 scale
+    included.
 
     Example::
 
         stored_bytes("float32", 4096, torch.bfloat16)   # 2048
         stored_bytes("int64", 4096, torch.bfloat16)     # None: exact
     """
-    width = _FLOAT_WIDTHS.get(dtype_name)
-    if store_dtype is None or width is None or span <= 0:
+    if store_dtype is None:
         return None
-    fb = _store_width(store_dtype)
-    if width <= fb:
-        return None
-    data = (span // width) * fb
-    return (data + 3) // 4 * 4 + 4 if fb == 1 else data
+    return _engine_stored_bytes(dtype_name, int(span), str(store_dtype).removeprefix("torch."))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _engine_stored_bytes(dtype_name: str, span: int, store_format: str) -> int | None:
+    # Cached: a plan asks for the same few (dtype, span) pairs at every evaluation of a block.
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        return None  # a dtype this torch does not have: nothing the engine would convert
+    return _C.stored_bytes(dtype, span, store_format)
 
 
 def converted_packs(b: BlockCost, store_dtype) -> dict:
@@ -328,8 +325,6 @@ def measure_conversion(device: str = "cpu", store_dtype=torch.bfloat16, nbytes: 
 
         measure_conversion("cpu", torch.bfloat16)   # e.g. 3e9 (bytes/s)
     """
-    from ckpt_offload import _C
-
     sync = _sync_for(device)
     name = str(store_dtype).removeprefix("torch.")
     x = torch.randn(max(int(nbytes), 1 << 16) // 4, dtype=torch.float32, device=device)

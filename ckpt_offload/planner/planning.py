@@ -12,7 +12,7 @@ import torch
 from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
 from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
 from ckpt_offload.selective import OFFLOAD_POLICIES
-from ckpt_offload.options import OffloadOptions, as_options
+from ckpt_offload.options import STORE_DTYPE_NAMES, OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
@@ -27,9 +27,8 @@ SLACK_BYTES = 256
 #: The deepest nesting of segments co.plan builds (levels=); deeper would plan like this anyway.
 MAX_LEVELS = 3
 
-#: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves.
-LOSSY_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
-               "fp8_e5m2": torch.float8_e5m2}
+#: The names ``co.plan(..., lossy=...)`` accepts besides the dtypes themselves: store_dtype='s.
+LOSSY_NAMES = STORE_DTYPE_NAMES
 
 
 def parse_lossy(value):
@@ -276,14 +275,12 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             :class:`~ckpt_offload.planner.solver.InfeasibleBudget` (a ``ValueError``) naming the
             smallest feasible budget. Left out, it is 2 GiB with a ``DeprecationWarning`` (required
             from 0.3.0).
-        devices: as in ``co.offload`` (``["cpu"]`` to offload CPU tensors); default: the model's
-            device type.
+        devices: deprecated (warns; goes in 0.3.0): ``offload={"devices": ...}``.
         layers: which blocks, as in ``co.apply`` (default: the longest list of identical blocks).
         bandwidth: ``None`` measures the host link through the pool; or bytes/s for both ways
             (``"25GB/s"``, ``math.inf``, ``0`` = no offload), or ``{"d2h", "h2d", "latency", "issue"}``, e.g.
             to plan for a GPU from a CPU machine.
-        min_bytes: saved tensors smaller than this stay on the device when offloading (bytes, or a
-            size string such as ``"64KiB"``; default co.offload's, 256 KiB; ``0`` offloads everything).
+        min_bytes: deprecated (warns; goes in 0.3.0): ``offload={"min_bytes": ...}``.
         kinds: the choices allowed (a subset of ``("keep", "offload", "recompute",
             "recompute_offload", "selective", "selective_offload")``). ``selective`` keeps the
             outputs of the block's matmuls, convolutions and fused attention on the device and
@@ -294,11 +291,9 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
         levels: how deep segments may nest (1 to 3): 1 = flat segments (Chen's), 2 = a segment whose
             recompute checkpoints inner segments again (multi-level, as in rotor: less memory, more
             recompute), 3 = one more level (a slower search: seconds for 16 blocks).
-        prefetch_bytes: the prefetch window of the plan's offload; ``None`` lets the planner choose.
+        prefetch_bytes: deprecated (warns; goes in 0.3.0): ``offload={"prefetch_bytes": ...}``.
         costs: a :class:`~ckpt_offload.planner.costs.CostModel` measured before (skips measuring).
-        pool: the :class:`~ckpt_offload.HostPool` the plan's offloads use when applied (default:
-            ``co.default_pool()``); e.g. a pool with ``spill_dir=`` so what exceeds its cap goes to
-            disk. The plan's costs assume the host link, not the disk.
+        pool: deprecated (warns; goes in 0.3.0): ``offload={"pool": ...}``.
         allow_inexact: ``False`` (default): a block is never given a choice the measured step shows
             would not be exact -- no recompute (single, in a segment, selective) for a block that
             writes one of its inputs in place (``"input_write"``) or a tensor from outside itself,
@@ -325,12 +320,16 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             never predicted slower than the exact plan).
         offload: the options of the plan's offloads, in the one spelling every route takes: a
             :class:`~ckpt_offload.OffloadOptions` or a dict of ``co.offload`` options (default:
-            ``co.offload``'s). ``devices``, ``min_bytes``, ``pool`` and ``prefetch_bytes`` in it are
-            the arguments of the same names (give each once, either way); ``on_full``,
-            ``batch_below``, ``batch_bytes``, ``store_min_bytes`` and ``measure_error`` reach the
-            plan's offloads as they are. Two are the planner's to choose: ``store_dtype`` (pass
-            ``lossy=``, and the plan stores narrower only where it pays) and ``stream`` (the
-            simulator models copies on queues of their own, so only ``"side"``).
+            ``co.offload``'s). ``devices`` (default: the model's device type; ``["cpu"]`` to
+            offload CPU tensors) and ``min_bytes`` are also what the planner measures and plans
+            with; ``prefetch_bytes`` is the prefetch window (``None`` lets the planner choose);
+            ``pool`` is the :class:`~ckpt_offload.HostPool` the plan's offloads use when applied,
+            e.g. one with ``spill_dir=`` so what exceeds its cap goes to disk (the plan's costs
+            assume the host link, not the disk); ``on_full``, ``batch_below``, ``batch_bytes``,
+            ``store_min_bytes`` and ``measure_error`` reach the plan's offloads as they are. Two are
+            the planner's to choose: ``store_dtype`` (pass ``lossy=``, and the plan stores narrower
+            only where it pays) and ``stream`` (the simulator models copies on queues of their own,
+            so only ``"side"``).
 
     The measuring runs of ``step`` leave the model's buffers (running statistics) as they found
     them.
@@ -448,12 +447,15 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
 
 
 def _plan_offload(offload, **loose) -> OffloadOptions:
-    """``co.plan``'s ``offload=`` with its loose options (``devices``, ``min_bytes``, ``pool``,
-    ``prefetch_bytes``) merged in, each given once; ``devices`` stays None for "the model's".
+    """``co.plan``'s ``offload=`` with its deprecated loose options (``devices``, ``min_bytes``,
+    ``pool``, ``prefetch_bytes``; they warn) merged in. A field both in ``offload=`` (a dict's
+    keys; every field of an :class:`OffloadOptions`, which is a whole option set) and loose must
+    have the same value there; ``devices`` stays None for "the model's".
 
     Example::
 
-        _plan_offload({"on_full": "raise"}, devices=None, min_bytes="1MiB", pool=None, prefetch_bytes=None)
+        _plan_offload({"on_full": "raise", "min_bytes": "1MiB"}, devices=None, min_bytes=None, pool=None,
+                      prefetch_bytes=None)
         # OffloadOptions(min_bytes=1048576, on_full='raise')
     """
     if offload is False:
@@ -461,11 +463,24 @@ def _plan_offload(offload, **loose) -> OffloadOptions:
             "co.plan(offload=False): a plan chooses per block whether to offload; to plan without offloading, "
             "pass kinds=('keep', 'recompute', 'selective')")
     opts = as_options(True if offload is None else offload, name="co.plan offload")
-    defaults = OffloadOptions()
     given = {k: v for k, v in loose.items() if v is not None}
-    for name in given:
-        if getattr(opts, name) != getattr(defaults, name):
-            raise TypeError(f"co.plan got {name} both as an argument and in offload=; give it once")
+    if given:
+        spelled = ", ".join(f"{k!r}: {v!r}" for k, v in given.items())
+        warnings.warn(
+            f"co.plan({', '.join(f'{k}=' for k in given)}) is deprecated and goes in 0.3.0: pass the plan's offload "
+            f"options in offload=, e.g. co.plan(model, step, budget=..., offload={{{spelled}}})",
+            DeprecationWarning, stacklevel=3)
+        try:
+            loose_opts = OffloadOptions(**given)  # the same checks and spelling ("1MiB" -> 1048576)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"co.plan: {e}") from None
+        stated = set(offload) if isinstance(offload, dict) else set(given) if isinstance(offload, OffloadOptions) \
+            else set()
+        for name in given:
+            if name in stated and getattr(loose_opts, name) != getattr(opts, name):
+                raise TypeError(
+                    f"co.plan got {name} twice with different values: {name}={getattr(loose_opts, name)!r} as an "
+                    f"argument and {getattr(opts, name)!r} in offload=; give it once, in offload=")
     if opts.store_dtype is not None:
         raise ValueError(
             f"co.plan: offload= sets store_dtype={opts.store_dtype}, which a plan chooses per block: pass "
@@ -474,10 +489,7 @@ def _plan_offload(offload, **loose) -> OffloadOptions:
         raise ValueError(
             f"co.plan: offload= sets stream={opts.stream!r}; a plan's time model has copies on queues of their own, "
             "which is stream='side' (the default): leave stream out")
-    try:
-        return opts.replace(**given)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"co.plan: {e}") from None
+    return opts.replace(**given) if given else opts
 
 
 def _allowed_reasons(allow_inexact) -> set:

@@ -108,324 +108,361 @@ def simulate(costs, units, prefetch_bytes: int = 0) -> SimResult:
         r = simulate(cm, singles(["offload"] * len(cm.blocks)), prefetch_bytes=64 << 20)
         r.peak_bytes, r.step_s
     """
-    blocks, bw, min_bytes = costs.blocks, costs.bandwidth, costs.min_bytes
-    _check_units(units, len(blocks))
+    _check_units(units, len(costs.blocks))
     if getattr(costs, "call_order", None):
         return _simulate_calls(costs, units, prefetch_bytes)
-    events = []  # (time, order, delta)
-    order = [0]
+    step = _Step(costs, units, prefetch_bytes)
+    for run, arg in step.schedule():
+        run(arg)
+    return step.result()
 
-    def mem(t, delta):
+
+class _Step:
+    """One simulated step: its clock, its queues, the device memory changes it records, and the
+    named steps :func:`simulate` runs in order (:meth:`schedule`): the work before the blocks,
+    each unit's forward, the loss between forward and backward, each unit's backward (last unit
+    first), the work after. Memory is a list of ``(time, order, delta)`` events, sorted at the end
+    (:meth:`result`); ``order`` keeps equal times in the order they were recorded."""
+
+    def __init__(self, costs, units, prefetch_bytes):
+        self.costs, self.units = costs, units
+        self.blocks, self.bw, self.min_bytes = costs.blocks, costs.bandwidth, costs.min_bytes
+        self.events = []  # (time, order, delta)
+        self.d2h, self.h2d = _Queue(self.bw, "d2h"), _Queue(self.bw, "h2d")
+        self.infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0, convert_s=0.0)
+                      for _ in units]
+        self.feasible = True
+        self.store = getattr(costs, "store_dtype", None)
+        if self.store is None and any(u.store for u in units):
+            raise ValueError("units store lossy (Unit.store) but costs.store_dtype is None: set the storage dtype")
+        # pack order of offloaded storages, per co.offload context: the exact units' (False), the
+        # lossy units' (True) and the selective_offload units' ("selective": the policy's context),
+        # each with its own prefetcher
+        self.groups = {False: [], True: [], "selective": []}
+        # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle ;
+        # (unit, block, storage index, pack position) -> _Handle of one converted saved tensor
+        self.handles = {}
+        self.outstanding = {False: 0, True: 0, "selective": 0}  # prefetched bytes waiting, per context
+        self.prefetch_bytes = max(0, int(prefetch_bytes))
+        self.cb = getattr(costs, "checkpoint_bytes", 0)
+        self.t = 0.0  # the compute stream's clock
+        self.forward_end = 0.0
+
+    def schedule(self):
+        """The steps in the order they run: ``(step, argument)``."""
+        yield self.before_blocks, None
+        for ui in range(len(self.units)):
+            yield self.forward, ui
+        yield self.loss, None
+        for ui in range(len(self.units) - 1, -1, -1):
+            yield self.backward, ui
+        yield self.after_blocks, None
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def mem(self, t, delta):
         if delta:
-            events.append((t, order[0], delta))
-            order[0] += 1
+            self.events.append((t, len(self.events), delta))
 
-    d2h, h2d = _Queue(bw, "d2h"), _Queue(bw, "h2d")
-    infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0, convert_s=0.0)
-             for _ in units]
-    feasible = True
-    store = getattr(costs, "store_dtype", None)
-    if store is None and any(u.store for u in units):
-        raise ValueError("units store lossy (Unit.store) but costs.store_dtype is None: set the storage dtype")
-    # pack order of offloaded storages, per co.offload context: the exact units' (False), the
-    # lossy units' (True) and the selective_offload units' ("selective": the policy's context),
-    # each with its own prefetcher
-    groups = {False: [], True: [], "selective": []}
-    # (unit index, block, storage index) -> _Handle ; (unit, "input", j) -> _Handle ;
-    # (unit, block, storage index, pack position) -> _Handle of one converted saved tensor
-    unit_handles = {}
-
-    def new_handle(nbytes, pending, group, full=0):
-        h = _Handle(nbytes, pending, len(groups[group]), group, full)
-        groups[group].append(h)
+    def new_handle(self, nbytes, pending, group, full=0):
+        h = _Handle(nbytes, pending, len(self.groups[group]), group, full)
+        self.groups[group].append(h)
         return h
 
-    def offloadable(n):
-        return n >= min_bytes and n > 0
+    def offloadable(self, n):
+        return n >= self.min_bytes and n > 0
 
-    t = 0.0
-    mem(t, costs.pre_bytes)
-    t += costs.pre_s
-    cb = getattr(costs, "checkpoint_bytes", 0)
-    for ui, u in enumerate(units):
-        info = infos[ui]
-        first = blocks[u.start]
-        mem(t, cb * u.checkpoints)  # each checkpoint's copy of the random state, until its backward ends
+    def copy_out(self, info, t, nbytes):
+        """A D2H copy of ``nbytes`` queued at ``t``; they leave the device when it is done."""
+        done = self.d2h.copy(t, nbytes)
+        info["copy_s"] += self.bw.copy_seconds(nbytes, 1, "d2h")
+        self.feasible &= math.isfinite(done)
+        self.mem(done, -nbytes)
+        info["pool_bytes"] += nbytes
+
+    # -- the steps --------------------------------------------------------------------------------
+
+    def before_blocks(self, _):
+        self.mem(self.t, self.costs.pre_bytes)
+        self.t += self.costs.pre_s
+
+    def forward(self, ui):
+        u, info = self.units[ui], self.infos[ui]
+        self.mem(self.t, self.cb * u.checkpoints)  # each checkpoint's copy of the random state, until its backward ends
         if u.kind in ("recompute", "recompute_offload"):
-            held = 0
-            conv_in = converted_inputs(first, store) if u.store else [None] * len(first.input_sizes)
-            for j, n in enumerate(first.input_sizes):
-                mem(t, n)
-                if u.kind == "recompute_offload" and offloadable(n) and conv_in[j] is not None:
-                    # converted on the compute stream, then its narrow bytes copied; the input
-                    # itself leaves the device once converted
-                    span, narrow = conv_in[j]
-                    c = bw.convert_seconds(span)
-                    t += c
-                    info["convert_s"] += c
-                    h = new_handle(narrow, 1, True, full=n)
-                    unit_handles[(ui, "input", j)] = h
-                    mem(t, narrow - n)
-                    done = d2h.copy(t, narrow)
-                    info["copy_s"] += bw.copy_seconds(narrow, 1, "d2h")
-                    mem(done, -narrow)
-                    info["pool_bytes"] += narrow
-                    feasible &= math.isfinite(done)
-                elif u.kind == "recompute_offload" and offloadable(n):
-                    h = new_handle(n, 1, u.store)
-                    unit_handles[(ui, "input", j)] = h
-                    done = d2h.copy(t, n)
-                    info["copy_s"] += bw.copy_seconds(n, 1, "d2h")
-                    mem(done, -n)
-                    info["pool_bytes"] += n
-                    feasible &= math.isfinite(done)
-                else:
-                    held += n
-            info["device_bytes"] = held
+            self.checkpoint_inputs(ui)
         for bi in range(u.start, u.end + 1):
-            b = blocks[bi]
-            t0 = t
-            t += b.forward_s
+            b = self.blocks[bi]
+            t0 = self.t
+            self.t += b.forward_s
             if u.kind == "keep":
-                mem(t, b.saved_bytes)
+                self.mem(self.t, b.saved_bytes)
                 info["device_bytes"] += b.saved_bytes
             elif u.kind == "offload":
-                # Each storage is packed (and its copy queued) when the op that saves it first runs:
-                # at its first pack position, spread evenly over the block's forward.
-                pending = [0] * len(b.storages)
-                for p in b.packs:
-                    if p >= 0:
-                        pending[p] += 1
-                k = max(1, len(b.packs))
-                conv = converted_packs(b, store) if u.store else {}
-                conv = {si: v for si, v in conv.items() if offloadable(b.storages[si].nbytes)}
-                dur = b.forward_s
-                if conv:  # the conversions run on the compute stream, inside the block's forward
-                    c = sum(bw.convert_seconds(span) for v in conv.values() for _, span, _ in v)
-                    info["convert_s"] += c
-                    dur += c
-                    t = t0 + dur
-                for si, s in enumerate(b.storages):
-                    tp = t0 + dur * (s.first + 1) / k
-                    mem(tp, s.nbytes)
-                    if si in conv:
-                        last = tp
-                        sharers = {}
-                        for p2, p1 in converted_shares(b, store).items():
-                            sharers.setdefault(p1, []).append(p2)
-                        for pos, span, narrow in conv[si]:
-                            tq = t0 + dur * (pos + 1) / k
-                            # one copy for it and the saved tensors of exactly its span
-                            h = new_handle(narrow, 1 + len(sharers.get(pos, ())), True, full=span)
-                            unit_handles[(ui, bi, si, pos)] = h
-                            for p2 in sharers.get(pos, ()):
-                                unit_handles[(ui, bi, si, p2)] = h
-                            mem(tq, narrow)
-                            done = d2h.copy(tq, narrow)
-                            info["copy_s"] += bw.copy_seconds(narrow, 1, "d2h")
-                            feasible &= math.isfinite(done)
-                            mem(done, -narrow)
-                            info["pool_bytes"] += narrow
-                            last = max(last, tq)
-                        mem(last, -s.nbytes)
-                    elif offloadable(s.nbytes):
-                        h = new_handle(s.nbytes, pending[si], u.store)
-                        unit_handles[(ui, bi, si)] = h
-                        done = d2h.copy(tp, s.nbytes)
-                        info["copy_s"] += bw.copy_seconds(s.nbytes, 1, "d2h")
-                        feasible &= math.isfinite(done)
-                        mem(done, -s.nbytes)
-                        info["pool_bytes"] += s.nbytes
-                    else:
-                        info["device_bytes"] += s.nbytes
+                self.offload_forward(ui, bi, t0)
             elif u.kind == "selective":
                 extra = sum(n for n, si in zip(b.selective, b.selective_saved))
-                mem(t, extra + b.input_bytes)
+                self.mem(self.t, extra + b.input_bytes)
                 info["device_bytes"] += extra + b.input_bytes
             elif u.kind == "selective_offload":
-                # The checkpoint's input stays; each output the policy keeps is copied to the pool
-                # as its op ends (spread over the block's forward) and leaves the device once copied.
-                mem(t, b.input_bytes)
-                info["device_bytes"] += b.input_bytes
-                k = max(1, len(b.selective))
-                for j, n in enumerate(b.selective):
-                    tp = t0 + b.forward_s * (j + 1) / k
-                    mem(tp, n)
-                    if offloadable(n):
-                        unit_handles[(ui, "selective", j)] = new_handle(n, 1, "selective")
-                        done = d2h.copy(tp, n)
-                        info["copy_s"] += bw.copy_seconds(n, 1, "d2h")
-                        feasible &= math.isfinite(done)
-                        mem(done, -n)
-                        info["pool_bytes"] += n
-                    else:
-                        info["device_bytes"] += n
-    forward_end = t
-    mem(t, costs.post_bytes)
-    t += costs.mid_s
-    mem(t, -costs.post_bytes)
+                self.selective_offload_forward(ui, bi, t0)
 
-    outstanding = {False: 0, True: 0, "selective": 0}  # prefetched bytes waiting, per context
-    P = max(0, int(prefetch_bytes))
+    def checkpoint_inputs(self, ui):
+        """A checkpoint's inputs: kept, or (recompute_offload) copied to the host, converted first
+        for a lossy unit (on the compute stream; the input leaves the device once converted)."""
+        u, info = self.units[ui], self.infos[ui]
+        first, bw = self.blocks[u.start], self.bw
+        held = 0
+        conv_in = converted_inputs(first, self.store) if u.store else [None] * len(first.input_sizes)
+        for j, n in enumerate(first.input_sizes):
+            self.mem(self.t, n)
+            if u.kind == "recompute_offload" and self.offloadable(n) and conv_in[j] is not None:
+                span, narrow = conv_in[j]
+                c = bw.convert_seconds(span)
+                self.t += c
+                info["convert_s"] += c
+                self.handles[(ui, "input", j)] = self.new_handle(narrow, 1, True, full=n)
+                self.mem(self.t, narrow - n)
+                self.copy_out(info, self.t, narrow)
+            elif u.kind == "recompute_offload" and self.offloadable(n):
+                self.handles[(ui, "input", j)] = self.new_handle(n, 1, u.store)
+                self.copy_out(info, self.t, n)
+            else:
+                held += n
+        info["device_bytes"] = held
 
-    def after_unpack(h):
-        # Prefetcher::after_unpack: walk down from this handle, prefetch while the budget allows.
+    def offload_forward(self, ui, bi, t0):
+        """An offloaded block's forward: each storage is packed (and its copy queued) when the op
+        that saves it first runs, at its first pack position, spread evenly over the forward."""
+        u, info, b, bw = self.units[ui], self.infos[ui], self.blocks[bi], self.bw
+        pending = [0] * len(b.storages)
+        for p in b.packs:
+            if p >= 0:
+                pending[p] += 1
+        k = max(1, len(b.packs))
+        conv = converted_packs(b, self.store) if u.store else {}
+        conv = {si: v for si, v in conv.items() if self.offloadable(b.storages[si].nbytes)}
+        dur = b.forward_s
+        if conv:  # the conversions run on the compute stream, inside the block's forward
+            c = sum(bw.convert_seconds(span) for v in conv.values() for _, span, _ in v)
+            info["convert_s"] += c
+            dur += c
+            self.t = t0 + dur
+        for si, s in enumerate(b.storages):
+            tp = t0 + dur * (s.first + 1) / k
+            self.mem(tp, s.nbytes)
+            if si in conv:
+                last = tp
+                sharers = {}
+                for p2, p1 in converted_shares(b, self.store).items():
+                    sharers.setdefault(p1, []).append(p2)
+                for pos, span, narrow in conv[si]:
+                    tq = t0 + dur * (pos + 1) / k
+                    # one copy for it and the saved tensors of exactly its span
+                    h = self.new_handle(narrow, 1 + len(sharers.get(pos, ())), True, full=span)
+                    self.handles[(ui, bi, si, pos)] = h
+                    for p2 in sharers.get(pos, ()):
+                        self.handles[(ui, bi, si, p2)] = h
+                    self.mem(tq, narrow)
+                    self.copy_out(info, tq, narrow)
+                    last = max(last, tq)
+                self.mem(last, -s.nbytes)
+            elif self.offloadable(s.nbytes):
+                self.handles[(ui, bi, si)] = self.new_handle(s.nbytes, pending[si], u.store)
+                self.copy_out(info, tp, s.nbytes)
+            else:
+                info["device_bytes"] += s.nbytes
+
+    def selective_offload_forward(self, ui, bi, t0):
+        """The checkpoint's input stays; each output the policy keeps is copied to the pool as its
+        op ends (spread over the block's forward) and leaves the device once copied."""
+        info, b = self.infos[ui], self.blocks[bi]
+        self.mem(self.t, b.input_bytes)
+        info["device_bytes"] += b.input_bytes
+        k = max(1, len(b.selective))
+        for j, n in enumerate(b.selective):
+            tp = t0 + b.forward_s * (j + 1) / k
+            self.mem(tp, n)
+            if self.offloadable(n):
+                self.handles[(ui, "selective", j)] = self.new_handle(n, 1, "selective")
+                self.copy_out(info, tp, n)
+            else:
+                info["device_bytes"] += n
+
+    def loss(self, _):
+        """Between the last block's forward and the last block's backward: the model's head, the
+        loss and its backward, whose activations live only there."""
+        self.forward_end = self.t
+        self.mem(self.t, self.costs.post_bytes)
+        self.t += self.costs.mid_s
+        self.mem(self.t, -self.costs.post_bytes)
+
+    def backward(self, ui):
+        u, info = self.units[ui], self.infos[ui]
+        first = self.blocks[u.start]
+        if u.kind in ("recompute", "recompute_offload"):
+            for j in range(len(first.input_sizes)):
+                h = self.handles.get((ui, "input", j))
+                if h is not None and not self.unpack(h, info):
+                    self.feasible = False
+            self.recompute_backward(ui, u, info)
+            self.mem(self.t, -first.input_bytes - self.cb)
+        elif u.kind in ("selective", "selective_offload"):
+            self.selective_backward(ui, u, info)
+        else:
+            for bi in range(u.end, u.start - 1, -1):
+                self.block_backward(ui, u.kind, bi, info, skip_input=False)
+
+    def after_blocks(self, _):
+        self.t += self.costs.post_s
+        self.mem(self.t, -self.costs.pre_bytes)
+
+    # -- backward's parts ---------------------------------------------------------------------------
+
+    def prefetch_after(self, h):
+        """Prefetcher::after_unpack: walk down from this handle, prefetch while the window allows."""
         i, scanned = h.seq, 0
-        handles = groups[h.group]
+        handles = self.groups[h.group]
         while i > 0 and scanned < 64:
             i -= 1
             scanned += 1
             r = handles[i]
             if r.pending <= 0 or r.staged or r.resident:
                 continue
-            if outstanding[h.group] + r.nbytes > P:
+            if self.outstanding[h.group] + r.nbytes > self.prefetch_bytes:
                 break
-            outstanding[h.group] += r.nbytes
+            self.outstanding[h.group] += r.nbytes
             r.staged = True
-            mem(now[0], r.nbytes)
-            r.ready = h2d.copy(now[0], r.nbytes)
+            self.mem(self.t, r.nbytes)
+            r.ready = self.h2d.copy(self.t, r.nbytes)
 
-    now = [t]
-
-    def unpack(h, info):
-        """One saved tensor of an offloaded storage is unpacked: returns nothing, advances time."""
+    def unpack(self, h, info):
+        """One saved tensor of an offloaded storage is unpacked (advancing the clock by what it
+        waits for); False when its reload would never end (no link)."""
         if h.staged:
             h.staged = False
-            outstanding[h.group] -= h.nbytes
+            self.outstanding[h.group] -= h.nbytes
             h.resident = True
-            if h.ready > now[0]:
-                info["stall_s"] += h.ready - now[0]
-                now[0] = h.ready
+            if h.ready > self.t:
+                info["stall_s"] += h.ready - self.t
+                self.t = h.ready
         elif not h.resident:
-            mem(now[0], h.nbytes)
-            done = h2d.copy(now[0], h.nbytes)
-            info["copy_s"] += bw.copy_seconds(h.nbytes, 1, "h2d")
+            self.mem(self.t, h.nbytes)
+            done = self.h2d.copy(self.t, h.nbytes)
+            info["copy_s"] += self.bw.copy_seconds(h.nbytes, 1, "h2d")
             if not math.isfinite(done):
                 return False
-            info["stall_s"] += done - now[0]
-            now[0] = done
+            info["stall_s"] += done - self.t
+            self.t = done
             h.resident = True
         h.pending -= 1
-        after_unpack(h)
+        self.prefetch_after(h)
         if h.full and not h.up:
             # Then (the engine's narrow unpack has started the next prefetches already) converted
             # up on the compute stream into a full-width tensor; the narrow one goes after. The
             # saved tensors sharing the copy share that tensor.
             h.up = True
-            mem(now[0], h.full)
-            c = bw.convert_seconds(h.full)
-            now[0] += c
+            self.mem(self.t, h.full)
+            c = self.bw.convert_seconds(h.full)
+            self.t += c
             info["convert_s"] += c
-            mem(now[0], -h.nbytes)
+            self.mem(self.t, -h.nbytes)
         return True
 
-    def block_backward(ui, kind, bi, info, skip_input):
+    def block_backward(self, ui, kind, bi, info, skip_input):
         """Backward of block ``bi``, node by node: a node unpacks its saved tensors (reloading
         offloaded ones), computes, then autograd frees the storages it was the first to save
         (``skip_input``: not the block's input, which a checkpoint frees at its end)."""
-        nonlocal feasible
-        b = blocks[bi]
+        b = self.blocks[bi]
         k = len(b.packs)
         if k == 0:
-            now[0] += b.backward_s
+            self.t += b.backward_s
             return
         for group in _node_groups(b):
             for pos in group:
                 si = b.packs[pos]
                 if si >= 0 and kind == "offload":
-                    h = unit_handles.get((ui, bi, si)) or unit_handles.get((ui, bi, si, pos))
-                    if h is not None and not unpack(h, info):
-                        feasible = False
-            now[0] += b.backward_s * len(group) / k
+                    h = self.handles.get((ui, bi, si)) or self.handles.get((ui, bi, si, pos))
+                    if h is not None and not self.unpack(h, info):
+                        self.feasible = False
+            self.t += b.backward_s * len(group) / k
             for pos in group:
                 si = b.packs[pos]
-                h = unit_handles.get((ui, bi, si, pos)) if si >= 0 and kind == "offload" else None
+                h = self.handles.get((ui, bi, si, pos)) if si >= 0 and kind == "offload" else None
                 if h is not None:  # a converted copy's full-width tensor, once its last user is done
                     h.users -= 1
                     if h.users == 0 and h.up:
                         h.up = False
-                        mem(now[0], -h.full)
+                        self.mem(self.t, -h.full)
                 elif si >= 0 and b.storages[si].first == pos:
                     s = b.storages[si]
                     if skip_input and s.is_input:
                         continue
-                    mem(now[0], -s.nbytes)
+                    self.mem(self.t, -s.nbytes)
 
-    def recompute_backward(ui, u, info):
+    def recompute_backward(self, ui, u, info):
         """Backward of checkpoint ``u`` (flat or nested), its input already on the device. Its
         recompute runs its parts, keeping the saved activations of its "keep" blocks and only the
         inputs of its inner checkpoints; it stops once the last inner checkpoint's input is saved
         (torch's early stop), so that one's blocks run once, the others' twice. Then backward walks
         the parts in reverse, each inner checkpoint recomputing its own blocks when reached and
         freeing its input at its end. The unit's own input stays (the caller frees it)."""
+        blocks = self.blocks
         parts = u.parts
         run = parts[:-1] if parts[-1].kind == "recompute" else parts
         rs = sum(blocks[bi].forward_s for p in run for bi in range(p.start, p.end + 1))
-        now[0] += rs
+        self.t += rs
         info["recompute_s"] += rs
         for j, p in enumerate(parts):
             if p.kind == "recompute":
                 if j:
-                    mem(now[0], blocks[p.start].input_bytes)
+                    self.mem(self.t, blocks[p.start].input_bytes)
             else:
                 b = blocks[p.start]
-                mem(now[0], sum(s.nbytes for s in b.storages if not (j == 0 and s.is_input)))
+                self.mem(self.t, sum(s.nbytes for s in b.storages if not (j == 0 and s.is_input)))
         for j in range(len(parts) - 1, -1, -1):
             p = parts[j]
             if p.kind == "recompute":
-                recompute_backward(ui, p, info)
-                mem(now[0], -(blocks[p.start].input_bytes if j else 0) - cb * p.checkpoints)
+                self.recompute_backward(ui, p, info)
+                self.mem(self.t, -(blocks[p.start].input_bytes if j else 0) - self.cb * p.checkpoints)
             else:
-                block_backward(ui, u.kind, p.start, info, skip_input=(j == 0))
+                self.block_backward(ui, u.kind, p.start, info, skip_input=(j == 0))
 
-    for ui in range(len(units) - 1, -1, -1):
-        u, info = units[ui], infos[ui]
-        first = blocks[u.start]
-        if u.kind in ("recompute", "recompute_offload"):
-            for j, n in enumerate(first.input_sizes):
-                h = unit_handles.get((ui, "input", j))
-                if h is not None and not unpack(h, info):
-                    feasible = False
-            recompute_backward(ui, u, info)
-            mem(now[0], -first.input_bytes - cb)
-        elif u.kind in ("selective", "selective_offload"):
-            b = blocks[u.start]
-            # selective_offload: the recompute reads the kept outputs back as it reaches their ops
-            # (modelled as its start: the conservative end); from then on the block's backward is
-            # selective's.
-            for j in range(len(b.selective)):
-                h = unit_handles.get((ui, "selective", j))
-                if h is not None and not unpack(h, info):
-                    feasible = False
-            now[0] += b.selective_recompute_s
-            info["recompute_s"] = b.selective_recompute_s
-            # The recompute allocates the dropped saved tensors in pack order and frees each kept
-            # output nothing saved once the last op reading it has run again.
-            kept = {si for si in b.selective_saved if si >= 0}
-            only = [(use, n) for n, si, use in zip(b.selective, b.selective_saved,
-                                                  b.selective_last_use or [0] * len(b.selective)) if si < 0]
-            for pos in range(len(b.packs) + 1):
-                mem(now[0], -sum(n for use, n in only if use == pos))
-                mem(now[0], sum(s.nbytes for si, s in enumerate(b.storages)
-                                if s.first == pos and si not in kept and not s.is_input))
-            mem(now[0], -sum(n for use, n in only if use > len(b.packs)))
-            block_backward(ui, u.kind, u.start, info, skip_input=True)
-            mem(now[0], -first.input_bytes - cb)
-        else:
-            for bi in range(u.end, u.start - 1, -1):
-                block_backward(ui, u.kind, bi, info, skip_input=False)
-    t = now[0] + costs.post_s
-    mem(t, -costs.pre_bytes)
+    def selective_backward(self, ui, u, info):
+        """(selective_offload: the kept outputs come back first.) The recompute allocates the dropped
+        saved tensors in pack order and frees each kept output nothing saved once the last op
+        reading it has run again; then the block's backward."""
+        b = self.blocks[u.start]
+        # selective_offload: the recompute reads the kept outputs back as it reaches their ops
+        # (modelled as its start: the conservative end); from then on the block's backward is
+        # selective's.
+        for j in range(len(b.selective)):
+            h = self.handles.get((ui, "selective", j))
+            if h is not None and not self.unpack(h, info):
+                self.feasible = False
+        self.t += b.selective_recompute_s
+        info["recompute_s"] = b.selective_recompute_s
+        kept = {si for si in b.selective_saved if si >= 0}
+        only = [(use, n) for n, si, use in zip(b.selective, b.selective_saved,
+                                              b.selective_last_use or [0] * len(b.selective)) if si < 0]
+        for pos in range(len(b.packs) + 1):
+            self.mem(self.t, -sum(n for use, n in only if use == pos))
+            self.mem(self.t, sum(s.nbytes for si, s in enumerate(b.storages)
+                                 if s.first == pos and si not in kept and not s.is_input))
+        self.mem(self.t, -sum(n for use, n in only if use > len(b.packs)))
+        self.block_backward(ui, u.kind, u.start, info, skip_input=True)
+        self.mem(self.t, -b.input_bytes - self.cb)
 
-    events.sort()
-    live, peak, timeline = 0, 0, [(0.0, 0)]
-    for et, _, d in events:
-        live += d
-        peak = max(peak, live)
-        timeline.append((et, live))
-    if not feasible:
-        return SimResult(peak, math.inf, timeline, infos, forward_end, feasible=False)
-    return SimResult(int(peak), t, timeline, infos, forward_end)
+    def result(self) -> SimResult:
+        self.events.sort()
+        live, peak, timeline = 0, 0, [(0.0, 0)]
+        for et, _, d in self.events:
+            live += d
+            peak = max(peak, live)
+            timeline.append((et, live))
+        if not self.feasible:
+            return SimResult(peak, math.inf, timeline, self.infos, self.forward_end, feasible=False)
+        return SimResult(int(peak), self.t, timeline, self.infos, self.forward_end)
 
 
 def _shift(u, d):

@@ -21,18 +21,16 @@ Example::
 
 from __future__ import annotations
 
+from ckpt_offload._warn import deprecated_names
 from ckpt_offload.profiling.context import profile
 from ckpt_offload.profiling.report import KEEP_REASONS, ProfileReport
 
 __all__ = ["KEEP_REASONS", "ProfileReport", "profile"]
 
 
-def __getattr__(name):
-    # Profile: the deprecated alias of ProfileReport (its name differed from profile only by case).
-    if name == "Profile":
-        import warnings
-
-        warnings.warn("Profile is deprecated since 0.1.0 and goes in 0.3.0: use ProfileReport",
-                      DeprecationWarning, stacklevel=2)
-        return ProfileReport
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: The names kept for one release with a DeprecationWarning (``co.Profile`` reads this table too).
+DEPRECATED = {
+    # Profile: the old name of ProfileReport (it differed from profile only by case).
+    "Profile": ("Profile is deprecated since 0.1.0 and goes in 0.3.0: use ProfileReport", lambda: ProfileReport),
+}
+__getattr__ = deprecated_names(__name__, DEPRECATED)

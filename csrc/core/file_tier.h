@@ -100,13 +100,9 @@ struct FileTierStats {
   CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_FILE_TIER_STATS)
 };
 
-// Note [Fork]
-// fork() copies memory, not threads: in a fork child the tier's I/O threads do not exist (a
-// queued read or write would never run, and joining them would never return), and its spill
-// files are open descriptors shared with the parent (both would write the same ranges). So a
-// tier is used only in the process that made it: in a child, write(), read() and reserve()
-// raise FileTierError saying so, synchronize() and empty_cache() do nothing, and the
-// destructor leaks the threads instead of joining them. A child makes a pool of its own.
+// A tier is used only in the process that made it (Note [Fork], csrc/torch/runtime.cpp): in a
+// fork child, write(), read() and reserve() raise FileTierError saying so, synchronize() and
+// empty_cache() do nothing, and the destructor leaks the threads instead of joining them.
 class FileTier : public std::enable_shared_from_this<FileTier> {
  public:
   class Spill;

@@ -46,7 +46,7 @@ struct FileTier::Core {
   ~Core();
 
   FileTierOptions options;
-  // The process that made the tier. Note [Fork] in file_tier.h: a fork child has none of its
+  // The process that made the tier. Note [Fork] (csrc/torch/runtime.cpp): a fork child has none of its
   // I/O threads and shares its files' descriptors with the parent; it must not use it.
   const pid_t pid = ::getpid();
   bool forked() const { return ::getpid() != pid; }

@@ -13,7 +13,7 @@ SpillTarget::SpillTarget(std::shared_ptr<FileTier> tier, std::shared_ptr<HostPoo
 }
 
 void SpillTarget::throttle() {
-  // Note [Fork] (file_tier.h): a child's writes are refused; the parent's it inherited never end there.
+  // Note [Fork] (csrc/torch/runtime.cpp): a child's writes are refused; the parent's it inherited never end there.
   if (tier_->forked()) return;
   for (;;) {
     std::shared_ptr<FileTier::Ticket> oldest;

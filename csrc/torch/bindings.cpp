@@ -228,6 +228,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("tensor"), py::arg("store_dtype"));
 
+  // The storage rules, for the planner and the option checks (Note [Low-precision storage]): the
+  // formats store_dtype= takes, and the bytes one of them stores for a saved tensor of `dtype`
+  // spanning `span` bytes (None: stored exactly), by the store_source / stored_bytes the packer uses.
+  m.def("store_formats", [] {
+    std::vector<std::string> names;
+    for (int i = static_cast<int>(lowp::Format::None) + 1; *store_format_name(static_cast<lowp::Format>(i)); ++i)
+      names.emplace_back(store_format_name(static_cast<lowp::Format>(i)));
+    return names;
+  });
+  m.def(
+      "stored_bytes",
+      [](at::ScalarType dtype, int64_t span, const std::string& store_dtype) -> py::object {
+        const lowp::Format f = store_format_from_name(store_dtype);
+        const auto s = store_source(at::empty({0}, at::TensorOptions().dtype(dtype)), f);
+        if (!s || span <= 0) return py::none();
+        return py::int_(lowp::stored_bytes(f, span / lowp::source_bytes(*s)));
+      },
+      py::arg("dtype"), py::arg("span"), py::arg("store_dtype"));
+
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       .def(py::init([](std::shared_ptr<HostPool> pool, const py::kwargs& options) {
              return std::make_shared<Packer>(packer_options(std::move(pool), options));

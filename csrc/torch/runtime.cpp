@@ -52,7 +52,13 @@ struct CpuStreams {
 //  - the child never calls CUDA on our behalf when the parent had initialised it (torch refuses
 //    CUDA in such a child anyway, and a call fails there): the capture probe answers "not
 //    capturing" without asking the driver.
-// The disk tier's I/O threads are the same case (see Note [Fork] in csrc/core/file_tier.h).
+// The disk tier (csrc/core/file_tier.h) is the same case, and more: its I/O threads do not
+// exist in the child either (a queued read or write would never run, joining them would never
+// return), and its spill files are open descriptors shared with the parent (both would write
+// the same ranges). So a tier is used only in the process that made it: in a child its writes,
+// reads and reservations raise FileTierError saying so, synchronize() and empty_cache() do
+// nothing, and its destructor leaks the threads instead of joining them. A child makes a pool
+// of its own.
 std::atomic<uint64_t> g_fork_generation{0};  // forks this process has come out of, as a child
 std::atomic<bool> g_cuda_touched{false};     // this process (or its parent before a fork) called CUDA
 std::atomic<bool> g_cuda_unusable{false};    // a fork child of a process that had called CUDA

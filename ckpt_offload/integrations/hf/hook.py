@@ -27,16 +27,15 @@ from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dyn
 from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, warn
-from ckpt_offload.blocks import HANDLE_ATTR, check_not_applied
+from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction"]
+__all__ = ["enable", "disable", "install", "active_handle", "HFCheckpointHandle", "HFCheckpointFunction"]
 
 # New name first: it is the one that does not warn. Feature-detected on each model, not by version.
 _ENABLE_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 _DISABLE_NAMES = ("activation_checkpointing_disable", "gradient_checkpointing_disable")
-_HANDLE_ATTR = HANDLE_ATTR  # shared with co.apply and plans, so none stacks on another
 
 
 class HFCheckpointFunction:
@@ -109,7 +108,7 @@ class _KeepOurs:
     def __call__(self, *args, **kwargs):
         self.handle._follow_offload_request(self.name, args, kwargs)
         self.handle._warn_ignored(self.name, args, kwargs)
-        self.handle._install()
+        self.handle.reinstall()
 
 
 class _RemoveOnDisable:
@@ -125,47 +124,38 @@ class _RemoveOnDisable:
         return getattr(self.handle._model, self.name)(*args, **kwargs)
 
 
-class HFCheckpointHandle:
-    """Returned by :func:`enable`: what is checkpointed, and :meth:`remove` to undo it.
+class HFCheckpointHandle(CheckpointHandle):
+    """Returned by :func:`enable`: a :class:`ckpt_offload.CheckpointHandle` (``names``,
+    ``kinds``, ``every_n_layers``, ``removed``, :meth:`stats`, :meth:`reset_stats`,
+    :meth:`remove`) whose layers Hugging Face's enable method selected and whose checkpoints run
+    through ``function``, the installed :class:`HFCheckpointFunction`. Also: ``offload`` (the
+    co.offload options, or None), ``enable_method`` (the Hugging Face method used).
 
-    Attributes: ``names`` (qualified names of the checkpointed layers), ``every_n_layers``,
-    ``offload`` (the co.offload options, or None), ``function`` (the installed
-    :class:`HFCheckpointFunction`), ``enable_method`` (the Hugging Face method used), ``removed``.
+    Example::
+
+        handle = co.hf.enable(model, offload={"devices": ["cpu"]})
+        model(**batch).loss.backward()
+        print(handle.names[:2], handle.stats()["bytes_offloaded"])
     """
 
     def __init__(self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict,
                  offload_given: bool = True):
-        self._model = model
+        self.function = HFCheckpointFunction(options, use_reentrant, torch_kwargs)
+        # Its stats are its function's: the contexts of the checkpoints Hugging Face's layers ran.
+        super().__init__(model, [], [], [], every_n_layers, collector=self.function.collector)
         # False when enable() left offload off: a later enable call's offload entry
         # (Trainer.train() passes TrainingArguments' one) then decides; True: ours is kept.
         self._offload_given = offload_given
-        self.every_n_layers = every_n_layers
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs)
-        self.function = HFCheckpointFunction(options, use_reentrant, torch_kwargs)
         self.enable_method = next(n for n in _ENABLE_NAMES if hasattr(model, n))
-        self.names: list[str] = []
-        self.removed = False
         self._saved_state = None  # per-module flags/functions before enable, restored by remove()
         self._input_grads_added = False
 
-    def stats(self) -> dict:
-        """What offload did in this model's checkpointed layers: the keys of
-        :meth:`ckpt_offload.offload.stats`, summed over the contexts used (peaks: the largest),
-        ``pool_peak_bytes`` and ``device_saved_peak_bytes`` (as in
-        :meth:`ckpt_offload.CheckpointHandle.stats`). All zeros without offload.
-
-        Example::
-
-            handle = co.hf.enable(model, offload={"devices": ["cpu"]})
-            model(**batch).loss.backward()
-            print(handle.stats()["bytes_offloaded"])
-        """
-        return self.function.collector.stats()
-
-    def reset_stats(self) -> None:
-        """Counts from zero again, the device peak included (see :meth:`stats`)."""
-        self.function.collector.reset()
+    @property
+    def kinds(self) -> list:
+        """Per checkpointed layer, what it does (as ``co.apply``'s handle names it)."""
+        return ["recompute" if self.function.options is None else "recompute_offload"] * len(self.names)
 
     @property
     def offload(self) -> dict | None:
@@ -177,7 +167,10 @@ class HFCheckpointHandle:
 
     # -- installing ---------------------------------------------------------------------------
 
-    def _install(self) -> None:
+    def reinstall(self) -> None:
+        """Makes ckpt_offload's function the model's checkpoint function again, with this handle's
+        settings (after something, such as a Trainer, called Hugging Face's enable or changed the
+        layers' flags). Calling it again changes nothing."""
         model = self._model
         patches = {n: model.__dict__.pop(n) for n in _ENABLE_NAMES if isinstance(model.__dict__.get(n), _KeepOurs)}
         try:
@@ -307,8 +300,9 @@ class HFCheckpointHandle:
         :func:`enable` (so checkpointing is off again unless it was on before), drops the
         input-gradient hook if enabling added it, and unwraps the model's enable methods.
         Calling it twice is harmless."""
-        if self.removed:
-            return
+        super().remove()
+
+    def _restore(self) -> None:
         model = self._model
         for n in _ENABLE_NAMES + _DISABLE_NAMES:
             if isinstance(model.__dict__.get(n), (_KeepOurs, _RemoveOnDisable)):
@@ -321,11 +315,12 @@ class HFCheckpointHandle:
                     m.__dict__[key] = value
         if self._input_grads_added and hasattr(model, "disable_input_require_grads"):
             model.disable_input_require_grads()
-        if model.__dict__.get(_HANDLE_ATTR) is self:
-            del model.__dict__[_HANDLE_ATTR]
-        self.removed = True
 
-    disable = remove
+    def disable(self) -> None:
+        """Deprecated alias of :meth:`remove` (goes in 0.3.0)."""
+        warnings.warn("handle.disable() is deprecated and goes in 0.3.0: use handle.remove()", DeprecationWarning,
+                      stacklevel=2)
+        self.remove()
 
     def __repr__(self) -> str:
         return (
@@ -417,12 +412,17 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
         model(input_ids=ids, labels=ids).loss.backward()
         handle.remove()
     """
-    return _enable(model, every_n_layers, offload, checkpoint_kwargs, route="co.hf.enable(offload=...)")
+    return install(model, every_n_layers, offload, checkpoint_kwargs)
 
 
-def _enable(model, every_n_layers, offload, checkpoint_kwargs: dict, route: str | None) -> HFCheckpointHandle:
-    """:func:`enable`; ``route``: the name the offloads-nothing warning gives (None: the caller,
-    a Trainer callback, checked that at the user's own line already)."""
+def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: dict | None = None, *,
+            route: str | None = "co.hf.enable(offload=...)", offload_decided: bool | None = None) -> HFCheckpointHandle:
+    """:func:`enable` with the checkpoint keywords as one dict, for callers that resolved the
+    settings themselves (the Trainer callbacks). ``route``: the name the offloads-nothing warning
+    gives (None: the caller checked that at the user's own line already); ``offload_decided``:
+    whether a later enable call's ``offload`` entry is ignored (default: when ``offload`` is on,
+    as :func:`enable` does)."""
+    checkpoint_kwargs = dict(checkpoint_kwargs or {})
     if not isinstance(model, torch.nn.Module) or not any(hasattr(model, n) for n in _ENABLE_NAMES):
         raise TypeError(
             f"co.hf.enable needs a Hugging Face transformers model (a PreTrainedModel, which has "
@@ -452,10 +452,10 @@ def _enable(model, every_n_layers, offload, checkpoint_kwargs: dict, route: str 
         )
     check_not_applied(model, route="co.hf.enable")
     handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs,
-                                offload_given=options is not None)
+                                offload_given=options is not None if offload_decided is None else offload_decided)
     handle._saved_state = _snapshot(model)
     try:
-        handle._install()
+        handle.reinstall()
     except BaseException:
         handle.remove()
         raise
@@ -465,7 +465,7 @@ def _enable(model, every_n_layers, offload, checkpoint_kwargs: dict, route: str 
     for n in _DISABLE_NAMES:
         if hasattr(model, n):
             model.__dict__[n] = _RemoveOnDisable(handle, n)
-    model.__dict__[_HANDLE_ATTR] = handle
+    model.__dict__[HANDLE_ATTR] = handle
     return handle
 
 
@@ -480,6 +480,6 @@ def disable(model) -> None:
         ...
         co.hf.disable(model)
     """
-    handle = getattr(model, "__dict__", {}).get(_HANDLE_ATTR)
+    handle = active_handle(model)
     if isinstance(handle, HFCheckpointHandle):
         handle.remove()

@@ -9,7 +9,7 @@ from transformers import TrainerCallback  # co.hf, imported first, explains a mi
 from ckpt_offload._args import check_int, check_keywords
 from ckpt_offload.blocks import BlockForward, InContext
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant
-from ckpt_offload.integrations.hf.hook import _HANDLE_ATTR, HFCheckpointHandle, _enable
+from ckpt_offload.integrations.hf.hook import HFCheckpointHandle, active_handle, install
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OFFLOAD_KEYS, as_options, check_offloads_something, from_arguments
 
@@ -154,10 +154,10 @@ class OffloadCheckpointCallback(TrainerCallback):
         if _has_offload_callback(model):
             raise RuntimeError(BOTH_CALLBACKS)
         every_n, offload, kwargs = self._settings(args)
-        handle = model.__dict__.get(_HANDLE_ATTR)
-        if handle is not None and not handle.removed:
+        handle = active_handle(model)
+        if handle is not None:
             if handle is self.handle:
-                handle._install()  # idempotent; covers a Trainer that changed the model's flags
+                handle.reinstall()  # idempotent; covers a Trainer that changed the model's flags
                 return
             if not isinstance(handle, HFCheckpointHandle):
                 raise RuntimeError(
@@ -166,10 +166,9 @@ class OffloadCheckpointCallback(TrainerCallback):
                 )
             handle.remove()  # a co.hf.enable made elsewhere: the callback's settings win
         # route=None: the offload options were checked at the callback's construction, the user's line.
-        self.handle = _enable(model, every_n, offload, kwargs, route=None)
-        # The callback resolved offload itself (its own argument first, then TrainingArguments'
-        # entry): Trainer's later enable call must not turn on what the callback turned off.
-        self.handle._offload_given = True
+        # offload_decided: the callback resolved offload itself (its own argument first, then
+        # TrainingArguments' entry): Trainer's later enable call must not turn on what it turned off.
+        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True)
         self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -230,8 +229,8 @@ class OffloadCallback(TrainerCallback):
     def _install(self, model) -> None:
         if model is None:
             return
-        handle = model.__dict__.get(_HANDLE_ATTR)
-        if isinstance(handle, HFCheckpointHandle) and not handle.removed and getattr(handle, "_from_callback", False):
+        handle = active_handle(model)
+        if isinstance(handle, HFCheckpointHandle) and getattr(handle, "_from_callback", False):
             raise RuntimeError(BOTH_CALLBACKS)
         if _has_offload_callback(model):
             return
