@@ -626,8 +626,8 @@ def section(xml_path: str, label: str, logs: str | None = None, n_lines: int = E
 # diagnose: the first GPU minutes of a crash hunt.
 # ---------------------------------------------------------------------------------------------
 DIAG_TARGETS = [
-    ("tests/test_gpu.py::test_pool_blocks_return", []),
-    ("tests/test_gpu.py", ["-k", "inplace_modification_after_save_raises"]),
+    ("tests/gpu/test_gpu.py::test_pool_blocks_return", []),
+    ("tests/gpu/test_gpu.py", ["-k", "inplace_modification_after_save_raises"]),
 ]
 
 

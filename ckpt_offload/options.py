@@ -376,7 +376,7 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
 # --- the options' descriptions ---------------------------------------------------------------------
 # Each option is described once, in the string under its field in OffloadOptions (markdown-style
 # `code`). co.offload's docstring, OffloadOptions' and the table in docs/api.md are made from them
-# (scripts/option_docs.py writes the table; tests/test_docs.py checks it is current).
+# (scripts/option_docs.py writes the table; tests/core/test_docs.py checks it is current).
 
 
 @functools.cache

@@ -54,7 +54,7 @@ setup() {
     python3 -m venv "$VENV"
   fi
   echo "== installing $TORCH_SPEC and the test dependencies into $VENV (log in pip.log)"
-  # deepspeed (an sdist) and trl serve tests/test_deepspeed.py and the SFTTrainer test, which skip
+  # deepspeed (an sdist) and trl serve tests/integrations/test_deepspeed.py and the SFTTrainer test, which skip
   # without them; DS_BUILD_OPS=0 builds none of DeepSpeed's C++ ops at install (the tests need none).
   # Together with their dependencies (pandas, pyarrow, datasets) they add about a minute here.
   if ! DS_BUILD_OPS=0 with_progress pip.log 40 "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build \

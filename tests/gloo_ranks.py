@@ -1,6 +1,6 @@
 """Launching N plain Python processes as the ranks of a gloo process group on 127.0.0.1.
 
-Shared by the multi-process tests (tests/test_accelerate.py, tests/test_distributed.py). Each
+Shared by the multi-process tests (tests/integrations/test_accelerate.py, tests/integrations/test_distributed.py). Each
 rank is ``python WORKER OUT_DIR [ARGS...]`` with the environment that both
 ``torch.distributed.init_process_group`` (``env://``) and accelerate's ``PartialState`` read:
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a

@@ -1,9 +1,11 @@
 """Helpers shared by several test modules (test modules never import each other).
 
 * GPU: ``HAS_GPU``, ``sleep_stream`` (a spin kernel holding the compute stream), ``cuda_device``
-  (the body of the cuda-only ``device`` fixtures of the test_gpu*.py files).
+  (the body of the cuda-only ``device`` fixtures of the tests/gpu files).
 * Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly;
   ``grads_of`` (a module's gradients by name) and ``step_grads`` (one step, its forward inside a context).
+* Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
+  its subfolders) and ``REPO_ROOT`` (the checkout: benchmarks/, docs/, scripts/).
 * Hugging Face: tiny models (``gpt2``, ``llama``, ``bert``; no download), ``batch``, ``loss_of``,
   ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``. transformers is
   imported inside the functions: the modules that use them skip without it.
@@ -15,6 +17,7 @@ Fixtures and the assertions every test uses (``pool``, ``stream``, ``device``, `
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
@@ -26,6 +29,9 @@ try:  # ckpt_offload's one test of "CUDA tensors can be offloaded here" (_runtim
 except Exception:  # a broken driver must skip, not error at collection
     HAS_GPU = False
 GPU_REASON = "needs a CUDA GPU and a CUDA build of ckpt_offload (co.build_info()['gpu_available'])"
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 # Spin-kernel length that holds the compute stream for a few milliseconds (~2 GHz clocks).
 SLEEP_CYCLES = 10_000_000

@@ -9,7 +9,7 @@ namespace ckpt_offload {
 
 // Note [Device bytes held]: every holder of device bytes counts them through one of these, so
 // the count goes up and down with the holder's lifetime and cannot drift: a forgotten
-// subtraction would show only as a wrong plot (tests/test_device_bytes.py checks it returns to
+// subtraction would show only as a wrong plot (tests/core/test_device_bytes.py checks it returns to
 // zero after every graph). Movable (the count moves with the holder), not copyable.
 class DeviceBytesHeld {
  public:
