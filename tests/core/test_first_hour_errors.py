@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -185,8 +186,10 @@ def test_profile_report_save_to_a_folder_it_cannot_make_names_the_folder(tmp_pat
 
 
 def _cli(*args):
+    # Run from outside the source tree, whose ckpt_offload/ (without the built extension when the
+    # package is installed) would shadow the installed one.
     return subprocess.run([sys.executable, "-m", "ckpt_offload", *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=tempfile.gettempdir())
 
 
 def test_cli_byte_arguments_take_size_strings_and_refuse_fractions(tmp_path):
