@@ -175,8 +175,13 @@ bool is_autocast_weight_cast(const at::TensorBase& root) {
 // _VersionWrapper.get_val(allow_cache_entry_mutation). With allow_cache_entry_mutation=True
 // torch lets a cached tensor be modified in place after it was cached (its own check is off),
 // so ours must be too: the unpack then returns what it holds -- a kept tensor as it is now, an
-// offloaded one as it was saved, as torch's save_on_cpu does. Read only on the path where the
-// version check would raise, so it costs nothing otherwise.
+// offloaded one as it was saved (what save_on_cpu returns on a GPU). Read only on the path where
+// the version check would raise, so it costs nothing otherwise.
+// "As it was saved" needs the copy to read the bytes before the region's next op can write
+// them: a side-stream copy, or a batch copied at context exit, would race with that write (and
+// return the bytes as written, or half of them). So a tensor SAC caches (pack called from the
+// cache's `wrap`, found by its code object, sac_cache_pack) is copied on its own, on the
+// current stream: after the op that made it, before any op after it.
 bool sac_allows_mutation() {
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this unpack hook
   if (!frame) return false;
@@ -202,6 +207,39 @@ bool sac_allows_mutation() {
   Py_DECREF(code);
   PyErr_Clear();
   return allowed;
+}
+
+// The code object of the function through which torch's selective checkpoint hands the
+// tensors it caches to the saved-tensor hooks (`wrap` in _CachingTorchDispatchMode's
+// __torch_dispatch__), or null if this torch has none.
+PyObject* sac_cache_wrap_code() {
+  static PyObject* code = [] {
+    PyObject* found = nullptr;
+    try {
+      py::object mode = py::module_::import("torch.utils.checkpoint").attr("_CachingTorchDispatchMode");
+      // Unwrapped: torch decorates it (a Dynamo-disabling wrapper keeps the original as __wrapped__).
+      py::object fn = py::module_::import("inspect").attr("unwrap")(mode.attr("__torch_dispatch__"));
+      py::object consts = fn.attr("__code__").attr("co_consts");
+      for (py::handle c : consts)
+        if (PyCode_Check(c.ptr()) && py::str(c.attr("co_name")).cast<std::string>() == "wrap")
+          found = py::reinterpret_borrow<py::object>(c).release().ptr();  // leaked on purpose
+    } catch (const std::exception&) {
+      PyErr_Clear();
+    }
+    return found;
+  }();
+  return code;
+}
+
+// True when this pack was called by SAC's cache (Note [Selective checkpoint cache mutation]).
+bool sac_cache_pack() {
+  PyObject* wrap = sac_cache_wrap_code();
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this pack hook
+  if (!wrap || !frame) return false;
+  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+  const bool from_cache = reinterpret_cast<PyObject*>(code) == wrap;
+  Py_DECREF(code);
+  return from_cache;
 }
 
 // Note [DTensor activations]
@@ -669,6 +707,15 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
 
 std::optional<SavedTensor> Packer::place(const at::Tensor& t, const Span& span, const Span& wide,
                                          const CurrentStream& current, Placement* how, TieredRefusal* refused) {
+  // Note [Selective checkpoint cache mutation]: a tensor SAC caches is copied now, on its own.
+  // Only asked when a copy could be late (side stream, batches): a cheap frame test.
+  if ((options_.side_stream || options_.batch_below > 0) && sac_cache_pack()) {
+    auto storage = copy_to_host(t, options_.pool, /*side_stream=*/false, counters_, refused, &current, wide.lo,
+                                wide.hi);
+    if (!storage) return std::nullopt;
+    *how = Placement::Single;
+    return SavedTensor::over(t, std::move(storage), counters_);
+  }
   // Exact copies of this storage first: one that holds the span, or those that share its cells.
   std::vector<Touched> touched;
   if (auto held = find_duplicate(t, span, wide, &touched)) {
