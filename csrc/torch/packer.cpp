@@ -14,6 +14,7 @@
 #include "../core/profiler.h"
 #include "device_memory.h"
 #include "runtime.h"
+#include "saved_converted.h"
 #include "tensor_layout.h"
 
 namespace py = pybind11;
@@ -94,18 +95,18 @@ bool scan_state(PyObject* module, const char* attr, const void* target, std::uno
 }
 
 // Note [Saved activation objects]
-// What pack returns to autograd is a minimal CPython object holding a shared_ptr<SavedTensor>,
-// not a pybind11 instance: a pybind11 instance is registered in (and removed from) pybind11's
+// What pack returns to autograd is a minimal CPython object embedding the SavedTensor (no
+// allocation of its own, no reference count of a shared_ptr), not a pybind11 instance: a pybind11 instance is registered in (and removed from) pybind11's
 // global instance table, which cost more than the whole keep decision. It holds no Python
 // reference, so it is not tracked by the cyclic GC either (which would add a collection every
 // few hundred saved tensors).
 struct SavedObject {
   PyObject_HEAD
-  std::shared_ptr<SavedTensor> saved;
+  SavedTensor saved;
 };
 
 void saved_dealloc(PyObject* self) {
-  reinterpret_cast<SavedObject*>(self)->saved.~shared_ptr();
+  reinterpret_cast<SavedObject*>(self)->saved.~SavedTensor();
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -123,11 +124,11 @@ PyTypeObject* saved_type() {
   return type;
 }
 
-py::object wrap_saved(std::shared_ptr<SavedTensor> saved) {
+py::object wrap_saved(SavedTensor saved) {
   PyTypeObject* type = saved_type();
   PyObject* obj = type->tp_alloc(type, 0);
   if (!obj) throw py::error_already_set();
-  new (&reinterpret_cast<SavedObject*>(obj)->saved) std::shared_ptr<SavedTensor>(std::move(saved));
+  new (&reinterpret_cast<SavedObject*>(obj)->saved) SavedTensor(std::move(saved));
   return py::reinterpret_steal<py::object>(obj);
 }
 
@@ -174,8 +175,13 @@ bool is_autocast_weight_cast(const at::TensorBase& root) {
 // _VersionWrapper.get_val(allow_cache_entry_mutation). With allow_cache_entry_mutation=True
 // torch lets a cached tensor be modified in place after it was cached (its own check is off),
 // so ours must be too: the unpack then returns what it holds -- a kept tensor as it is now, an
-// offloaded one as it was saved, as torch's save_on_cpu does. Read only on the path where the
-// version check would raise, so it costs nothing otherwise.
+// offloaded one as it was saved (what save_on_cpu returns on a GPU). Read only on the path where
+// the version check would raise, so it costs nothing otherwise.
+// "As it was saved" needs the copy to read the bytes before the region's next op can write
+// them: a side-stream copy, or a batch copied at context exit, would race with that write (and
+// return the bytes as written, or half of them). So a tensor SAC caches (pack called from the
+// cache's `wrap`, found by its code object, sac_cache_pack) is copied on its own, on the
+// current stream: after the op that made it, before any op after it.
 bool sac_allows_mutation() {
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this unpack hook
   if (!frame) return false;
@@ -201,6 +207,39 @@ bool sac_allows_mutation() {
   Py_DECREF(code);
   PyErr_Clear();
   return allowed;
+}
+
+// The code object of the function through which torch's selective checkpoint hands the
+// tensors it caches to the saved-tensor hooks (`wrap` in _CachingTorchDispatchMode's
+// __torch_dispatch__), or null if this torch has none.
+PyObject* sac_cache_wrap_code() {
+  static PyObject* code = [] {
+    PyObject* found = nullptr;
+    try {
+      py::object mode = py::module_::import("torch.utils.checkpoint").attr("_CachingTorchDispatchMode");
+      // Unwrapped: torch decorates it (a Dynamo-disabling wrapper keeps the original as __wrapped__).
+      py::object fn = py::module_::import("inspect").attr("unwrap")(mode.attr("__torch_dispatch__"));
+      py::object consts = fn.attr("__code__").attr("co_consts");
+      for (py::handle c : consts)
+        if (PyCode_Check(c.ptr()) && py::str(c.attr("co_name")).cast<std::string>() == "wrap")
+          found = py::reinterpret_borrow<py::object>(c).release().ptr();  // leaked on purpose
+    } catch (const std::exception&) {
+      PyErr_Clear();
+    }
+    return found;
+  }();
+  return code;
+}
+
+// True when this pack was called by SAC's cache (Note [Selective checkpoint cache mutation]).
+bool sac_cache_pack() {
+  PyObject* wrap = sac_cache_wrap_code();
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this pack hook
+  if (!wrap || !frame) return false;
+  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+  const bool from_cache = reinterpret_cast<PyObject*>(code) == wrap;
+  Py_DECREF(code);
+  return from_cache;
 }
 
 // Note [DTensor activations]
@@ -235,18 +274,28 @@ PyObject* dtensor_class() {
 // DTensor's own version. An in-place op on a DTensor bumps the DTensor's version counter
 // (autograd's in-place kernel runs on it), not its local tensor's (DTensor runs the op on the
 // local tensor below autograd), so both are checked.
+struct DTensorOuter {
+  SavedVersion version;
+  c10::ScalarType dtype;
+  at::DimVector sizes;
+  c10::Device device;
+  explicit DTensorOuter(const at::Tensor& t)
+      : version(t), dtype(t.scalar_type()), sizes(t.sizes()), device(t.device()) {}
+  void check() const { version.check(dtype, sizes, device); }
+};
+
 struct SavedDTensorObject {
   PyObject_HEAD
   PyObject* local;
   PyObject* spec;
-  std::shared_ptr<SavedTensor> outer;
+  DTensorOuter outer;
 };
 
 void saved_dtensor_dealloc(PyObject* self) {
   auto* d = reinterpret_cast<SavedDTensorObject*>(self);
   Py_XDECREF(d->local);
   Py_XDECREF(d->spec);
-  d->outer.~shared_ptr();
+  d->outer.~DTensorOuter();
   Py_TYPE(self)->tp_free(self);
 }
 
@@ -307,7 +356,7 @@ py::object Packer::pack_dtensor(py::handle obj, const at::Tensor& t, int64_t nby
   PyObject* o = type->tp_alloc(type, 0);
   if (!o) throw py::error_already_set();
   auto* d = reinterpret_cast<SavedDTensorObject*>(o);
-  new (&d->outer) std::shared_ptr<SavedTensor>(SavedTensor::describe_layout(t, counters_));
+  new (&d->outer) DTensorOuter(t);
   d->local = inner.release().ptr();
   d->spec = spec.release().ptr();
   return py::reinterpret_steal<py::object>(o);
@@ -430,23 +479,22 @@ void Packer::end(bool keep_dedup) {
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_tensors[static_cast<int>(why)]++;
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
-  auto saved = SavedTensor::describe_version(t, counters_);
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
   // by its own node does not form a reference cycle that would leak the graph. For a plain
   // strided tensor made directly (what the detach op does, without its dispatch); subclasses
   // and other layouts go through their own detach.
+  at::Tensor alias;
   if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData ||
       t.key_set().has(c10::DispatchKey::Python)) {
-    saved->kept_ = t.detach();
+    alias = t.detach();
   } else {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-    saved->kept_ = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(),
-                                                            impl->allow_tensor_metadata_change()));
+    alias = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), impl->allow_tensor_metadata_change()));
   }
-  saved->nbytes_ = nbytes;
-  if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) {
-    saved->device_held_.set(nbytes);
-  }
+  // Parameters, buffers and autocast's cached casts live across the step anyway: not counted
+  // as saved activations in the memory timeline.
+  const bool lives_anyway = why == KeepReason::Parameter || why == KeepReason::Buffer || why == KeepReason::AutocastCast;
+  SavedTensor saved = SavedTensor::kept(t, std::move(alias), nbytes, lives_anyway ? 0 : nbytes, counters_);
   if (profiler::enabled()) {
     profiler::KeepRecord k;
     k.reason = keep_reason_name(why);
@@ -508,47 +556,34 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   return std::nullopt;
 }
 
-std::shared_ptr<SavedTensor> Packer::find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
-                                                    std::vector<Touched>* touched) {
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+std::shared_ptr<OffloadedStorage> Packer::find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
+                                                         std::vector<Touched>* touched) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = dedup_.find(storage);
-  if (it == dedup_.end()) return nullptr;
-  DedupEntry& e = it->second;
-  auto alive = e.storage.lock();
-  if (alive.get() != storage) return nullptr;  // another storage at a freed one's address: remember resets it
-  std::shared_ptr<OffloadedStorage> held;
-  for (size_t i = 0; i < e.groups.size();) {
-    DedupGroup& g = e.groups[i];
+  auto* e = dedup_.find(t.storage().unsafeGetStorageImpl());
+  if (!e) return nullptr;
+  for (size_t i = 0; i < e->groups.size();) {
+    DedupGroup& g = e->groups[i];
     auto copy = g.offloaded.lock();
     if (!copy) {  // every saved tensor of that copy is gone
-      e.groups.erase(e.groups.begin() + i);
+      e->groups.erase(e->groups.begin() + i);
       continue;
     }
     ++i;
     if (g.version != span.version) continue;
     if (span.lo >= g.lo && span.hi <= g.hi) {
-      held = std::move(copy);
-      break;
+      touched->clear();
+      return copy;
     }
     // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
     if (wide.lo < g.hi && wide.hi > g.lo)
       touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable, g.counted});
   }
-  if (!held) return nullptr;
-  touched->clear();
-  auto saved = SavedTensor::describe_layout(t, counters_);
-  saved->side_stream_ = options_.side_stream;
-  saved->storage_ = std::move(held);
-  saved->storage_->link();
-  counters_->tensors_deduplicated++;
-  counters_->bytes_deduplicated += span.bytes();
-  return saved;
+  return nullptr;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const Span& span, const Span& wide,
-                                                    std::vector<Touched>& touched, const CurrentStream& current,
-                                                    TieredRefusal* refused) {
+std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& span, const Span& wide,
+                                               std::vector<Touched>& touched, const CurrentStream& current,
+                                               TieredRefusal* refused) {
   for (const auto& g : touched)
     if (!g.extendable || !g.held->extendable()) return nullptr;
   std::sort(touched.begin(), touched.end(), [](const Touched& a, const Touched& b) { return a.lo < b.lo; });
@@ -573,13 +608,11 @@ std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const S
     if (buffer->spilled()) counters_->bytes_spilled += m.second - m.first;
     pieces.push_back(OffloadedStorage::Piece{std::move(buffer), m.first});
   }
-  auto saved = SavedTensor::describe_layout(t, counters_);
-  saved->side_stream_ = options_.side_stream;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = dedup_.find(t.storage().unsafeGetStorageImpl());
-    if (it == dedup_.end()) return nullptr;
-    auto& groups = it->second.groups;
+    auto* entry = dedup_.find(t.storage().unsafeGetStorageImpl());
+    if (!entry) return nullptr;
+    auto& groups = entry->groups;
     // Another thread may have changed these copies since find_duplicate: then this view gets a
     // copy of its own (correct, if not minimal).
     std::vector<size_t> at;
@@ -620,18 +653,11 @@ std::shared_ptr<SavedTensor> Packer::pack_extension(const at::Tensor& t, const S
     std::sort(at.begin() + 1, at.end());
     for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
   }
-  saved->storage_ = std::move(target);
-  saved->storage_->link();
-  counters_->tensors_deduplicated++;
-  counters_->bytes_deduplicated += span.bytes();
-  return saved;
+  return target;
 }
 
-std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Span& span, const CurrentStream& current) {
-  auto saved = SavedTensor::describe_layout(t, counters_);
-  saved->side_stream_ = options_.side_stream;
-  const c10::Device device = t.device();
-  const int key = device_index(device);
+std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span& span, const CurrentStream& current) {
+  const int key = device_index(t.device());
   for (;;) {
     std::shared_ptr<Batch> batch, full;
     {
@@ -642,7 +668,7 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
         full = std::move(open);
         open.reset();
       }
-      if (!open) open = std::make_shared<Batch>(device, options_.side_stream, options_.pool, counters_, prefetcher_);
+      if (!open) open = std::make_shared<Batch>(t.device(), options_.side_stream, options_.pool, counters_, prefetcher_);
       batch = open;
     }
     if (full && !full->flush() && options_.raise_on_full)
@@ -650,67 +676,22 @@ std::shared_ptr<SavedTensor> Packer::pack_batched(const at::Tensor& t, const Spa
                                   " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
                      " (The batch's tensors were kept on the device, so backward still works.)");
     // Null when an unpack flushed the batch meanwhile: take a new one.
-    saved->storage_ = batch->add(t, span.lo, span.bytes(), current);
-    if (saved->storage_) {
-      saved->storage_->link();
-      break;
+    if (auto storage = batch->add(t, span.lo, span.bytes(), current)) {
+      counters_->tensors_batched++;
+      return storage;
     }
   }
-  counters_->tensors_batched++;
-  return saved;
-}
-
-std::shared_ptr<SavedTensor> Packer::pack_single(const at::Tensor& t, const Span& wide, const CurrentStream& current,
-                                                 TieredRefusal* why) {
-  auto saved = SavedTensor::offload(t, options_.pool, options_.side_stream, counters_, why, &current, wide.lo, wide.hi);
-  if (saved && prefetcher_) saved->storage_->set_order(prefetcher_, prefetcher_->add(saved->storage_));
-  return saved;
-}
-
-void Packer::remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved,
-                      bool extendable) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (dedup_.size() >= prune_at_) {
-    for (auto it = dedup_.begin(); it != dedup_.end();) {
-      auto& groups = it->second.groups;
-      groups.erase(std::remove_if(groups.begin(), groups.end(),
-                                  [](const DedupGroup& g) { return g.offloaded.expired(); }),
-                   groups.end());
-      if (groups.empty() || it->second.storage.expired())
-        it = dedup_.erase(it);
-      else
-        ++it;
-    }
-    prune_at_ = std::max<size_t>(1024, 2 * dedup_.size());
-  }
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  DedupEntry& e = dedup_[storage];
-  if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
-    e.storage = t.storage().getWeakStorageImpl();
-    e.groups.clear();
-  }
-  DedupGroup g;
-  g.offloaded = saved->storage_;
-  g.version = span.version;
-  g.lo = span.lo;
-  g.hi = span.hi;
-  g.extendable = extendable;
-  g.counted = saved->nbytes();
-  e.groups.push_back(std::move(g));
 }
 
 std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const Span& span) {
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = converted_.find(storage);
-  if (it == converted_.end()) return nullptr;
-  ConvertedEntry& e = it->second;
-  if (e.storage.lock().get() != storage) return nullptr;  // another storage at a freed one's address
-  for (size_t i = 0; i < e.groups.size();) {
-    ConvertedGroup& g = e.groups[i];
+  auto* e = converted_.find(t.storage().unsafeGetStorageImpl());
+  if (!e) return nullptr;
+  for (size_t i = 0; i < e->groups.size();) {
+    ConvertedGroup& g = e->groups[i];
     auto copy = g.copy.lock();
     if (!copy) {  // every saved tensor over that copy is gone
-      e.groups.erase(e.groups.begin() + i);
+      e->groups.erase(e->groups.begin() + i);
       continue;
     }
     ++i;
@@ -724,39 +705,94 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
   return nullptr;
 }
 
-void Packer::remember_converted(const at::Tensor& t, const Span& span, const std::shared_ptr<ConvertedCopy>& copy) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (converted_.size() >= converted_prune_at_) {
-    for (auto it = converted_.begin(); it != converted_.end();) {
-      auto& groups = it->second.groups;
-      groups.erase(std::remove_if(groups.begin(), groups.end(),
-                                  [](const ConvertedGroup& g) { return g.copy.expired(); }),
-                   groups.end());
-      if (groups.empty() || it->second.storage.expired())
-        it = converted_.erase(it);
-      else
-        ++it;
+std::optional<SavedTensor> Packer::place(const at::Tensor& t, const Span& span, const Span& wide,
+                                         const CurrentStream& current, Placement* how, TieredRefusal* refused) {
+  // Note [Selective checkpoint cache mutation]: a tensor SAC caches is copied now, on its own.
+  // Only asked when a copy could be late (side stream, batches): a cheap frame test.
+  if ((options_.side_stream || options_.batch_below > 0) && sac_cache_pack()) {
+    auto storage = copy_to_host(t, options_.pool, /*side_stream=*/false, counters_, refused, &current, wide.lo,
+                                wide.hi);
+    if (!storage) return std::nullopt;
+    *how = Placement::Single;
+    return SavedTensor::over(t, std::move(storage), counters_);
+  }
+  // Exact copies of this storage first: one that holds the span, or those that share its cells.
+  std::vector<Touched> touched;
+  if (auto held = find_duplicate(t, span, wide, &touched)) {
+    *how = Placement::Duplicate;
+    return SavedTensor::over(t, std::move(held), counters_);
+  }
+  if (!touched.empty()) {
+    if (auto joined = join(t, span, wide, touched, current, refused)) {
+      *how = Placement::Joined;
+      return SavedTensor::over(t, std::move(joined), counters_);
     }
-    converted_prune_at_ = std::max<size_t>(1024, 2 * converted_.size());
+    if (*refused != TieredRefusal::None) return std::nullopt;
   }
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  ConvertedEntry& e = converted_[storage];
-  if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
-    e.storage = t.storage().getWeakStorageImpl();
-    e.groups.clear();
+  // Note [Low-precision storage]: converted tensors take the single-copy path, and are
+  // remembered apart (their host bytes are not the storage's): only a later tensor of exactly
+  // the same span shares a narrow copy.
+  std::optional<lowp::Source> narrow;
+  if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
+    narrow = store_source(t, options_.store_format);
+  if (narrow) {
+    if (auto copy = find_converted(t, span)) {
+      *how = Placement::SharedConverted;
+      return SavedTensor::over(t, std::move(copy), counters_);
+    }
+    auto copy = convert_to_host(t, *narrow, options_.store_format, options_.pool, options_.side_stream, counters_,
+                                refused, &current, options_.measure_error ? store_errors_.get() : nullptr);
+    if (!copy) return std::nullopt;
+    if (prefetcher_) copy->staged()->set_order(prefetcher_, prefetcher_->add(copy->staged()));
+    *how = Placement::Converted;
+    return SavedTensor::over(t, std::move(copy), counters_);
   }
-  ConvertedGroup g;
-  g.copy = copy;
+  if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
+    *how = Placement::Batched;
+    return SavedTensor::over(t, batch(t, span, current), counters_);
+  }
+  auto storage = copy_to_host(t, options_.pool, options_.side_stream, counters_, refused, &current, wide.lo, wide.hi);
+  if (!storage) return std::nullopt;
+  *how = Placement::Single;
+  SavedTensor saved = SavedTensor::over(t, storage, counters_);
+  // After the link: the prefetcher reads the bytes a saved tensor still has to unpack.
+  if (prefetcher_) storage->set_order(prefetcher_, prefetcher_->add(storage));
+  return saved;
+}
+
+void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const SavedTensor& saved,
+                      Placement how) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (how == Placement::Converted) {
+    ConvertedGroup g;
+    g.copy = *saved.copy();
+    g.version = span.version;
+    g.lo = span.lo;
+    g.hi = span.hi;
+    g.dtype = t.scalar_type();
+    g.dense = t.is_non_overlapping_and_dense();
+    if (!g.dense) {
+      g.sizes = t.sizes().vec();
+      g.strides = t.strides().vec();
+    }
+    converted_.add(t, std::move(g));
+    return;
+  }
+  // A batch member's copy is its span, and cannot grow; a copy of its own is the widened span.
+  const bool own = how == Placement::Single;
+  DedupGroup g;
+  g.offloaded = *saved.storage();
   g.version = span.version;
-  g.lo = span.lo;
-  g.hi = span.hi;
-  g.dtype = t.scalar_type();
-  g.dense = t.is_non_overlapping_and_dense();
-  if (!g.dense) {
-    g.sizes = t.sizes().vec();
-    g.strides = t.strides().vec();
-  }
-  e.groups.push_back(std::move(g));
+  g.lo = own ? wide.lo : span.lo;
+  g.hi = own ? wide.hi : span.hi;
+  g.extendable = own;
+  g.counted = span.bytes();
+  dedup_.add(t, std::move(g));
+}
+
+py::object Packer::refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes) {
+  if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, bytes));
+  return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, bytes);
 }
 
 py::object Packer::pack(py::handle obj) {
@@ -776,77 +812,33 @@ py::object Packer::pack(py::handle obj) {
   wide.lo = span.lo / static_cast<int64_t>(kAlignment) * static_cast<int64_t>(kAlignment);
   wide.hi = std::min(static_cast<int64_t>(round_up(static_cast<size_t>(span.hi), kAlignment)),
                      static_cast<int64_t>(t.storage().nbytes()));
-  std::vector<Touched> touched;
-  if (auto dup = find_duplicate(t, span, wide, &touched)) return wrap_saved(std::move(dup));
-  if (!touched.empty()) {
-    TieredRefusal why = TieredRefusal::None;
-    if (auto joined = pack_extension(t, span, wide, touched, *current, &why)) {
-      sample_memory(options_.pool.get(), t.device());
-      counters_->note_device_peak();
-      return wrap_saved(std::move(joined));
-    }
-    if (why != TieredRefusal::None) {
-      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
-      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
-    }
-  }
-
-  std::shared_ptr<SavedTensor> saved;
-  // Note [Low-precision storage]: converted tensors take the single-copy path, and are
-  // remembered apart (their host bytes are not the storage's): only a later tensor of exactly
-  // the same span shares a narrow copy.
-  std::optional<lowp::Source> narrow;
-  if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
-    narrow = store_source(t, options_.store_format);
-  if (narrow) {
-    if (auto copy = find_converted(t, span)) {
-      counters_->tensors_deduplicated++;
-      counters_->bytes_deduplicated += span.bytes();
-      return wrap_saved(SavedTensor::share_converted(t, std::move(copy), options_.side_stream, counters_));
-    }
-    TieredRefusal why = TieredRefusal::None;
-    saved = SavedTensor::offload_converted(t, *narrow, options_.store_format, options_.pool, options_.side_stream,
-                                           counters_, &why, &*current,
-                                           options_.measure_error ? store_errors_.get() : nullptr);
-    if (!saved) {
-      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
-      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
-    }
-    const auto& inner = saved->converted_->stored()->storage_;
-    if (prefetcher_) inner->set_order(prefetcher_, prefetcher_->add(inner));
-    remember_converted(t, span, saved->converted_);
+  Placement how = Placement::Single;
+  TieredRefusal refused = TieredRefusal::None;
+  std::optional<SavedTensor> saved = place(t, span, wide, *current, &how, &refused);
+  if (!saved) return refuse(t, refused, span.bytes());
+  const bool shared = how == Placement::Duplicate || how == Placement::Joined || how == Placement::SharedConverted;
+  if (shared) {
+    counters_->tensors_deduplicated++;
+    counters_->bytes_deduplicated += span.bytes();
+  } else {
     counters_->tensors_offloaded++;
     counters_->bytes_offloaded += span.bytes();
-    counters_->tensors_converted++;
     counters_->bytes_stored += saved->stored_nbytes();
+    if (how == Placement::Converted) counters_->tensors_converted++;
+    remember(t, span, wide, *saved, how);
+  }
+  // A joined copy copied the missing cells; a duplicate copied nothing.
+  if (how != Placement::Duplicate && how != Placement::SharedConverted) {
     sample_memory(options_.pool.get(), t.device());
     counters_->note_device_peak();
-    return wrap_saved(std::move(saved));
   }
-  const bool batched = options_.batch_below > 0 && span.bytes() < options_.batch_below;
-  if (batched) {
-    saved = pack_batched(t, span, *current);
-  } else {
-    TieredRefusal why = TieredRefusal::None;
-    saved = pack_single(t, wide, *current, &why);
-    if (!saved) {
-      if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, span.bytes()));
-      return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, span.bytes());
-    }
-  }
-  counters_->tensors_offloaded++;
-  counters_->bytes_offloaded += span.bytes();
-  counters_->bytes_stored += span.bytes();
-  remember(t, batched ? span : wide, saved, !batched);
-  sample_memory(options_.pool.get(), t.device());
-  counters_->note_device_peak();
-  return wrap_saved(std::move(saved));
+  return wrap_saved(std::move(*saved));
 }
 
 at::Tensor Packer::unpack(py::handle obj) {
   if (Py_TYPE(obj.ptr()) == saved_dtensor_type()) {  // Note [DTensor activations]
     auto* d = reinterpret_cast<SavedDTensorObject*>(obj.ptr());
-    d->outer->check_version();
+    d->outer.check();
     at::Tensor local = unpack(py::handle(d->local));
     py::object local_obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(local)));
     // autograd gives the unpacked tensor its grad_fn or requires_grad itself.
@@ -857,12 +849,12 @@ at::Tensor Packer::unpack(py::handle obj) {
     if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
     throw py::type_error("ckpt_offload: unpack got an object that ckpt_offload did not pack");
   }
-  SavedTensor& saved = *reinterpret_cast<SavedObject*>(obj.ptr())->saved;
+  SavedTensor& saved = reinterpret_cast<SavedObject*>(obj.ptr())->saved;
   // A tensor modified in place after it was saved raises here, before this backward has a
   // callback queued or anything of the saved tensor is touched: the raising unpack leaves the
   // state as it found it (the graph is torn down later, maybe on autograd's device thread).
-  if (saved.version_.enabled() && saved.version_.current_version() != saved.saved_version_ && sac_allows_mutation())
-    saved.saved_version_ = saved.version_.current_version();  // Note [Selective checkpoint cache mutation]
+  if (saved.version().modified() && sac_allows_mutation())
+    saved.version().accept_modification();  // Note [Selective checkpoint cache mutation]
   saved.check_version();
   const int task = torch::autograd::get_current_graph_task_id();
   if (task >= 0 && last_graph_task_.exchange(task) != task) {

@@ -6,6 +6,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
@@ -39,7 +40,7 @@ namespace ckpt_offload {
 //    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
 //    only after releasing the batch's lock, and Prefetcher::drop_unused calls into storages
 //    after releasing its own.
-//  - ConvertedCopy::materialize (saved_tensor.h) holds its lock while it reloads the narrow bytes
+//  - ConvertedCopy::materialize (saved_converted.h) holds its lock while it reloads the narrow bytes
 //    through their own SavedTensor (prefetcher, storage) and converts them back, so that two
 //    unpacks of one copy convert it once; nothing after it in the order calls back into it.
 //  - OffloadedStorage::materialize flushes and reloads its batch before taking its own lock.
@@ -135,45 +136,97 @@ class Packer {
     bool extendable = false;
     int64_t counted = 0;  // DedupGroup::counted
   };
-  // A saved tensor viewing an already offloaded span of the same storage, or null; then
-  // `touched` gets the copies of that storage (same version) whose cells `wide` shares.
-  std::shared_ptr<SavedTensor> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
-                                              std::vector<Touched>* touched);
+
+  // Note [Pack decision]
+  // A tensor classify did not keep is placed by `place`, in this order: onto an exact copy of
+  // its storage that holds its span (Duplicate) or, sharing 512-byte cells with such copies,
+  // joined to them (Joined: Note [One copy per storage]); with a store format, onto a narrow
+  // copy of exactly its span (SharedConverted) or into a new one (Converted: Note [Low-precision
+  // storage]); gathered into a batch when small (Batched); else into a copy of its own
+  // (Single). A copy the pool (and its disk tier) refused leaves the tensor where it is,
+  // through `refuse` (kept, or PoolFull with on_full="raise"). pack then counts it and
+  // remembers a new copy for the tensors after it.
+  enum class Placement { Duplicate, Joined, SharedConverted, Converted, Batched, Single };
+  // The saved tensor, or none when a copy was refused (`*refused` says by which tier).
+  std::optional<SavedTensor> place(const at::Tensor& t, const Span& span, const Span& wide,
+                                   const CurrentStream& current, Placement* how, TieredRefusal* refused);
+  // The exact copy of t's storage (same version) that holds `span`, or null; then `touched`
+  // gets the copies whose cells `wide` shares.
+  std::shared_ptr<OffloadedStorage> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
+                                                   std::vector<Touched>* touched);
   // Joins t to the copies it touches, copying only the bytes of `wide` that none holds yet.
   // Null when it cannot (a batch member or a reloaded copy among them: t then gets a copy of
   // its own), and also with `*refused` set when the pool refused the missing bytes.
-  std::shared_ptr<SavedTensor> pack_extension(const at::Tensor& t, const Span& span, const Span& wide,
-                                              std::vector<Touched>& touched, const CurrentStream& current,
-                                              TieredRefusal* refused);
-  std::shared_ptr<SavedTensor> pack_batched(const at::Tensor& t, const Span& span, const CurrentStream& current);
-  // Null when the pool is full.
-  std::shared_ptr<SavedTensor> pack_single(const at::Tensor& t, const Span& wide, const CurrentStream& current,
-                                           TieredRefusal* why);
-  void remember(const at::Tensor& t, const Span& span, const std::shared_ptr<SavedTensor>& saved, bool extendable);
+  std::shared_ptr<OffloadedStorage> join(const at::Tensor& t, const Span& span, const Span& wide,
+                                         std::vector<Touched>& touched, const CurrentStream& current,
+                                         TieredRefusal* refused);
+  // The open batch of t's device that takes t's span (a full one is flushed first).
+  std::shared_ptr<OffloadedStorage> batch(const at::Tensor& t, const Span& span, const CurrentStream& current);
+  // The narrow copy of exactly t's span (same storage, first and last byte, dtype, version)
+  // made earlier, or null.
+  std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
+  // Records the new copy `saved` views, in the table of its kind.
+  void remember(const at::Tensor& t, const Span& span, const Span& wide, const SavedTensor& saved, Placement how);
+  pybind11::object refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
   // Note [DTensor activations]: a DTensor packed through its local tensor; a null object when
   // `obj` is not a DTensor (it is then kept as a subclass).
   pybind11::object pack_dtensor(pybind11::handle obj, const at::Tensor& t, int64_t nbytes);
-  // Note [Low-precision storage]: the narrow copy of exactly t's span (same storage, first and
-  // last byte, dtype, version) made earlier, or null; and remembering one.
-  std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
-  void remember_converted(const at::Tensor& t, const Span& span, const std::shared_ptr<ConvertedCopy>& copy);
 
-  // One host copy of a span of a storage (Note [One copy per storage]).
+  // Note [Copy tables]
+  // The host copies made this activation (or across activations, with keep_dedup), by the
+  // storage they copy, for the tensors after them to share: exact copies (dedup_) and narrow
+  // ones (converted_, apart: their host bytes are converted ones, which only a saved tensor of
+  // the same span can share). Every reference is weak: a table keeps neither a storage nor a
+  // copy alive. Read and written under mu_.
+  template <class Group>
+  struct CopyTable {
+    struct Entry {
+      c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+      c10::SmallVector<Group, 1> groups;  // disjoint copies of one storage (or of other versions)
+    };
+    std::unordered_map<const void*, Entry> entries;
+    size_t prune_at = 1024;  // drop expired entries when the table grows past this
+
+    // The entry of `storage`, or null (also when another storage lives at a freed one's address).
+    Entry* find(c10::StorageImpl* storage) {
+      auto it = entries.find(storage);
+      if (it == entries.end() || it->second.storage.lock().get() != storage) return nullptr;
+      return &it->second;
+    }
+    void add(const at::Tensor& t, Group g) {
+      if (entries.size() >= prune_at) {
+        for (auto it = entries.begin(); it != entries.end();) {
+          auto& groups = it->second.groups;
+          groups.erase(std::remove_if(groups.begin(), groups.end(), [](const Group& x) { return x.expired(); }),
+                       groups.end());
+          if (groups.empty() || it->second.storage.expired())
+            it = entries.erase(it);
+          else
+            ++it;
+        }
+        prune_at = std::max<size_t>(1024, 2 * entries.size());
+      }
+      c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+      Entry& e = entries[storage];
+      if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
+        e.storage = t.storage().getWeakStorageImpl();
+        e.groups.clear();
+      }
+      e.groups.push_back(std::move(g));
+    }
+    void clear() { entries.clear(); }
+  };
+  // One exact host copy of a span of a storage (Note [One copy per storage]).
   struct DedupGroup {
     std::weak_ptr<OffloadedStorage> offloaded;
     uint32_t version = 0;
     int64_t lo = 0, hi = 0;   // byte range of the storage held on the host
     bool extendable = false;  // a copy of its own (not a batch member): can take more pieces
     int64_t counted = 0;      // its bytes in bytes_offloaded / bytes_stored (a joined copy: hi - lo)
+    bool expired() const { return offloaded.expired(); }
   };
-  struct DedupEntry {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
-    c10::SmallVector<DedupGroup, 1> groups;  // disjoint copies of one storage (or of other versions)
-  };
-
-  // Narrow copies by storage (Note [Low-precision storage]), apart from dedup_: their host
-  // bytes are converted ones, which only a saved tensor of the same span can share.
+  // One narrow copy of a span (Note [Low-precision storage]).
   struct ConvertedGroup {
     std::weak_ptr<ConvertedCopy> copy;
     uint32_t version = 0;
@@ -183,19 +236,14 @@ class Packer {
     // sizes and strides has the same elements, and so the same fp8 scale.
     bool dense = true;
     std::vector<int64_t> sizes, strides;  // when not dense
-  };
-  struct ConvertedEntry {
-    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
-    c10::SmallVector<ConvertedGroup, 1> groups;
+    bool expired() const { return copy.expired(); }
   };
 
   PackerOptions options_;
   std::shared_ptr<PackerCounters> counters_;
   std::mutex mu_;
-  std::unordered_map<const void*, DedupEntry> dedup_;
-  size_t prune_at_ = 1024;  // drop expired dedup entries when the table grows past this
-  std::unordered_map<const void*, ConvertedEntry> converted_;
-  size_t converted_prune_at_ = 1024;
+  CopyTable<DedupGroup> dedup_;
+  CopyTable<ConvertedGroup> converted_;
   // Storages of parameters and buffers found by leaf_owner this activation (only ever
   // positives: a miss is looked up again). Cleared at begin / end.
   std::unordered_set<const void*> parameter_storages_, buffer_storages_;

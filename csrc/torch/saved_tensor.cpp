@@ -1,36 +1,81 @@
+// Note [Saved tensor kinds]: what every kind shares, the Kept kind, and the one unpack dispatch.
 #include "saved_tensor.h"
 
 #include <sstream>
 #include <stdexcept>
 
-#include "../core/profiler.h"
-#include "device_memory.h"
 #include "runtime.h"
+#include "saved_converted.h"
 #include "tensor_layout.h"
 
 namespace ckpt_offload {
 
-void SavedTensor::check_version() const {
-  if (!version_.enabled()) return;
-  const uint32_t now = version_.current_version();
-  if (now == saved_version_) return;
+SavedVersion::SavedVersion(const at::Tensor& t) {
+  const auto& vc = t.unsafeGetTensorImpl()->version_counter();
+  if (vc.enabled()) {
+    version_ = vc;
+    saved_ = vc.current_version();
+  }
+}
+
+void SavedVersion::check(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device) const {
+  if (!modified()) return;
   std::ostringstream msg;
   msg << "one of the variables needed for gradient computation has been modified by an inplace operation: "
-      << describe(dtype_, kept_.defined() ? kept_.sizes().vec() : std::vector<int64_t>(sizes_.begin(), sizes_.end()),
-                  device_)
-      << " is at version " << now << "; expected version " << saved_version_
+      << describe(dtype, sizes.vec(), device) << " is at version " << version_.current_version()
+      << "; expected version " << saved_
       << " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so "
       << "backward would have used the wrong values.) Hint: clone the tensor before modifying it in place, or "
       << "use the out-of-place operation.";
   throw std::runtime_error(msg.str());
 }
 
+SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters)
+    : version_(t), dtype_(t.scalar_type()), device_(t.device()), counters_(std::move(counters)) {
+  if (!layout) return;
+  sizes_ = at::DimVector(t.sizes());
+  strides_ = at::DimVector(t.strides());
+  nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
+  lo_ = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
+}
+
+SavedTensor SavedTensor::kept(const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
+                              std::shared_ptr<PackerCounters> counters) {
+  SavedTensor saved(t, /*layout=*/false, std::move(counters));
+  saved.bytes_ = Kept{std::move(alias)};
+  saved.nbytes_ = nbytes;
+  if (device_bytes) saved.device_held_.set(device_bytes);
+  return saved;
+}
+
+SavedTensor SavedTensor::over(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage,
+                              std::shared_ptr<PackerCounters> counters) {
+  SavedTensor saved(t, /*layout=*/true, std::move(counters));
+  storage->link();
+  saved.bytes_ = Offloaded{std::move(storage)};
+  return saved;
+}
+
+SavedTensor SavedTensor::over(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
+                              std::shared_ptr<PackerCounters> counters) {
+  SavedTensor saved(t, /*layout=*/true, std::move(counters));
+  copy->link();
+  saved.bytes_ = Converted{std::move(copy)};
+  return saved;
+}
+
 SavedTensor::~SavedTensor() {
   // Autograd drops saved tensors from destructors and while a raising backward unwinds: never
-  // throw from here (Note [No throw on teardown], core/stream.h).
+  // throw from here (Note [No throw on teardown], core/stream.h). A moved-from one holds nothing.
+  bool copied = false;
   try {
-    if (storage_ && !unpacked_) storage_->unlink();
-    if (converted_ && !unpacked_) converted_->unlink();
+    if (auto* o = std::get_if<Offloaded>(&bytes_); o && o->storage) {
+      copied = true;
+      if (!unpacked_) o->storage->unlink();
+    } else if (auto* c = std::get_if<Converted>(&bytes_); c && c->copy) {
+      copied = true;
+      if (!unpacked_) c->copy->unlink();
+    }
   } catch (...) {
   }
   // Note [Sources released with their graph]: a side-stream copy holds its source (the device
@@ -38,156 +83,35 @@ SavedTensor::~SavedTensor() {
   // and the engine looks only when something is copied, at the end of a backward or at
   // synchronize(). A graph dropped without a backward (or a checkpoint's cache dropped with it)
   // would leave those device tensors alive until the next step; the copies that have finished
-  // let go of their sources here, as the graph that saved them goes.
+  // let go of their sources here, as the graph that saved them goes (a kept tensor's graph
+  // holds copies too, whose saved tensors poll as they go).
+  if (!copied) return;
   try {
     engine().poll();
   } catch (...) {
   }
 }
 
+void SavedTensor::check_version() const {
+  if (!version_.modified()) return;
+  if (const auto* k = std::get_if<Kept>(&bytes_); k && k->alias.defined())
+    version_.check(dtype_, k->alias.sizes(), device_);
+  else
+    version_.check(dtype_, sizes_, device_);
+}
+
+int64_t SavedTensor::stored_nbytes() const {
+  if (const auto* c = std::get_if<Converted>(&bytes_)) return c->copy->stored_nbytes();
+  return nbytes_;
+}
+
 at::Tensor SavedTensor::unpack() {
   check_version();
-  if (converted_) return unpack_converted();
-  if (!storage_) return kept_;
-  if (current_stream_capturing(device_))
-    // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,
-    // replayed later against host memory that may hold other bytes by then.
-    throw std::runtime_error(
-        "ckpt_offload: a saved tensor held in the host pool was unpacked while a CUDA graph is being captured "
-        "on " + device_.str() + "; reloads cannot be captured. Run the backward outside the capture, or capture "
-        "the forward under the capture too (tensors saved during capture stay on the device), or leave this "
-        "region out of co.offload.");
-  // A copy absorbed into another since this was packed forwards there (Note [One copy per
-  // storage]); its pending count moved along, so the destructor's unlink goes there too.
-  storage_ = OffloadedStorage::resolve(std::move(storage_));
-  bool shared = false;
-  int64_t fresh = 0;
-  c10::Storage st = storage_->materialize(!unpacked_, &shared, &fresh);
-  unpacked_ = true;
-  if (shared) {
-    counters_->tensors_reload_shared++;
-  } else {
-    counters_->tensors_reloaded++;
-    counters_->bytes_reloaded += static_cast<int64_t>(storage_->nbytes());
+  switch (bytes_.index()) {
+    case 0: return std::get<Kept>(bytes_).alias;
+    case 1: return unpack_offloaded(std::get<Offloaded>(bytes_));
+    default: return unpack_converted(std::get<Converted>(bytes_));
   }
-  if (fresh) {
-    // The reloaded storage lives about as long as the node that unpacked it, which is when
-    // autograd drops this SavedTensor: the memory timeline counts it until then.
-    device_held_.set(device_held_.bytes() + fresh);
-  }
-  sample_memory(storage_->pool(), device_);
-  const int64_t offset = (lo_ - storage_->base()) / static_cast<int64_t>(c10::elementSize(dtype_));
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
-}
-
-std::shared_ptr<SavedTensor> SavedTensor::describe_version(const at::Tensor& t,
-                                                           std::shared_ptr<PackerCounters> counters) {
-  auto saved = std::make_shared<SavedTensor>();
-  saved->dtype_ = t.scalar_type();
-  saved->device_ = t.device();
-  saved->counters_ = std::move(counters);
-  const auto& vc = t.unsafeGetTensorImpl()->version_counter();
-  if (vc.enabled()) {
-    saved->version_ = vc;
-    saved->saved_version_ = vc.current_version();
-  }
-  return saved;
-}
-
-std::shared_ptr<SavedTensor> SavedTensor::describe_layout(const at::Tensor& t,
-                                                          std::shared_ptr<PackerCounters> counters) {
-  auto saved = describe_version(t, std::move(counters));
-  saved->sizes_ = at::DimVector(t.sizes());
-  saved->strides_ = at::DimVector(t.strides());
-  saved->nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
-  saved->lo_ = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
-  return saved;
-}
-
-std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
-                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
-                                            const CurrentStream* current, uint64_t handle, TieredRefusal* why) {
-  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
-  StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
-  CopyRange range(copy_ranges::kOffload, t.device());
-  const int64_t bytes = to - from;
-  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
-  auto keepalive = tracked_keepalive(t.storage(), bytes);
-  const char* src = static_cast<const char*>(t.storage().data()) + from;
-  CopyTag tag{handle, device_index(t.device()), false, 1};
-  TieredRefusal refusal = TieredRefusal::None;
-  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
-    return engine().offload(into, src, static_cast<size_t>(bytes), streams.compute(), streams.copy(), keepalive, tag);
-  }, &refusal);
-  if (why) *why = refusal;
-  return buffer;
-}
-
-std::shared_ptr<SavedTensor> SavedTensor::offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                                  bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                                  TieredRefusal* why, const CurrentStream* current, int64_t from,
-                                                  int64_t to) {
-  auto saved = describe_layout(t, counters);
-  saved->side_stream_ = side_stream;
-  if (from < 0) {
-    from = saved->lo_;
-    to = saved->lo_ + saved->nbytes_;
-  }
-  const uint64_t handle = profiler::next_handle_id();
-  auto buffer = offload_bytes(t, from, to, pool, side_stream, current, handle, why);
-  if (!buffer) return nullptr;
-  if (buffer->spilled() && counters) {
-    counters->tensors_spilled++;
-    counters->bytes_spilled += to - from;
-  }
-  const size_t pad = static_cast<size_t>(from) % OffloadedStorage::kReloadAlignment;
-  saved->storage_ =
-      std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), from, pad, side_stream, handle, counters);
-  saved->storage_->link();
-  if (profiler::enabled()) {
-    profiler::HandleRecord h;
-    h.handle = handle;
-    h.bytes = static_cast<size_t>(saved->nbytes_);
-    h.device = device_index(t.device());
-    h.shape = std::vector<int64_t>(saved->sizes_.begin(), saved->sizes_.end());
-    h.dtype = dtype_name(saved->dtype_);
-    h.module = profiler::scope();
-    profiler::add(std::move(h));
-  }
-  return saved;
-}
-
-std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                            bool side_stream) {
-  if (!t.defined()) throw std::invalid_argument("ckpt_offload.offload_tensor: tensor is undefined");
-  if (unsupported_layout(t) || wrapped_tensor(t))
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be a plain strided tensor, got layout " +
-                                c10::str(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
-                                (t.is_neg() ? " with the negative bit set" : ""));
-  if (!t.device().is_cpu() && !t.device().is_cuda())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be on 'cpu' or 'cuda', got " +
-                                t.device().str());
-  if (t.device().is_cuda() && !cuda_compiled())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
-  // Note [Tensors without data]: nothing to copy (a resized storage gets the message below).
-  if (t._is_zerotensor() || !t.has_storage() ||
-      (t.numel() > 0 && t.storage().nbytes() > 0 && t.storage().data() == nullptr))
-    throw std::invalid_argument(
-        "ckpt_offload.offload_tensor: tensor has no data of its own to copy (a ZeroTensor, e.g. a zero tangent of "
-        "forward-mode AD, or a tensor without storage); keep it as it is, or materialize it first "
-        "(torch.zeros_like(tensor))");
-  // The Python wrapper checks this first; here it keeps any other caller from copying past the
-  // end of a storage resized below the tensor's span (resize_(0) leaves sizes and strides as
-  // they were), which reads freed memory on the copy thread.
-  const int64_t end = (t.storage_offset() + extent_elements(t)) * static_cast<int64_t>(t.dtype().itemsize());
-  if (t.numel() > 0 && static_cast<size_t>(end) > t.storage().nbytes())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor reaches byte " + std::to_string(end) +
-                                " of its storage, which holds " + std::to_string(t.storage().nbytes()) +
-                                " bytes (was the storage resized?)");
-  TieredRefusal why = TieredRefusal::None;
-  auto saved = SavedTensor::offload(t, pool, side_stream, std::make_shared<PackerCounters>(), &why);
-  if (!saved) throw PoolFull(full_message(why, *pool, t, SavedTensor::describe_layout(t, nullptr)->nbytes()));
-  return saved;
 }
 
 }  // namespace ckpt_offload

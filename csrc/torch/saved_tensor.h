@@ -6,116 +6,132 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
-#include <vector>
+#include <variant>
 
 #include "../core/host_pool.h"
 #include "counters.h"
 #include "device_bytes.h"
 #include "offloaded_storage.h"
 #include "runtime.h"
-#include "store_dtype.h"
 
 namespace ckpt_offload {
 
-class SavedTensor;
+class ConvertedCopy;  // saved_converted.h
 
-// The narrow host copy of one span of a storage (Note [Low-precision storage]), shared by every
-// saved tensor that is that span: the same storage, first byte, extent, dtype and version. Its
-// up-converted reload is shared too: one conversion back, one full-width device storage.
-class ConvertedCopy {
+// Note [Saved tensor kinds]
+// A SavedTensor is what every kind of saved tensor shares -- the tensor's dtype, device, sizes,
+// strides and first byte, its version when saved, the counters of the context that packed it,
+// its device bytes in the memory timeline -- and one of three holders of its bytes:
+//  - Kept: a detached alias of the tensor itself, on its device (Packer::classify says why, as
+//    a KeepReason; a refused copy is kept too). Unpack returns the alias. Here.
+//  - Offloaded: a view of an exact host copy, an OffloadedStorage (offloaded_storage.h) that
+//    other views of the same storage may share (Note [One copy per storage]) or that lives in a
+//    batch. Made and unpacked in saved_offloaded.cpp.
+//  - Converted: a view of a narrow host copy, a ConvertedCopy (saved_converted.h), maybe shared
+//    with saved tensors of the same span (Note [Low-precision storage]). Made and unpacked in
+//    saved_converted.cpp.
+// Packer::pack (packer.cpp) decides the kind once per tensor (classify, then place) and makes
+// it; SavedTensor::unpack dispatches on it once. The Python object autograd holds embeds the
+// SavedTensor (Note [Saved activation objects]): no allocation of its own per saved tensor.
+
+// A saved tensor's version counter and its value at pack: unpack refuses a tensor modified in
+// place since (autograd does not check saved tensors that went through hooks).
+class SavedVersion {
  public:
-  ConvertedCopy(std::shared_ptr<SavedTensor> stored, lowp::Format f, lowp::Source s, c10::ScalarType dtype,
-                c10::Device device, int64_t lo, int64_t elems)
-      : stored_(std::move(stored)), format_(f), source_(s), dtype_(dtype), device_(device), lo_(lo), elems_(elems) {}
-  // A saved tensor over this copy was made / unpacked for the first time or died before that.
-  void link();
-  void unlink();
-  // The full-width storage (shared while one is alive, or kept for the saved tensors that have
-  // not unpacked yet) and the element offset of the span's first element in it. `*fresh_bytes`:
-  // device bytes this call converted back (0 when shared). `first`: the caller's first unpack.
-  c10::Storage materialize(bool first, int64_t* offset, int64_t* fresh_bytes);
-  const std::shared_ptr<SavedTensor>& stored() const { return stored_; }
-  int64_t stored_nbytes() const;
+  SavedVersion() = default;
+  explicit SavedVersion(const at::Tensor& t);
+  bool modified() const { return version_.enabled() && version_.current_version() != saved_; }
+  // Takes the tensor's current version as its saved one (Note [Selective checkpoint cache mutation]).
+  void accept_modification() { saved_ = version_.current_version(); }
+  // Raises autograd's error, naming the tensor as `dtype`, `sizes`, `device`, when modified().
+  void check(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device) const;
 
  private:
-  std::shared_ptr<SavedTensor> stored_;  // the staging bytes, offloaded exactly
-  lowp::Format format_;
-  lowp::Source source_;
-  c10::ScalarType dtype_;
-  c10::Device device_;
-  int64_t lo_, elems_;
-  // Taken around a reload and its conversion, before the inner storage's locks (Note [Lock order]).
-  std::mutex mu_;
-  int pending_ = 0;  // saved tensors over this copy that have not unpacked yet
-  c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
-  c10::Storage held_;  // the reload, kept while pending_ > 0
-  std::shared_ptr<Event> ready_;  // the conversion back of reloaded_ (on a device)
+  c10::VariableVersion version_;  // shares the counter, not the tensor; disabled: never modified
+  uint32_t saved_ = 0;
 };
 
-// What pack returns to autograd. Holds no reference to the graph (no grad_fn, no original
-// tensor of an output), so a dropped graph frees it and its pool block.
 class SavedTensor {
  public:
-  // Copies t's bytes (the span of its storage it reaches) into `pool` (or, at its cap, through
-  // its disk tier: Note [Spilling offloaded blocks]), keeping its layout. Returns nullptr when
-  // neither can take them; `why` (optional) then says which refused.
-  // `from`, `to` (bytes of t's storage, covering t's span; -1: t's span): what to copy
-  // (Note [One copy per storage]).
-  static std::shared_ptr<SavedTensor> offload(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                              bool side_stream, std::shared_ptr<PackerCounters> counters,
-                                              TieredRefusal* why = nullptr, const CurrentStream* current = nullptr,
-                                              int64_t from = -1, int64_t to = -1);
+  struct Kept {
+    at::Tensor alias;  // detached: no grad_fn, so an output saved by its own node forms no cycle
+  };
+  struct Offloaded {
+    std::shared_ptr<OffloadedStorage> storage;
+  };
+  struct Converted {
+    std::shared_ptr<ConvertedCopy> copy;
+  };
+
+  // t kept as `alias`: `nbytes` counted for it, `device_bytes` of them in the memory timeline
+  // (0 for a parameter's or buffer's: those live across the step anyway).
+  static SavedTensor kept(const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
+                          std::shared_ptr<PackerCounters> counters);
+  // t, a view of `storage` / `copy`: one more saved tensor over it to unpack (linked).
+  static SavedTensor over(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage,
+                          std::shared_ptr<PackerCounters> counters);
+  static SavedTensor over(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
+                          std::shared_ptr<PackerCounters> counters);
+
+  SavedTensor(SavedTensor&&) noexcept = default;
+  SavedTensor& operator=(SavedTensor&&) = delete;
+  SavedTensor(const SavedTensor&) = delete;
   ~SavedTensor();
-  // A SavedTensor with t's layout and version filled in, holding nothing yet.
-  static std::shared_ptr<SavedTensor> describe_layout(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
-  // A SavedTensor with only t's version filled in: enough for one kept as an alias (`kept_`
-  // has the layout), and cheaper on the hot path than describe_layout.
-  static std::shared_ptr<SavedTensor> describe_version(const at::Tensor& t, std::shared_ptr<PackerCounters> counters);
-  // Note [Low-precision storage]: t (kind s) stored in format f, through a staging tensor that
-  // offload() copies. `errors`: where the error is added, with measure_error (else null).
-  static std::shared_ptr<SavedTensor> offload_converted(const at::Tensor& t, lowp::Source s, lowp::Format f,
-                                                        const std::shared_ptr<HostPool>& pool, bool side_stream,
-                                                        std::shared_ptr<PackerCounters> counters, TieredRefusal* why,
-                                                        const CurrentStream* current, StoreErrors* errors);
-  // A saved tensor t whose span is that of `copy` (Note [Low-precision storage]): shares it.
-  static std::shared_ptr<SavedTensor> share_converted(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
-                                                      bool side_stream, std::shared_ptr<PackerCounters> counters);
+
+  // The tensor again (raises if it was modified in place since pack), by its kind.
   at::Tensor unpack();
-  bool offloaded() const { return storage_ != nullptr || converted_ != nullptr; }
+  void check_version() const;
+  SavedVersion& version() { return version_; }
+  bool offloaded() const { return !std::holds_alternative<Kept>(bytes_); }
+  // The exact host copy of an Offloaded one, else null.
+  const std::shared_ptr<OffloadedStorage>* storage() const {
+    const auto* o = std::get_if<Offloaded>(&bytes_);
+    return o ? &o->storage : nullptr;
+  }
+  // The narrow host copy of a Converted one, else null.
+  const std::shared_ptr<ConvertedCopy>* copy() const {
+    const auto* c = std::get_if<Converted>(&bytes_);
+    return c ? &c->copy : nullptr;
+  }
   // Bytes held on the host for this tensor: the narrow ones when converted.
-  int64_t stored_nbytes() const { return converted_ ? converted_->stored_nbytes() : nbytes_; }
+  int64_t stored_nbytes() const;
   const c10::Device& device() const { return device_; }
   int64_t nbytes() const { return nbytes_; }
 
  private:
-  friend class Packer;
-  void check_version() const;
+  // t's dtype, device and version; with `layout`, its sizes, strides, first byte and extent
+  // (a Kept one rebuilds nothing: its alias has them).
+  SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters);
+  at::Tensor unpack_offloaded(Offloaded& o);  // saved_offloaded.cpp
+  at::Tensor unpack_converted(Converted& c);  // saved_converted.cpp
 
-  at::Tensor kept_;                            // when kept: a detached alias
-  std::shared_ptr<OffloadedStorage> storage_;  // when offloaded
-  bool side_stream_ = true;
+  std::variant<Kept, Offloaded, Converted> bytes_;
+  SavedVersion version_;
   c10::ScalarType dtype_ = c10::kFloat;
   c10::Device device_{c10::kCPU};
   // Inline up to 5 dimensions: no heap allocation per saved tensor for the usual ranks.
   at::DimVector sizes_, strides_;
   // t's first byte in its original storage; its element offset in the reloaded storage is
-  // (lo_ - storage_->base()) / itemsize, read at unpack (the copy may grow until then).
+  // (lo_ - storage->base()) / itemsize, read at unpack (the copy may grow until then).
   int64_t lo_ = 0;
   int64_t nbytes_ = 0;
-  c10::VariableVersion version_;  // shares the counter, not the tensor
-  uint32_t saved_version_ = 0;
   std::shared_ptr<PackerCounters> counters_;
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
-  // When stored narrower (Note [Low-precision storage]): the narrow copy of this tensor's span,
-  // maybe shared with other saved tensors that are the same span.
-  at::Tensor unpack_converted();
-  std::shared_ptr<ConvertedCopy> converted_;
 };
 
-// Copies bytes [from, to) of t's storage into `pool` (or its disk tier), in t's device's stream
-// order (`current`, or read here). Null when neither can take them; `why` says which refused.
+// The Offloaded kind's copy (saved_offloaded.cpp). Copies bytes [from, to) of t's storage (-1:
+// t's span) into `pool` (or, at its cap, through its disk tier: Note [Spilling offloaded
+// blocks]), in t's device's stream order (`current`, or read here), as a host copy whose byte 0
+// stands for byte `from` of t's storage. Null when neither can take them; `why` (optional) then
+// says which refused.
+std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                               bool side_stream, const std::shared_ptr<PackerCounters>& counters,
+                                               TieredRefusal* why = nullptr, const CurrentStream* current = nullptr,
+                                               int64_t from = -1, int64_t to = -1);
+
+// The bytes [from, to) of t's storage as pool (or disk tier) buffers: copy_to_host's copy, and
+// the missing pieces of a joined copy (Note [One copy per storage]).
 std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
                                             const std::shared_ptr<HostPool>& pool, bool side_stream,
                                             const CurrentStream* current, uint64_t handle, TieredRefusal* why);

@@ -430,15 +430,19 @@ def test_selective_checkpoint_allow_cache_entry_mutation_is_honoured(pool, min_b
         g = torch.Generator().manual_seed(3)
         return torch.randn(64, 64, generator=g, requires_grad=True), torch.randn(64, 64, generator=g, requires_grad=True)
 
-    # torch's own offload (save_on_cpu) returns the copy made when SAC cached the tensor;
-    # keeping it returns the tensor as it is now, as SAC does without hooks.
-    reference = torch.autograd.graph.save_on_cpu() if min_bytes == 0 else None
+    # Offloading returns the copy made when SAC cached the tensor (a clone at pack time: what
+    # save_on_cpu returns on a GPU; on CPU its .cpu() is the tensor itself), whether the copy
+    # runs on the side stream (slowed down by the suite's copy delay, so it would otherwise read
+    # the bytes after the block's mul_ wrote them) or in a batch copied at context exit; keeping
+    # it returns the tensor as it is now, as SAC does without hooks.
+    reference = torch.autograd.graph.saved_tensors_hooks(torch.clone, lambda t: t) if min_bytes == 0 else None
     expected = _sac_step(reference, True, *inputs())
-    ctx = co.offload(devices=["cpu"], min_bytes=min_bytes, pool=pool)
-    got = _sac_step(ctx, True, *inputs())
-    assert all(torch.equal(a, b) for a, b in zip(expected, got))
-    if min_bytes == 0:
-        assert ctx.stats()["tensors_offloaded"] >= 1
+    for options in ({}, {"stream": "compute"}, {"batch_below": 1 << 20}):
+        ctx = co.offload(devices=["cpu"], min_bytes=min_bytes, pool=pool, **options)
+        got = _sac_step(ctx, True, *inputs())
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), options
+        if min_bytes == 0:
+            assert ctx.stats()["tensors_offloaded"] >= 1
     # Without the option the mutation is still an error.
     with pytest.raises(RuntimeError, match="modified by an inplace operation|has been mutated"):
         _sac_step(co.offload(devices=["cpu"], min_bytes=min_bytes, pool=pool), False, *inputs())

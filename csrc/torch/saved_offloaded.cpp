@@ -1,0 +1,132 @@
+// Note [Saved tensor kinds]: the Offloaded kind -- a view of an exact host copy -- made and
+// unpacked; and co.offload_tensor, which makes one on its own.
+#include <stdexcept>
+
+#include "../core/profiler.h"
+#include "device_memory.h"
+#include "runtime.h"
+#include "saved_tensor.h"
+#include "tensor_layout.h"
+
+namespace ckpt_offload {
+
+std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
+                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                            const CurrentStream* current, uint64_t handle, TieredRefusal* why) {
+  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
+  StreamPair streams(current ? *current : CurrentStream::of(t.device()), side_stream, /*to_host=*/true);
+  CopyRange range(copy_ranges::kOffload, t.device());
+  const int64_t bytes = to - from;
+  // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
+  auto keepalive = tracked_keepalive(t.storage(), bytes);
+  const char* src = static_cast<const char*>(t.storage().data()) + from;
+  CopyTag tag{handle, device_index(t.device()), false, 1};
+  TieredRefusal refusal = TieredRefusal::None;
+  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
+    return engine().offload(into, src, static_cast<size_t>(bytes), streams.compute(), streams.copy(), keepalive, tag);
+  }, &refusal);
+  if (why) *why = refusal;
+  return buffer;
+}
+
+std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                               bool side_stream, const std::shared_ptr<PackerCounters>& counters,
+                                               TieredRefusal* why, const CurrentStream* current, int64_t from,
+                                               int64_t to) {
+  const int64_t item = static_cast<int64_t>(t.dtype().itemsize());
+  const int64_t nbytes = extent_elements(t) * item;
+  if (from < 0) {
+    from = t.storage_offset() * item;
+    to = from + nbytes;
+  }
+  const uint64_t handle = profiler::next_handle_id();
+  auto buffer = offload_bytes(t, from, to, pool, side_stream, current, handle, why);
+  if (!buffer) return nullptr;
+  if (buffer->spilled() && counters) {
+    counters->tensors_spilled++;
+    counters->bytes_spilled += to - from;
+  }
+  const size_t pad = static_cast<size_t>(from) % OffloadedStorage::kReloadAlignment;
+  auto storage = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), from, pad, side_stream, handle,
+                                                    counters);
+  if (profiler::enabled()) {
+    profiler::HandleRecord h;
+    h.handle = handle;
+    h.bytes = static_cast<size_t>(nbytes);
+    h.device = device_index(t.device());
+    h.shape = t.sizes().vec();
+    h.dtype = dtype_name(t.scalar_type());
+    h.module = profiler::scope();
+    profiler::add(std::move(h));
+  }
+  return storage;
+}
+
+at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
+  if (current_stream_capturing(device_))
+    // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,
+    // replayed later against host memory that may hold other bytes by then.
+    throw std::runtime_error(
+        "ckpt_offload: a saved tensor held in the host pool was unpacked while a CUDA graph is being captured "
+        "on " + device_.str() + "; reloads cannot be captured. Run the backward outside the capture, or capture "
+        "the forward under the capture too (tensors saved during capture stay on the device), or leave this "
+        "region out of co.offload.");
+  // A copy absorbed into another since this was packed forwards there (Note [One copy per
+  // storage]); its pending count moved along, so the destructor's unlink goes there too.
+  o.storage = OffloadedStorage::resolve(std::move(o.storage));
+  bool shared = false;
+  int64_t fresh = 0;
+  c10::Storage st = o.storage->materialize(!unpacked_, &shared, &fresh);
+  unpacked_ = true;
+  if (shared) {
+    counters_->tensors_reload_shared++;
+  } else {
+    counters_->tensors_reloaded++;
+    counters_->bytes_reloaded += static_cast<int64_t>(o.storage->nbytes());
+  }
+  if (fresh) {
+    // The reloaded storage lives about as long as the node that unpacked it, which is when
+    // autograd drops this SavedTensor: the memory timeline counts it until then.
+    device_held_.set(device_held_.bytes() + fresh);
+  }
+  sample_memory(o.storage->pool(), device_);
+  const int64_t offset = (lo_ - o.storage->base()) / static_cast<int64_t>(c10::elementSize(dtype_));
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
+}
+
+std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
+                                            bool side_stream) {
+  if (!t.defined()) throw std::invalid_argument("ckpt_offload.offload_tensor: tensor is undefined");
+  if (unsupported_layout(t) || wrapped_tensor(t))
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be a plain strided tensor, got layout " +
+                                c10::str(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
+                                (t.is_neg() ? " with the negative bit set" : ""));
+  if (!t.device().is_cpu() && !t.device().is_cuda())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be on 'cpu' or 'cuda', got " +
+                                t.device().str());
+  if (t.device().is_cuda() && !cuda_compiled())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
+  // Note [Tensors without data]: nothing to copy (a resized storage gets the message below).
+  if (t._is_zerotensor() || !t.has_storage() ||
+      (t.numel() > 0 && t.storage().nbytes() > 0 && t.storage().data() == nullptr))
+    throw std::invalid_argument(
+        "ckpt_offload.offload_tensor: tensor has no data of its own to copy (a ZeroTensor, e.g. a zero tangent of "
+        "forward-mode AD, or a tensor without storage); keep it as it is, or materialize it first "
+        "(torch.zeros_like(tensor))");
+  // The Python wrapper checks this first; here it keeps any other caller from copying past the
+  // end of a storage resized below the tensor's span (resize_(0) leaves sizes and strides as
+  // they were), which reads freed memory on the copy thread.
+  const int64_t item = static_cast<int64_t>(t.dtype().itemsize());
+  const int64_t end = (t.storage_offset() + extent_elements(t)) * item;
+  if (t.numel() > 0 && static_cast<size_t>(end) > t.storage().nbytes())
+    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor reaches byte " + std::to_string(end) +
+                                " of its storage, which holds " + std::to_string(t.storage().nbytes()) +
+                                " bytes (was the storage resized?)");
+  TieredRefusal why = TieredRefusal::None;
+  auto counters = std::make_shared<PackerCounters>();
+  auto storage = copy_to_host(t, pool, side_stream, counters, &why);
+  if (!storage) throw PoolFull(full_message(why, *pool, t, extent_elements(t) * item));
+  return std::make_shared<SavedTensor>(SavedTensor::over(t, std::move(storage), std::move(counters)));
+}
+
+}  // namespace ckpt_offload
