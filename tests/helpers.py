@@ -2,6 +2,7 @@
 
 * GPU: ``HAS_GPU``, ``sleep_stream`` (a spin kernel holding the compute stream), ``cuda_device``
   (the body of the cuda-only ``device`` fixtures of the tests/gpu files).
+* Contexts: ``exit_from_another_thread`` (an entered co.offload context exited by a new thread).
 * Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly;
   ``grads_of`` (a module's gradients by name) and ``step_grads`` (one step, its forward inside a context).
 * Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
@@ -57,6 +58,24 @@ def cuda_device():
     torch.cuda.synchronize(dev)
 
 
+
+
+# Contexts
+
+def exit_from_another_thread(ctx) -> None:
+    """Exits ``ctx`` (entered on this thread) from a new thread, which must warn that it is a
+    different thread; returns once that thread has finished."""
+    import threading
+
+    import pytest
+
+    def other():
+        with pytest.warns(RuntimeWarning, match="different thread"):
+            ctx.__exit__(None, None, None)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
 
 
 # Autograd
