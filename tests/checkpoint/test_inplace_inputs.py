@@ -1,10 +1,11 @@
 """A checkpointed block that writes one of its inputs in place: its recompute would read the
 written value, so the gradients would be wrong. However the input reaches the block -- by
-position, by keyword, inside a list or a dict, from a model that calls its blocks by keyword --
-and whether the checkpoint offloads or not, backward raises torch's "modified by an inplace
-operation" error (torch's own checkpoint raises it only for a top-level positional input, and
-silently returns wrong gradients for a keyword one). A block that does not write its input keeps
-its gradients bit-identical to a run without checkpointing, however it is called."""
+position, by keyword, inside a list (by keyword or by position) or a dict, from a model that
+calls its blocks by keyword -- and whether the checkpoint offloads or not, backward raises
+torch's "modified by an inplace operation" error (torch's own checkpoint raises it only for a
+top-level positional input, and silently returns wrong gradients for one passed by keyword or
+inside a container). A block that does not write its input keeps its gradients bit-identical to
+a run without checkpointing, however it is called."""
 
 import copy
 
@@ -42,10 +43,12 @@ def _call(block, h, how):
         return block(x=h)
     if how == "list":
         return block(xs=[h])
+    if how == "positional_list":
+        return block(None, [h])
     return block(d={"x": h})
 
 
-HOWS = ("positional", "keyword", "list", "dict")
+HOWS = ("positional", "keyword", "list", "positional_list", "dict")
 
 
 class Model(nn.Module):
@@ -85,6 +88,8 @@ def _co_checkpoint(offload):
             return co.checkpoint(block, x=h, offload=offload)
         if how == "list":
             return co.checkpoint(block, xs=[h], offload=offload)
+        if how == "positional_list":
+            return co.checkpoint(block, None, [h], offload=offload)
         return co.checkpoint(block, d={"x": h}, offload=offload)
 
     return wrap
