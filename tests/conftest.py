@@ -108,6 +108,16 @@ def pool():
     return co.HostPool(pinned=False)
 
 
+@pytest.fixture
+def spill_dir(tmp_path):
+    """An empty directory for a pool's ``spill_dir`` (a str), checked empty again after the test:
+    spill files never have a name (O_TMPFILE, or unlinked at once), so nothing is ever left there."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    yield str(d)
+    assert os.listdir(d) == []
+
+
 @pytest.fixture(params=["side", "compute"])
 def stream(request):
     return request.param
