@@ -123,25 +123,18 @@ def context_for(options: OffloadOptions, owner: "StatsCollector | None" = None) 
     return ctx
 
 
-def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
-                   collector: StatsCollector | None = None):
-    """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
-    options: an :class:`~ckpt_offload.OffloadOptions`) the tensors the checkpoint keeps
-    wait in the host pool -- also those inside ``kwargs`` and containers."""
-    if use_reentrant or options is None:
-        return torch_checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **torch_kwargs, **kwargs)
-    graph_break_if_compiling()  # fullgraph=True: say what works (the offload context is C++)
-    if hooks_disabled_reason() is not None:
-        # Inside torch.func.grad / vjp / jacrev / hessian: torch's checkpoint itself refuses
-        # there, with its own clear error; entering our context first would only add noise.
-        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **torch_kwargs, **kwargs)
-    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
-        # The tensors a selective-checkpoint policy saves go to the pool too (and torch does
-        # not warn that our hooks are in scope).
-        torch_kwargs = {**torch_kwargs, "respect_saved_tensors_hooks": True}
-    # Every tensor input becomes a positional argument of torch's checkpoint, which saves those
-    # through the active saved-tensor hooks (ours). The closure keeps only the non-tensor
-    # leaves: a tensor in it would stay on the device until backward.
+def _as_positional(function, args, kwargs, before=None):
+    """``(run, tensors)``: every tensor leaf of ``(args, kwargs)`` -- also those passed by keyword
+    and inside lists, tuples and dicts -- as one positional argument of ``run``, which puts them
+    back where they were and calls ``function``. The closure keeps only the non-tensor leaves.
+
+    torch's non-reentrant checkpoint saves (and checks the version of) only its top-level
+    positional tensors; one passed by keyword or in a container it keeps in its closure, and
+    recomputes from whatever it holds by then: a function that writes such an input in place
+    would get wrong gradients instead of the "modified by an inplace operation" error. Handed
+    over this way, each one is saved, so torch's own check sees the write; with offload, the
+    active saved-tensor hooks (ours) hold them in the pool instead of on the device.
+    ``before``: called at the start of every run (the forward and the recompute)."""
     leaves, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in positions]
@@ -149,17 +142,42 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
     del leaves, args, kwargs
 
     def run(*inputs):
-        if collector is not None:
-            # Called right after this checkpoint packed its inputs (forward), or unpacked them
-            # for the recompute (backward): Note [Handle device peak].
-            collector.note_device_bytes(ctx.pool)
+        if before is not None:
+            before()
         filled = list(skeleton)
         for i, t in zip(positions, inputs):
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
         return function(*a, **kw)
 
+    return run, tensors
+
+
+def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
+                   collector: StatsCollector | None = None):
+    """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
+    options: an :class:`~ckpt_offload.OffloadOptions`) the tensors the checkpoint keeps
+    wait in the host pool -- also those inside ``kwargs`` and containers."""
+    if use_reentrant:
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, **torch_kwargs, **kwargs)
+    if options is None or hooks_disabled_reason() is not None:
+        # Without offload (or inside torch.func.grad / vjp / jacrev / hessian, where torch's
+        # checkpoint itself refuses, with its own clear error; entering our context first would
+        # only add noise), torch's checkpoint alone -- its tensor inputs handed over positionally
+        # all the same, so that it saves and version-checks those passed by keyword too.
+        run, tensors = _as_positional(function, args, kwargs)
+        return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
+    graph_break_if_compiling()  # fullgraph=True: say what works (the offload context is C++)
+    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
+        # The tensors a selective-checkpoint policy saves go to the pool too (and torch does
+        # not warn that our hooks are in scope).
+        torch_kwargs = {**torch_kwargs, "respect_saved_tensors_hooks": True}
     ctx = context_for(options, owner=collector)
+    # Called right after this checkpoint packed its inputs (forward), or unpacked them for the
+    # recompute (backward): Note [Handle device peak].
+    before = None if collector is None else (lambda: collector.note_device_bytes(ctx.pool))
+    run, tensors = _as_positional(function, args, kwargs, before)
+    del args, kwargs
     if collector is not None:
         collector.add(ctx)
     with ctx:

@@ -103,9 +103,37 @@ def _nothing_left_behind():
 
 
 @pytest.fixture
+def _fresh_dynamo():
+    """For the torch.compile tests (``pytestmark = pytest.mark.usefixtures("_fresh_dynamo")``):
+    each starts from an empty Dynamo cache and cleared counters, on one thread, and leaves compiled
+    autograd off, the cache empty and the thread count as it found them."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.config.compiled_autograd = False
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def pool():
     """A fresh pageable pool, so byte counts start at zero."""
     return co.HostPool(pinned=False)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    """An empty directory for a pool's ``spill_dir`` (a str), checked empty again after the test:
+    spill files never have a name (O_TMPFILE, or unlinked at once), so nothing is ever left there."""
+    d = tmp_path / "spill"
+    d.mkdir()
+    yield str(d)
+    assert os.listdir(d) == []
 
 
 @pytest.fixture(params=["side", "compute"])

@@ -2,6 +2,9 @@
 
 * GPU: ``HAS_GPU``, ``sleep_stream`` (a spin kernel holding the compute stream), ``cuda_device``
   (the body of the cuda-only ``device`` fixtures of the tests/gpu files).
+* Contexts: ``exit_from_another_thread`` (an entered co.offload context exited by a new thread).
+* Child processes: ``run_python`` (a script in a fresh Python that imports the ckpt_offload these
+  tests imported), ``run_child`` and ``outside_the_tree`` (the same for another command line).
 * Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly;
   ``grads_of`` (a module's gradients by name) and ``step_grads`` (one step, its forward inside a context).
 * Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
@@ -57,6 +60,52 @@ def cuda_device():
     torch.cuda.synchronize(dev)
 
 
+
+
+# Contexts
+
+def exit_from_another_thread(ctx) -> None:
+    """Exits ``ctx`` (entered on this thread) from a new thread, which must warn that it is a
+    different thread; returns once that thread has finished."""
+    import threading
+
+    import pytest
+
+    def other():
+        with pytest.warns(RuntimeWarning, match="different thread"):
+            ctx.__exit__(None, None, None)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+
+
+# Child processes
+
+def outside_the_tree() -> dict:
+    """subprocess.run arguments for a `python -c` child that imports the ckpt_offload these tests
+    imported: `python -c` puts its cwd first on sys.path, where a checkout's ckpt_offload/ (without
+    a built _C) would shadow the installed package."""
+    import tempfile
+
+    return {"cwd": tempfile.gettempdir(),
+            "env": dict(os.environ, PYTHONPATH=os.pathsep.join(
+                p for p in (os.path.dirname(os.path.dirname(co.__file__)), os.environ.get("PYTHONPATH")) if p))}
+
+
+def run_child(cmd: list, timeout: float = 120):
+    """``subprocess.run(cmd)`` outside the tree (:func:`outside_the_tree`), its output captured as text."""
+    import subprocess
+
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **outside_the_tree())
+
+
+def run_python(script: str, *args: str, timeout: float = 120):
+    """Runs ``script`` in a fresh Python (``python -c script args...``) outside the tree; the
+    completed process, its output captured as text."""
+    import sys
+
+    return run_child([sys.executable, "-c", script, *args], timeout=timeout)
 
 
 # Autograd

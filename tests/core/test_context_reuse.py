@@ -4,11 +4,10 @@ streams give bit-identical gradients when their copies run on the caller (no cop
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from conftest import assert_bit_identical, cpu_offload
+from helpers import exit_from_another_thread
 
 import ckpt_offload as co
 
@@ -34,14 +33,7 @@ def test_entry_after_an_exit_from_another_thread_offloads(pool):
     # the next entry must push new ones, or it would offload nothing.
     ctx = cpu_offload(pool)
     ctx.__enter__()
-
-    def other():
-        with pytest.warns(RuntimeWarning, match="different thread"):
-            ctx.__exit__(None, None, None)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
+    exit_from_another_thread(ctx)
     ctx.__exit__(None, None, None)  # drops the closed entry from this thread's stack
     before = ctx.stats()["tensors_offloaded"]
     w = torch.randn(64, 64, requires_grad=True)

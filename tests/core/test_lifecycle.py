@@ -20,6 +20,7 @@ import torch.utils.checkpoint as tc
 
 import ckpt_offload as co
 from conftest import assert_bit_identical, cpu_offload, global_module_hook_counts, grads_of, run_a_backward
+from helpers import exit_from_another_thread, run_python
 from models_for_tests import Chain, MLP
 
 from ckpt_offload.blocks import BlockForward
@@ -192,14 +193,7 @@ def test_exit_from_inside_backward_warns_and_exits(pool):
 def test_exit_from_another_thread_warns_and_exits(pool):
     ctx = cpu_offload(pool)
     ctx.__enter__()
-
-    def other():
-        with pytest.warns(RuntimeWarning, match="different thread"):
-            ctx.__exit__(None, None, None)
-
-    t = threading.Thread(target=other)
-    t.start()
-    t.join()
+    exit_from_another_thread(ctx)
     assert not ctx.active
     ctx.__exit__(None, None, None)  # does nothing, and drops the stale entry here
     assert_clean(ctx)
@@ -785,11 +779,7 @@ print("clean")
 
 
 @pytest.mark.parametrize("stream", ["side", "compute"])
-def test_graph_dropped_while_the_capture_probe_raises_does_not_abort(stream, tmp_path):
-    import subprocess
-
-    script = tmp_path / "probe.py"
-    script.write_text(_FAILING_PROBE_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), stream], capture_output=True, text=True, timeout=120)
+def test_graph_dropped_while_the_capture_probe_raises_does_not_abort(stream):
+    proc = run_python(_FAILING_PROBE_SCRIPT, stream)
     assert proc.returncode == 0 and "clean" in proc.stdout, (
         f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")

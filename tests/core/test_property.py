@@ -716,10 +716,6 @@ def test_random_apply_options_never_change_loss_gradients_or_state(c, o):
         # co.apply without segments is torch's checkpoint per block: it updates running statistics
         # in its recompute as torch's does (documented); the planner and segments refuse that.
         c.specs = [dict(s, bn=False) for s in c.specs]
-    # A block called by keyword that writes its input in place is left out: a checkpoint without
-    # offload hands keyword tensors to torch's checkpoint, which keeps them without a version check
-    # (a wrong gradient instead of torch's in-place error; the planner excludes such blocks).
-    c.specs = [dict(s, inplace_input=False) if s["keyword"] else s for s in c.specs]
     (ref_model, applied), x = _h_models(c, 2)
     ref = _h_step(ref_model, x)
     offload = {"devices": ["cpu"], "min_bytes": 0} if o["offload"] else False

@@ -4,7 +4,8 @@ Launched by tests/gloo_ranks.py as ``python tests/integrations/deepspeed_worker.
 process per rank, gloo over 127.0.0.1, DeepSpeed's CPU accelerator. Each scenario
 (``zero{1,2,3}_{offload,apply}``) trains the tiny transformer with ``deepspeed.initialize`` for a
 few steps alone and again with ckpt_offload, and writes both final (gathered) parameter sets and
-ckpt_offload's counters to ``OUT_DIR/rank{RANK}.pt``.
+ckpt_offload's counters to ``OUT_DIR/rank{RANK}.pt`` (the loop over the scenarios is
+worker_main.py's, shared with distributed_worker.py).
 
 DeepSpeed's TorchBackend JIT-compiles a shared-memory all-reduce op (``deepspeed_shm_comm``)
 when its communication backend starts, before the process group's rendezvous: minutes of C++
@@ -16,15 +17,14 @@ does itself where the op cannot be built, so no compiler runs.
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import ckpt_offload as co
 from ckpt_offload.demo.model import TinyTransformer, lm_loss
+from worker_main import run_rank
 
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
 STEPS = 3
@@ -87,23 +87,15 @@ def scenario(name):
 
 
 def main(out_dir: str, names: list) -> None:
-    co._C.testing.set_cpu_copy_delay_us(int(os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
-    torch.set_num_threads(1)
-    import deepspeed
-    import deepspeed.ops
+    def start() -> dict:
+        import deepspeed
+        import deepspeed.ops
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
-    deepspeed.init_distributed(dist_backend="gloo")
-    results = {"deepspeed": deepspeed.__version__}
-    for name in names:
-        try:
-            results[name] = scenario(name)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # see the module docstring
+        deepspeed.init_distributed(dist_backend="gloo")
+        return {"deepspeed": deepspeed.__version__}
+
+    run_rank(out_dir, names, scenario, start)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Launched by tests/gloo_ranks.py as ``python tests/integrations/distributed_worke
 one process per rank, gloo over 127.0.0.1. One launch runs every scenario it is given in one
 process group (a process start costs seconds on a 2-core machine; a scenario costs far less), and
 writes ``OUT_DIR/rank{RANK}.pt``: ``{scenario: result dict}``, or ``{"error": traceback}`` for
-a scenario that raised -- so the test reports the failing composition by name.
+a scenario that raised -- so the test reports the failing composition by name (the loop is
+worker_main.py's, shared with deepspeed_worker.py).
 
 Every scenario trains the same tiny model twice from the same seed and data, once as the engine
 runs it alone and once with ckpt_offload, and returns both final (full, unsharded) parameter
@@ -18,7 +19,6 @@ import contextlib
 import functools
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ import torch.nn as nn
 
 import ckpt_offload as co
 from ckpt_offload.demo.model import TinyTransformer, lm_loss
+from worker_main import run_rank
 
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
 STEPS = 3
@@ -477,23 +478,11 @@ SCENARIOS = {
 
 
 def main(out_dir: str, names: list) -> None:
-    # The same asynchronous CPU copy threads with an injected delay as tests/conftest.py uses,
-    # so a missing wait corrupts data here too.
-    co._C.testing.set_cpu_copy_delay_us(
-        int(os.environ.get("CKPT_OFFLOAD_CPU_COPY_DELAY_US", os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    results = {}
-    for name in names:
-        try:
-            results[name] = SCENARIOS[name](out_dir)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    torch.save(results, os.path.join(out_dir, f"rank{rank()}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    def start() -> dict:
+        dist.init_process_group("gloo")
+        return {}
+
+    run_rank(out_dir, names, lambda name: SCENARIOS[name](out_dir), start)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,7 @@ from torch._dynamo.utils import counters
 OPTS = {"devices": ["cpu"], "min_bytes": 0}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.config.compiled_autograd = False
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
 
 
 class GraphRuns:

@@ -12,40 +12,20 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 
 import pytest
 import torch
 from conftest import assert_bit_identical, cpu_offload, nonzero
-from helpers import TESTS_DIR, grads_of, step_grads
+from helpers import TESTS_DIR, grads_of, run_child, run_python, step_grads
 from models_for_tests import Chain  # 512 x 512 float32: 1 MiB per saved activation
 
 import ckpt_offload as co
 
 MiB = 1 << 20
 ONE = 512 * 512 * 4
-
-
-def _outside_the_tree() -> dict:
-    """subprocess.run arguments for a `python -c` child that imports the ckpt_offload these tests
-    imported: `python -c` puts its cwd first on sys.path, where a checkout's ckpt_offload/ (without
-    a built _C) would shadow the installed package."""
-    return {"cwd": tempfile.gettempdir(),
-            "env": dict(os.environ, PYTHONPATH=os.pathsep.join(
-                p for p in (os.path.dirname(os.path.dirname(co.__file__)), os.environ.get("PYTHONPATH")) if p))}
-
-
-@pytest.fixture
-def spill_dir(tmp_path):
-    d = tmp_path / "spill"
-    d.mkdir()
-    yield str(d)
-    # Spill files never have a name (O_TMPFILE, or unlinked at once): nothing to clean up, ever.
-    assert os.listdir(d) == []
 
 
 def open_spill_files(d: str) -> int:
@@ -238,7 +218,7 @@ def test_small_file_system_full(tmp_path):
     """)
     cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
            f'mount -t tmpfs -o size=2m tmpfs "{d}" || exit 77; exec "{sys.executable}" -c "$0"', script]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, **_outside_the_tree())
+    r = run_child(cmd)
     if r.returncode == 77:
         pytest.skip("cannot mount a tmpfs here: " + r.stderr.strip()[:200])
     assert r.returncode == 0, r.stdout + r.stderr
@@ -301,8 +281,7 @@ def test_killed_process_leaves_no_file(spill_dir):
         print("spilled", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                       **_outside_the_tree())
+    r = run_python(script)
     assert "spilled" in r.stdout, r.stderr
     assert r.returncode == -9
     assert os.listdir(spill_dir) == []  # the fixture checks it too

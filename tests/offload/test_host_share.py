@@ -153,9 +153,8 @@ def test_auto_share_full_without_spill_dir_warns_naming_the_option(monkeypatch):
 
 
 @pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
-def test_four_local_ranks_never_exceed_the_node_budget(tmp_path):
-    spill = tmp_path / "spill"
-    spill.mkdir()
+def test_four_local_ranks_never_exceed_the_node_budget(tmp_path, spill_dir):
+    spill = Path(spill_dir)
     out = tmp_path / "out"
     out.mkdir()
     wait_ranks(launch_ranks(WORKER, out, [NODE_MAX_BYTES, spill], world_size=RANKS), out, 180)
