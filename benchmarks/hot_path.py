@@ -8,12 +8,18 @@
 
 A model of ``--blocks`` blocks ``Linear(dim, dim)`` + ``tanh`` saves three small tensors per block:
 the Linear's input and tanh's output (activations) and the Linear's ``weight.t()`` (a view of a
-parameter, which every variant of ours keeps). Every variant runs
-the same step; the variants are interleaved (one step of each per round, in a rotating order) so
-that they see the same machine state, and each variant's forward and backward are timed
-separately. The overhead of a variant in a round is its time minus the plain step's time in the
-same round; the table has the median over rounds of that overhead divided by the number of saved
-tensors, with the 25th-75th percentile spread.
+parameter, which every variant of ours keeps). Every variant runs the same step.
+
+The method (what keeps an arm measured twice at a ratio near 1.0 on a shared machine): many short
+rounds; in each round every arm runs once, in an order drawn afresh for that round (a seeded
+shuffle: no arm always follows the same one, as a rotation would make it); an arm first runs one
+untimed step (what the arm before it left in the caches and the allocator is then its own) and
+then ``--reps`` timed steps, of which the fastest forward and the fastest backward count. The cyclic garbage collector is off
+while timing (collected between rounds); the model, its input and the pool are made once, before.
+An arm's overhead in a round is its time minus the plain step's time in the same round, per saved
+tensor; the table has the median over rounds with the 25th-75th percentile spread. A ratio is
+taken per round (the numerator's overhead over the denominator's, both from that round) and the
+median over rounds is reported.
 
 Variants: ``plain`` (no hooks), ``identity`` (``saved_tensors_hooks`` returning the tensor),
 ``save_on_cpu`` (torch's), ``clone_hook`` (a Python hook that returns ``t.clone()``), ``co_keep``
@@ -23,8 +29,9 @@ Variants: ``plain`` (no hooks), ``identity`` (``saved_tensors_hooks`` returning 
 
 The two headline ratios: ``co_keep / save_on_cpu`` and ``co_offload_compute / clone_hook``
 (per saved tensor, forward + backward). Each denominator is also run as a second, separate arm
-(interleaved like the others, not a row of the table): its ratio to the first is the A/A pair,
-the noise floor of that ratio in this run. On CPU the ratios are printed beside those of the
+(interleaved like the others, not a row of the table): its ratio to the first, per round, is the
+A/A pair, printed as its median with its 25th-75th percentiles and its extremes: the noise floor
+of a ratio in this run (a ratio differs from another only by more than that spread). On CPU the ratios are printed beside those of the
 committed reference run (``--baseline``, default ``benchmarks/results/hot_path_cpu.json``), so
 a regression shows in every CI log; nothing is asserted on time. On a GPU the host time per
 offloaded tensor is also put against the GPU time per tensor of the step (is the host falling
@@ -34,9 +41,11 @@ behind the GPU?).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -56,6 +65,9 @@ OFFLOAD_RATIO = ("co_offload_compute", "clone_hook")
 AA_SUFFIX = " (again)"
 AA_ARMS = (KEEP_RATIO[1], OFFLOAD_RATIO[1])
 DEFAULT_BASELINE = os.path.join(_HERE, "results", "hot_path_cpu.json")
+# How the arms are timed (round_orders, the settle step, the fastest of --reps, per-round ratios).
+# A reference run made another way is not printed beside this one's: its ratios meant something else.
+METHOD = "shuffled-rounds/v2"
 
 
 class Blocks(nn.Module):
@@ -149,6 +161,27 @@ def pct(values, q):
     return s[lo] + (s[hi] - s[lo]) * (i - lo)
 
 
+def round_orders(names: list, rounds: int, seed: int) -> list:
+    """The order the arms run in, one list per round: a seeded shuffle drawn afresh each round,
+    so that no arm always runs right after the same one (a rotation keeps every arm's neighbours
+    for good: what one arm leaves behind would always be charged to the same other arm)."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def spread(values) -> dict:
+    """Median, 25th-75th percentiles and extremes of ``values`` (None when there are none)."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return {"median": None, "p25": None, "p75": None, "min": None, "max": None}
+    return {"median": statistics.median(v), "p25": pct(v, 0.25), "p75": pct(v, 0.75), "min": min(v), "max": max(v)}
+
+
 def run(args) -> dict:
     cuda = args.device == "cuda"
     # On CPU the process's CPU time (all its threads, the CPU copy streams included): other
@@ -157,6 +190,7 @@ def run(args) -> dict:
     if not cuda:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    # Everything a step reuses is made here, outside the timed region.
     model = Blocks(args.blocks, args.dim).to(args.device)
     x = torch.randn(args.batch, args.dim, device=args.device, requires_grad=True)
     saved = count_saved(model, x)
@@ -166,29 +200,51 @@ def run(args) -> dict:
     for n in AA_ARMS:
         factories[n + AA_SUFFIX] = factories[n]
     names = list(factories)
-    times = {n: {"forward": [], "backward": [], "forward_host": [], "gpu_step": []} for n in names}
+    phases = ("forward", "backward", "forward_host", "gpu_step")
+    # times[n][phase][r]: arm n's time of that phase in round r (the fastest of its timed steps).
+    times = {n: {k: [] for k in phases + ("total",)} for n in names}
     stats = {}
-    for _ in range(args.warmup):
-        for n in names:
-            one_step(model, x, factories[n](), cuda, clock)
-    for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]  # rotate: no variant always first
-        for n in order:
+
+    def measure(n, reps):
+        best = None
+        for i in range(reps + 1):  # step 0 settles the arm, untimed
             ctx = factories[n]()
             t = one_step(model, x, ctx, cuda, clock)
-            for k, v in t.items():
-                times[n][k].append(v)
             if isinstance(ctx, co.offload):
                 stats[n] = ctx.stats()
-    co.synchronize()
+            if i == 0:
+                continue
+            best = t if best is None else {k: min(best[k], t[k]) for k in t}
+        # Forward and backward each at their fastest: the shorter the timed stretch, the likelier
+        # one of its tries ran without another process in the caches.
+        best["total"] = best["forward"] + best["backward"]
+        return best
+
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for order in round_orders(names, args.warmup, args.seed + 1):
+            for n in order:
+                measure(n, 1)
+        for order in round_orders(names, args.rounds, args.seed):
+            gc.collect()  # between rounds, untimed: no collection lands in one arm's step
+            for n in order:
+                t = measure(n, args.reps)
+                for k, v in t.items():
+                    times[n][k].append(v)
+        co.synchronize()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    def per_round(n, phase):
+        """Arm n's overhead per saved tensor in each round (µs): its time less plain's that round."""
+        return [(a - p) / saved * 1e6 for a, p in zip(times[n][phase], times["plain"][phase])]
 
     def overhead(n, phase):
-        if phase == "total":
-            a = [f + b for f, b in zip(times[n]["forward"], times[n]["backward"])]
-            p = [f + b for f, b in zip(times["plain"]["forward"], times["plain"]["backward"])]
-        else:
-            a, p = times[n][phase], times["plain"][phase]
-        per = [(ai - pi) / saved * 1e6 for ai, pi in zip(a, p)]  # paired, same round
+        per = per_round(n, phase)
         return {"median_us": statistics.median(per), "p25_us": pct(per, 0.25), "p75_us": pct(per, 0.75)}
 
     results = []
@@ -213,16 +269,25 @@ def run(args) -> dict:
         results.append(row)
 
     def ratio(pair):
-        a, b = overhead(pair[0], "total")["median_us"], overhead(pair[1], "total")["median_us"]
-        return {"numerator": pair[0], "denominator": pair[1], "ratio": (a / b) if b > 0 else None,
-                "numerator_us": a, "denominator_us": b}
+        """The ratio of two arms' overheads: taken in every round, the median over rounds
+        (``ratio``) with its spread; ``numerator_us`` / ``denominator_us`` are the arms' medians."""
+        num, den = per_round(pair[0], "total"), per_round(pair[1], "total")
+        rounds = [a / b if b > 0 else None for a, b in zip(num, den)]
+        sp = spread(rounds)
+        return {"numerator": pair[0], "denominator": pair[1], "ratio": sp["median"],
+                "numerator_us": statistics.median(num), "denominator_us": statistics.median(den),
+                "p25": sp["p25"], "p75": sp["p75"], "min": sp["min"], "max": sp["max"]}
 
     return {
         "benchmark": "hot_path",
         "mode": "gpu" if cuda else "cpu",
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
-        "args": {k: getattr(args, k) for k in ("device", "blocks", "dim", "batch", "rounds", "warmup", "threads",
-                                               "quick", "clock")},
+        "args": {k: getattr(args, k) for k in ("device", "blocks", "dim", "batch", "rounds", "warmup", "reps", "seed",
+                                               "threads", "quick", "clock")},
+        "method": METHOD,
+        # The machine's 1-minute load average before and after: above its core count the spread widens.
+        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "cpu_count": os.cpu_count(),
         "saved_tensors_per_step": saved,
         "saved_tensor_bytes": args.batch * args.dim * 4,
         "torch_version": torch.__version__,
@@ -241,9 +306,12 @@ def baseline_entry(r: dict) -> dict:
     return {
         "benchmark": "hot_path", "mode": r["mode"], "args": r["args"],
         "command": "python benchmarks/hot_path.py " + ("--quick" if r["args"]["quick"] else ""),
-        "torch_version": r["torch_version"],
+        "torch_version": r["torch_version"], "method": r["method"],
         "ratios": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["ratios"].items()},
         "aa": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["aa"].items()},
+        # The A/A pairs' spread over rounds: [p25, p75] and [min, max].
+        "aa_spread": {k: {q: round(v[q], 3) if v[q] is not None else None for q in ("p25", "p75", "min", "max")}
+                      for k, v in r["aa"].items()},
         "total_us": {x["variant"]: round(x["per_tensor"]["total"]["median_us"], 2)
                      for x in r["results"] if x["per_tensor"] is not None},
     }
@@ -251,7 +319,7 @@ def baseline_entry(r: dict) -> dict:
 
 def read_baseline(path: str | None, r: dict) -> dict | None:
     """The committed reference run at ``path`` when it exists and was measured like ``r`` (same
-    mode and model), else None."""
+    mode, model and method), else None."""
     if not path or not os.path.exists(path):
         return None
     try:
@@ -259,7 +327,7 @@ def read_baseline(path: str | None, r: dict) -> dict | None:
             b = json.load(f)
     except (OSError, ValueError):
         return None
-    same = b.get("mode") == r["mode"] and all(
+    same = b.get("mode") == r["mode"] and b.get("method") == r["method"] and all(
         b.get("args", {}).get(k) == r["args"][k] for k in ("blocks", "dim", "batch", "threads", "clock"))
     return b if same else None
 
@@ -269,10 +337,18 @@ def markdown(r: dict) -> str:
     a = r["args"]
     lines.append(f"{a['blocks']} blocks of Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}, "
                  f"{r['saved_tensors_per_step']} saved tensors of {r['saved_tensor_bytes']} B per step, "
-                 f"{a['rounds']} interleaved rounds after {a['warmup']} warm-up"
+                 f"{a['rounds']} rounds in shuffled order after {a['warmup']} warm-up, each arm the fastest of "
+                 f"{a['reps']} steps after an untimed one (forward, backward each)"
                  + (f", {a['threads']} CPU thread(s)" if r["mode"] == "cpu" else "")
                  + f"; clock: {a['clock']} time; torch {r['torch_version']}. Overhead = step time - plain step time in the same round, per "
-                 "saved tensor: median [p25, p75] in µs.")
+                 "saved tensor: median [p25, p75] in µs. Ratios: the median over rounds of the ratio in each round; "
+                 "A/A: the denominator over itself run again, median [p25, p75] (min-max).")
+    load = r.get("load_average") or [None, None]
+    if load[0] is not None:
+        lines.append("")
+        lines.append(f"Load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {r.get('cpu_count')} CPUs"
+                     + (": the machine was busier than its cores, the spreads are wider" if max(load) > (r.get("cpu_count") or 1) else "")
+                     + ".")
     lines.append("")
     gpu = r["mode"] == "gpu"
     head = "| variant | forward | backward | total | plain-relative step fwd / bwd ms |"
@@ -296,13 +372,15 @@ def markdown(r: dict) -> str:
     for key, v in r["ratios"].items():
         ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
         aa = r["aa"][v["denominator"]]
-        aa_text = "n/a" if aa["ratio"] is None else f"{aa['ratio']:.2f}"
+        aa_text = "n/a" if aa["ratio"] is None else (f"{aa['ratio']:.2f} [{aa['p25']:.2f}, {aa['p75']:.2f}] "
+                                                      f"({aa['min']:.2f}-{aa['max']:.2f})")
+        spread_text = "" if v["ratio"] is None else f" [{v['p25']:.2f}, {v['p75']:.2f}]"
         was = ""
         if base is not None:
             old = base.get("ratios", {}).get(key)
             was = f"; last committed: {old:.2f}" if isinstance(old, (int, float)) else "; last committed: n/a"
         lines.append(f"- **{key}**: {v['numerator']} / {v['denominator']} = {v['numerator_us']:.2f} / "
-                     f"{v['denominator_us']:.2f} µs = **{ratio}** (target ≤ 1.0; A/A {v['denominator']} / "
+                     f"{v['denominator_us']:.2f} µs = **{ratio}**{spread_text} (target ≤ 1.0; A/A {v['denominator']} / "
                      f"itself again = {aa_text}{was})")
     if base is not None:
         lines.append(f"- last committed run: `{base.get('command', '').strip()}` "
@@ -321,6 +399,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16, help="rows of the input (saved tensor bytes = batch*dim*4)")
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="timed steps per arm and round, the fastest counts (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the rounds' shuffled orders")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
     p.add_argument("--clock", choices=["process", "wall"], default=None,
                    help="process: CPU time of this process (default on CPU: immune to other processes' load); "
@@ -333,6 +413,8 @@ def main(argv=None):
     p.add_argument("--write-baseline", default=None, metavar="PATH",
                    help="also write this run's ratios, A/A pairs and per-variant totals to PATH as the reference")
     args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1, got {args.reps}")
     if args.device is None:
         args.device = "cuda" if (torch.cuda.is_available() and co.build_info()["cuda_compiled"]) else "cpu"
     if args.device == "cuda" or args.clock is None:

@@ -186,24 +186,46 @@ void CopyEngine::keep_until(Stream& copy, std::shared_ptr<Event> done, std::shar
   if (capture_active() || done->state() == EventState::Pending) hold(copy.id(), std::move(done), std::move(keepalive));
 }
 
+// Note [Poll with nothing held]
+// poll() runs at every copy and whenever a saved tensor dies (~SavedTensor: sources released
+// with their graph), kept tensors included, and most of those calls find nothing held: every
+// inline copy (stream="compute", an idle CPU worker) finished before it could be held. So it
+// first reads the count without the lock and returns on zero, before the capture probe (a
+// driver call per poll on a CUDA build) and the engine's mutex. Every write of the count is
+// atomic (under mu_ too), so that read is no data race; a keepalive another thread holds at that
+// moment is seen by the next poll, as it would be had this poll taken the lock a moment earlier.
+// (The core is C++17: no std::atomic_ref; GCC's and Clang's atomic builtins, which the thread
+// sanitizer knows, on the plain member.)
+namespace {
+struct HeldCount {
+  size_t& n;
+  size_t load(int order) const { return __atomic_load_n(&n, order); }
+  void store(size_t v, int order) { __atomic_store_n(&n, v, order); }
+  void fetch_add(size_t v, int order) { __atomic_fetch_add(&n, v, order); }
+  void fetch_sub(size_t v, int order) { __atomic_fetch_sub(&n, v, order); }
+};
+HeldCount held_count(size_t& n) { return HeldCount{n}; }
+}  // namespace
+
 void CopyEngine::hold(uintptr_t stream_id, std::shared_ptr<Event> done, std::shared_ptr<void> keepalive) {
   std::lock_guard<std::mutex> lock(mu_);
   held_[stream_id].push_back({std::move(done), std::move(keepalive)});
-  ++num_held_;
+  held_count(num_held_).fetch_add(1, __ATOMIC_RELEASE);
 }
 
 void CopyEngine::poll() {
+  if (held_count(num_held_).load(__ATOMIC_ACQUIRE) == 0) return;  // Note [Poll with nothing held]
   if (capture_active()) return;  // Note [Graph capture]: no event query, no release
   std::vector<std::shared_ptr<void>> release;  // destroyed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (num_held_ == 0) return;
+    if (held_count(num_held_).load(__ATOMIC_RELAXED) == 0) return;
     for (auto& kv : held_) {
       auto& q = kv.second;
       while (!q.empty() && q.front().done->query()) {
         release.push_back(std::move(q.front().keepalive));
         q.pop_front();
-        --num_held_;
+        held_count(num_held_).fetch_sub(1, __ATOMIC_RELAXED);
       }
     }
   }
@@ -216,14 +238,14 @@ void CopyEngine::synchronize() {
     for (auto& kv : held_)
       for (auto& h : kv.second) all.push_back(std::move(h));
     held_.clear();
-    num_held_ = 0;
+    held_count(num_held_).store(0, __ATOMIC_RELAXED);
   }
   for (auto& h : all) h.done->synchronize();
 }
 
 size_t CopyEngine::num_keepalives() {
   std::lock_guard<std::mutex> lock(mu_);
-  return num_held_;
+  return held_count(num_held_).load(__ATOMIC_RELAXED);
 }
 
 }  // namespace ckpt_offload

@@ -55,7 +55,17 @@ void FenceEvent::signal() {
   cv_.notify_all();
 }
 
-std::shared_ptr<Event> InlineStream::record() { return std::make_shared<FenceEvent>(true); }
+namespace {
+// A fence that has fired, shared by every record() that finds nothing pending (an inline stream
+// always, an idle worker): one reference count instead of a new fence (a mutex, a condition
+// variable) per copy. Nothing signals or resets a fired fence, so sharing it changes nothing.
+const std::shared_ptr<Event>& fired_fence() {
+  static const std::shared_ptr<Event>* fence = new std::shared_ptr<Event>(std::make_shared<FenceEvent>(true));
+  return *fence;  // leaked on purpose: events outlive static destruction in worker threads
+}
+}  // namespace
+
+std::shared_ptr<Event> InlineStream::record() { return fired_fence(); }
 
 std::shared_ptr<Event> InlineStream::record_timed() { return std::make_shared<FenceEvent>(true, true); }
 
@@ -130,7 +140,7 @@ std::shared_ptr<Event> WorkerStream::record() {
   {
     // Nothing queued or running: everything enqueued so far has run (Note [Idle worker runs inline]).
     std::lock_guard<std::mutex> lock(mu_);
-    if (!busy_ && queue_.empty()) return std::make_shared<FenceEvent>(true);
+    if (!busy_ && queue_.empty()) return fired_fence();
   }
   auto ev = std::make_shared<FenceEvent>(false);
   enqueue([ev] { ev->signal(); });
