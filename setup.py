@@ -7,7 +7,6 @@ when it cannot be done), e.g. for a wheel meant for another machine; CKPT_OFFLOA
 the C++-only build.
 """
 
-import glob
 import os
 import shutil
 import sys
@@ -22,6 +21,8 @@ from build_env import (  # noqa: E402
     extra_cuda_include_flags,
     is_toolkit as _is_toolkit,
     locate_cuda_home as _locate_cuda_home,
+    sources as _sources,
+    torch_layer_sources,
     usable_gpu as _usable_gpu,
 )
 
@@ -56,21 +57,17 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < MIN_T
     )
 
 
-def _sources(pattern):
-    # Every source of a folder, so a new file cannot be in the wheel but missing from
-    # CMakeLists.txt's sanitizer build (which globs the same folders), or the reverse.
-    return sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, pattern)))
-
-
 CORE = _sources("csrc/core/*.cpp")
-# Both builds compile every file: runtime_cuda.cpp and runtime_cpu.cpp are each guarded as a whole
-# by CKPT_OFFLOAD_WITH_CUDA, so the flag below picks the device side (csrc/torch/runtime_backend.h).
-TORCH_LAYER = _sources("csrc/torch/*.cpp")
+# The torch layer and its device side, picked the way pytorch's extension-cpp example picks
+# sources: the CUDA build adds csrc/torch/cuda/, the C++-only build the CPU fallbacks of
+# csrc/torch/cpu/ (csrc/torch/device_runtime.h; scripts/build_env.py lists them).
+TORCH_LAYER_CUDA = torch_layer_sources(with_cuda=True)
+TORCH_LAYER_CPU = torch_layer_sources(with_cuda=False)
 CUDA_SOURCES = _sources("csrc/core/*.cu")
 # torch's ninja build names each object after its source's stem (csrc/core/x.cpp and
 # csrc/core/x.cu would both be build/.../csrc/core/x.o: "multiple rules generate"), so two sources
 # of one folder must not share a stem.
-_stems = [os.path.splitext(p)[0] for p in CORE + TORCH_LAYER + CUDA_SOURCES]
+_stems = [os.path.splitext(p)[0] for p in CORE + sorted(set(TORCH_LAYER_CUDA + TORCH_LAYER_CPU)) + CUDA_SOURCES]
 _clash = sorted({s for s in _stems if _stems.count(s) > 1})
 if _clash:
     sys.exit("ckpt_offload: sources that would build to the same object file: " + ", ".join(
@@ -107,10 +104,10 @@ def extension():
         cxx += ["-DCKPT_OFFLOAD_WITH_CUDA"] + extra_cuda_include_flags(cpp_extension.CUDA_HOME, torch)
         return cpp_extension.CUDAExtension(
             "ckpt_offload._C",
-            CORE + TORCH_LAYER + CUDA_SOURCES,
+            CORE + TORCH_LAYER_CUDA + CUDA_SOURCES,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA"]},
         )
-    return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER, extra_compile_args={"cxx": cxx})
+    return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx})
 
 
 BUILD_CONFIG = "_build_config.py"

@@ -1,7 +1,8 @@
-"""Where the CUDA toolkit and the headers ckpt_offload compiles against are.
+"""Where the CUDA toolkit and the headers ckpt_offload compiles against are, and which sources
+each build compiles.
 
-Shared by setup.py (the build) and scripts/check_torch_headers.py (the compile check against
-other torch releases' headers), so both see the same include directories.
+Shared by setup.py (the build) and scripts/check_torch_headers.sh (the compile check against
+other torch releases' headers), so both see the same include directories and sources.
 Import order matters: call locate_cuda_home() before importing torch.utils.cpp_extension,
 which reads CUDA_HOME once, at import.
 """
@@ -12,6 +13,8 @@ import shutil
 import site
 import subprocess
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)
 # may lack; pip's nvidia-* packages ship them.
@@ -102,9 +105,27 @@ def torch_compile_flags(with_cuda, torch_include_root=None):
     return flags
 
 
+def sources(pattern):
+    """Every source of a folder, relative to the source root and sorted: a new file cannot be in
+    the wheel but missing from CMakeLists.txt's sanitizer build (which globs the same folders)."""
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def torch_layer_sources(with_cuda):
+    """The torch layer's sources for one build, as pytorch's extension-cpp example picks them:
+    csrc/torch/*.cpp, plus the device side (csrc/torch/device_runtime.h) of that build --
+    csrc/torch/cuda/*.cpp for the CUDA build, the CPU fallbacks csrc/torch/cpu/*.cpp for the
+    C++-only one."""
+    return sources("csrc/torch/*.cpp") + sources("csrc/torch/cuda/*.cpp" if with_cuda else "csrc/torch/cpu/*.cpp")
+
+
 if __name__ == "__main__":
     # python scripts/build_env.py [--cuda] [--torch-include ROOT]: prints the flags, one per line.
+    # python scripts/build_env.py --sources [--cuda]: the torch layer's sources of that build.
     args = sys.argv[1:]
+    if "--sources" in args:
+        print("\n".join(torch_layer_sources("--cuda" in args)))
+        sys.exit(0)
     root = args[args.index("--torch-include") + 1] if "--torch-include" in args else None
     print("\n".join(torch_compile_flags("--cuda" in args, root)))
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Syntax-compiles every torch-facing C++ file (csrc/torch/*.cpp) against the headers of the
-# oldest torch the README claims (2.11.0) and of the installed torch, with and without
-# CKPT_OFFLOAD_WITH_CUDA: a c10 helper that one release lacks fails here, not on a GPU machine
-# that runs another torch than CI.
+# Syntax-compiles every torch-facing C++ file (csrc/torch/*.cpp and the device side of each build:
+# csrc/torch/cuda/*.cpp with CKPT_OFFLOAD_WITH_CUDA, csrc/torch/cpu/*.cpp without) against the
+# headers of the oldest torch the README claims (2.11.0) and of the installed torch: a c10 helper
+# that one release lacks fails here, not on a GPU machine that runs another torch than CI.
 #
 #   bash scripts/check_torch_headers.sh            # PYTHON defaults to python3
 #
@@ -45,20 +45,26 @@ else
   echo "check_torch_headers: no CUDA toolkit found: checking the C++-only variant only"
 fi
 
-# One translation unit that #includes every csrc/torch/*.cpp: a syntax-only parse of torch's
-# headers costs ~15 s of CPU per file, and the check is about torch's API (which every file sees
-# the same way), so the headers are parsed once per combination instead of once per file:
-# ~10x less CI time. Diagnostics still name the real file and line. (The build proper
+# One translation unit per variant that #includes every source of that build's torch layer
+# (scripts/build_env.py --sources: the same list setup.py compiles): a syntax-only parse of
+# torch's headers costs ~15 s of CPU per file, and the check is about torch's API (which every
+# file sees the same way), so the headers are parsed once per combination instead of once per
+# file: ~10x less CI time. Diagnostics still name the real file and line. (The build proper
 # compiles each file on its own against the installed torch.)
-unity="$(mktemp --suffix=.cpp)"
-trap 'rm -f "$unity"' EXIT
-for f in csrc/torch/*.cpp; do echo "#include \"$ROOT/$f\""; done > "$unity"
+unity_dir="$(mktemp -d)"
+trap 'rm -rf "$unity_dir"' EXIT
+for variant in "${variants[@]}"; do
+  source_args=(--sources)
+  [[ $variant == cuda ]] && source_args+=(--cuda)
+  "$PYTHON" scripts/build_env.py "${source_args[@]}" | while read -r f; do echo "#include \"$ROOT/$f\""; done \
+    > "$unity_dir/$variant.cpp"
+done
 
 check() {  # check HEADERS VARIANT
   local headers=$1 variant=$2 args=()
   [[ $variant == cuda ]] && args+=(--cuda)
   [[ $headers != installed ]] && args+=(--torch-include "$CACHE/torch/include")
-  local flags
+  local flags unity="$unity_dir/$variant.cpp"
   mapfile -t flags < <("$PYTHON" scripts/build_env.py "${args[@]}" 2>/dev/null)
   # -Wno-attributes: pybind11's class-visibility note, which the real build does not show.
   if g++ -fsyntax-only -Wno-attributes "${flags[@]}" "$unity"; then

@@ -2,7 +2,7 @@
 //
 // It hands out offsets, not pointers, so one implementation serves any space that comes in
 // large regions and is carved into blocks: file extents of the FileTier today, HostPool's
-// memory segments (region = segment, offset = ptr - base) if it moves onto it. It only does the
+// memory segments (region = segment, offset = ptr - base). It only does the
 // bookkeeping: it does not lock (the owner holds its own mutex), does not know about copies
 // (a block waiting for a copy is simply still allocated), and does not get regions itself.
 //
@@ -104,6 +104,15 @@ class BlockAllocator {
     free_.erase(Key{size, region, 0});
     free_bytes_ -= size;
     regions_.erase(region);
+  }
+
+  // True when `r` is a range allocate() gave out and free() has not taken back. Test-only (the
+  // owners' invariant checks).
+  bool is_allocated(const Range& r) const {
+    auto region = regions_.find(r.region);
+    if (region == regions_.end()) return false;
+    auto it = region->second.find(r.offset);
+    return it != region->second.end() && !it->second.free && it->second.size == r.size;
   }
 
   uint64_t free_bytes() const { return free_bytes_; }

@@ -6,32 +6,23 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
 namespace ckpt_offload {
 
-struct HostPool::Segment {
-  char* base;
-  size_t size;
-  Block* first;  // the block at `base`; never merged away, so it stays valid for the segment's life
-};
-
+// A block handed out by allocate(), alive until its range goes back to the allocator: Used
+// until free(), then Pending while copies may still touch it (or for good, when poisoned).
 struct HostPool::Block {
   char* ptr;
-  size_t size;
-  size_t requested = 0;
-  Segment* segment;
-  Block* prev = nullptr;  // neighbours in address order within the segment
+  BlockAllocator::Range range;  // region = index into segments_; range.size is the block's size
+  size_t requested;
+  enum State { Used, Pending } state = Used;
+  Block* prev = nullptr;  // neighbours in the pool's list of live blocks (live_)
   Block* next = nullptr;
-  enum State { Free, Used, Pending } state = Free;
 };
-
-bool HostPool::BySize::operator()(const Block* a, const Block* b) const {
-  if (a->size != b->size) return a->size < b->size;
-  return a->ptr < b->ptr;
-}
 
 void* PageableBackend::allocate(size_t bytes) {
   void* p = nullptr;
@@ -65,17 +56,16 @@ HostPool::~HostPool() {
   // still be running, so wait for them before the memory goes back to the backend.
   std::lock_guard<std::mutex> lock(mu_);
   reclaim_locked(/*wait=*/true);
-  for (Segment* s : segments_) {
-    bool poisoned = false;
-    for (Block* b = s->first; b;) {
-      Block* next = b->next;
-      poisoned = poisoned || std::find(poisoned_.begin(), poisoned_.end(), b) != poisoned_.end();
-      delete b;
-      b = next;
-    }
+  std::vector<bool> poisoned(segments_.size(), false);
+  for (const Block* b : poisoned_) poisoned[b->range.region] = true;
+  for (Block* b = live_; b;) {
+    Block* next = b->next;
+    delete b;
+    b = next;
+  }
+  for (size_t i = 0; i < segments_.size(); ++i) {
     // A segment a failed copy may still touch is leaked, not released. Note [No throw on teardown].
-    if (!poisoned) release_segment(s->base, s->size);
-    delete s;
+    if (segments_[i].base && !poisoned[i]) release_segment(segments_[i].base, segments_[i].size);
   }
 }
 
@@ -89,36 +79,22 @@ void HostPool::poison_locked(Block* b) {
   }
   if (b->state != Block::Pending) {
     b->state = Block::Pending;
-    stats_.bytes_pending += b->size;
+    stats_.bytes_pending += b->range.size;
   }
   poisoned_.push_back(b);
 }
 
 void* HostPool::data(const Block* block) { return block->ptr; }
-size_t HostPool::size(const Block* block) { return block->size; }
+size_t HostPool::size(const Block* block) { return block->range.size; }
 
-void HostPool::insert_free_locked(Block* b) {
-  b->state = Block::Free;
-  b->requested = 0;
-  // Coalesce with free neighbours so a large request can reuse space freed as small pieces.
-  if (b->prev && b->prev->state == Block::Free) {
-    Block* p = b->prev;
-    free_blocks_.erase(p);
-    p->size += b->size;
-    p->next = b->next;
-    if (b->next) b->next->prev = p;
-    delete b;
-    b = p;
-  }
-  if (b->next && b->next->state == Block::Free) {
-    Block* n = b->next;
-    free_blocks_.erase(n);
-    b->size += n->size;
-    b->next = n->next;
-    if (n->next) n->next->prev = b;
-    delete n;
-  }
-  free_blocks_.insert(b);
+void HostPool::release_block_locked(Block* b) {
+  // The allocator coalesces the range with its free neighbours, so a large request can reuse
+  // space freed as small pieces.
+  alloc_.free(b->range);
+  if (b->prev) b->prev->next = b->next;
+  else live_ = b->next;
+  if (b->next) b->next->prev = b->prev;
+  delete b;
 }
 
 void HostPool::reclaim_locked(bool wait) {
@@ -140,8 +116,8 @@ void HostPool::reclaim_locked(bool wait) {
     if (failed) {
       poison_locked(p.block);
     } else if (done) {
-      stats_.bytes_pending -= p.block->size;
-      insert_free_locked(p.block);
+      stats_.bytes_pending -= p.block->range.size;
+      release_block_locked(p.block);
     } else {
       if (kept != i) pending_[kept] = std::move(p);
       ++kept;
@@ -174,14 +150,15 @@ bool HostPool::grow_locked(size_t bytes, size_t* segment_size) {
   }
   if (!mem) return false;
   if (profiling) profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendAlloc, seg, t0, profiler::now_ns()});
-  auto* s = new Segment{static_cast<char*>(mem), seg, nullptr};
-  auto* b = new Block{s->base, seg, 0, s};
-  s->first = b;
-  segments_.push_back(s);
-  free_blocks_.insert(b);
+  // The lowest free slot: a retired segment's region number is reused.
+  size_t region = 0;
+  while (region < segments_.size() && segments_[region].base) ++region;
+  if (region == segments_.size()) segments_.emplace_back();
+  segments_[region] = Segment{static_cast<char*>(mem), seg};
+  alloc_.add_region(static_cast<uint32_t>(region), seg);
   stats_.bytes_reserved += seg;
   stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
-  stats_.num_segments = segments_.size();
+  stats_.num_segments = alloc_.num_regions();
   stats_.num_backend_allocs++;
   if (segment_size) *segment_size = seg;
   return true;
@@ -193,31 +170,23 @@ HostPool::Block* HostPool::allocate_locked(size_t bytes) {
   // would otherwise round to 0 and be "served" by a zero-byte split of some free block.
   if (bytes > std::numeric_limits<size_t>::max() / 2) return nullptr;
   const size_t need = round_up(std::max<size_t>(bytes, 1), kAlignment);
-  auto find = [&]() -> Block* {
-    Block key{nullptr, need, 0, nullptr};
-    auto it = free_blocks_.lower_bound(&key);
-    return it == free_blocks_.end() ? nullptr : *it;
-  };
-  Block* b = find();
-  if (!b) {
+  // The smallest free range that fits, split to `need` (the rest stays free); else what the
+  // finished copies give back; else a new segment.
+  BlockAllocator::Range r;
+  bool found = alloc_.allocate(need, &r);
+  if (!found) {
     reclaim_locked(/*wait=*/false);
-    b = find();
+    found = alloc_.allocate(need, &r);
   }
-  if (!b) {
+  if (!found) {
     if (!grow_locked(need)) return nullptr;
-    b = find();
-    if (!b) return nullptr;
+    found = alloc_.allocate(need, &r);
+    if (!found) return nullptr;
   }
-  free_blocks_.erase(b);
-  if (b->size - need >= kAlignment) {
-    auto* rest = new Block{b->ptr + need, b->size - need, 0, b->segment, b, b->next};
-    if (b->next) b->next->prev = rest;
-    b->next = rest;
-    b->size = need;
-    free_blocks_.insert(rest);
-  }
-  b->state = Block::Used;
-  b->requested = bytes;
+  auto* b = new Block{segments_[r.region].base + r.offset, r, bytes};
+  b->next = live_;
+  if (live_) live_->prev = b;
+  live_ = b;
   return b;
 }
 
@@ -234,7 +203,7 @@ HostPool::Block* HostPool::allocate(size_t bytes) {
   }
   stats_.num_allocs++;
   stats_.num_blocks_in_use++;
-  stats_.bytes_in_use += b->size;
+  stats_.bytes_in_use += b->range.size;
   stats_.bytes_requested += b->requested;
   stats_.peak_bytes_in_use = std::max(stats_.peak_bytes_in_use, stats_.bytes_in_use);
   return b;
@@ -246,7 +215,7 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   if (b->state != Block::Used) throw std::logic_error("ckpt_offload: HostPool::free of a block that is not in use");
   stats_.num_frees++;
   stats_.num_blocks_in_use--;
-  stats_.bytes_in_use -= b->size;
+  stats_.bytes_in_use -= b->range.size;
   stats_.bytes_requested -= b->requested;
   // state(), not query(): free runs from ~HostBuffer. See Note [No throw on teardown].
   bool failed = false;
@@ -263,10 +232,10 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   if (failed) {
     poison_locked(b);
   } else if (pending.empty()) {
-    insert_free_locked(b);
+    release_block_locked(b);
   } else {
     b->state = Block::Pending;
-    stats_.bytes_pending += b->size;
+    stats_.bytes_pending += b->range.size;
     pending_.push_back({b, std::move(pending)});
   }
 }
@@ -281,23 +250,18 @@ void HostPool::release_segment(void* base, size_t size) {
 size_t HostPool::retire_free_segments_locked() {
   reclaim_locked(/*wait=*/false);
   size_t moved = 0;
-  std::vector<Segment*> keep;
-  for (Segment* s : segments_) {
-    Block* whole = s->first;
-    if (whole->state == Block::Free && whole->size == s->size) {
-      free_blocks_.erase(whole);
-      delete whole;
-      retired_.emplace_back(s->base, s->size);
-      stats_.bytes_reserved -= s->size;
-      stats_.bytes_retired += s->size;
-      moved += s->size;
-      delete s;
-    } else {
-      keep.push_back(s);
-    }
+  for (size_t i = 0; i < segments_.size(); ++i) {
+    Segment& s = segments_[i];
+    if (!s.base || !alloc_.region_is_free(static_cast<uint32_t>(i))) continue;
+    alloc_.remove_region(static_cast<uint32_t>(i));
+    retired_.emplace_back(s.base, s.size);
+    stats_.bytes_reserved -= s.size;
+    stats_.bytes_retired += s.size;
+    moved += s.size;
+    s = Segment{};
   }
-  segments_ = std::move(keep);
-  stats_.num_segments = segments_.size();
+  while (!segments_.empty() && !segments_.back().base) segments_.pop_back();
+  stats_.num_segments = alloc_.num_regions();
   return moved;
 }
 
@@ -385,34 +349,50 @@ void HostPool::set_max_bytes(size_t max_bytes) {
 bool HostPool::check_invariants(std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
   std::ostringstream err;
-  size_t free_count = 0, reserved = 0, used = 0, pending = 0, requested = 0;
-  for (Segment* s : segments_) {
-    reserved += s->size;
-    if (s->first->ptr != s->base || s->first->prev) err << "segment does not start with its first block; ";
-    char* expect = s->base;
-    for (Block* b = s->first; b; b = b->next) {
-      if (b->ptr != expect) err << "gap or overlap between blocks; ";
-      if (b->segment != s) err << "block points at the wrong segment; ";
-      if (b->next && b->next->prev != b) err << "broken block links; ";
-      if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err << "misaligned block; ";
-      if (b->state == Block::Free) {
-        ++free_count;
-        if (!free_blocks_.count(b)) err << "free block missing from the free set; ";
-        if (b->next && b->next->state == Block::Free) err << "adjacent free blocks not coalesced; ";
-      } else if (b->state == Block::Used) {
-        used += b->size;
-        requested += b->requested;
-      } else {
-        pending += b->size;
-      }
-      expect = b->ptr + b->size;
-    }
-    if (expect != s->base + s->size) err << "blocks do not cover the segment; ";
+  // The ranges tile every segment, and the free ones are coalesced and indexed.
+  std::string alloc_why;
+  if (!alloc_.check_invariants(&alloc_why)) err << alloc_why;
+  size_t reserved = 0, segments = 0;
+  for (const Segment& s : segments_) {
+    if (!s.base) continue;
+    reserved += s.size;
+    ++segments;
   }
-  if (free_count != free_blocks_.size()) err << "free set holds blocks of no segment; ";
+  if (segments != alloc_.num_regions()) err << "segments and the allocator's regions differ; ";
+  // Every live block is an allocated range of its segment, at its address, and no two share one.
+  size_t used = 0, pending = 0, requested = 0, pending_blocks = 0;
+  uint64_t blocks_in_use = 0;
+  std::set<std::pair<uint32_t, uint64_t>> seen;
+  for (const Block* b = live_; b; b = b->next) {
+    if (b->next && b->next->prev != b) err << "broken links between live blocks; ";
+    const BlockAllocator::Range& r = b->range;
+    if (r.region >= segments_.size() || !segments_[r.region].base) {
+      err << "block points at no segment; ";
+      continue;
+    }
+    const Segment& s = segments_[r.region];
+    if (b->ptr != s.base + r.offset || r.offset + r.size > s.size) err << "block outside its segment; ";
+    if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err << "misaligned block; ";
+    if (!alloc_.is_allocated(r)) err << "live block's range is free in the allocator; ";
+    if (!seen.insert({r.region, r.offset}).second) err << "two live blocks share a range; ";
+    if (b->state == Block::Used) {
+      used += r.size;
+      requested += b->requested;
+      ++blocks_in_use;
+    } else {
+      pending += r.size;
+      ++pending_blocks;
+    }
+  }
+  if (live_ && live_->prev) err << "broken links between live blocks; ";
+  // With the ranges tiling the segments, the live blocks are exactly the allocated ranges.
+  if (alloc_.free_bytes() + used + pending != reserved) err << "blocks do not cover the segments; ";
+  if (pending_blocks != pending_.size() + poisoned_.size()) err << "pending blocks missing from the pending lists; ";
   if (reserved != stats_.bytes_reserved) err << "bytes_reserved mismatch; ";
+  if (segments != stats_.num_segments) err << "num_segments mismatch; ";
   if (pending != stats_.bytes_pending) err << "bytes_pending mismatch; ";
   if (used != stats_.bytes_in_use) err << "bytes_in_use mismatch; ";
+  if (blocks_in_use != stats_.num_blocks_in_use) err << "num_blocks_in_use mismatch; ";
   if (requested != stats_.bytes_requested) err << "bytes_requested mismatch; ";
   std::string e = err.str();
   if (why) *why = e;

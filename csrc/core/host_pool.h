@@ -1,7 +1,8 @@
 // HostPool: host memory for offloaded activations.
 //
 // Memory comes from a Backend in large segments and is handed out as best-fit blocks that
-// are split on allocation and coalesced on free. A freed block is reused only after every
+// are split on allocation and coalesced on free: the bookkeeping is a BlockAllocator's (one
+// region per segment, a block's offset is its distance from the segment's base). A freed block is reused only after every
 // copy that touched it has finished: the events are queried (never waited on) at each
 // allocation, per block, so one slow copy does not hold back the reuse of the others.
 // Requests are rounded to kAlignment only, never to a power of two, so the bytes reserved
@@ -10,14 +11,13 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "block_allocator.h"
 #include "stats_table.h"
 #include "stream.h"
 
@@ -125,20 +125,24 @@ class HostPool {
   Backend& backend() const { return *backend_; }
   size_t segment_bytes() const { return segment_bytes_; }
 
-  // Checks the internal invariants (blocks tile segments, free list matches). Test-only.
+  // Checks the internal invariants (the allocator's ranges tile the segments, every live block
+  // is an allocated range of its segment, the stats match). Test-only.
   bool check_invariants(std::string* why);
 
  private:
-  struct Segment;
-  struct BySize {
-    bool operator()(const Block* a, const Block* b) const;
+  // A segment is region `i` of alloc_ when segments_[i].base is set; a retired segment's slot
+  // is reused by the next one, so region numbers stay small (as FileTier does with its files).
+  struct Segment {
+    char* base = nullptr;
+    size_t size = 0;
   };
 
   Block* allocate_locked(size_t bytes);
   // Adds a segment for `bytes`; its size goes to *segment_size when given.
   bool grow_locked(size_t bytes, size_t* segment_size = nullptr);
   void reclaim_locked(bool wait);
-  void insert_free_locked(Block* block);
+  // Gives a Used or Pending block's range back to the allocator and deletes the block.
+  void release_block_locked(Block* block);
   // Moves every wholly free segment to retired_; returns the bytes moved.
   size_t retire_free_segments_locked();
   void release_segment(void* base, size_t size);
@@ -149,7 +153,8 @@ class HostPool {
   size_t max_bytes_;
   size_t segment_bytes_;
   std::mutex mu_;
-  std::set<Block*, BySize> free_blocks_;
+  BlockAllocator alloc_{kAlignment};  // the free ranges; a Used or Pending block's is allocated
+  Block* live_ = nullptr;             // every Used or Pending block, linked (Block::prev/next)
   struct Pending {
     Block* block;
     std::vector<std::shared_ptr<Event>> events;
@@ -159,7 +164,7 @@ class HostPool {
   // are never given back to the backend. Counted in bytes_pending.
   std::vector<Block*> poisoned_;
   void poison_locked(Block* block);
-  std::vector<Segment*> segments_;
+  std::vector<Segment> segments_;  // index = alloc_'s region
   std::vector<std::pair<void*, size_t>> retired_;  // released by release_retired(), outside mu_
   PoolStats stats_;
 };

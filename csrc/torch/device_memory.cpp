@@ -8,14 +8,8 @@
 #include "../core/profiler.h"
 #include "../core/spill.h"
 #include "device_bytes.h"
+#include "device_runtime.h"
 #include "runtime.h"
-
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAStream.h>
-
-#include "../core/cuda_stream.h"
-#endif
 
 namespace ckpt_offload {
 
@@ -24,13 +18,11 @@ at::Tensor device_bytes(const c10::Device& device, size_t n) {
 }
 
 c10::Storage device_storage(const c10::Device& device, size_t n) {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
   // What at::empty uses on a CUDA device (on the current device, which callers set with
   // DeviceScope, and in the current stream's order).
   if (device.is_cuda())
-    return c10::Storage(c10::Storage::use_byte_size_t(), n, c10::cuda::CUDACachingAllocator::get(),
-                        /*resizable=*/false);
-#endif
+    if (c10::Allocator* cuda = device_runtime::cuda_allocator())
+      return c10::Storage(c10::Storage::use_byte_size_t(), n, cuda, /*resizable=*/false);
   if (!device.is_cpu()) return device_bytes(device, n).storage();
   return c10::Storage(c10::Storage::use_byte_size_t(), n, c10::GetCPUAllocator(), /*resizable=*/false);
 }
@@ -46,29 +38,13 @@ at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArra
   return at::Tensor(std::move(impl));
 }
 
-void record_consumer(const c10::Storage& storage, const c10::Device& device) {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (!device.is_cuda() || !storage || !storage.data()) return;
-  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
-  c10::cuda::CUDACachingAllocator::recordStream(storage.data_ptr(), c10::cuda::getCurrentCUDAStream(index));
-#else
-  (void)storage;
-  (void)device;
-#endif
-}
+// record_consumer: the device side's (cuda/device_memory.cpp, cpu/device_memory.cpp).
 
 void release_after_copy(c10::Storage storage, Stream* copy, std::shared_ptr<Event> done) noexcept {
   if (!storage || !copy || !done) return;  // dropping `storage` is enough
   try {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-    if (auto* cs = dynamic_cast<cuda::CudaStream*>(copy)) {
-      if (storage.device().is_cuda() && storage.data()) {
-        c10::cuda::CUDACachingAllocator::recordStream(
-            storage.data_ptr(), c10::cuda::getStreamFromExternal(cs->handle(), static_cast<c10::DeviceIndex>(cs->device())));
-        return;
-      }
-    }
-#endif
+    // CUDA memory on a CUDA copy stream: back to the caching allocator now, with record_stream.
+    if (device_runtime::release_on_copy_stream(storage, copy)) return;
     engine().keep_until(*copy, std::move(done), std::make_shared<c10::Storage>(std::move(storage)));
   } catch (...) {
     // After a CUDA error: the device runs nothing again; the memory is let go with `storage`.

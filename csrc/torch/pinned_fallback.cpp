@@ -5,7 +5,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "runtime_backend.h"
+#include "device_runtime.h"
 
 namespace ckpt_offload {
 

@@ -6,11 +6,8 @@
 #include <vector>
 
 #include "../core/profiler.h"
+#include "device_runtime.h"
 #include "runtime.h"
-
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-#include "../core/cuda_stream.h"
-#endif
 
 namespace py = pybind11;
 
@@ -55,21 +52,12 @@ py::object known_or_none(int64_t v) { return v < 0 ? py::object(py::none()) : py
 }  // namespace
 
 void profiler_start() {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (cuda_device_count() > 0) cuda::start_timing_epochs();
-#endif
+  device_runtime::start_timing_epochs();
   t_ranges.clear();
   profiler::start();
 }
 
-int64_t timing_epoch_ns(int device) {
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  return cuda::timing_epoch_ns(device);
-#else
-  (void)device;
-  return -1;
-#endif
-}
+int64_t timing_epoch_ns(int device) { return device_runtime::timing_epoch_ns(device); }
 
 void profiler_range(const std::string& name, const std::string& device, bool begin) {
   if (!profiler::enabled()) return;

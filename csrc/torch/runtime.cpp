@@ -1,5 +1,5 @@
 // The device-independent half of runtime.h: the copy engine, the CPU "streams", and what routes
-// a copy to them or to the device implementation (runtime_backend.h) the build chose.
+// a copy to them or to the device side (device_runtime.h) the build chose.
 #include "runtime.h"
 
 #include <pthread.h>
@@ -11,7 +11,7 @@
 
 #include "../core/cpu_stream.h"
 #include "pinned_fallback.h"
-#include "runtime_backend.h"
+#include "device_runtime.h"
 
 namespace ckpt_offload {
 namespace {

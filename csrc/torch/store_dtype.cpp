@@ -4,6 +4,7 @@
 
 #include "../core/profiler.h"
 #include "device_memory.h"
+#include "device_runtime.h"
 #include "runtime.h"
 #include "tensor_layout.h"
 
@@ -74,25 +75,13 @@ at::Tensor store_down(lowp::Source s, const void* src, int64_t n, lowp::Format f
     }
     return out;
   }
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (device.is_cuda()) {
-    // Scaled formats: 8 bytes of scratch after the stored bytes (the amax pass's result, which
-    // the cast reads), in the same allocation and never copied to the host.
-    const int64_t scratch = lowp::format_scaled(f) ? 8 : 0;
-    at::Tensor out = device_bytes(device, static_cast<size_t>(stored + scratch));
-    char* base = static_cast<char*>(out.data_ptr());
-    if (elements) {
-      const auto [amax, inf] = own_amax(*elements);
-      const auto opts = at::TensorOptions().dtype(at::kInt).device(device);
-      at::Tensor words = at::from_blob(base + stored, {2}, opts);
-      words.narrow(0, 0, 1).copy_(amax.view(at::kInt).reshape({1}));
-      words.narrow(0, 1, 1).copy_(inf.to(at::kInt).reshape({1}));
-    }
-    lowp::down_cuda(s, src, n, f, base, scratch ? base + stored : nullptr, elements != nullptr,
-                    current.cuda_stream());
-    return scratch ? out.narrow(0, 0, stored) : out;
+  // The CUDA build's kernels (device_runtime.h); the amax is asked for only where they run.
+  if (device.is_cuda() && cuda_compiled()) {
+    std::pair<at::Tensor, at::Tensor> own;
+    if (elements) own = own_amax(*elements);
+    at::Tensor out = device_runtime::store_down(s, src, n, f, device, current, elements ? &own : nullptr);
+    if (out.defined()) return out;
   }
-#endif
   throw std::runtime_error("ckpt_offload: store_dtype has no conversion for tensors on " + device.str());
 }
 
@@ -102,12 +91,7 @@ void store_up(lowp::Source s, void* out, int64_t n, lowp::Format f, const at::Te
     lowp::up_cpu(s, out, n, f, stored.data_ptr());
     return;
   }
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-  if (stored.device().is_cuda()) {
-    lowp::up_cuda(s, out, n, f, stored.data_ptr(), current.cuda_stream());
-    return;
-  }
-#endif
+  if (device_runtime::store_up(s, out, n, f, stored, current)) return;  // the CUDA build's kernels
   throw std::runtime_error("ckpt_offload: store_dtype has no conversion for tensors on " + stored.device().str());
 }
 

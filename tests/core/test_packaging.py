@@ -240,11 +240,44 @@ def test_no_two_sources_build_to_one_object_file():
     # generate"), which a C++-only build never shows. setup.py refuses it; this keeps it so.
     import glob
 
-    sources = [p for pattern in ("csrc/core/*.cpp", "csrc/core/*.cu", "csrc/torch/*.cpp")
+    sources = [p for pattern in ("csrc/core/*.cpp", "csrc/core/*.cu", "csrc/torch/*.cpp", "csrc/torch/cuda/*.cpp",
+                                 "csrc/torch/cpu/*.cpp")
                for p in glob.glob(os.path.join(SOURCE_ROOT, pattern))]
     assert sources
     stems = [os.path.splitext(p)[0] for p in sources]
     assert sorted({s for s in stems if stems.count(s) > 1}) == []
+
+
+def test_each_build_compiles_its_own_device_side():
+    # The torch layer's CUDA code lives in csrc/torch/cuda/, compiled by the CUDA build only; the
+    # C++-only build compiles the CPU fallbacks of csrc/torch/cpu/ instead, one for each file there
+    # (a missing fallback would be an undefined symbol that only the other build shows).
+    build_env = _build_env()
+    cuda, cpu = build_env.torch_layer_sources(True), build_env.torch_layer_sources(False)
+    shared = [p for p in cuda if p.count("/") == 2]
+    assert shared and shared == [p for p in cpu if p.count("/") == 2]
+    cuda_side = [os.path.basename(p) for p in cuda if p.startswith("csrc/torch/cuda/")]
+    cpu_side = [os.path.basename(p) for p in cpu if p.startswith("csrc/torch/cpu/")]
+    assert "runtime.cpp" in cuda_side and cuda_side == cpu_side
+    assert len(cuda) == len(shared) + len(cuda_side) and len(cpu) == len(shared) + len(cpu_side)
+
+
+def test_torch_layer_outside_cuda_folder_has_no_cuda_code():
+    # What only the CUDA build compiles is chosen by folder, not by #ifdef: the shared files of
+    # csrc/torch/ reach CUDA through csrc/torch/device_runtime.h only.
+    import glob
+
+    paths = glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/*.cpp")) + glob.glob(
+        os.path.join(SOURCE_ROOT, "csrc/torch/*.h")) + glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/cpu/*"))
+    assert paths
+    offenders = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for needle in ("CKPT_OFFLOAD_WITH_CUDA", "<c10/cuda/", "<cuda_runtime", "cuda_stream.h"):
+            if needle in text:
+                offenders.append(f"{os.path.relpath(path, SOURCE_ROOT)}: {needle}")
+    assert offenders == []
 
 
 def _build_env():

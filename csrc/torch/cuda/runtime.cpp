@@ -1,8 +1,6 @@
-// runtime.h's device side for the CUDA build: devices, current streams and capture status from
-// c10 / the CUDA runtime, the side streams and pinned backends of core/cuda_stream.h. The
-// C++-only build compiles runtime_cpu.cpp instead; this file is empty there.
-#ifdef CKPT_OFFLOAD_WITH_CUDA
-
+// runtime.h's device side for the CUDA build (device_runtime.h): devices, current streams and
+// capture status from c10 / the CUDA runtime, the side streams, pinned backends and timing
+// epochs of core/cuda_stream.h. The C++-only build compiles ../cpu/runtime.cpp instead.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -10,8 +8,8 @@
 
 #include <stdexcept>
 
-#include "../core/cuda_stream.h"
-#include "runtime_backend.h"
+#include "../../core/cuda_stream.h"
+#include "../device_runtime.h"
 
 namespace ckpt_offload {
 
@@ -125,7 +123,11 @@ std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
   return std::make_unique<cuda::RegisteredBackend>();
 }
 
+void start_timing_epochs() {
+  if (cuda_device_count() > 0) cuda::start_timing_epochs();
+}
+
+int64_t timing_epoch_ns(int device) { return cuda::timing_epoch_ns(device); }
+
 }  // namespace device_runtime
 }  // namespace ckpt_offload
-
-#endif  // CKPT_OFFLOAD_WITH_CUDA

@@ -1,10 +1,8 @@
-// runtime.h's device side for the C++-only build: no device but the CPU, whose streams
-// runtime.cpp owns. The CUDA build compiles runtime_cuda.cpp instead; this file is empty there.
-#ifndef CKPT_OFFLOAD_WITH_CUDA
-
+// runtime.h's device side for the C++-only build (device_runtime.h): no device but the CPU,
+// whose streams runtime.cpp owns. The CUDA build compiles ../cuda/runtime.cpp instead.
 #include <stdexcept>
 
-#include "runtime_backend.h"
+#include "../device_runtime.h"
 
 namespace ckpt_offload {
 
@@ -50,7 +48,9 @@ std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
                               "a CUDA build of torch exist");
 }
 
+void start_timing_epochs() {}
+
+int64_t timing_epoch_ns(int) { return -1; }
+
 }  // namespace device_runtime
 }  // namespace ckpt_offload
-
-#endif  // CKPT_OFFLOAD_WITH_CUDA
