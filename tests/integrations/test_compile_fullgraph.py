@@ -1,0 +1,220 @@
+"""torch.compile(model, fullgraph=True) over a model whose blocks co.apply (or a plan) checkpointed
+with their inputs offloaded: one graph, no break.
+
+While Dynamo traces with fullgraph=True the wrapper is traced too: torch's non-reentrant
+checkpoint (a higher-order op) around the block, its offloaded inputs copied into the pool by the
+``ckpt_offload::to_host`` op (a CPU tensor over a pool block, what AOTAutograd saves) and brought
+back by ``ckpt_offload::to_device`` as the checkpointed region starts (so the recompute in
+backward starts there too). The tests check, for the demo model, GPT-2 and Llama from tiny
+configs: one graph and no graph break, gradients bit-identical to the same model compiled without
+ckpt_offload (``aot_eager``), the pool back to 0 bytes, the ops' fake kernels (``opcheck``), the
+forward's device peak (torch.profiler memory events), and once, inductor.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from conftest import assert_bit_identical
+
+import ckpt_offload as co
+
+pytest.importorskip("torch._dynamo")
+from test_compile_wrapped_models import MODELS, forward_peak, grads, mlp_blocks, reference
+from torch._dynamo.utils import counters
+
+OPTS = {"devices": ["cpu"], "min_bytes": 0}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+class CountingBackend:
+    """aot_eager that counts the graphs it compiles and the ckpt_offload ops in them."""
+
+    def __init__(self):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.aot_eager = aot_eager
+        self.graphs = 0
+        self.ops = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.ops += [str(n.target) for n in gm.graph.nodes if "ckpt_offload" in str(n.target)]
+        return self.aot_eager(gm, example_inputs)
+
+
+def wrap(route, model, loss_fn, pool):
+    opts = {**OPTS, "pool": pool}
+    if route == "co.apply":
+        return co.apply(model, offload=opts)
+    if route == "co.hf.enable":
+        return co.hf.enable(model, offload=opts)
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
+                   kinds=("recompute_offload",), segments=False, offload=opts)
+    model.zero_grad(set_to_none=True)
+    return plan.apply()
+
+
+def build(name):
+    model, loss_fn, blocks = MODELS[name]()
+    # transformers' loss_function warns through a logger when loss_type is unset: under
+    # fullgraph=True that call would be the graph break (nothing of ckpt_offload's).
+    if hasattr(model, "loss_function"):
+        model.loss_type = "ForCausalLM"
+    return model, loss_fn, blocks
+
+
+CASES = [("demo", "co.apply"), ("demo", "plan recompute_offload"), ("gpt2", "co.apply"), ("llama", "co.apply"),
+         ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
+
+
+@pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
+def test_fullgraph_compiles_one_graph_with_bit_identical_gradients(pool, name, route):
+    expected = reference(name)
+    counters.clear()
+    model, loss_fn, blocks = build(name)
+    handle = wrap(route, model, loss_fn, pool)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = loss_fn(compiled)
+    # One graph for the whole model; each block's input offloaded once inside it.
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.ops.count("ckpt_offload.to_host") >= len(blocks), backend.ops
+    # Between forward and backward the blocks' inputs wait in the pool.
+    assert pool.stats()["num_blocks_in_use"] >= len(blocks), pool.stats()
+    loss.backward()
+    got = {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in compiled.named_parameters() if p.grad is not None}
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
+    assert_bit_identical(expected, got)
+    # Eager, the same wrapped model still offloads through its contexts (the handle counts them).
+    grads(model, loss_fn)
+    assert handle.stats()["tensors_offloaded"] > 0
+
+
+def test_default_mode_is_unchanged(pool):
+    """Without fullgraph the wrapper is still a graph break and each block's forward a graph of its own."""
+    model, loss_fn, _ = MODELS["demo"]()
+    handle = co.apply(model, offload={**OPTS, "pool": pool})
+    backend = CountingBackend()
+    grads(torch.compile(model, backend=backend), loss_fn)
+    # The blocks ran compiled inside their offload contexts (which count), no op in any graph.
+    assert backend.graphs >= 1 and not backend.ops, (backend.graphs, backend.ops)
+    assert handle.stats()["tensors_offloaded"] > 0
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_the_ops_have_fake_kernels(pool):
+    from ckpt_offload._compile_ops import pool_key
+
+    x = torch.randn(4, 8)
+    key = pool_key(pool)
+    torch.library.opcheck(torch.ops.ckpt_offload.to_host.default, (x, key, False))
+    host = torch.ops.ckpt_offload.to_host(x, key, False)
+    assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
+    assert pool.stats()["bytes_in_use"] >= x.numel() * x.element_size()
+    torch.library.opcheck(torch.ops.ckpt_offload.to_device.default, (host, torch.device("cpu"), False))
+    back = torch.ops.ckpt_offload.to_device(host, torch.device("cpu"), False)
+    assert torch.equal(back, x)
+    del host
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_a_route_that_cannot_compile_fullgraph_says_which_does(pool):
+    model, loss_fn, _ = MODELS["demo"]()
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
+                   kinds=("offload",), segments=False, offload={**OPTS, "pool": pool})
+    model.zero_grad(set_to_none=True)
+    plan.apply()
+    with pytest.raises(Exception, match=r"fullgraph=True") as info:
+        loss_fn(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert "co.apply(model, offload=...)" in str(info.value) and "recompute_offload" in str(info.value), str(info.value)
+
+
+def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
+    """The compiled model's forward keeps what eager co.apply keeps on the device (+5%), and far
+    less than the same model compiled without ckpt_offload."""
+    x = torch.randn(64, 128)
+    peaks = {}
+    for compiled in (False, True):
+        model = mlp_blocks()
+        co.apply(model, offload={**OPTS, "pool": pool})
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        fn(x).sum().backward()  # warm-up (compiles)
+        peaks[compiled] = forward_peak(lambda fn=fn: fn(x).sum())
+        assert pool.stats()["bytes_in_use"] == 0
+    plain = torch.compile(mlp_blocks(), backend="aot_eager")
+    without = forward_peak(lambda: plain(x).sum())
+    assert peaks[True] <= 1.05 * peaks[False], peaks
+    assert peaks[True] < 0.5 * without, (peaks, without)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
+                    reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")
+def test_fullgraph_inductor_compiles_and_runs(pool):
+    model, loss_fn, blocks = MODELS["demo"]()
+    torch.manual_seed(1234)
+    plain = grads(torch.compile(MODELS["demo"]()[0], backend="inductor"), loss_fn)
+    torch._dynamo.reset()
+    co.apply(model, offload={**OPTS, "pool": pool})
+    got = grads(torch.compile(model, backend="inductor", fullgraph=True), loss_fn)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] >= len(blocks), pool.stats()
+    # Inductor fuses differently with and without the checkpoint: within its own float32 noise.
+    for k in plain:
+        torch.testing.assert_close(got[k], plain[k], rtol=1e-4, atol=1e-5 * max(1.0, plain[k].abs().max().item()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stream", ["side", "compute"])
+def test_fullgraph_on_cuda_offloads_through_the_pool(stream):
+    pool = co.HostPool()
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, device="cuda")
+    expected_model = mlp_blocks().cuda()
+    expected_model(x).sum().backward()
+    expected = {k: p.grad.clone() for k, p in expected_model.named_parameters()}
+    model = mlp_blocks().cuda()
+    co.apply(model, offload={"devices": ["cuda"], "min_bytes": 0, "pool": pool, "stream": stream})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(x).sum()
+    assert pool.stats()["num_blocks_in_use"] >= 6
+    loss.backward()
+    torch.cuda.synchronize()
+    got = {k.replace("_orig_mod.", ""): p.grad for k, p in compiled.named_parameters()}
+    assert_bit_identical(expected, got)
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ops_copy_through_the_pool_in_stream_order():
+    from ckpt_offload._compile_ops import pool_key
+
+    pool = co.HostPool()
+    key = pool_key(pool)
+    x = torch.randn(1 << 20, device="cuda")
+    host = torch.ops.ckpt_offload.to_host(x, key, True)
+    x.add_(1)  # after the op returned: the copy read a clone made before
+    first = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the forward's: from the clone
+    again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
+    assert torch.equal(first, x - 1) and torch.equal(again, x - 1)
+    del host, first, again
+    torch.cuda.synchronize()
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
