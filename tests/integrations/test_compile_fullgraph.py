@@ -143,6 +143,17 @@ def test_a_route_that_cannot_compile_fullgraph_says_which_does(pool):
     assert "co.apply(model, offload=...)" in str(info.value) and "recompute_offload" in str(info.value), str(info.value)
 
 
+def test_a_full_pool_raises_in_the_compiled_graph():
+    """The graph cannot keep an input on the device instead of in a full pool: it says so."""
+    small = co.HostPool(pinned=False, max_bytes=4096)
+    model = mlp_blocks(2, 128)
+    co.apply(model, offload={**OPTS, "pool": small})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(co.PoolFullError):
+        compiled(torch.randn(64, 128))  # 32 KiB per block input, over the 4 KiB cap
+    assert small.stats()["bytes_in_use"] == 0
+
+
 def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
     """The compiled model's forward keeps what eager co.apply keeps on the device (+5%), and far
     less than the same model compiled without ckpt_offload."""
@@ -198,6 +209,7 @@ def test_fullgraph_on_cuda_offloads_through_the_pool(stream):
     got = {k.replace("_orig_mod.", ""): p.grad for k, p in compiled.named_parameters()}
     assert_bit_identical(expected, got)
     co.synchronize()
+    pool.synchronize()
     assert pool.stats()["bytes_in_use"] == 0, pool.stats()
 
 
@@ -209,12 +221,15 @@ def test_cuda_ops_copy_through_the_pool_in_stream_order():
     pool = co.HostPool()
     key = pool_key(pool)
     x = torch.randn(1 << 20, device="cuda")
+    expected = x.clone()
     host = torch.ops.ckpt_offload.to_host(x, key, True)
-    x.add_(1)  # after the op returned: the copy read a clone made before
+    x.add_(1)  # after the op returned: the copy reads a clone made before
     first = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the forward's: from the clone
     again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
-    assert torch.equal(first, x - 1) and torch.equal(again, x - 1)
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
     del host, first, again
     torch.cuda.synchronize()
     co.synchronize()
+    pool.synchronize()
     assert pool.stats()["bytes_in_use"] == 0, pool.stats()

@@ -31,9 +31,9 @@ from ckpt_offload._compile import (
     skipped_by_dynamo,
     watch_for_dynamo,
 )
+from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
 from ckpt_offload._compile_ops import traced_checkpoint, traced_reason
-from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, warn
 from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
