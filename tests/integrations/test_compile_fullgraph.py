@@ -172,6 +172,43 @@ def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
     assert peaks[True] < 0.5 * without, (peaks, without)
 
 
+def test_backward_reloads_block_by_block(pool):
+    """In the compiled backward each block's input comes back as that block's backward starts
+    (between the matmuls of the block after it and its own), not all up front."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    order = []
+
+    def bw(gm, example_inputs):
+        order.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm)
+
+    model = mlp_blocks(4, 64)
+    co.apply(model, offload={**OPTS, "pool": pool})
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm), bw_compiler=bw)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(8, 64)).sum().backward()
+    reloads = [i for i, t in enumerate(order) if t == "ckpt_offload.to_device.default"]
+    assert len(reloads) == 4, order
+    for a, b in zip(reloads, reloads[1:]):
+        assert any(t == "aten.mm.default" for t in order[a:b]), (a, b, order)
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_compiled_autograd_gradients_and_pool(pool):
+    """Compiled autograd over the fullgraph model: bit-identical gradients, the pool drained."""
+    expected = reference("demo")
+    model, loss_fn, _ = build("demo")
+    co.apply(model, offload={**OPTS, "pool": pool})
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        got = grads(torch.compile(model, backend="aot_eager", fullgraph=True), loss_fn)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
+    assert_bit_identical(expected, got)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
                     reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")
