@@ -15,6 +15,10 @@ Arms (``eager`` and ``compiled`` = ``torch.compile(model, backend=--backend)`` o
   did before, and still does: the compiled region hands its saved tensors to the hooks after its
   forward, so they are all on the device at its end;
 * ``co.apply``: ``co.apply(model, offload=...)`` (every block checkpointed, its input offloaded);
+* ``co.apply fullgraph``: the same, compiled with ``fullgraph=True`` (one graph: the blocks are traced
+  as torch's checkpoint, their inputs offloaded by ckpt_offload's ops inside the graph; its eager arm
+  is ``co.apply``'s). Its step peak is that of any whole-model compiled backward: the one backward
+  graph returns every weight's gradient together, before they are accumulated;
 * ``plan offload``: ``co.plan(..., kinds=("offload",))`` applied (each block's saved tensors
   offloaded, no recompute).
 
@@ -52,6 +56,7 @@ from _package import co
 from torch.profiler import ProfilerActivity, profile
 
 MiB = 2**20
+ROUTES = ("none", "co.offload", "co.apply", "co.apply fullgraph", "plan offload")
 
 
 def make_model(blocks: int, dim: int, device: str) -> torch.nn.Module:
@@ -101,7 +106,7 @@ def run_arm(route: str, compiled: bool, args, x, pool) -> dict:
     model = make_model(args.blocks, args.dim, args.device)
     opts = {"devices": [args.device], "min_bytes": 0, "pool": pool}
     handle = ctx = None
-    if route == "co.apply":
+    if route in ("co.apply", "co.apply fullgraph"):
         handle = co.apply(model, offload=opts)
     elif route == "plan offload":
         def step():
@@ -112,7 +117,7 @@ def run_arm(route: str, compiled: bool, args, x, pool) -> dict:
         handle = plan.apply()
     elif route == "co.offload":
         ctx = co.offload(**opts)
-    fn = torch.compile(model, backend=args.backend) if compiled else model
+    fn = torch.compile(model, backend=args.backend, fullgraph=route == "co.apply fullgraph") if compiled else model
 
     def forward():
         if ctx is None:
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     pool = co.HostPool(pinned=args.device == "cuda")
     rows = []
     for compiled in (False, True):
-        for route in ("none", "co.offload", "co.apply", "plan offload"):
+        for route in ROUTES:
             torch._dynamo.reset()
             rows.append(run_arm(route, compiled, args, x, pool))
             r = rows[-1]
@@ -194,7 +199,7 @@ def _table(rows, args) -> str:
         "| route | eager forward | compiled forward | compiled / eager | eager step | compiled step |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for route in ("none", "co.offload", "co.apply", "plan offload"):
+    for route in ROUTES:
         e = next(r for r in rows if r["route"] == route and not r["compiled"])
         c = next(r for r in rows if r["route"] == route and r["compiled"])
         ratio = c["forward_peak"] / e["forward_peak"] if e["forward_peak"] else float("nan")

@@ -29,6 +29,8 @@ import threading
 
 import torch
 
+from ckpt_offload._warn import FULLGRAPH_MESSAGE
+
 try:
     from torch._C._dynamo import eval_frame as _eval_frame
 
@@ -39,7 +41,16 @@ try:
 except (ImportError, AttributeError, TypeError):  # pragma: no cover - a torch without these
     _eval_frame = _get_callback = _set_callback = _SKIP_FRAME_ONLY = _SKIP_ALL = None
 
-__all__ = ["AVAILABLE", "CompiledCall", "compile_callback", "compiled_forward", "skipped_by_dynamo"]
+__all__ = [
+    "AVAILABLE",
+    "CompiledCall",
+    "compile_callback",
+    "compiled_forward",
+    "fullgraph_tracing",
+    "skip_frame_only",
+    "skipped_by_dynamo",
+    "watch_for_dynamo",
+]
 
 #: Whether this torch lets a wrapper be skipped by Dynamo while the block inside it is compiled.
 AVAILABLE = _SKIP_FRAME_ONLY is not None
@@ -60,6 +71,15 @@ def skipped_by_dynamo(reason: str):
         return fn
 
     return mark
+
+
+def skip_frame_only(fn):
+    """Decorator: when ``fn`` runs under compiled code, its own frame is not compiled (the
+    functions it calls may be); Dynamo still inlines ``fn`` where it traces a call of it (Note
+    [Wrappers under fullgraph=True])."""
+    if AVAILABLE:
+        _eval_frame.set_code_exec_strategy(fn.__code__, _SKIP_FRAME_ONLY)
+    return fn
 
 
 def compile_callback():
@@ -214,3 +234,117 @@ def warn_whole_forward() -> None:
     from ckpt_offload._warn import warn_at_user_line
 
     warn_at_user_line(WHOLE_FORWARD_MESSAGE, key=None)
+
+
+# Note [Wrappers under fullgraph=True]
+# With torch.compile(model, fullgraph=True) a graph break is an error, so a wrapper that Dynamo
+# skips (Note [Wrappers under torch.compile]) cannot be used. The wrapper therefore asks, while
+# Dynamo traces it, whether this trace allows no graph break (fullgraph=True, or
+# torch._dynamo.error_on_graph_break(True)): :func:`fullgraph_tracing`, which Dynamo calls while
+# tracing and folds into a constant (it is registered as an in-graph function whose result is a
+# constant, once ``torch._dynamo`` is imported; see :func:`watch_for_dynamo`). Then the wrapper is
+# traced into the graph (ckpt_offload/_compile_ops.py offloads inside it) where its run supports
+# it; otherwise, and always without fullgraph, it is the graph break of the Note above.
+# Registering needs two dictionaries of Dynamo's; where this torch lacks them the probe is left
+# as a skipped function: fullgraph=True then raises FULLGRAPH_MESSAGE as before (never a silent
+# eager run), and nothing else changes.
+
+
+def fullgraph_tracing() -> bool:
+    """True while Dynamo traces a frame that allows no graph break. Only meaningful under
+    Dynamo (Note [Wrappers under fullgraph=True]); called eagerly, False."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001 - not tracing
+        return False
+    if tx is None:
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
+def _register_probe(dynamo) -> bool:
+    """Makes Dynamo fold :func:`fullgraph_tracing` into a constant while tracing; True when done."""
+    if getattr(fullgraph_tracing, "_ckpt_offload_registered", False):
+        return True
+    try:
+        from torch._dynamo.variables import torch as dynamo_torch
+
+        folds = dynamo_torch.constant_fold_functions
+        if not isinstance(folds, dict):
+            return False
+        dynamo.allow_in_graph(fullgraph_tracing)
+        folds[fullgraph_tracing] = None
+        del fullgraph_tracing._torchdynamo_disable
+    except Exception:  # noqa: BLE001 - another torch: the probe stays a skipped function
+        return False
+    fullgraph_tracing._ckpt_offload_registered = True
+    return True
+
+
+# Until registered, Dynamo skips the probe like the wrappers (fullgraph=True: FULLGRAPH_MESSAGE).
+fullgraph_tracing._torchdynamo_disable = True
+fullgraph_tracing._torchdynamo_disable_msg = FULLGRAPH_MESSAGE
+
+
+class _DynamoLoader:
+    """Loads ``torch._dynamo`` with its own loader, then registers the probe."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _register_probe(module)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _DynamoFinder:
+    """A ``sys.meta_path`` entry that waits for ``torch._dynamo``'s import (torch.compile imports
+    it on first use) and wraps its loader, then removes itself."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        _remove_finder()
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DynamoLoader(spec.loader)
+        return spec
+
+
+_finder_lock = threading.Lock()
+_finder: _DynamoFinder | None = None
+
+
+def _remove_finder() -> None:
+    global _finder
+    with _finder_lock:
+        if _finder is not None:
+            try:
+                sys.meta_path.remove(_finder)
+            except ValueError:
+                pass
+            _finder = None
+
+
+def watch_for_dynamo() -> None:
+    """Registers :func:`fullgraph_tracing` with Dynamo now when ``torch._dynamo`` is imported, or
+    as soon as it is (without importing it: seconds of start-up). Called when a wrapper is installed."""
+    global _finder
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and hasattr(dynamo, "allow_in_graph"):
+        _register_probe(dynamo)
+        return
+    with _finder_lock:
+        if _finder is None and "torch._dynamo" not in sys.modules:
+            _finder = _DynamoFinder()
+            sys.meta_path.insert(0, _finder)

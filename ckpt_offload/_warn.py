@@ -80,13 +80,17 @@ def warn_at_user_line(message, key: str | None, category=UserWarning) -> None:
 
 
 FULLGRAPH_MESSAGE = (
-    "ckpt_offload inside a torch.compile(fullgraph=True) graph: its offload contexts and checkpoints "
-    "are C++ objects and hooks that Dynamo cannot put in one graph. What works: torch.compile without "
-    "fullgraph (the default): the graph breaks at each block co.apply, a plan or co.hf wrapped, and each "
-    "block's own forward is compiled as a graph of its own, run inside its offload context or checkpoint "
-    "(its recompute runs the compiled graph again); or compile inside each block -- block.forward = "
-    "torch.compile(block.forward, fullgraph=True) for each block, then co.apply(model, offload=True), or "
-    "the compiled code inside `with co.offload():` (docs/scale_out.md, 'torch.compile')."
+    "ckpt_offload inside a torch.compile(fullgraph=True) graph: this route's offload contexts and "
+    "checkpoints are C++ objects and hooks that Dynamo cannot put in one graph. What compiles with "
+    "fullgraph=True: blocks checkpointed one by one with their inputs offloaded or kept -- co.apply(model, "
+    "offload=...) without segments or selective checkpoint keywords, co.hf.enable(model, offload=...), or a plan whose kinds are only 'keep', "
+    "'recompute' and 'recompute_offload' (segments=False) -- traced into the graph, the offload and reload "
+    "as ops in it. Otherwise: torch.compile without fullgraph (the default): the graph breaks at each block "
+    "co.apply, a plan or co.hf wrapped, and each block's own forward is compiled as a graph of its own, run "
+    "inside its offload context or checkpoint (its recompute runs the compiled graph again); or compile "
+    "inside each block -- block.forward = torch.compile(block.forward, fullgraph=True) for each block, then "
+    "co.apply(model, offload=True), or the compiled code inside `with co.offload():` (docs/scale_out.md, "
+    "'torch.compile')."
 )
 
 

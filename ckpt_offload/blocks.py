@@ -37,8 +37,18 @@ except ImportError:  # pragma: no cover - older torch
     CheckpointPolicy = create_selective_checkpoint_contexts = None
 
 from ckpt_offload._args import check_int
-from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dynamo, warn_whole_forward
+from ckpt_offload._compile import (
+    CompiledCall,
+    compiled_forward,
+    fullgraph_tracing,
+    skip_frame_only,
+    skipped_by_dynamo,
+    warn_whole_forward,
+    watch_for_dynamo,
+)
 from ckpt_offload._compile import eager as eager_code
+from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
+from ckpt_offload._compile_ops import traced_checkpoint, traced_reason
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._units import Unit, choice_names
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, logger, warn_at_user_line
@@ -51,8 +61,19 @@ from ckpt_offload.checkpointing import (
 )
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["apply", "CheckpointHandle", "BlockForward", "InContext", "install_units", "select_blocks", "check_not_applied",
-           "active_handle", "selective_policy", "SELECTIVE_SAVE_OPS", "running_stats"]
+__all__ = [
+    "SELECTIVE_SAVE_OPS",
+    "BlockForward",
+    "CheckpointHandle",
+    "InContext",
+    "active_handle",
+    "apply",
+    "check_not_applied",
+    "install_units",
+    "running_stats",
+    "select_blocks",
+    "selective_policy",
+]
 
 # What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
 # whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
@@ -163,6 +184,11 @@ class _Checkpoint:
         self.ranged = ranged  # a plan's: its recompute runs inside the ckpt_offload::recompute range
         self.selective = selective
         self.selective_offload = selective_offload  # options: the policy's outputs go to the pool
+        prepare_compiled_offload(options)  # Note [Wrappers under fullgraph=True]
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        prepare_compiled_offload(self.options)  # unpickled in another process: its pool numbered here
 
     def __call__(self, forward, args, kwargs):
         torch_kwargs = dict(self.torch_kwargs)
@@ -175,6 +201,19 @@ class _Checkpoint:
         elif self.selective:
             torch_kwargs["context_fn"] = _selective_context
         return run_checkpoint(forward, args, kwargs, self.options, self.use_reentrant, torch_kwargs, self.collector)
+
+    def traced(self):
+        """The run Dynamo traces into a fullgraph=True graph (Note [Wrappers under fullgraph=True]),
+        or None where this checkpoint has none (then it is the graph break, an error there)."""
+        if self.selective or self.selective_offload is not None:
+            return None
+        if traced_reason(self.options, self.use_reentrant, self.torch_kwargs) is not None:
+            return None
+        return self._traced
+
+    def _traced(self, forward, args, kwargs):
+        # The recompute's profiler range is for the planner's eager measurement: not traced.
+        return traced_checkpoint(forward, args, kwargs, self.options, self.torch_kwargs)
 
     def describe(self) -> str:
         return f"checkpointed, offload={self.options!r}"
@@ -266,6 +305,7 @@ class BlockForward:
         self.original = original if original is not None else block.__dict__.get("forward")
 
     def install(self) -> None:
+        watch_for_dynamo()  # Note [Wrappers under fullgraph=True]
         block = self.block
         block.__dict__["forward"] = self
         block.__dict__["_ckpt_offload_wrapped"] = True
@@ -296,8 +336,20 @@ class BlockForward:
         # The block's own signature (Trainer reads model.forward's to drop unused dataset columns).
         return inspect.signature(self.own_forward())
 
-    @skipped_by_dynamo(FULLGRAPH_MESSAGE)
+    @skip_frame_only
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and fullgraph_tracing():
+            # Dynamo traces this under fullgraph=True: Note [Wrappers under fullgraph=True].
+            if not (self.block.training and torch.is_grad_enabled()):
+                return self.own_forward()(*args, **kwargs)
+            traced = getattr(self.run, "traced", None)
+            run = traced() if traced is not None else None
+            if run is not None:
+                return run(self.own_forward(), args, kwargs)
+        return self._call(*args, **kwargs)
+
+    @skipped_by_dynamo(FULLGRAPH_MESSAGE)
+    def _call(self, *args, **kwargs):
         # Under torch.compile of the model: Dynamo skips this frame, and only the block's own
         # forward is compiled (Note [Wrappers under torch.compile]).
         with eager_code() as callback:

@@ -9,6 +9,7 @@
 
 #include "../core/host_pool.h"
 #include "../core/profiler.h"
+#include "compile_ops.h"
 #include "profiling.h"
 #include "runtime.h"
 #include "device_bytes.h"
@@ -208,6 +209,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reload", &SavedTensor::unpack);
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
+  // The kernels of the ops that offload inside a compiled graph (ckpt_offload/_compile_ops.py).
+  m.def("compile_to_host", &compile_to_host, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
+  m.def("compile_to_device", &compile_to_device, py::arg("host"), py::arg("device"), py::arg("side_stream"));
+  m.def("compile_pool_backed", &compile_pool_backed, py::arg("tensor"));
   // For tests of Note [Low-precision storage]: a contiguous copy of `tensor` converted to
   // `store_dtype` (the stored bytes, the fp8 amax included) and what those bytes read back as,
   // by the same CPU loops or CUDA kernels that offload uses.

@@ -12,7 +12,7 @@ GPT-2 and Llama built from tiny configs:
   same ATen ops as eager), the pool back to 0 bytes;
 - the forward's device peak (torch.profiler memory events) equal to eager's with co.apply;
 - compiled autograd brings the offloaded tensors back one by one;
-- ``fullgraph=True`` raises, saying what works.
+- ``fullgraph=True`` over a route that has no traced form raises, saying what works.
 """
 
 import json
@@ -279,12 +279,18 @@ def test_compiled_autograd_reloads_one_by_one_and_warns_once(pool, route, monkey
 
 
 def test_fullgraph_over_wrapped_model_says_what_works(pool):
+    # A plan's "offload" blocks run inside an offload context: no fullgraph route (co.apply's
+    # checkpoints have one: tests/integrations/test_compile_fullgraph.py).
     model = mlp_blocks(2, 16)
-    co.apply(model, offload={**OPTS, "pool": pool})
+    x = torch.randn(2, 16)
+    co.plan(model, lambda: model(x).sum().backward(), budget=2**40, bandwidth=math.inf, kinds=("offload",),
+            segments=False, offload={**OPTS, "pool": pool}).apply()
+    model.zero_grad(set_to_none=True)
     with pytest.raises(Exception, match=r"fullgraph=True") as info:
         torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(2, 16))
     message = str(info.value)
     assert "without fullgraph" in message and "compiled as a graph of its own" in message, message
+    assert "co.apply(model, offload=...)" in message, message
 
 
 # --- routes that compile but keep no saving warn once --------------------------------------------

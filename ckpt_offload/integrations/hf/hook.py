@@ -23,8 +23,17 @@ except ImportError:  # pragma: no cover - older transformers: checkpointing live
     GradientCheckpointingLayer = None
 
 from ckpt_offload._args import check_int, suggest_keywords
-from ckpt_offload._compile import CompiledCall, compiled_forward, skipped_by_dynamo
+from ckpt_offload._compile import (
+    CompiledCall,
+    compiled_forward,
+    fullgraph_tracing,
+    skip_frame_only,
+    skipped_by_dynamo,
+    watch_for_dynamo,
+)
 from ckpt_offload._compile import eager as eager_code
+from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
+from ckpt_offload._compile_ops import traced_checkpoint, traced_reason
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, warn
 from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
@@ -58,9 +67,30 @@ class HFCheckpointFunction:
         self.torch_kwargs = dict(torch_kwargs)
         self.calls = 0
         self.collector = StatsCollector()  # the contexts its checkpoints used, for handle.stats()
+        prepare_compiled_offload(options)  # Note [Wrappers under fullgraph=True] (_compile.py)
+        watch_for_dynamo()
+
+    @skip_frame_only
+    def __call__(self, function, *args, **kwargs):
+        if torch.compiler.is_compiling() and fullgraph_tracing():
+            # Dynamo traces this under fullgraph=True: Note [Wrappers under fullgraph=True].
+            torch_kwargs = dict(self.torch_kwargs)
+            for name in TORCH_KEYWORDS:
+                if name in kwargs:
+                    torch_kwargs[name] = kwargs.pop(name)
+            use_reentrant = kwargs.pop("use_reentrant", self.use_reentrant)
+            if traced_reason(self.options, use_reentrant, torch_kwargs) is None:
+                pargs, pkw = (), {}
+                while isinstance(function, functools.partial):
+                    pargs = function.args + pargs
+                    pkw = {**function.keywords, **pkw}
+                    function = function.func
+                return traced_checkpoint(function, pargs + args, {**pkw, **kwargs}, self.options, torch_kwargs)
+            kwargs = {**kwargs, **torch_kwargs, "use_reentrant": use_reentrant}
+        return self._eager_call(function, *args, **kwargs)
 
     @skipped_by_dynamo(FULLGRAPH_MESSAGE)
-    def __call__(self, function, *args, **kwargs):
+    def _eager_call(self, function, *args, **kwargs):
         # Under torch.compile of the model: Dynamo skips this frame, and only the layer's own
         # forward is compiled (Note [Wrappers under torch.compile] in _compile.py).
         with eager_code() as callback:

@@ -1,0 +1,175 @@
+"""The offload of a checkpoint's inputs inside a ``torch.compile(fullgraph=True)`` graph.
+
+Note [Offload inside a compiled graph] (csrc/torch/compile_ops.cpp) says how the copies run. Here:
+the two ``torch.library`` ops, ``ckpt_offload::to_host`` (a CPU tensor whose storage is a block of
+ckpt_offload's pool) and ``ckpt_offload::to_device`` (a device tensor with its values again), with
+fake kernels so that Dynamo, AOTAutograd and Inductor place them like any op; and
+:func:`traced_checkpoint`, the checkpoint a wrapped block runs while Dynamo traces it with
+``fullgraph=True``:
+
+    h = to_host(x)                       # outside the checkpointed region: AOTAutograd saves h
+    checkpoint(region, x, h)             # torch's checkpoint, traced as a higher-order op
+    region(x, h): x' = attach(x, to_device(h)); return block(x')
+
+The region's recompute in backward starts with ``to_device(h)``: the input comes back from the
+pool there, and nothing saved for backward holds ``x`` (``attach`` returns ``to_device``'s values
+and hands the gradient to ``x``; it never reads ``x``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ckpt_offload._runtime import _C
+
+__all__ = ["pool_key", "prepare", "to_device", "to_host", "traced_checkpoint", "traced_reason"]
+
+# The ops name their pool by a number (an op's arguments are tensors and plain values): each pool
+# gets one the first time a compiled graph offloads into it. The graph holds the number, not the
+# pool: a pool the user drops is freed as before (a graph that still names it raises).
+_keys = itertools.count(1)
+_lock = threading.Lock()
+_pools: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
+_KEY_ATTR = "_ckpt_offload_compile_key"
+
+
+def pool_key(pool) -> int:
+    """The number the ops know ``pool`` (a :class:`~ckpt_offload.HostPool`) by."""
+    with _lock:
+        key = pool.__dict__.get(_KEY_ATTR)
+        if key is None:
+            key = pool.__dict__[_KEY_ATTR] = next(_keys)
+            _pools[key] = pool
+        return key
+
+
+def prepare(options) -> None:
+    """Numbers the pool ``options`` offload into (the default pool: made now) before any trace:
+    :func:`traced_checkpoint` only reads the number (Dynamo traces no lock)."""
+    if options is None:
+        return
+    from ckpt_offload.pool import default_pool
+
+    pool_key(options.pool if options.pool is not None else default_pool())
+
+
+def _traced_key(options):
+    """The number of the pool ``options`` offload into, read while Dynamo traces (guarded like
+    any attribute read); None when :func:`prepare` has not numbered it."""
+    from ckpt_offload import pool as pool_module
+
+    pool = options.pool if options.pool is not None else pool_module._default_pool
+    return None if pool is None else pool.__dict__.get(_KEY_ATTR)
+
+
+def _pool(key: int):
+    pool = _pools.get(key)
+    if pool is None:
+        raise RuntimeError(
+            f"ckpt_offload::to_host: the pool this compiled graph offloads into (number {key}) no longer "
+            "exists; keep the HostPool given in offload={'pool': ...} alive as long as the compiled model runs"
+        )
+    return pool
+
+
+@torch.library.custom_op("ckpt_offload::to_host", mutates_args=(), device_types=("cpu", "cuda"))
+def to_host(x: torch.Tensor, pool: int, side_stream: bool) -> torch.Tensor:
+    """A contiguous CPU copy of ``x`` in a block of the pool numbered ``pool`` (:func:`pool_key`);
+    the block goes back to the pool when the copy dies. On a GPU the copy is asynchronous (on the
+    side stream with ``side_stream``): read it through :func:`to_device`."""
+    return _C.compile_to_host(x, _pool(pool)._impl, side_stream)
+
+
+@to_host.register_fake
+def _(x, pool, side_stream):
+    return x.new_empty(x.shape, device="cpu")
+
+
+@torch.library.custom_op("ckpt_offload::to_device", mutates_args=(), device_types=("cpu", "cuda"))
+def to_device(host: torch.Tensor, device: torch.device, side_stream: bool) -> torch.Tensor:
+    """``host`` (a :func:`to_host` copy) on ``device`` again, in stream order: the copy waits for
+    the offload's, and the current stream waits for the copy."""
+    return _C.compile_to_device(host, str(device), side_stream)
+
+
+@to_device.register_fake
+def _(host, device, side_stream):
+    return host.new_empty(host.shape, device=device)
+
+
+class _Attach(torch.autograd.Function):
+    """``attach(x, y)``: the values of ``y`` (``x``'s, reloaded), the gradient of ``x``. It never
+    reads ``x``, so a recompute of the region does not need ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _offloads(t: torch.Tensor, options) -> bool:
+    if isinstance(t, torch.nn.Parameter) or t.layout != torch.strided:
+        return False
+    if t.device.type not in options.device_types or t.device.type not in ("cpu", "cuda"):
+        return False
+    return t.numel() * t.element_size() >= options.min_bytes
+
+
+# What the traced path does not do (the route that works instead is in FULLGRAPH_MESSAGE).
+_TORCH_KEYWORDS_TRACED = frozenset({"preserve_rng_state"})
+
+
+def traced_reason(options, use_reentrant: bool, torch_kwargs: dict) -> str | None:
+    """Why a checkpoint with these settings cannot take :func:`traced_checkpoint`, or None."""
+    if use_reentrant:
+        return "use_reentrant=True"
+    extra = sorted(set(torch_kwargs) - _TORCH_KEYWORDS_TRACED)
+    if extra:
+        return f"checkpoint keyword(s) {extra}"
+    if options is not None and options.store_dtype is not None:
+        return f"store_dtype={options.store_dtype}"
+    if options is not None and _traced_key(options) is None:
+        return "a pool not numbered for compiled graphs"
+    return None
+
+
+def traced_checkpoint(forward, args, kwargs, options, torch_kwargs: dict):
+    """``forward(*args, **kwargs)`` under torch's non-reentrant checkpoint, written for Dynamo to
+    trace in one graph; with ``options`` (co.offload options) the tensor inputs they select wait
+    in the pool between forward and backward (module docstring)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    skeleton = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    tensors = [leaves[i] for i in positions]
+    offloaded = [options is not None and _offloads(t, options) for t in tensors]
+    if any(offloaded):
+        key = _traced_key(options)
+        side = options.stream == "side"
+    inputs = []
+    for t, off in zip(tensors, offloaded):
+        inputs.append(t)
+        if off:
+            inputs.append(torch.ops.ckpt_offload.to_host(t.detach(), key, side))
+
+    def region(*given):
+        it = iter(given)
+        filled = list(skeleton)
+        for i, off in zip(positions, offloaded):
+            t = next(it)
+            if off:
+                back = torch.ops.ckpt_offload.to_device(next(it), t.device, side)
+                t = _Attach.apply(t, back) if t.requires_grad else back
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        return forward(*a, **kw)
+
+    return torch_checkpoint.checkpoint(region, *inputs, use_reentrant=False, **torch_kwargs)

@@ -1,0 +1,348 @@
+"""torch.compile(model, fullgraph=True) over a model whose blocks co.apply (or a plan) checkpointed
+with their inputs offloaded: one graph, no break.
+
+While Dynamo traces with fullgraph=True the wrapper is traced too: torch's non-reentrant
+checkpoint (a higher-order op) around the block, its offloaded inputs copied into the pool by the
+``ckpt_offload::to_host`` op (a CPU tensor over a pool block, what AOTAutograd saves) and brought
+back by ``ckpt_offload::to_device`` as the checkpointed region starts (so the recompute in
+backward starts there too). The tests check, for the demo model, GPT-2 and Llama from tiny
+configs: one graph and no graph break, gradients bit-identical to the same model compiled without
+ckpt_offload (``aot_eager``), the pool back to 0 bytes, the ops' fake kernels (``opcheck``), the
+forward's device peak (torch.profiler memory events), and once, inductor.
+"""
+
+import itertools
+import json
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+from conftest import assert_bit_identical
+from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
+from torch.profiler import ProfilerActivity, profile
+
+import ckpt_offload as co
+
+pytest.importorskip("torch._dynamo")
+from torch._dynamo.utils import counters
+
+OPTS = {"devices": ["cpu"], "min_bytes": 0}
+
+
+# --- the models (the demo model, GPT-2 and Llama from tiny configs) -------------------------------
+
+
+def demo():
+    cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=8, vocab=61, batch=2)
+    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
+                            seed=0).train()
+    batch = make_batch(cfg, seed=1)
+    return model, (lambda m: lm_loss(m, batch)), list(model.blocks)
+
+
+def gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+        attn_implementation="eager", use_cache=False)).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return model, (lambda m: m(input_ids=ids, labels=ids).loss), list(model.transformer.h)
+
+
+def llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        use_cache=False)).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return model, (lambda m: m(input_ids=ids, labels=ids).loss), list(model.model.layers)
+
+
+MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama}
+
+
+def grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # dropout
+    loss_fn(model).backward()
+    # torch.compile(module) puts the original under "_orig_mod."; the parameters are the same.
+    return {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(name):
+    """The gradients of the same model compiled whole, without ckpt_offload."""
+    model, loss_fn, _ = MODELS[name]()
+    got = grads(torch.compile(model, backend="aot_eager"), loss_fn)
+    torch._dynamo.reset()
+    return got
+
+
+def forward_peak(forward) -> int:
+    """The most bytes torch's CPU allocator held during ``forward()`` above its start (profiler
+    memory events; the host pool allocates its own memory and is not counted)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = forward()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    os.remove(path)
+    del out
+    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in events) - start
+
+
+def mlp_blocks(n=6, dim=128):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                                     torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    torch.set_num_threads(threads)
+
+
+class CountingBackend:
+    """aot_eager that counts the graphs it compiles and the ckpt_offload ops in them."""
+
+    def __init__(self):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.aot_eager = aot_eager
+        self.graphs = 0
+        self.ops = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.ops += [str(n.target) for n in gm.graph.nodes if "ckpt_offload" in str(n.target)]
+        return self.aot_eager(gm, example_inputs)
+
+
+def wrap(route, model, loss_fn, pool):
+    opts = {**OPTS, "pool": pool}
+    if route == "co.apply":
+        return co.apply(model, offload=opts)
+    if route == "co.hf.enable":
+        return co.hf.enable(model, offload=opts)
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
+                   kinds=("recompute_offload",), segments=False, offload=opts)
+    model.zero_grad(set_to_none=True)
+    return plan.apply()
+
+
+def build(name):
+    model, loss_fn, blocks = MODELS[name]()
+    # transformers' loss_function warns through a logger when loss_type is unset: under
+    # fullgraph=True that call would be the graph break (nothing of ckpt_offload's).
+    if hasattr(model, "loss_function"):
+        model.loss_type = "ForCausalLM"
+    return model, loss_fn, blocks
+
+
+CASES = [("demo", "co.apply"), ("demo", "plan recompute_offload"), ("gpt2", "co.apply"), ("llama", "co.apply"),
+         ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
+
+
+@pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
+def test_fullgraph_compiles_one_graph_with_bit_identical_gradients(pool, name, route):
+    expected = reference(name)
+    counters.clear()
+    model, loss_fn, blocks = build(name)
+    handle = wrap(route, model, loss_fn, pool)
+    backend = CountingBackend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = loss_fn(compiled)
+    # One graph for the whole model; each block's input offloaded once inside it.
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.ops.count("ckpt_offload.to_host") >= len(blocks), backend.ops
+    # Between forward and backward the blocks' inputs wait in the pool.
+    assert pool.stats()["num_blocks_in_use"] >= len(blocks), pool.stats()
+    loss.backward()
+    got = {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in compiled.named_parameters() if p.grad is not None}
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
+    assert_bit_identical(expected, got)
+    # Eager, the same wrapped model still offloads through its contexts (the handle counts them).
+    grads(model, loss_fn)
+    assert handle.stats()["tensors_offloaded"] > 0
+
+
+def test_default_mode_is_unchanged(pool):
+    """Without fullgraph the wrapper is still a graph break and each block's forward a graph of its own."""
+    model, loss_fn, _ = MODELS["demo"]()
+    handle = co.apply(model, offload={**OPTS, "pool": pool})
+    backend = CountingBackend()
+    grads(torch.compile(model, backend=backend), loss_fn)
+    # The blocks ran compiled inside their offload contexts (which count), no op in any graph.
+    assert backend.graphs >= 1 and not backend.ops, (backend.graphs, backend.ops)
+    assert handle.stats()["tensors_offloaded"] > 0
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_the_ops_have_fake_kernels(pool):
+    from ckpt_offload._compile_ops import pool_key
+
+    x = torch.randn(4, 8)
+    key = pool_key(pool)
+    torch.library.opcheck(torch.ops.ckpt_offload.to_host.default, (x, key, False))
+    host = torch.ops.ckpt_offload.to_host(x, key, False)
+    assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
+    assert pool.stats()["bytes_in_use"] >= x.numel() * x.element_size()
+    torch.library.opcheck(torch.ops.ckpt_offload.to_device.default, (host, torch.device("cpu"), False))
+    back = torch.ops.ckpt_offload.to_device(host, torch.device("cpu"), False)
+    assert torch.equal(back, x)
+    del host
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_a_route_that_cannot_compile_fullgraph_says_which_does(pool):
+    model, loss_fn, _ = MODELS["demo"]()
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
+                   kinds=("offload",), segments=False, offload={**OPTS, "pool": pool})
+    model.zero_grad(set_to_none=True)
+    plan.apply()
+    with pytest.raises(Exception, match=r"fullgraph=True") as info:
+        loss_fn(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert "co.apply(model, offload=...)" in str(info.value) and "recompute_offload" in str(info.value), str(info.value)
+
+
+def test_a_full_pool_raises_in_the_compiled_graph():
+    """The graph cannot keep an input on the device instead of in a full pool: it says so."""
+    small = co.HostPool(pinned=False, max_bytes=4096)
+    model = mlp_blocks(2, 128)
+    co.apply(model, offload={**OPTS, "pool": small})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(co.PoolFullError):
+        compiled(torch.randn(64, 128))  # 32 KiB per block input, over the 4 KiB cap
+    assert small.stats()["bytes_in_use"] == 0
+
+
+def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
+    """The compiled model's forward keeps what eager co.apply keeps on the device (+5%), and far
+    less than the same model compiled without ckpt_offload."""
+    x = torch.randn(64, 128)
+    peaks = {}
+    for compiled in (False, True):
+        model = mlp_blocks()
+        co.apply(model, offload={**OPTS, "pool": pool})
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        fn(x).sum().backward()  # warm-up (compiles)
+        peaks[compiled] = forward_peak(lambda fn=fn: fn(x).sum())
+        assert pool.stats()["bytes_in_use"] == 0
+    plain = torch.compile(mlp_blocks(), backend="aot_eager")
+    without = forward_peak(lambda: plain(x).sum())
+    assert peaks[True] <= 1.05 * peaks[False], peaks
+    assert peaks[True] < 0.5 * without, (peaks, without)
+
+
+def test_backward_reloads_block_by_block(pool):
+    """In the compiled backward each block's input comes back as that block's backward starts
+    (between the matmuls of the block after it and its own), not all up front."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    order = []
+
+    def bw(gm, example_inputs):
+        order.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm)
+
+    model = mlp_blocks(4, 64)
+    co.apply(model, offload={**OPTS, "pool": pool})
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm), bw_compiler=bw)
+    torch.compile(model, backend=backend, fullgraph=True)(torch.randn(8, 64)).sum().backward()
+    reloads = [i for i, t in enumerate(order) if t == "ckpt_offload.to_device.default"]
+    assert len(reloads) == 4, order
+    for a, b in itertools.pairwise(reloads):
+        assert any(t == "aten.mm.default" for t in order[a:b]), (a, b, order)
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_compiled_autograd_gradients_and_pool(pool):
+    """Compiled autograd over the fullgraph model: bit-identical gradients, the pool drained."""
+    expected = reference("demo")
+    model, loss_fn, _ = build("demo")
+    co.apply(model, offload={**OPTS, "pool": pool})
+    torch._dynamo.config.compiled_autograd = True
+    try:
+        got = grads(torch.compile(model, backend="aot_eager", fullgraph=True), loss_fn)
+    finally:
+        torch._dynamo.config.compiled_autograd = False
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
+    assert_bit_identical(expected, got)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
+                    reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")
+def test_fullgraph_inductor_compiles_and_runs(pool):
+    model, loss_fn, blocks = MODELS["demo"]()
+    torch.manual_seed(1234)
+    plain = grads(torch.compile(MODELS["demo"]()[0], backend="inductor"), loss_fn)
+    torch._dynamo.reset()
+    co.apply(model, offload={**OPTS, "pool": pool})
+    got = grads(torch.compile(model, backend="inductor", fullgraph=True), loss_fn)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] >= len(blocks), pool.stats()
+    # Inductor fuses differently with and without the checkpoint: within its own float32 noise.
+    for k in plain:
+        torch.testing.assert_close(got[k], plain[k], rtol=1e-4, atol=1e-5 * max(1.0, plain[k].abs().max().item()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("stream", ["side", "compute"])
+def test_fullgraph_on_cuda_offloads_through_the_pool(stream):
+    pool = co.HostPool()
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, device="cuda")
+    expected_model = mlp_blocks().cuda()
+    expected_model(x).sum().backward()
+    expected = {k: p.grad.clone() for k, p in expected_model.named_parameters()}
+    model = mlp_blocks().cuda()
+    co.apply(model, offload={"devices": ["cuda"], "min_bytes": 0, "pool": pool, "stream": stream})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(x).sum()
+    assert pool.stats()["num_blocks_in_use"] >= 6
+    loss.backward()
+    torch.cuda.synchronize()
+    got = {k.replace("_orig_mod.", ""): p.grad for k, p in compiled.named_parameters()}
+    assert_bit_identical(expected, got)
+    co.synchronize()
+    pool.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ops_copy_through_the_pool_in_stream_order():
+    from ckpt_offload._compile_ops import pool_key
+
+    pool = co.HostPool()
+    key = pool_key(pool)
+    x = torch.randn(1 << 20, device="cuda")
+    expected = x.clone()
+    host = torch.ops.ckpt_offload.to_host(x, key, True)
+    x.add_(1)  # after the op returned: the copy reads a clone made before
+    first = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the forward's: from the clone
+    again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
+    del host, first, again
+    torch.cuda.synchronize()
+    co.synchronize()
+    pool.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
