@@ -12,16 +12,13 @@ forward's device peak (torch.profiler memory events), and once, inductor.
 """
 
 import itertools
-import json
 import math
 import os
-import tempfile
 
 import pytest
 import torch
+from compile_models import MODELS, forward_peak, grads, mlp_blocks, reference
 from conftest import assert_bit_identical
-from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
-from torch.profiler import ProfilerActivity, profile
 
 import ckpt_offload as co
 
@@ -31,87 +28,7 @@ from torch._dynamo.utils import counters
 OPTS = {"devices": ["cpu"], "min_bytes": 0}
 
 
-# --- the models (the demo model, GPT-2 and Llama from tiny configs) -------------------------------
-
-
-def demo():
-    cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=8, vocab=61, batch=2)
-    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                            seed=0).train()
-    batch = make_batch(cfg, seed=1)
-    return model, (lambda m: lm_loss(m, batch)), list(model.blocks)
-
-
-def gpt2():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        attn_implementation="eager", use_cache=False)).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
-    return model, (lambda m: m(input_ids=ids, labels=ids).loss), list(model.transformer.h)
-
-
-def llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        use_cache=False)).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
-    return model, (lambda m: m(input_ids=ids, labels=ids).loss), list(model.model.layers)
-
-
-MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama}
-
-
-def grads(model, loss_fn):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)  # dropout
-    loss_fn(model).backward()
-    # torch.compile(module) puts the original under "_orig_mod."; the parameters are the same.
-    return {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def reference(name):
-    """The gradients of the same model compiled whole, without ckpt_offload."""
-    model, loss_fn, _ = MODELS[name]()
-    got = grads(torch.compile(model, backend="aot_eager"), loss_fn)
-    torch._dynamo.reset()
-    return got
-
-
-def forward_peak(forward) -> int:
-    """The most bytes torch's CPU allocator held during ``forward()`` above its start (profiler
-    memory events; the host pool allocates its own memory and is not counted)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = forward()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-    os.remove(path)
-    del out
-    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
-
-
-def mlp_blocks(n=6, dim=128):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                                     torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices on a busy 2-core machine
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
 
 
 class CountingBackend:

@@ -15,17 +15,13 @@ GPT-2 and Llama built from tiny configs:
 - ``fullgraph=True`` over a route that has no traced form raises, saying what works.
 """
 
-import json
 import math
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
+from compile_models import forward_peak, grads, mlp_blocks
 from conftest import assert_bit_identical
-from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
-from torch.profiler import ProfilerActivity, profile
 
 import ckpt_offload as co
 
@@ -71,130 +67,6 @@ class EagerProbe:
     def _hook(self, module, args):
         if not torch.compiler.is_compiling():
             self.calls += 1
-
-
-# --- the models ----------------------------------------------------------------------------------
-
-
-def demo():
-    cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=8, vocab=61, batch=2)
-    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                            seed=0).train()
-    batch = make_batch(cfg, seed=1)
-    return model, (lambda m: lm_loss(m, batch)), [b.mlp if hasattr(b, "mlp") else b for b in model.blocks]
-
-
-def gpt2():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        attn_implementation="eager", use_cache=False)).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
-    return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in model.transformer.h]
-
-
-def llama():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)).train()
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
-    return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in model.model.layers]
-
-
-MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama}
-
-
-def grads(model, loss_fn):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)  # dropout
-    loss_fn(model).backward()
-    # torch.compile(module) puts the original under "_orig_mod."; the parameters are the same.
-    return {k.replace("_orig_mod.", ""): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-
-
-def reference(name):
-    """The gradients of the same model compiled whole, without ckpt_offload."""
-    model, loss_fn, _ = MODELS[name]()
-    got = grads(torch.compile(model, backend="aot_eager"), loss_fn)
-    torch._dynamo.reset()
-    return got
-
-
-def wrap(route, model, loss_fn, pool):
-    opts = {**OPTS, "pool": pool}
-    if route == "co.apply":
-        return co.apply(model, offload=opts)
-    if route == "co.apply segments":
-        return co.apply(model, offload=opts, segments=1)  # one checkpoint around all the blocks
-    if route == "co.hf.enable":
-        return co.hf.enable(model, offload=opts)
-    kinds = {"plan offload": ("offload",), "plan recompute_offload": ("recompute_offload",)}[route]
-    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf, kinds=kinds,
-                   segments=False, offload=opts)
-    model.zero_grad(set_to_none=True)
-    return plan.apply()
-
-
-CASES = [("demo", "co.apply"), ("demo", "co.apply segments"), ("demo", "plan offload"), ("demo", "plan recompute_offload"),
-         ("gpt2", "co.apply"), ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
-
-
-@pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
-def test_each_block_is_compiled_and_gradients_are_bit_identical(pool, name, route):
-    expected = reference(name)
-    model, loss_fn, probed = MODELS[name]()
-    probe = EagerProbe(probed)
-    handle = wrap(route, model, loss_fn, pool)
-    grads(model, loss_fn)
-    assert probe.calls >= len(probed), "the probe counts eager calls"  # it can fail
-    probe.calls = 0
-    backend = GraphRuns()
-    got = grads(torch.compile(model, backend=backend), loss_fn)
-    assert probe.calls == 0, f"{probe.calls} block forwards ran eagerly under torch.compile"
-    assert backend.runs >= len(probed), (backend.runs, backend.graphs)
-    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] > 0, pool.stats()
-    assert handle.stats()["tensors_offloaded"] > 0
-    assert_bit_identical(expected, got)
-
-
-def test_recompute_runs_the_compiled_graph(pool):
-    """A checkpointed block's forward and its recompute are both compiled graph runs: twice per block."""
-    model, loss_fn, probed = demo()
-    co.apply(model, offload={**OPTS, "pool": pool})
-    backend = GraphRuns()
-    compiled = torch.compile(model, backend=backend)
-    loss = loss_fn(compiled)
-    forward_runs = backend.runs
-    assert forward_runs >= len(probed)
-    loss.backward()
-    assert backend.runs >= forward_runs + len(probed), (forward_runs, backend.runs)
-
-
-# --- the forward's device peak -------------------------------------------------------------------
-
-
-def forward_peak(forward) -> int:
-    """The most bytes torch's CPU allocator held during ``forward()`` above its start (profiler
-    memory events; the host pool allocates its own memory and is not counted)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = forward()
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
-    os.remove(path)
-    del out
-    start = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
-    return max(e["args"]["Total Allocated"] for e in events) - start
-
-
-def mlp_blocks(n=6, dim=128):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                                     torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
 
 
 def test_co_apply_keeps_its_forward_peak_under_whole_model_compile(pool):
