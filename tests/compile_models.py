@@ -86,3 +86,27 @@ def mlp_blocks(n=6, dim=128):
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
                                                      torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
+
+
+class CountingBackend:
+    """An aot_eager backend that counts the graphs it compiles, the ckpt_offload ops in them, and
+    how often the compiled graphs run."""
+
+    def __init__(self):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.aot_eager = aot_eager
+        self.graphs = 0
+        self.runs = 0
+        self.ops = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        self.ops += [str(n.target) for n in gm.graph.nodes if "ckpt_offload" in str(n.target)]
+        compiled = self.aot_eager(gm, example_inputs)
+
+        def run(*args):
+            self.runs += 1
+            return compiled(*args)
+
+        return run
