@@ -52,6 +52,25 @@ def build(name):
     return model, loss_fn, blocks
 
 
+def torch_checkpoint_refuses(name):
+    """Why torch.compile(fullgraph=True) cannot trace the model with the model's own gradient
+    checkpointing (torch's non-reentrant checkpoint, no ckpt_offload), or None when it can. A block
+    whose forward changes state outside it (transformers' hub kernels set a context variable in
+    attention's forward) is refused by Dynamo inside any checkpoint."""
+    model, loss_fn, _ = build(name)
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        return None
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    try:
+        loss_fn(torch.compile(model, backend="aot_eager", fullgraph=True)).backward()
+    except torch._dynamo.exc.Unsupported as e:
+        return str(e).splitlines()[0]
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
 CASES = [("demo", "co.apply"), ("demo", "plan recompute_offload"), ("gpt2", "co.apply"), ("llama", "co.apply"),
          ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
 
@@ -66,7 +85,13 @@ def test_fullgraph_compiles_one_graph_with_bit_identical_gradients(pool, name, r
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
-    loss = loss_fn(compiled)
+    try:
+        loss = loss_fn(compiled)
+    except torch._dynamo.exc.Unsupported:
+        why = torch_checkpoint_refuses(name)
+        if why is None:
+            raise  # torch's own checkpoint traces this model: so must ours
+        pytest.skip(f"torch's own checkpoint cannot trace this model's blocks under fullgraph=True either: {why}")
     # One graph for the whole model; each block's input offloaded once inside it.
     assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert backend.ops.count("ckpt_offload.to_host") >= len(blocks), backend.ops
