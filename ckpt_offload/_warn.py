@@ -15,6 +15,11 @@ import torch
 
 _warn_lock = threading.Lock()
 _warned_sites: set = set()  # (route, filename, lineno) warned that they offload nothing
+# Callers that are themselves the user's line of a warned site, as (key, id(code), f_lasti) ->
+# the code object (held, so that its id is not reused): asked again (a fresh context per step
+# exits at the same place every step), they need no frame walk. Neither key part costs a hash
+# of the code object or a line-table look-up.
+_warned_callers: dict = {}
 
 #: The library's logger: what ckpt_offload decided (windows, blocks chosen, stats) at INFO/DEBUG.
 logger = logging.getLogger("ckpt_offload")
@@ -55,12 +60,16 @@ def warn(message: str, category=UserWarning, stacklevel: int = 1) -> None:
     mirror_to_logger(message)
 
 
-def warn_at_user_line(message, key: str | None, category=UserWarning) -> None:
+def warn_at_user_line(message, key: str | None, category=UserWarning, caller=None) -> None:
     """Warns with ``message`` at the user's own line (the innermost frame outside the libraries
     on the way), once per ``key`` and call site; ``key=None``: every time (the caller keeps its
     own once-only state, e.g. per context -- an ``id()`` in a key could be reused by a new object).
     The warning is mirrored to the ``ckpt_offload`` logger (see :func:`mirror_to_logger`).
-    ``message`` may be a function of no arguments returning it, called only when it is shown."""
+    ``message`` may be a function of no arguments returning it, called only when it is shown.
+    ``caller`` (optional, with a key): the frame that called into the library; when it is the
+    user's line itself, a site that has warned is recognised from it without walking the stack."""
+    if caller is not None and key is not None and (key, id(caller.f_code), caller.f_lasti) in _warned_callers:
+        return
     frame = _user_frame()
     if frame is None:
         warn(message() if callable(message) else message, category, stacklevel=2)
@@ -68,6 +77,8 @@ def warn_at_user_line(message, key: str | None, category=UserWarning) -> None:
     if key is not None:
         site = (key, frame.f_code.co_filename, frame.f_lineno)
         with _warn_lock:
+            if frame is caller:
+                _warned_callers[(key, id(frame.f_code), frame.f_lasti)] = frame.f_code
             if site in _warned_sites:
                 return
             _warned_sites.add(site)

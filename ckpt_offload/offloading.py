@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 
 import torch
@@ -12,7 +13,14 @@ import torch
 from ckpt_offload._args import check_choice, suggest_keywords
 from ckpt_offload._compile import check_compiled_regions
 from ckpt_offload._runtime import _C
-from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, warn, warn_at_user_line, _warn_lock
+from ckpt_offload._warn import (
+    _warn_lock,
+    _warned_callers,
+    graph_break_if_compiling,
+    hooks_disabled_reason,
+    warn,
+    warn_at_user_line,
+)
 from ckpt_offload.options import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_MIN_BYTES,
@@ -53,7 +61,7 @@ def _warn_hooks_disabled(reason: str) -> None:
         "jacrev and hessian disable them), so the tensors saved inside this block are not offloaded. "
         "Gradients are unaffected. To offload them, run this forward outside the torch.func transform "
         "(or outside torch.autograd.graph.disable_saved_tensors_hooks). (Warned once per reason.)",
-        stacklevel=4,  # the user's `with`: _warn_hooks_disabled <- _activate <- __enter__
+        stacklevel=3,  # the user's `with`: _warn_hooks_disabled <- __enter__
     )
 
 
@@ -74,21 +82,22 @@ def _graph_task_id() -> int:
 
 
 class _Activation:
-    """What one ``__enter__`` of a :class:`offload` started, so that ``__exit__`` undoes exactly that."""
+    """An entry left on a thread's hooks stack by an exit that could not pop it (Note [Exits
+    that cannot pop]): its functions, and the thread and backward it was entered in."""
 
-    __slots__ = ("thread", "graph_task", "hooks", "pack", "unpack")
+    __slots__ = ("thread", "graph_task", "pack", "unpack")
 
-    def __init__(self):
-        self.thread = threading.get_ident()
+    def __init__(self, hooks):
+        self.thread = hooks.thread
         # -1 outside backward. Inside backward the hooks stack is a copy that the engine drops
         # when backward ends, so a context must exit in the backward (or not) where it entered.
-        self.graph_task = _graph_task_id()
-        self.hooks = None  # torch's saved_tensors_hooks we pushed; None: hooks disabled, no offload
-        self.pack = self.unpack = None
+        self.graph_task = hooks.graph_task
+        self.pack, self.unpack = hooks.pack, hooks.unpack
 
 
-_CLAIMED = object()  # between the start of __enter__ / __exit__ and its end
 _NOOP_CHECKS = 64  # exits a context checks for having offloaded nothing (Note [Offloaded nothing])
+_NOOP_KEY = "co.offload-offloaded-nothing"  # its warning's key (once per context and line)
+_REPORT_NOOP = _C.Hooks.REPORT_NOOP
 
 # Note [Exits that cannot pop]
 # torch's saved-tensor hooks live on a per-thread stack, and torch's own contexts pop whatever
@@ -235,25 +244,29 @@ class offload:
         self.pool = options.pool if options.pool is not None else default_pool()
         self._packer = _C.Packer(pool=self.pool._impl, **options.packer_kwargs())
         self.keep_dedup = keep_dedup
-        # None when inactive, else the _Activation of the current entry (or _CLAIMED while one
-        # is being entered or exited). Checked and set under the lock, so two threads entering
-        # one context at once cannot both start it.
-        self._state = None
-        self._lock = threading.Lock()
+        # The hook functions and the activation in force, entered and exited in one native call
+        # each (Note [Native activation], csrc/torch/hooks.cpp): one activation at a time.
+        self._hooks = _C.Hooks(self._packer, keep_dedup)
         self._warned_full = False  # the pool-cap warning is given once per context
         self._warned_disk_full = False  # and so is the disk-full one
         # Exits left for the offloaded-nothing check (Note [Offloaded nothing]); none without a
-        # device to offload (the construction warned about that already).
-        self._noop_checks_left = _NOOP_CHECKS if self.devices else 0
-        # The (pack, unpack) hook functions and torch's hooks context over them, made once and
-        # entered by every entry; dropped (new ones made at the next entry) when an exit could not
-        # pop them, since that closes them (Note [Exits that cannot pop]).
-        self._hook_fns = None
+        # device to offload (the construction warned about that already). Counted down natively.
+        self._hooks.noop_checks = _NOOP_CHECKS if self.devices else 0
+        self._arm_exit_checks()
+
+    def _arm_exit_checks(self) -> None:
+        """Tells the native exit which counters to report (the pool's and the disk tier's
+        one-time warnings not given yet); an exit with nothing to report returns None."""
+        keep = self.on_full == "keep"
+        self._hooks.check_full = keep and not self._warned_full and self.pool._share is None
+        self._hooks.check_disk = keep and not self._warned_disk_full and self.pool._tier is not None
+        self._hooks.check_fallback = self.pool._fallback_possible and not self.pool._warned_fallback
+        self._hooks.check_share = self.pool._share is not None and not self.pool._warned_share
 
     @property
     def active(self) -> bool:
         """True between ``__enter__`` and ``__exit__``."""
-        return self._state is not None
+        return self._hooks.active
 
     def __call__(self, fn):
         """Used as a decorator: every call of ``fn`` runs inside this context (one call at a
@@ -276,75 +289,44 @@ class offload:
         return wrapper
 
     def __enter__(self) -> "offload":
-        graph_break_if_compiling()
-        with self._lock:
-            if self._state is not None:
+        if torch.compiler.is_compiling():
+            graph_break_if_compiling()
+        if _stale:
+            _drop_stale_entries()  # Note [Exits that cannot pop]
+        check_compiled_regions()  # Note [Compiled regions inside co.offload]
+        # Claims the activation, pushes the hooks, begins the packer's activation (one call).
+        refused = self._hooks.enter()
+        if refused is not None:
+            if refused == _C.Hooks.BUSY:
                 raise RuntimeError(
                     "this co.offload() context is already active (entered and not exited yet, on this thread or "
                     "another); nest a new co.offload() instead"
                 )
-            self._state = _CLAIMED
-        try:
-            state = self._activate()
-        except BaseException:
-            with self._lock:
-                self._state = None
-            raise
-        self._state = state
+            # DISABLED: entered without hooks (no offload), which the exit ends as usual.
+            _warn_hooks_disabled(hooks_disabled_reason())
         self._entered = True  # __exit__ tells a context never entered from one exited twice
         return self
 
-    def _activate(self) -> _Activation:
-        if _stale:
-            _drop_stale_entries()  # Note [Exits that cannot pop]
-        check_compiled_regions()  # Note [Compiled regions inside co.offload]
-        state = _Activation()
-        reason = hooks_disabled_reason()
-        if reason is not None:
-            _warn_hooks_disabled(reason)
-            return state
-        # torch's hook context first: when torch refuses it, nothing of ours has started yet.
-        if self._hook_fns is None:
-            pack, unpack = self._packer.pack, self._packer.unpack
-            self._hook_fns = (pack, unpack, torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-        state.pack, state.unpack, hooks = self._hook_fns
-        hooks.__enter__()
-        state.hooks = hooks
-        # No module hook: parameters, buffers and their views are recognised in C++ from the tensor
-        # itself (Parameter, the view's root, the modules whose forward is on the stack); a global
-        # forward pre-hook would slow every nn.Module call of the process and make torch.compile
-        # warn about global hooks.
-        try:
-            self._packer.begin()
-        except BaseException:
-            hooks.__exit__(None, None, None)
-            self._packer.end(keep_dedup=self.keep_dedup)
-            raise
-        return state
-
-    def _uninstall(self, state: _Activation) -> str | None:
-        """Takes this activation's hooks off (Note [Exits that cannot pop]); returns what to warn
-        about, or None for a normal exit."""
-        if state.hooks is None:
-            return None
-        if state.thread != threading.get_ident():
+    def _uninstall(self) -> str | None:
+        """Takes this activation's hooks off where the native exit could not pop them (Note
+        [Exits that cannot pop]); returns what to warn about."""
+        hooks = self._hooks
+        state = _Activation(hooks)
+        if hooks.thread != threading.get_ident():
             _leave_stale(state, record=True)
             return ("on a different thread than the one that entered it (saved-tensor hooks are per thread): its "
                     "hooks stay on that thread's stack, offloading nothing, until the next co.offload enters or "
                     "exits there")
-        if state.graph_task != _graph_task_id():
+        if hooks.graph_task != _graph_task_id():
             # Entered outside backward: the entry is on this thread's own stack, out of reach
             # until backward ends. Entered in a backward: it lived in that backward's copy of the
             # stack, which autograd drops when the backward ends.
-            _leave_stale(state, record=state.graph_task == -1)
+            _leave_stale(state, record=hooks.graph_task == -1)
             return ("inside a backward it was not entered in (or outside the backward it was entered in): autograd "
                     "keeps a separate hooks stack for each backward; its hooks offload nothing from now on and "
                     "are dropped when they can be")
-        top = _top_hooks()
-        if top is False or (top is not None and top[0] is state.pack and top[1] is state.unpack):
-            state.hooks.__exit__(None, None, None)
-            return None
         if _pop_own_entry(state.pack, state.unpack):
+            # Its own entry is off the stack: the same functions serve the next entry.
             return ("while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint "
                     "region, torch's save_on_cpu, ...) is still active: its own hooks were taken out from under "
                     "that context, which stays in force")
@@ -352,14 +334,25 @@ class offload:
         return "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing from now on"
 
     def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
-        graph_break_if_compiling()
-        with self._lock:
-            state = self._state
-            if state is _CLAIMED:
-                return  # another thread is entering/exiting it
-            if state is not None:
-                self._state = _CLAIMED  # not re-enterable until the teardown below is done
-        if state is None:  # not active (a second __exit__)
+        if torch.compiler.is_compiling():
+            graph_break_if_compiling()
+        try:
+            # Pops its own entry and ends the activation (one call), or says why it cannot.
+            done = self._hooks.exit()
+        except Exception as e:
+            # The flush's error (PoolFullError with on_full="raise"): the context has exited.
+            self._after_flush_error(e, exc_type)
+            return
+        if done is None:
+            return  # nothing to report: the usual exit
+        if done > 0:
+            caller = sys._getframe(1)
+            if done == _REPORT_NOOP and (_NOOP_KEY, id(caller.f_code), caller.f_lasti) in _warned_callers:
+                self._hooks.noop_checks = 0  # this line has warned (a fresh context per step)
+                return
+            self._report(done, caller)
+            return
+        if done == _C.Hooks.NOT_ACTIVE:  # a second __exit__, or one never entered
             _drop_stale_entries()
             if not getattr(self, "_entered", False):
                 raise RuntimeError(
@@ -367,97 +360,92 @@ class offload:
                     "offloaded and there is nothing to end: use `with co.offload(...) as ctx:` (or call "
                     "ctx.__enter__() first)")
             return
-        flush_error = None
+        if done == _C.Hooks.BUSY:
+            return  # another thread is entering/exiting it
+        # MISUSE: the exit is claimed; take the entry off, then end the activation.
         misuse = None
-        counts = None
-        hook_fns, self._hook_fns = self._hook_fns, None
         try:
-            misuse = self._uninstall(state)
-            if misuse is None:
-                self._hook_fns = hook_fns  # popped cleanly: the next entry pushes them again
+            misuse = self._uninstall()
         finally:
             try:
-                if state.hooks is not None:
-                    # end() copies the open batches to the host, ends the activation whatever the
-                    # copy did, then raises the copy's error (PoolFullError with on_full="raise");
-                    # else it returns what the checks below read (exit_counts()).
-                    try:
-                        counts = self._packer.end(keep_dedup=self.keep_dedup)
-                    except Exception as e:
-                        flush_error = e
-            finally:
-                with self._lock:
-                    self._state = None
-                if _stale:
-                    _drop_stale_entries()
-        if misuse is not None:
-            warn(
-                f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
-                "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+                done = self._hooks.finish()
+            except Exception as e:
+                done = e
+            if misuse is not None and not self._hooks.active:
+                self._hooks.renew()  # the entry left behind holds the old functions, closed
+            if _stale:
+                _drop_stale_entries()
+        warn(
+            f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
+            "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if isinstance(done, Exception):
+            self._after_flush_error(done, exc_type)
+        elif done is not None:
+            self._report(done, sys._getframe(1))
+
+    def _after_flush_error(self, error: Exception, exc_type) -> None:
         # An exception raised in the block (a KeyboardInterrupt, an OOM) is the one the caller
         # must see; the flush's PoolFullError only when the block itself succeeded. Its tensors
         # were kept on the device either way, so backward still works.
-        if flush_error is not None and exc_type is None:
-            raise flush_error
-        # One native call with the few counters the exit checks read, not stats(): this runs at
-        # every exit, and stats() builds a dict of ~30 keys. A pool's share of the node says it is
-        # full once per node instead (pool._check_host_limits).
-        check_full = not self._warned_full and self.on_full == "keep" and self.pool._share is None
-        check_stats = state.hooks is not None and (self._noop_checks_left or (
-            not self._warned_disk_full and self.on_full == "keep" and self.pool._tier is not None))
-        if check_full or check_stats:
-            if counts is None:
-                counts = self._packer.exit_counts()
-            if check_full and counts[4]:
-                self._warn_pool_was_full(counts[4], counts[5])
-            if check_stats:
-                self._check_exit_counts(counts)
-        if self.pool._fallback_possible or self.pool._share is not None:
+        if exc_type is None:
+            raise error
+        done = self._hooks.report()
+        if done is not None:
+            self._report(done, sys._getframe(2))
+
+    def _report(self, why: int, caller=None) -> None:
+        """What the native exit reported (Note [Native activation]): a bit per check that has
+        something to say; ``caller``: the frame that called ``__exit__``."""
+        # (offloaded or deduplicated, too_small tensors, bytes, device tensors, pool_full
+        # tensors, bytes, disk_full tensors, bytes)
+        counts = self._packer.exit_counts()
+        if why & _C.Hooks.REPORT_NOOP:
+            self._warn_if_offloaded_nothing(counts[1], counts[2], counts[3], caller)
+            if why == _C.Hooks.REPORT_NOOP:
+                return
+        if why & _C.Hooks.REPORT_FULL:
+            self._warn_pool_was_full(counts[4], counts[5])
+        if why & _C.Hooks.REPORT_DISK_FULL:
+            self._warn_disk_full(counts[6], counts[7])
+        if why & (_C.Hooks.REPORT_FALLBACK | _C.Hooks.REPORT_SHARE):
             self.pool._check_host_limits()
+        self._arm_exit_checks()  # what was warned about is not reported again
 
     # Note [Offloaded nothing]
     # A context that offloads nothing costs its hooks and frees no memory, and a user who sees
     # training run has no reason to look at stats(): at an exit where this context has kept tensors
     # it could have offloaded (under min_bytes, or on a device it does not offload) and has offloaded
-    # none, it warns once, naming the reason and the fix. It reads the counters Packer.end returns
-    # (stats() would build a dict of ~30 keys at every exit), and the check runs only until the
-    # context has offloaded something (then never again), has warned, or has exited _NOOP_CHECKS times without either (it saw only what it never offloads by design: parameters,
-    # buffers, autocast's casts -- those do not count). With no device selected at all (devices=[]
-    # or the default without a GPU) the construction already warned, and the check is off.
-    def _check_exit_counts(self, counts: tuple) -> None:
-        # counts: _C.Packer.exit_counts()
-        offloaded, small, small_bytes, device, _, _, disk_full, disk_full_bytes = counts
-        if self._noop_checks_left:
-            self._noop_checks_left -= 1
-            if offloaded:
-                self._noop_checks_left = 0
-            else:
-                self._warn_if_offloaded_nothing(small, small_bytes, device)
-        if disk_full and not self._warned_disk_full and self.on_full == "keep":
-            self._warned_disk_full = True
-            limit = self.pool._tier.stats().get("max_bytes") if self.pool._tier is not None else None
-            warn_at_user_line(
-                f"co.offload(): the pool's disk tier is full (spill_dir={self.pool.spill_dir!r}, spill_max_bytes="
-                f"{limit or 'none: what the disk has'}), so {disk_full} saved tensors "
-                f"({disk_full_bytes} bytes) stayed on the device "
-                "(kept_by_reason['disk_full']). Raise spill_max_bytes or free disk space, raise the pool's "
-                "max_bytes, offload fewer tensors (a larger min_bytes), or pass on_full='raise' to fail "
-                "instead. (Warned once per context.)",
-                key=None,
-            )
+    # none, it warns once, naming the reason and the fix. The native exit checks the counters
+    # (Note [Native activation]) and reports only then, and the check runs only until the
+    # context has offloaded something (then never again), has warned, or has exited _NOOP_CHECKS
+    # times without either (it saw only what it never offloads by design: parameters, buffers,
+    # autocast's casts -- those do not count). With no device selected at all (devices=[] or the
+    # default without a GPU) the construction already warned, and the check is off.
+    def _warn_disk_full(self, disk_full: int, disk_full_bytes: int) -> None:
+        self._warned_disk_full = True
+        limit = self.pool._tier.stats().get("max_bytes") if self.pool._tier is not None else None
+        warn_at_user_line(
+            f"co.offload(): the pool's disk tier is full (spill_dir={self.pool.spill_dir!r}, spill_max_bytes="
+            f"{limit or 'none: what the disk has'}), so {disk_full} saved tensors "
+            f"({disk_full_bytes} bytes) stayed on the device "
+            "(kept_by_reason['disk_full']). Raise spill_max_bytes or free disk space, raise the pool's "
+            "max_bytes, offload fewer tensors (a larger min_bytes), or pass on_full='raise' to fail "
+            "instead. (Warned once per context.)",
+            key=None,
+        )
 
-    def _warn_if_offloaded_nothing(self, small: int, size: int, device: int) -> None:
+    def _warn_if_offloaded_nothing(self, small: int, size: int, device: int, caller=None) -> None:
         other_device = device if self.devices else 0
         if not (small or other_device):
             return
-        self._noop_checks_left = 0
+        self._hooks.noop_checks = 0
         # Built only where it is shown: a fresh context per step would otherwise format it at
         # every exit for a line that has warned already.
         warn_at_user_line(functools.partial(self._offloaded_nothing_message, small, size, other_device),
-                          key="co.offload-offloaded-nothing")
+                          key=_NOOP_KEY, caller=caller)
 
     def _offloaded_nothing_message(self, small: int, size: int, other_device: int) -> str:
         reasons = []
@@ -536,6 +524,7 @@ class offload:
         self._packer.reset_stats()
         self._warned_full = False
         self._warned_disk_full = False
+        self._arm_exit_checks()
 
     def __repr__(self) -> str:
         return (

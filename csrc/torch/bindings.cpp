@@ -14,6 +14,7 @@
 #include "runtime.h"
 #include "device_bytes.h"
 #include "device_memory.h"
+#include "hooks.h"
 #include "packer.h"
 #include "pinned_fallback.h"
 #include "store_dtype.h"
@@ -85,74 +86,6 @@ py::dict pool_stats(HostPool& pool) {
   PoolStatsExtra extra;
   extra.backend = py::str(pool.backend_name());
   return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_POOL_STATS, pool.stats(), extra);
-}
-
-// Note [Hook entry points]
-// The saved-tensor hooks torch calls once per saved tensor are plain CPython functions (METH_O),
-// not pybind11 methods: pybind11's dispatcher (overload resolution, argument casters) costs as
-// much as the whole keep decision. Each function carries its Packer in a capsule, and turns a
-// C++ exception into the Python exception pybind11 would have raised (PoolFullError included).
-PyObject* raise_translated() noexcept {
-  try {
-    throw;
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (py::builtin_exception& e) {
-    e.set_error();
-  } catch (...) {
-    py::detail::try_translate_exceptions();
-  }
-  return nullptr;
-}
-
-// What each hook function carries. `closed`: set by close_hook when the context that pushed
-// the function was exited where its entry could not be popped (another thread, another
-// backward): from then on pack hands every tensor back as it is (a detached alias, which
-// unpack returns), so the entry left on that thread's stack offloads nothing.
-struct HookHolder {
-  std::shared_ptr<Packer> packer;
-  std::atomic<bool> closed{false};
-};
-
-HookHolder* capsule_holder(PyObject* capsule) {
-  return static_cast<HookHolder*>(PyCapsule_GetPointer(capsule, "ckpt_offload.Packer"));
-}
-
-Packer* capsule_packer(PyObject* capsule) { return capsule_holder(capsule)->packer.get(); }
-
-PyObject* hook_pack(PyObject* capsule, PyObject* arg) {
-  try {
-    HookHolder* holder = capsule_holder(capsule);
-    if (holder->closed.load(std::memory_order_relaxed)) {
-      if (!THPVariable_Check(arg)) return py::reinterpret_borrow<py::object>(arg).release().ptr();
-      return THPVariable_Wrap(THPVariable_Unpack(arg).detach());
-    }
-    return holder->packer->pack(arg).release().ptr();
-  } catch (...) {
-    return raise_translated();
-  }
-}
-
-PyObject* hook_unpack(PyObject* capsule, PyObject* arg) {
-  try {
-    return THPVariable_Wrap(capsule_packer(capsule)->unpack(arg));
-  } catch (...) {
-    return raise_translated();
-  }
-}
-
-PyMethodDef pack_def{"pack", hook_pack, METH_O, "co.offload's pack hook: one saved tensor -> what autograd keeps"};
-PyMethodDef unpack_def{"unpack", hook_unpack, METH_O, "co.offload's unpack hook: what pack returned -> the tensor"};
-
-// A new function object calling `def` on `packer` (which it keeps alive).
-py::object hook_function(std::shared_ptr<Packer> packer, PyMethodDef* def) {
-  auto* h = new HookHolder();
-  h->packer = std::move(packer);
-  py::capsule holder(h, "ckpt_offload.Packer",
-                     [](PyObject* c) { delete static_cast<HookHolder*>(PyCapsule_GetPointer(c, "ckpt_offload.Packer")); });
-  PyObject* fn = PyCFunction_New(def, holder.ptr());
-  if (!fn) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(fn);
 }
 
 // What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), as
@@ -259,9 +192,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("pool"))
       // Note [Hook entry points]: each read gives a new function object; push and compare the
       // same one.
-      .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &pack_def); })
-      .def_property_readonly("unpack",
-                             [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), &unpack_def); })
+      .def_property_readonly("pack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), true); })
+      .def_property_readonly("unpack", [](std::shared_ptr<Packer> p) { return hook_function(std::move(p), false); })
       .def("begin", &Packer::begin)
       // Returns exit_counts(), read after the activation ended.
       .def(
@@ -280,15 +212,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_version", &cuda_runtime_version);
   m.def("synchronize", &synchronize_side_streams, py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "close_hook",
-      [](py::handle fn) {
-        PyObject* self = PyCFunction_Check(fn.ptr()) ? PyCFunction_GET_SELF(fn.ptr()) : nullptr;
-        if (!self || !PyCapsule_IsValid(self, "ckpt_offload.Packer"))
-          throw py::type_error("ckpt_offload: close_hook takes a Packer's pack function");
-        capsule_holder(self)->closed.store(true);
-      },
-      py::arg("pack"), "Makes a Packer's pack function hand tensors back unchanged from now on (see HookHolder).");
+  bind_hooks(m);
   m.def("poll", [] { engine().poll(); });
   m.def("num_keepalives", [] { return engine().num_keepalives(); });
   m.def("profiler_start", &profiler_start);

@@ -124,6 +124,11 @@ PinnedFallbackStats FallbackBackend::stats() const {
   return stats_;
 }
 
+size_t FallbackBackend::segments() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_.segments;
+}
+
 void simulate_pinned_refusal(const std::string& limit) {
   if (!limit.empty() && limit != "vm.max_map_count" && limit != "RLIMIT_MEMLOCK")
     throw std::invalid_argument("ckpt_offload: limit must be 'vm.max_map_count', 'RLIMIT_MEMLOCK' or '', got '" +

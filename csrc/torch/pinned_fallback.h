@@ -25,6 +25,8 @@ class FallbackBackend final : public Backend {
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return pinned_->name(); }
   PinnedFallbackStats stats() const;
+  // stats().segments without copying the reason: what every context exit asks.
+  size_t segments() const;
 
  private:
   std::unique_ptr<Backend> pinned_;
