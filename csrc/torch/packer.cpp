@@ -13,6 +13,7 @@
 
 #include "../core/profiler.h"
 #include "device_memory.h"
+#include "frames.h"
 #include "runtime.h"
 #include "saved_converted.h"
 #include "tensor_layout.h"
@@ -41,6 +42,13 @@ namespace ckpt_offload {
 //    alive anyway. Frozen weights' casts are not cached (made afresh by every op): offloaded.
 namespace {
 
+// An attribute name made once (interned), so that reading it builds no string.
+PyObject* interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);  // leaked on purpose: one per name, for the process
+  if (!s) throw py::error_already_set();
+  return s;
+}
+
 bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass)); }
 
 PyObject* module_class() {
@@ -61,10 +69,9 @@ PyObject* call_impl_code() {
 
 PyObject* dtensor_class();
 
-// Adds the storages of a module's `_parameters` or `_buffers` dict to `into`; true when `target`
-// is among them.
-bool scan_state(PyObject* module, const char* attr, const void* target, std::unordered_set<const void*>& into) {
-  PyObject* dict = PyObject_GetAttrString(module, attr);
+// True when `target` is the storage of a tensor in a module's `_parameters` or `_buffers` dict.
+bool scan_state(PyObject* module, PyObject* attr, PyObject* dtensor, const void* target) {
+  PyObject* dict = PyObject_GetAttr(module, attr);
   if (!dict) {
     PyErr_Clear();
     return false;
@@ -73,10 +80,9 @@ bool scan_state(PyObject* module, const char* attr, const void* target, std::uno
   if (PyDict_Check(dict)) {
     PyObject *key, *value;
     Py_ssize_t pos = 0;
-    while (PyDict_Next(dict, &pos, &key, &value)) {
+    while (!hit && PyDict_Next(dict, &pos, &key, &value)) {
       if (value == Py_None || !THPVariable_Check(value)) continue;
       // A DTensor parameter's storage is its local tensor's (Note [DTensor activations]).
-      PyObject* dtensor = dtensor_class();
       py::object local;
       if (dtensor && Py_TYPE(value) == reinterpret_cast<PyTypeObject*>(dtensor)) {
         local = py::getattr(py::handle(value), "_local_tensor", py::none());
@@ -85,9 +91,7 @@ bool scan_state(PyObject* module, const char* attr, const void* target, std::uno
       }
       const at::Tensor& v = THPVariable_Unpack(value);
       if (!v.has_storage() || v.key_set().has(c10::DispatchKey::Python)) continue;
-      const void* st = v.storage().unsafeGetStorageImpl();
-      into.insert(st);
-      hit = hit || st == target;
+      hit = v.storage().unsafeGetStorageImpl() == target;
     }
   }
   Py_DECREF(dict);
@@ -133,8 +137,10 @@ py::object wrap_saved(SavedTensor saved) {
 }
 
 // How many Python frames leaf_owner looks through: deep enough for nested modules
-// (each adds ~2 frames: _call_impl and forward), bounded so that a deep stack costs little.
+// (each adds ~2 frames: _call_impl and forward), bounded so that a deep stack costs little;
+// and how many running modules it reads at most.
 constexpr int kMaxFrames = 96;
+constexpr int kMaxModules = 48;
 
 // True inside a torch.autocast region (whose weight cache is then live): torch.autocast's
 // __enter__ increments a per-thread nesting count and its __exit__ decrements it, clearing the
@@ -259,7 +265,8 @@ PyObject* dtensor_class() {
   static PyObject* cls = nullptr;  // leaked on purpose, as module_class()
   if (cls) return cls;
   // Not imported: no DTensor can exist, and importing it here would cost every subclass pack.
-  PyObject* mod = PyDict_GetItemString(PyImport_GetModuleDict(), "torch.distributed.tensor");  // borrowed
+  static PyObject* const name = interned("torch.distributed.tensor");
+  PyObject* mod = PyDict_GetItem(PyImport_GetModuleDict(), name);  // borrowed
   if (!mod) return nullptr;
   PyObject* c = PyObject_GetAttrString(mod, "DTensor");
   if (!c) {
@@ -372,51 +379,36 @@ std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::Tens
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (parameter_storages_.count(storage)) return KeepReason::Parameter;
-    if (buffer_storages_.count(storage)) return KeepReason::Buffer;
+    if (std::find(parameter_storages_.begin(), parameter_storages_.end(), storage) != parameter_storages_.end())
+      return KeepReason::Parameter;
+    if (std::find(buffer_storages_.begin(), buffer_storages_.end(), storage) != buffer_storages_.end())
+      return KeepReason::Buffer;
   }
-  // The modules whose forward is running: `self` of the frames on this thread's stack.
-  std::unordered_set<const void*> params, buffers;
-  std::optional<KeepReason> found;
-  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
-  Py_XINCREF(frame);
   PyObject* call_impl = call_impl_code();
-  for (int depth = 0; frame && call_impl && depth < kMaxFrames && !found; ++depth) {
-    // Only _call_impl's frames: reading f_locals snapshots a frame's locals into a dict that
-    // lives as long as the frame, which in a user's function would keep objects it deletes
-    // (`del pool`) alive until it returns. _call_impl's locals (the module, its arguments)
-    // live that long anyway.
-    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
-    const bool module_call = reinterpret_cast<PyObject*>(code) == call_impl;
-    Py_DECREF(code);
-    PyObject* locals = module_call ? PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals") : nullptr;
-    PyObject* self = nullptr;
-    if (locals) {
-      PyObject* name = PyUnicode_FromString("self");
-      self = name ? PyObject_GetItem(locals, name) : nullptr;
-      Py_XDECREF(name);
-      Py_DECREF(locals);
+  if (!call_impl) return std::nullopt;
+  // The modules whose forward is running: `self` of the _call_impl frames on this thread's
+  // stack, innermost first (Note [Reading the Python stack]).
+  PyObject* modules[kMaxModules];
+  const int n = first_locals_of(call_impl, kMaxFrames, modules, kMaxModules);
+  static PyObject* const parameters_attr = interned("_parameters");
+  static PyObject* const buffers_attr = interned("_buffers");
+  PyObject* dtensor = dtensor_class();
+  std::optional<KeepReason> found;
+  PyTypeObject* module_type = reinterpret_cast<PyTypeObject*>(module_class());
+  for (int i = 0; i < n; ++i) {
+    PyObject* self = modules[i];
+    if (!found && PyType_IsSubtype(Py_TYPE(self), module_type)) {
+      if (scan_state(self, parameters_attr, dtensor, storage))
+        found = KeepReason::Parameter;
+      else if (scan_state(self, buffers_attr, dtensor, storage))
+        found = KeepReason::Buffer;
     }
-    PyErr_Clear();
-    if (self) {
-      if (PyObject_IsInstance(self, module_class()) == 1) {
-        if (scan_state(self, "_parameters", storage, params))
-          found = KeepReason::Parameter;
-        else if (scan_state(self, "_buffers", storage, buffers))
-          found = KeepReason::Buffer;
-      }
-      PyErr_Clear();
-      Py_DECREF(self);
-    }
-    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
-    Py_DECREF(frame);
-    frame = back;
+    Py_DECREF(self);
   }
-  Py_XDECREF(frame);
-  if (!params.empty() || !buffers.empty()) {
+  PyErr_Clear();
+  if (found) {  // a buffer (or a swapped-in parameter) is often saved by several ops
     std::lock_guard<std::mutex> lock(mu_);
-    parameter_storages_.insert(params.begin(), params.end());
-    buffer_storages_.insert(buffers.begin(), buffers.end());
+    (*found == KeepReason::Parameter ? parameter_storages_ : buffer_storages_).push_back(storage);
   }
   return found;
 }

@@ -244,9 +244,10 @@ class Packer {
   std::mutex mu_;
   CopyTable<DedupGroup> dedup_;
   CopyTable<ConvertedGroup> converted_;
-  // Storages of parameters and buffers found by leaf_owner this activation (only ever
-  // positives: a miss is looked up again). Cleared at begin / end.
-  std::unordered_set<const void*> parameter_storages_, buffer_storages_;
+  // Storages leaf_owner found to be a running module's parameter or buffer this activation
+  // (only ever positives: a miss is looked up again; a few at most, searched in order). Cleared
+  // at begin / end.
+  std::vector<const void*> parameter_storages_, buffer_storages_;
   std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
   std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued

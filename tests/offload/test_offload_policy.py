@@ -129,6 +129,70 @@ def test_buffer_used_outside_its_modules_forward_is_offloaded(pool):
     assert torch.equal(x.grad, owner.scale[:16])
 
 
+def test_buffer_of_an_ancestor_many_modules_up_is_kept(pool):
+    """The running modules are read from the whole stack (Note [Reading the Python stack]): a
+    buffer of the outermost of 24 nested modules, saved by the innermost one, is kept."""
+
+    class Wrap(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, scale):
+            return self.inner(x, scale)
+
+    class Leafmost(nn.Module):
+        def forward(self, x, scale):
+            return x * scale
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            inner = Leafmost()
+            for _ in range(22):
+                inner = Wrap(inner)
+            self.body = inner
+            self.register_buffer("scale", torch.randn(16, 32))
+
+        def forward(self, x):
+            return self.body(x, self.scale)
+
+    model = Outer()
+    x = torch.randn(16, 32, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        y = model(x).sum()
+    assert nonzero(ctx.stats()["kept_by_reason"]) == {"buffer": 1}
+    y.backward()
+    assert torch.equal(x.grad, model.scale)
+
+
+def test_buffer_found_once_does_not_vouch_for_its_modules_other_buffers(pool):
+    """Only the storage found is remembered for the activation: another buffer of the same
+    module, saved after that module's forward returned, is outside its forward (the documented
+    boundary) and is offloaded, whatever was saved before it."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("a", torch.randn(16, 32))
+            self.register_buffer("b", torch.randn(16, 32))
+
+        def forward(self, x):
+            return x * self.a
+
+    owner = Two()
+    x = torch.randn(16, 32, requires_grad=True)
+    with cpu_offload(pool) as ctx:
+        y = owner(x)  # saves `a`, inside its owner's forward: kept
+        z = y * owner.b  # saves `b`, outside it: offloaded
+        w = z * owner.a  # saves `a` again, outside it too, but found before: kept
+    s = ctx.stats()
+    assert s["kept_by_reason"]["buffer"] == 2
+    assert s["tensors_offloaded"] == 1  # `b`
+    w.sum().backward()
+    assert torch.equal(x.grad, owner.a * owner.b * owner.a)
+
+
 def test_functional_call_swapped_parameters_are_kept(pool):
     """torch.func.functional_call puts plain tensors in the module's ``_parameters``: they are
     still recognised as the module's parameters."""
