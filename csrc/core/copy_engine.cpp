@@ -32,7 +32,7 @@ HostBuffer::~HostBuffer() {
   // during the unwinding of a backward that raised. A free that fails leaks the block.
   try {
     std::vector<std::shared_ptr<Event>> pending = std::move(readers_);
-    if (ready_) pending.push_back(std::move(ready_));
+    if (ready_ && !ready_->settled()) pending.push_back(std::move(ready_));
     pool_->free(block_, std::move(pending));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ckpt_offload: warning: a host-pool block could not be returned (%s); it is leaked\n",
@@ -53,6 +53,8 @@ void HostBuffer::set_ready(std::shared_ptr<Event> ev) {
 }
 
 void HostBuffer::add_reader(std::shared_ptr<Event> ev) {
+  // A copy known to have finished (an inline CPU copy) holds the block back from nothing.
+  if (!ev || ev->settled()) return;
   std::lock_guard<std::mutex> lock(mu_);
   // Drop finished readers so a buffer reloaded many times (retain_graph) stays small.
   // A failed reader stays: HostPool::free then leaks the block. Note [No throw on teardown].
@@ -91,9 +93,27 @@ std::shared_ptr<Event> copy_end(Stream& copy, CopyKind kind, size_t bytes, const
 
 }  // namespace
 
+namespace {
+// A keepalive made already.
+class GivenKeepalive final : public KeepaliveSource {
+ public:
+  explicit GivenKeepalive(std::shared_ptr<void> p) : p_(std::move(p)) {}
+  std::shared_ptr<void> make() const override { return p_; }
+
+ private:
+  std::shared_ptr<void> p_;
+};
+}  // namespace
+
 std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src,
                                                 size_t bytes, Stream& compute, Stream& copy,
                                                 std::shared_ptr<void> keepalive, const CopyTag& tag) {
+  return offload(pool, src, bytes, compute, copy, GivenKeepalive(std::move(keepalive)), tag);
+}
+
+std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src,
+                                                size_t bytes, Stream& compute, Stream& copy,
+                                                const KeepaliveSource& keepalive, const CopyTag& tag) {
   poll();
   HostPool::Block* block = pool->allocate(bytes);
   if (!block) return nullptr;
@@ -108,7 +128,7 @@ std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>&
   buf->set_ready(done);
   // The source's memory may be reused by its allocator as soon as its tensor dies; hold
   // the tensor until the copy has read it.
-  if (!done->query()) hold(copy.id(), done, std::move(keepalive));
+  if (!done->query()) hold(copy.id(), done, keepalive.make());
   return buf;
 }
 

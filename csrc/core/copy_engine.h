@@ -65,6 +65,15 @@ struct BatchSpan {
   size_t bytes;
 };
 
+// Makes what owns a copy's source memory (CopyEngine::offload asks only when it must hold it).
+class KeepaliveSource {
+ public:
+  virtual std::shared_ptr<void> make() const = 0;
+
+ protected:
+  ~KeepaliveSource() = default;
+};
+
 class CopyEngine {
  public:
   CopyEngine() = default;
@@ -77,6 +86,11 @@ class CopyEngine {
   // Returns nullptr when the pool cannot provide the memory (cap reached).
   std::shared_ptr<HostBuffer> offload(const std::shared_ptr<HostPool>& pool, const void* src, size_t bytes,
                                       Stream& compute, Stream& copy, std::shared_ptr<void> keepalive,
+                                      const CopyTag& tag = {});
+  // The same, with the owner of the source made only if the copy is still running once
+  // enqueued (an inline copy has read its source already: nothing to hold, nothing made).
+  std::shared_ptr<HostBuffer> offload(const std::shared_ptr<HostPool>& pool, const void* src, size_t bytes,
+                                      Stream& compute, Stream& copy, const KeepaliveSource& keepalive,
                                       const CopyTag& tag = {});
 
   // Copies `buf` into `dst` (`buf.nbytes()` bytes), whose memory is free for writing in

@@ -37,6 +37,7 @@ class FenceEvent final : public Event {
   // A timed fence notes the steady-clock time at which it was signalled (profiling).
   explicit FenceEvent(bool done = false, bool timed = false);
   bool query() override { return done_.load(std::memory_order_acquire); }
+  bool settled() override { return query(); }
   void synchronize() override;
   int64_t completion_ns() override;
   void signal();

@@ -154,12 +154,10 @@ void TieredBuffer::release_host() {
   read_.reset();
 }
 
-std::shared_ptr<TieredBuffer> offload_tiered(
+std::shared_ptr<TieredBuffer> offload_spilled(
     const std::shared_ptr<HostPool>& pool, uint64_t handle,
     const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into,
     TieredRefusal* why) {
-  *why = TieredRefusal::None;
-  if (auto buf = copy_into(pool)) return std::make_shared<TieredBuffer>(std::move(buf));
   auto target = spill_target(pool.get());
   if (!target) {
     *why = TieredRefusal::PoolFull;

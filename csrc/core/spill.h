@@ -96,11 +96,21 @@ class TieredBuffer {
 
 enum class TieredRefusal { None, PoolFull, DiskFull };
 
-// Offloads through `copy_into` (one of CopyEngine's offloads, given the pool to use): into
-// `pool`, else spilled through the pool's SpillTarget. nullptr and *why when neither has room.
-std::shared_ptr<TieredBuffer> offload_tiered(
+// offload_tiered's path once `pool` has refused: spilled through the pool's SpillTarget.
+std::shared_ptr<TieredBuffer> offload_spilled(
     const std::shared_ptr<HostPool>& pool, uint64_t handle,
     const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into,
     TieredRefusal* why);
+
+// Offloads through `copy_into` (one of CopyEngine's offloads, given the pool to use): into
+// `pool`, else spilled through the pool's SpillTarget. nullptr and *why when neither has room.
+// A template: the usual path (the pool takes it) makes no std::function.
+template <class CopyInto>
+std::shared_ptr<TieredBuffer> offload_tiered(const std::shared_ptr<HostPool>& pool, uint64_t handle,
+                                             const CopyInto& copy_into, TieredRefusal* why) {
+  *why = TieredRefusal::None;
+  if (auto buf = copy_into(pool)) return std::make_shared<TieredBuffer>(std::move(buf));
+  return offload_spilled(pool, handle, copy_into, why);
+}
 
 }  // namespace ckpt_offload

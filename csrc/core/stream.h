@@ -54,6 +54,9 @@ class Event {
   }
   // Non-blocking: true once the marked work has finished.
   virtual bool query() = 0;
+  // True when the work is known to have finished without asking the device (a CPU fence that
+  // fired): what may skip recording the event. False means "ask query()", not "pending".
+  virtual bool settled() { return false; }
   // Blocks the calling host thread until the marked work has finished.
   virtual void synchronize() = 0;
   // When the marked work finished, in nanoseconds of std::chrono::steady_clock, for events

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "../core/copy_engine.h"
 #include "../core/host_pool.h"
 #include "../core/stream.h"
 
@@ -25,6 +26,17 @@ at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArra
 // Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
 // The pointer is the c10::Storage.
 std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes);
+// tracked_keepalive(st, bytes), made by CopyEngine::offload only when the copy still runs once
+// enqueued (an inline copy holds nothing: no allocation, no count).
+class SourceKeepalive final : public KeepaliveSource {
+ public:
+  SourceKeepalive(const c10::Storage& st, int64_t bytes) : st_(st), bytes_(bytes) {}
+  std::shared_ptr<void> make() const override { return tracked_keepalive(st_, bytes_); }
+
+ private:
+  const c10::Storage& st_;
+  int64_t bytes_;
+};
 // Adds a memory sample (pool bytes, device bytes saved/allocated) to the profiler, when on.
 void sample_memory(HostPool* pool, const c10::Device& device);
 // A device block for a batch's gather or scatter. Undefined when device memory is short (or

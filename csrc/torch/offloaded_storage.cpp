@@ -61,7 +61,7 @@ bool OffloadedStorage::absorb_into(const std::shared_ptr<OffloadedStorage>& into
                                    int* pending) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!extendable_locked()) return false;
-  *pieces = std::move(pieces_);
+  pieces->assign(std::make_move_iterator(pieces_.begin()), std::make_move_iterator(pieces_.end()));
   pieces_.clear();
   *pending = pending_;
   pending_ = 0;
@@ -71,7 +71,7 @@ bool OffloadedStorage::absorb_into(const std::shared_ptr<OffloadedStorage>& into
 
 void OffloadedStorage::restore(std::vector<Piece> pieces, int pending) {
   std::lock_guard<std::mutex> lock(mu_);
-  pieces_ = std::move(pieces);
+  pieces_.assign(std::make_move_iterator(pieces.begin()), std::make_move_iterator(pieces.end()));
   pending_ += pending;
   merged_into_.reset();
 }

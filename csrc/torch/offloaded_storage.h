@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
@@ -138,8 +139,9 @@ class OffloadedStorage : public Reloadable {
   std::shared_ptr<Event> reload_pieces_locked(c10::Storage& storage, Stream& compute, Stream& copy,
                                               bool consumer_waits, const CopyTag& tag);
 
-  // A storage of its own (in the pool or spilled), in pieces (Note [One copy per storage]).
-  std::vector<Piece> pieces_;
+  // A storage of its own (in the pool or spilled), in pieces (Note [One copy per storage]);
+  // almost always one, held inline.
+  c10::SmallVector<Piece, 1> pieces_;
   std::shared_ptr<Batch> batch_;  // or a member of a batch
   int64_t lo_ = 0;                // the original storage's byte at pad_
   bool sealed_ = false;           // reloaded or prefetched once: no more pieces

@@ -128,11 +128,18 @@ PyTypeObject* saved_type() {
   return type;
 }
 
-py::object wrap_saved(SavedTensor saved) {
+// The Python object autograd holds, its SavedTensor constructed in place from `args`.
+template <class... Args>
+py::object make_saved(Args&&... args) {
   PyTypeObject* type = saved_type();
   PyObject* obj = type->tp_alloc(type, 0);
   if (!obj) throw py::error_already_set();
-  new (&reinterpret_cast<SavedObject*>(obj)->saved) SavedTensor(std::move(saved));
+  try {
+    new (&reinterpret_cast<SavedObject*>(obj)->saved) SavedTensor(std::forward<Args>(args)...);
+  } catch (...) {
+    type->tp_free(obj);  // nothing constructed to destroy
+    throw;
+  }
   return py::reinterpret_steal<py::object>(obj);
 }
 
@@ -486,7 +493,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   // Parameters, buffers and autocast's cached casts live across the step anyway: not counted
   // as saved activations in the memory timeline.
   const bool lives_anyway = why == KeepReason::Parameter || why == KeepReason::Buffer || why == KeepReason::AutocastCast;
-  SavedTensor saved = SavedTensor::kept(t, std::move(alias), nbytes, lives_anyway ? 0 : nbytes, counters_);
+  py::object saved = make_saved(SavedTensor::KeptTag{}, t, std::move(alias), nbytes, lives_anyway ? 0 : nbytes, counters_);
   if (profiler::enabled()) {
     profiler::KeepRecord k;
     k.reason = keep_reason_name(why);
@@ -499,7 +506,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
     sample_memory(options_.pool.get(), t.device());
   }
   counters_->note_device_peak();
-  return wrap_saved(std::move(saved));
+  return saved;
 }
 
 std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes,
@@ -697,29 +704,28 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
   return nullptr;
 }
 
-std::optional<SavedTensor> Packer::place(const at::Tensor& t, const Span& span, const Span& wide,
-                                         const CurrentStream& current, Placement* how, TieredRefusal* refused) {
+Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current,
+                             Placement* how, TieredRefusal* refused) {
+  Placed p;
   // Note [Selective checkpoint cache mutation]: a tensor SAC caches is copied now, on its own.
   // Only asked when a copy could be late (side stream, batches): a cheap frame test.
   if ((options_.side_stream || options_.batch_below > 0) && sac_cache_pack()) {
-    auto storage = copy_to_host(t, options_.pool, /*side_stream=*/false, counters_, refused, &current, wide.lo,
-                                wide.hi);
-    if (!storage) return std::nullopt;
+    p.storage = copy_to_host(t, options_.pool, /*side_stream=*/false, counters_, refused, &current, wide.lo, wide.hi);
     *how = Placement::Single;
-    return SavedTensor::over(t, std::move(storage), counters_);
+    return p;
   }
   // Exact copies of this storage first: one that holds the span, or those that share its cells.
   std::vector<Touched> touched;
-  if (auto held = find_duplicate(t, span, wide, &touched)) {
+  if ((p.storage = find_duplicate(t, span, wide, &touched))) {
     *how = Placement::Duplicate;
-    return SavedTensor::over(t, std::move(held), counters_);
+    return p;
   }
   if (!touched.empty()) {
-    if (auto joined = join(t, span, wide, touched, current, refused)) {
+    if ((p.storage = join(t, span, wide, touched, current, refused))) {
       *how = Placement::Joined;
-      return SavedTensor::over(t, std::move(joined), counters_);
+      return p;
     }
-    if (*refused != TieredRefusal::None) return std::nullopt;
+    if (*refused != TieredRefusal::None) return p;
   }
   // Note [Low-precision storage]: converted tensors take the single-copy path, and are
   // remembered apart (their host bytes are not the storage's): only a later tensor of exactly
@@ -728,36 +734,33 @@ std::optional<SavedTensor> Packer::place(const at::Tensor& t, const Span& span, 
   if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
     narrow = store_source(t, options_.store_format);
   if (narrow) {
-    if (auto copy = find_converted(t, span)) {
+    if ((p.copy = find_converted(t, span))) {
       *how = Placement::SharedConverted;
-      return SavedTensor::over(t, std::move(copy), counters_);
+      return p;
     }
-    auto copy = convert_to_host(t, *narrow, options_.store_format, options_.pool, options_.side_stream, counters_,
-                                refused, &current, options_.measure_error ? store_errors_.get() : nullptr);
-    if (!copy) return std::nullopt;
-    if (prefetcher_) copy->staged()->set_order(prefetcher_, prefetcher_->add(copy->staged()));
+    p.copy = convert_to_host(t, *narrow, options_.store_format, options_.pool, options_.side_stream, counters_,
+                             refused, &current, options_.measure_error ? store_errors_.get() : nullptr);
+    if (p.copy && prefetcher_) p.copy->staged()->set_order(prefetcher_, prefetcher_->add(p.copy->staged()));
     *how = Placement::Converted;
-    return SavedTensor::over(t, std::move(copy), counters_);
+    return p;
   }
   if (options_.batch_below > 0 && span.bytes() < options_.batch_below) {
     *how = Placement::Batched;
-    return SavedTensor::over(t, batch(t, span, current), counters_);
+    p.storage = batch(t, span, current);
+    return p;
   }
-  auto storage = copy_to_host(t, options_.pool, options_.side_stream, counters_, refused, &current, wide.lo, wide.hi);
-  if (!storage) return std::nullopt;
+  p.storage = copy_to_host(t, options_.pool, options_.side_stream, counters_, refused, &current, wide.lo, wide.hi);
   *how = Placement::Single;
-  SavedTensor saved = SavedTensor::over(t, storage, counters_);
-  // After the link: the prefetcher reads the bytes a saved tensor still has to unpack.
-  if (prefetcher_) storage->set_order(prefetcher_, prefetcher_->add(storage));
-  return saved;
+  p.prefetch = p.storage && prefetcher_;
+  return p;
 }
 
-void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const SavedTensor& saved,
+void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed,
                       Placement how) {
   std::lock_guard<std::mutex> lock(mu_);
   if (how == Placement::Converted) {
     ConvertedGroup g;
-    g.copy = *saved.copy();
+    g.copy = placed.copy;
     g.version = span.version;
     g.lo = span.lo;
     g.hi = span.hi;
@@ -773,7 +776,7 @@ void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, c
   // A batch member's copy is its span, and cannot grow; a copy of its own is the widened span.
   const bool own = how == Placement::Single;
   DedupGroup g;
-  g.offloaded = *saved.storage();
+  g.offloaded = placed.storage;
   g.version = span.version;
   g.lo = own ? wide.lo : span.lo;
   g.hi = own ? wide.hi : span.hi;
@@ -806,8 +809,8 @@ py::object Packer::pack(py::handle obj) {
                      static_cast<int64_t>(t.storage().nbytes()));
   Placement how = Placement::Single;
   TieredRefusal refused = TieredRefusal::None;
-  std::optional<SavedTensor> saved = place(t, span, wide, *current, &how, &refused);
-  if (!saved) return refuse(t, refused, span.bytes());
+  Placed placed = place(t, span, wide, *current, &how, &refused);
+  if (!placed.storage && !placed.copy) return refuse(t, refused, span.bytes());
   const bool shared = how == Placement::Duplicate || how == Placement::Joined || how == Placement::SharedConverted;
   if (shared) {
     counters_->tensors_deduplicated++;
@@ -815,16 +818,21 @@ py::object Packer::pack(py::handle obj) {
   } else {
     counters_->tensors_offloaded++;
     counters_->bytes_offloaded += span.bytes();
-    counters_->bytes_stored += saved->stored_nbytes();
+    counters_->bytes_stored += placed.copy ? placed.copy->stored_nbytes() : span.bytes();
     if (how == Placement::Converted) counters_->tensors_converted++;
-    remember(t, span, wide, *saved, how);
+    remember(t, span, wide, placed, how);
   }
   // A joined copy copied the missing cells; a duplicate copied nothing.
   if (how != Placement::Duplicate && how != Placement::SharedConverted) {
     sample_memory(options_.pool.get(), t.device());
     counters_->note_device_peak();
   }
-  return wrap_saved(std::move(*saved));
+  if (placed.copy) return make_saved(t, std::move(placed.copy), counters_);
+  std::shared_ptr<OffloadedStorage> storage = placed.prefetch ? placed.storage : nullptr;
+  py::object out = make_saved(t, std::move(placed.storage), counters_);
+  // After the link: the prefetcher reads the bytes a saved tensor still has to unpack.
+  if (storage) storage->set_order(prefetcher_, prefetcher_->add(storage));
+  return out;
 }
 
 at::Tensor Packer::unpack(py::handle obj) {

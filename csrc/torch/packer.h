@@ -147,9 +147,16 @@ class Packer {
   // through `refuse` (kept, or PoolFull with on_full="raise"). pack then counts it and
   // remembers a new copy for the tensors after it.
   enum class Placement { Duplicate, Joined, SharedConverted, Converted, Batched, Single };
-  // The saved tensor, or none when a copy was refused (`*refused` says by which tier).
-  std::optional<SavedTensor> place(const at::Tensor& t, const Span& span, const Span& wide,
-                                   const CurrentStream& current, Placement* how, TieredRefusal* refused);
+  // What holds the tensor's bytes: an exact host copy (`storage`) or a narrow one (`copy`);
+  // neither when a copy was refused (`*refused` says by which tier). `prefetch`: a new copy of
+  // its own, to register with the prefetcher once its saved tensor links it.
+  struct Placed {
+    std::shared_ptr<OffloadedStorage> storage;
+    std::shared_ptr<ConvertedCopy> copy;
+    bool prefetch = false;
+  };
+  Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current, Placement* how,
+               TieredRefusal* refused);
   // The exact copy of t's storage (same version) that holds `span`, or null; then `touched`
   // gets the copies whose cells `wide` shares.
   std::shared_ptr<OffloadedStorage> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
@@ -165,8 +172,8 @@ class Packer {
   // The narrow copy of exactly t's span (same storage, first and last byte, dtype, version)
   // made earlier, or null.
   std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
-  // Records the new copy `saved` views, in the table of its kind.
-  void remember(const at::Tensor& t, const Span& span, const Span& wide, const SavedTensor& saved, Placement how);
+  // Records the new copy `placed` holds, in the table of its kind.
+  void remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed, Placement how);
   pybind11::object refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes);
   pybind11::object keep(const at::Tensor& t, KeepReason why, int64_t nbytes);
   // Note [DTensor activations]: a DTensor packed through its local tensor; a null object when

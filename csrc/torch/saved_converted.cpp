@@ -34,7 +34,7 @@ std::shared_ptr<ConvertedCopy> convert_to_host(const at::Tensor& t, lowp::Source
     if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
     errors->add(cls, error);
   }
-  return std::make_shared<ConvertedCopy>(SavedTensor::over(staged, std::move(inner), counters), f, s,
+  return std::make_shared<ConvertedCopy>(SavedTensor(staged, std::move(inner), counters), f, s,
                                          t.scalar_type(), t.device(), lo, n);
 }
 

@@ -18,7 +18,7 @@ std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, i
   CopyRange range(copy_ranges::kOffload, t.device());
   const int64_t bytes = to - from;
   // Hold the storage (not the tensor: no autograd metadata) until the copy has read it.
-  auto keepalive = tracked_keepalive(t.storage(), bytes);
+  const SourceKeepalive keepalive(t.storage(), bytes);
   const char* src = static_cast<const char*>(t.storage().data()) + from;
   CopyTag tag{handle, device_index(t.device()), false, 1};
   TieredRefusal refusal = TieredRefusal::None;
@@ -126,7 +126,7 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
   auto counters = std::make_shared<PackerCounters>();
   auto storage = copy_to_host(t, pool, side_stream, counters, &why);
   if (!storage) throw PoolFull(full_message(why, *pool, t, extent_elements(t) * item));
-  return std::make_shared<SavedTensor>(SavedTensor::over(t, std::move(storage), std::move(counters)));
+  return std::make_shared<SavedTensor>(t, std::move(storage), std::move(counters));
 }
 
 }  // namespace ckpt_offload

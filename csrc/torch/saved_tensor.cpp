@@ -30,8 +30,12 @@ void SavedVersion::check(c10::ScalarType dtype, c10::IntArrayRef sizes, const c1
   throw std::runtime_error(msg.str());
 }
 
-SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters)
-    : version_(t), dtype_(t.scalar_type()), device_(t.device()), counters_(std::move(counters)) {
+SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes)
+    : bytes_(std::move(bytes)),
+      version_(t),
+      dtype_(t.scalar_type()),
+      device_(t.device()),
+      counters_(std::move(counters)) {
   if (!layout) return;
   sizes_ = at::DimVector(t.sizes());
   strides_ = at::DimVector(t.strides());
@@ -39,29 +43,23 @@ SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<Packe
   lo_ = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
 }
 
-SavedTensor SavedTensor::kept(const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
-                              std::shared_ptr<PackerCounters> counters) {
-  SavedTensor saved(t, /*layout=*/false, std::move(counters));
-  saved.bytes_ = Kept{std::move(alias)};
-  saved.nbytes_ = nbytes;
-  if (device_bytes) saved.device_held_.set(device_bytes);
-  return saved;
+SavedTensor::SavedTensor(KeptTag, const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
+                         std::shared_ptr<PackerCounters> counters)
+    : SavedTensor(t, /*layout=*/false, std::move(counters), Kept{std::move(alias)}) {
+  nbytes_ = nbytes;
+  if (device_bytes) device_held_.set(device_bytes);
 }
 
-SavedTensor SavedTensor::over(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage,
-                              std::shared_ptr<PackerCounters> counters) {
-  SavedTensor saved(t, /*layout=*/true, std::move(counters));
-  storage->link();
-  saved.bytes_ = Offloaded{std::move(storage)};
-  return saved;
+SavedTensor::SavedTensor(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage,
+                         std::shared_ptr<PackerCounters> counters)
+    : SavedTensor(t, /*layout=*/true, std::move(counters), Offloaded{std::move(storage)}) {
+  std::get<Offloaded>(bytes_).storage->link();
 }
 
-SavedTensor SavedTensor::over(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
-                              std::shared_ptr<PackerCounters> counters) {
-  SavedTensor saved(t, /*layout=*/true, std::move(counters));
-  copy->link();
-  saved.bytes_ = Converted{std::move(copy)};
-  return saved;
+SavedTensor::SavedTensor(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
+                         std::shared_ptr<PackerCounters> counters)
+    : SavedTensor(t, /*layout=*/true, std::move(counters), Converted{std::move(copy)}) {
+  std::get<Converted>(bytes_).copy->link();
 }
 
 SavedTensor::~SavedTensor() {

@@ -62,16 +62,21 @@ class SavedTensor {
   struct Converted {
     std::shared_ptr<ConvertedCopy> copy;
   };
+  using Bytes = std::variant<Kept, Offloaded, Converted>;
 
   // t kept as `alias`: `nbytes` counted for it, `device_bytes` of them in the memory timeline
   // (0 for a parameter's or buffer's: those live across the step anyway).
-  static SavedTensor kept(const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
-                          std::shared_ptr<PackerCounters> counters);
+  struct KeptTag {};
+  SavedTensor(KeptTag, const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,
+              std::shared_ptr<PackerCounters> counters);
   // t, a view of `storage` / `copy`: one more saved tensor over it to unpack (linked).
-  static SavedTensor over(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage,
-                          std::shared_ptr<PackerCounters> counters);
+  SavedTensor(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage, std::shared_ptr<PackerCounters> counters);
+  SavedTensor(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy, std::shared_ptr<PackerCounters> counters);
+  // The same, by value (the Python object autograd holds constructs its own in place).
   static SavedTensor over(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
-                          std::shared_ptr<PackerCounters> counters);
+                          std::shared_ptr<PackerCounters> counters) {
+    return SavedTensor(t, std::move(copy), std::move(counters));
+  }
 
   SavedTensor(SavedTensor&&) noexcept = default;
   SavedTensor& operator=(SavedTensor&&) = delete;
@@ -101,11 +106,11 @@ class SavedTensor {
  private:
   // t's dtype, device and version; with `layout`, its sizes, strides, first byte and extent
   // (a Kept one rebuilds nothing: its alias has them).
-  SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters);
+  SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes);
   at::Tensor unpack_offloaded(Offloaded& o);  // saved_offloaded.cpp
   at::Tensor unpack_converted(Converted& c);  // saved_converted.cpp
 
-  std::variant<Kept, Offloaded, Converted> bytes_;
+  Bytes bytes_;
   SavedVersion version_;
   c10::ScalarType dtype_ = c10::kFloat;
   c10::Device device_{c10::kCPU};
