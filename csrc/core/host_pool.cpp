@@ -19,7 +19,7 @@ struct HostPool::Block {
   char* ptr;
   BlockAllocator::Range range;  // region = index into segments_; range.size is the block's size
   size_t requested;
-  enum State { Used, Pending } state = Used;
+  enum State { Used, Pending, Recent } state = Used;  // Recent: see Note [Recent blocks]
   Block* prev = nullptr;  // neighbours in the pool's list of live blocks (live_)
   Block* next = nullptr;
 };
@@ -56,6 +56,7 @@ HostPool::~HostPool() {
   // still be running, so wait for them before the memory goes back to the backend.
   std::lock_guard<std::mutex> lock(mu_);
   reclaim_locked(/*wait=*/true);
+  flush_recent_locked();
   std::vector<bool> poisoned(segments_.size(), false);
   for (const Block* b : poisoned_) poisoned[b->range.region] = true;
   for (Block* b = live_; b;) {
@@ -95,6 +96,52 @@ void HostPool::release_block_locked(Block* b) {
   else live_ = b->next;
   if (b->next) b->next->prev = b->prev;
   delete b;
+}
+
+bool HostPool::keep_recent_locked(Block* b) {
+  Recent* list = nullptr;
+  for (Recent& r : recent_)
+    if (r.size == b->range.size) list = &r;
+  if (!list) {
+    if (recent_.size() >= kRecentSizes) return false;
+    recent_.push_back(Recent{b->range.size, {}});
+    list = &recent_.back();
+  }
+  if (list->blocks.size() >= kRecentPerSize) return false;
+  // Off the live list (it is no owner's block), its range still allocated.
+  if (b->prev) b->prev->next = b->next;
+  else live_ = b->next;
+  if (b->next) b->next->prev = b->prev;
+  b->prev = b->next = nullptr;
+  b->state = Block::Recent;
+  list->blocks.push_back(b);
+  recent_bytes_ += b->range.size;
+  return true;
+}
+
+HostPool::Block* HostPool::take_recent_locked(size_t size) {
+  for (Recent& r : recent_) {
+    if (r.size != size || r.blocks.empty()) continue;
+    Block* b = r.blocks.back();
+    r.blocks.pop_back();
+    recent_bytes_ -= size;
+    b->state = Block::Used;
+    b->next = live_;
+    if (live_) live_->prev = b;
+    live_ = b;
+    return b;
+  }
+  return nullptr;
+}
+
+void HostPool::flush_recent_locked() {
+  for (Recent& r : recent_)
+    for (Block* b : r.blocks) {
+      alloc_.free(b->range);
+      delete b;
+    }
+  recent_.clear();
+  recent_bytes_ = 0;
 }
 
 void HostPool::reclaim_locked(bool wait) {
@@ -170,8 +217,16 @@ HostPool::Block* HostPool::allocate_locked(size_t bytes) {
   // would otherwise round to 0 and be "served" by a zero-byte split of some free block.
   if (bytes > std::numeric_limits<size_t>::max() / 2) return nullptr;
   const size_t need = round_up(std::max<size_t>(bytes, 1), kAlignment);
-  // The smallest free range that fits, split to `need` (the rest stays free); else what the
-  // finished copies give back; else a new segment.
+  // A recent block of exactly this size (Note [Recent blocks]); else the smallest free range
+  // that fits, split to `need` (the rest stays free); else what the finished copies give back;
+  // else a new segment.
+  if (recent_bytes_) {
+    if (Block* b = take_recent_locked(need)) {
+      b->requested = bytes;
+      return b;
+    }
+    flush_recent_locked();
+  }
   BlockAllocator::Range r;
   bool found = alloc_.allocate(need, &r);
   if (!found) {
@@ -232,7 +287,7 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   if (failed) {
     poison_locked(b);
   } else if (pending.empty()) {
-    release_block_locked(b);
+    if (!keep_recent_locked(b)) release_block_locked(b);
   } else {
     b->state = Block::Pending;
     stats_.bytes_pending += b->range.size;
@@ -249,6 +304,7 @@ void HostPool::release_segment(void* base, size_t size) {
 
 size_t HostPool::retire_free_segments_locked() {
   reclaim_locked(/*wait=*/false);
+  flush_recent_locked();
   size_t moved = 0;
   for (size_t i = 0; i < segments_.size(); ++i) {
     Segment& s = segments_[i];
@@ -349,6 +405,17 @@ void HostPool::set_max_bytes(size_t max_bytes) {
 bool HostPool::check_invariants(std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
   std::ostringstream err;
+  // The recent blocks first: each an allocated range, in the list of its size, counted once.
+  size_t recent = 0;
+  std::set<std::pair<uint32_t, uint64_t>> recent_ranges;
+  for (const Recent& rl : recent_)
+    for (const Block* b : rl.blocks) {
+      if (b->state != Block::Recent || b->range.size != rl.size) err << "recent block in the wrong list; ";
+      if (!alloc_.is_allocated(b->range)) err << "recent block's range is free in the allocator; ";
+      if (!recent_ranges.insert({b->range.region, b->range.offset}).second) err << "recent block listed twice; ";
+      recent += b->range.size;
+    }
+  if (recent != recent_bytes_) err << "recent bytes mismatch; ";
   // The ranges tile every segment, and the free ones are coalesced and indexed.
   std::string alloc_why;
   if (!alloc_.check_invariants(&alloc_why)) err << alloc_why;
@@ -374,7 +441,8 @@ bool HostPool::check_invariants(std::string* why) {
     if (b->ptr != s.base + r.offset || r.offset + r.size > s.size) err << "block outside its segment; ";
     if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err << "misaligned block; ";
     if (!alloc_.is_allocated(r)) err << "live block's range is free in the allocator; ";
-    if (!seen.insert({r.region, r.offset}).second) err << "two live blocks share a range; ";
+    if (!seen.insert({r.region, r.offset}).second || recent_ranges.count({r.region, r.offset}))
+      err << "two live blocks share a range; ";
     if (b->state == Block::Used) {
       used += r.size;
       requested += b->requested;
@@ -386,7 +454,7 @@ bool HostPool::check_invariants(std::string* why) {
   }
   if (live_ && live_->prev) err << "broken links between live blocks; ";
   // With the ranges tiling the segments, the live blocks are exactly the allocated ranges.
-  if (alloc_.free_bytes() + used + pending != reserved) err << "blocks do not cover the segments; ";
+  if (alloc_.free_bytes() + used + pending + recent != reserved) err << "blocks do not cover the segments; ";
   if (pending_blocks != pending_.size() + poisoned_.size()) err << "pending blocks missing from the pending lists; ";
   if (reserved != stats_.bytes_reserved) err << "bytes_reserved mismatch; ";
   if (segments != stats_.num_segments) err << "num_segments mismatch; ";

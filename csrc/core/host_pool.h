@@ -5,6 +5,17 @@
 // region per segment, a block's offset is its distance from the segment's base). A freed block is reused only after every
 // copy that touched it has finished: the events are queried (never waited on) at each
 // allocation, per block, so one slow copy does not hold back the reuse of the others.
+//
+// Note [Recent blocks]
+// Training frees and allocates blocks of the same few sizes every step, and each trip through
+// the allocator's trees costs more than everything else an offload of a small tensor does. So
+// a block freed with no copy pending waits, still allocated in the allocator, in a short list
+// of recent blocks of its exact size, and an allocation of that size takes the newest of them
+// first: an exact fit, as best fit would choose (only among equal fits is the order newest
+// first instead of lowest address). Any allocation of a size with no recent block gives all of
+// them back to the allocator (coalesced) before it looks for a best fit, and so do growing,
+// retiring segments and the checks: the allocator never grows the pool or refuses a request
+// while a recent block could serve it.
 // Requests are rounded to kAlignment only, never to a power of two, so the bytes reserved
 // stay close to the bytes asked for.
 #pragma once
@@ -143,6 +154,12 @@ class HostPool {
   void reclaim_locked(bool wait);
   // Gives a Used or Pending block's range back to the allocator and deletes the block.
   void release_block_locked(Block* block);
+  // Note [Recent blocks]: a freed block with nothing pending kept for the next allocation of
+  // its size (false: no room in the lists); the one to reuse for `size`, or null; all of them
+  // given back to the allocator.
+  bool keep_recent_locked(Block* block);
+  Block* take_recent_locked(size_t size);
+  void flush_recent_locked();
   // Moves every wholly free segment to retired_; returns the bytes moved.
   size_t retire_free_segments_locked();
   void release_segment(void* base, size_t size);
@@ -165,6 +182,14 @@ class HostPool {
   std::vector<Block*> poisoned_;
   void poison_locked(Block* block);
   std::vector<Segment> segments_;  // index = alloc_'s region
+  // Note [Recent blocks]: by exact size, newest last; their ranges stay allocated in alloc_.
+  struct Recent {
+    size_t size = 0;
+    std::vector<Block*> blocks;
+  };
+  static constexpr size_t kRecentSizes = 16, kRecentPerSize = 16;
+  std::vector<Recent> recent_;
+  size_t recent_bytes_ = 0;
   std::vector<std::pair<void*, size_t>> retired_;  // released by release_retired(), outside mu_
   PoolStats stats_;
 };

@@ -701,6 +701,83 @@ void test_reserve() {
 
 }  // namespace
 
+// Note [Recent blocks]: a block freed with nothing pending is what the next allocation of its
+// exact size gets; any other size gives the recent blocks back to the allocator first, so best
+// fit, coalescing, the cap and empty_cache see them as free space.
+void test_recent_blocks() {
+  const size_t seg = 256 * KiB;
+  {
+    auto pool = make_pool(0, seg);
+    Block* guard = pool->allocate(512);
+    Block* a = pool->allocate(4 * KiB);
+    Block* b = pool->allocate(4 * KiB);
+    const uintptr_t aa = addr(a), ab = addr(b);
+    pool->free(a);
+    pool->free(b);
+    CHECK_POOL(*pool);  // recent blocks: allocated ranges, off the live list, counted once
+    CHECK_EQ(pool->stats().bytes_in_use, 512u);
+    Block* c = pool->allocate(4 * KiB);  // the newest recent block of that size
+    CHECK_EQ(addr(c), ab);
+    Block* d = pool->allocate(3 * KiB + 100);  // rounds to 3.5 KiB: another size -> best fit over all
+    CHECK_EQ(addr(d), aa);                     // a's 4 KiB hole, coalesced back into the allocator
+    CHECK_POOL(*pool);
+    pool->free(c);
+    pool->free(d);
+    pool->free(guard);
+    Block* whole = pool->allocate(seg);  // every recent block coalesced: the whole segment again
+    CHECK(whole != nullptr);
+    CHECK_EQ(pool->stats().num_backend_allocs, 1u);
+    pool->free(whole);
+    CHECK_POOL(*pool);
+    CHECK_EQ(pool->empty_cache(), seg);  // a segment holding only recent blocks is given back
+    CHECK_EQ(pool->stats().bytes_reserved, 0u);
+  }
+  {
+    // At the cap, a request of another size is served from the recent blocks' space, never
+    // refused while they could serve it.
+    auto pool = make_pool(/*max_bytes=*/seg, seg);
+    std::vector<Block*> blocks;
+    for (size_t i = 0; i < seg / (8 * KiB); ++i) blocks.push_back(pool->allocate(8 * KiB));
+    for (Block* x : blocks) CHECK(x != nullptr);
+    CHECK(pool->allocate(512) == nullptr);  // full
+    for (Block* x : blocks) pool->free(x);
+    Block* big = pool->allocate(seg);
+    CHECK(big != nullptr);
+    CHECK_EQ(pool->stats().num_backend_allocs, 1u);
+    pool->free(big);
+    CHECK_POOL(*pool);
+  }
+  {
+    // A block freed while a copy may still touch it is pending, never recent.
+    auto pool = make_pool(0, seg);
+    Block* a = pool->allocate(4 * KiB);
+    auto ev = fence();
+    pool->free(a, {ev});
+    CHECK_EQ(pool->stats().bytes_pending, 4 * KiB);
+    Block* b = pool->allocate(4 * KiB);
+    CHECK_MSG(!overlaps(a, b), "a block whose copy has not finished was handed out");
+    ev->signal();
+    pool->free(b);
+    CHECK_POOL(*pool);
+  }
+  {
+    // Many sizes and many blocks of one size: the lists are bounded, the rest goes straight back.
+    auto pool = make_pool(0, 4 * MiB);
+    std::vector<Block*> blocks;
+    for (size_t i = 1; i <= 30; ++i)  // more sizes than the lists hold
+      for (int k = 0; k < 8; ++k) blocks.push_back(pool->allocate(i * 512));
+    for (int k = 0; k < 24; ++k) blocks.push_back(pool->allocate(16 * KiB));  // more than one list holds
+    for (Block* x : blocks) pool->free(x);
+    CHECK_POOL(*pool);
+    CHECK_EQ(pool->stats().bytes_in_use, 0u);
+    Block* whole = pool->allocate(4 * MiB);
+    CHECK(whole != nullptr);
+    CHECK_EQ(pool->stats().num_backend_allocs, 1u);
+    pool->free(whole);
+    CHECK_POOL(*pool);
+  }
+}
+
 int main() {
   check::run("split_and_coalesce", test_split_and_coalesce);
   check::run("alignment", test_alignment);
@@ -716,6 +793,7 @@ int main() {
   check::run("synchronize_does_not_block_others", test_synchronize_does_not_block_others);
   check::run("destroy_with_pending", test_destroy_with_pending);
   check::run("reserve", test_reserve);
+  check::run("recent_blocks", test_recent_blocks);
   std::printf("all HostPool tests passed\n");
   return 0;
 }
