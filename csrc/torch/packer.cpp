@@ -1,5 +1,6 @@
 #include "packer.h"
 
+#include <ATen/SequenceNumber.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -475,17 +476,39 @@ void Packer::end(bool keep_dedup) {
   if (flush_error) std::rethrow_exception(flush_error);
 }
 
+// Note [Kept as it is]
+// A kept tensor is held through a detached alias (a TensorImpl of its own, and at unpack a
+// Python object of its own) so that an output saved by its own node (relu's, tanh's) forms no
+// reference cycle with that node, which would leak the graph when it is dropped without
+// backward. A parameter, a buffer, a view of one (nn.Linear saves weight.t()) or autocast's
+// cached cast of one is held as it is instead, and unpack hands back its own Python object:
+// such a tensor is a leaf, or its grad_fn is the view (or cast) made before the saving node,
+// never that node. Not "never" by construction -- an autograd.Function may return a view of a
+// weight as its own output and save it -- so a tensor whose grad_fn is the newest node of this
+// thread (the saving node, when it is an output) still gets the alias. The version check is
+// ours either way (SavedVersion).
+static bool held_as_it_is(const at::Tensor& t, KeepReason why) {
+  if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) return false;
+  const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(t);
+  const torch::autograd::Node* fn = meta ? meta->grad_fn_.get() : nullptr;  // the field: no view regeneration
+  if (!fn) return true;
+  const uint64_t next = at::sequence_number::peek();
+  return next > 0 && fn->sequence_nr() < next - 1;
+}
+
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   counters_->kept_tensors[static_cast<int>(why)]++;
   counters_->kept_bytes[static_cast<int>(why)] += nbytes;
   // A detached alias: same storage and version counter, but no grad_fn, so an output saved
   // by its own node does not form a reference cycle that would leak the graph. For a plain
   // strided tensor made directly (what the detach op does, without its dispatch); subclasses
-  // and other layouts go through their own detach.
+  // and other layouts go through their own detach. Some are held as they are (Note [Kept as it is]).
   at::Tensor alias;
   if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData ||
       t.key_set().has(c10::DispatchKey::Python)) {
     alias = t.detach();
+  } else if (held_as_it_is(t, why)) {
+    alias = t;
   } else {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
     alias = at::Tensor(impl->shallow_copy_and_detach(impl->version_counter(), impl->allow_tensor_metadata_change()));

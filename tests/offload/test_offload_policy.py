@@ -429,6 +429,62 @@ def test_no_reference_cycle_through_saved_outputs(pool, min_bytes):
     assert pool.stats()["bytes_in_use"] == 0
 
 
+class SavesViewOfWeight(torch.autograd.Function):
+    """Returns a view of its (parameter) input as its own output and saves that output: the
+    saved tensor is kept as a parameter's view, yet its grad_fn is the saving node."""
+
+    @staticmethod
+    def forward(ctx, w):
+        out = w.view(-1)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return (grad * out).view(16, 16)
+
+
+def test_parameter_view_saved_as_its_own_output_forms_no_cycle(pool):
+    """Note [Kept as it is]: parameters and their views are held as they are, except one whose
+    grad_fn is the node saving it, which gets a detached alias: no cycle, the graph goes."""
+    import weakref
+
+    w = nn.Parameter(torch.randn(16, 16))
+    with cpu_offload(pool) as ctx:
+        y = SavesViewOfWeight.apply(w)
+    assert nonzero(ctx.stats()["kept_by_reason"]) == {"parameter": 1}
+    node = y.grad_fn
+    node.marker = Marker()
+    ref = weakref.ref(node.marker)
+    del y, node
+    gc.collect()
+    assert ref() is None, "the graph outlived its last reference"
+
+
+def test_kept_parameter_view_gradients_and_inplace_check(pool):
+    """A parameter's view held as it is gives the gradients it gives without ckpt_offload, and a
+    write to the parameter after the save still makes backward raise."""
+    lin = nn.Linear(16, 16)
+    ref_lin = nn.Linear(16, 16)
+    ref_lin.load_state_dict(lin.state_dict())
+    x = torch.randn(4, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with cpu_offload(pool) as ctx:
+        y = torch.tanh(lin(x)).sum()
+    assert ctx.stats()["kept_by_reason"]["parameter"] == 1  # weight.t()
+    y.backward()
+    torch.tanh(ref_lin(x2)).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(lin.weight.grad, ref_lin.weight.grad)
+    with cpu_offload(pool):
+        z = torch.tanh(lin(x)).sum()
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
 def test_context_cannot_be_entered_twice_at_once(pool):
     ctx = cpu_offload(pool)
     with ctx:
