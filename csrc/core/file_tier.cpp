@@ -230,6 +230,8 @@ const FileTierOptions& FileTier::options() const { return core_->options; }
 
 bool FileTier::forked() const { return core_->forked(); }
 
+void FileTier::check_process(const char* what) const { core_->check_process(what); }
+
 std::vector<FileTier::FileInfo> FileTier::files() {
   std::lock_guard<std::mutex> lock(core_->mu);
   std::vector<FileInfo> out;

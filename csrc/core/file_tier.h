@@ -142,6 +142,9 @@ class FileTier : public std::enable_shared_from_this<FileTier> {
   const FileTierOptions& options() const;
   // True in a fork child of the process that made the tier (Note [Fork]).
   bool forked() const;
+  // Raises FileTierError, naming `what` and the fix, in a fork child of the process that made
+  // the tier (Note [Fork]); nothing otherwise.
+  void check_process(const char* what) const;
 
   struct FileInfo {
     int fd;

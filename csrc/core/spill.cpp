@@ -2,6 +2,7 @@
 
 #include <new>
 #include <unordered_map>
+#include <vector>
 
 #include "profiler.h"
 
@@ -89,6 +90,17 @@ void attach_spill(const std::shared_ptr<HostPool>& pool, std::shared_ptr<SpillTa
   }
 }
 
+void synchronize_spill_targets() {
+  std::vector<std::shared_ptr<SpillTarget>> targets;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (auto& e : r.entries)
+      if (auto t = e.second.target.lock()) targets.push_back(std::move(t));
+  }
+  for (auto& t : targets) t->tier()->synchronize();
+}
+
 std::shared_ptr<SpillTarget> spill_target(const HostPool* pool) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
@@ -163,6 +175,10 @@ std::shared_ptr<TieredBuffer> offload_spilled(
     *why = TieredRefusal::PoolFull;
     return nullptr;
   }
+  // Note [Fork] (csrc/torch/runtime.cpp): in a fork child the tier refuses every write, and its
+  // staging pool may be locked for good -- by one of the parent's I/O threads, freeing a
+  // written block as the fork happened, which does not exist here. So refuse before touching it.
+  target->tier()->check_process("a spill write");
   target->throttle();
   auto staged = copy_into(target->staging());
   if (!staged) {

@@ -58,6 +58,9 @@ class SpillTarget : public std::enable_shared_from_this<SpillTarget> {
 // spilled block holds the target it went through, so blocks still on disk outlive both.
 void attach_spill(const std::shared_ptr<HostPool>& pool, std::shared_ptr<SpillTarget> target);
 std::shared_ptr<SpillTarget> spill_target(const HostPool* pool);
+// Waits until the disk tier of every attached target has no read or write queued or running
+// (what a fork needs: Note [Fork], csrc/torch/runtime.cpp).
+void synchronize_spill_targets();
 
 // The host copy of one offloaded block: a pool block, or a range of a spill file that is read
 // back into a host block on demand.

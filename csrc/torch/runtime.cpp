@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "../core/cpu_stream.h"
+#include "../core/spill.h"
 #include "pinned_fallback.h"
 #include "device_runtime.h"
 
@@ -44,7 +45,9 @@ struct CpuStreams {
 // multiprocessing pools fork. So, with pthread_atfork:
 //  - before the fork, in the parent, every copy already queued on the CPU streams is run to
 //    its end (drain), so that every fence the child inherits has fired and every host block
-//    holds its bytes; the lock that guards the streams is held across the fork, so that no
+//    holds its bytes, and so is every read and write queued on a disk tier (whose I/O threads
+//    take pool locks: one held by a thread that does not exist in the child is never
+//    released there); the lock that guards the streams is held across the fork, so that no
 //    other thread of the parent is halfway through making them;
 //  - in the child, the handler only bumps a counter (what runs between fork and exec must stay
 //    simple); the next use of the streams makes fresh ones, with fresh worker threads. The old
@@ -68,6 +71,9 @@ std::atomic<CpuStreams*> g_streams{nullptr};
 void before_fork() {
   g_streams_mu.lock();
   if (CpuStreams* s = g_streams.load(std::memory_order_acquire)) s->drain();
+  // The disk tiers' I/O threads free each written staging block under its pool's lock: one
+  // caught there by the fork would leave that lock held for good in the child.
+  synchronize_spill_targets();
 }
 
 void after_fork_in_parent() { g_streams_mu.unlock(); }

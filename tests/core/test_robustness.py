@@ -251,6 +251,28 @@ def test_forked_child_gets_a_clear_error_from_the_parents_disk_tier(tmp_path):
     y.sum().backward()
 
 
+def _disk_writes_done_in_child(pool, expected_spilled):
+    s = pool.stats()["disk"]  # the tier as the fork left it, read without waiting for anything
+    assert s["blocks_spilled"] == expected_spilled
+    assert s["blocks_written"] == s["blocks_spilled"], s
+    pool.synchronize()
+
+
+def test_fork_waits_for_the_disk_tiers_writes(tmp_path):
+    """Note [Fork]: the disk tier's I/O threads free each written staging block under the
+    staging pool's lock, and do not exist in a fork child: a fork while a write was running left
+    that lock held there for good (the child hung in pool.synchronize()). Forking now waits for
+    every queued read and write first, so the child sees them all done."""
+    pool = co.HostPool(pinned=False, max_bytes=1 << 20, spill_dir=str(tmp_path))
+    x = torch.randn(1024, 1024, requires_grad=True)  # 4 MiB saves: most of them spill
+    with co.offload(pool=pool, **CPU):
+        y = x.exp().sin().exp()
+    spilled = pool.stats()["disk"]["blocks_spilled"]
+    assert spilled >= 2
+    run_forked(_disk_writes_done_in_child, pool, spilled, timeout=60)  # forks at once, writes in flight
+    y.sum().backward()
+
+
 # --- caps below the smallest block are refused -------------------------------------------------
 
 
