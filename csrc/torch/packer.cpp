@@ -532,18 +532,54 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   return saved;
 }
 
+// A plain dense tensor of torch.Tensor's own class (not a Parameter, which THPVariable_CheckExact
+// also accepts, nor any other subclass): none of the keys that make a tensor's
+// storage not its data (wrappers, __torch_dispatch__ subclasses, functionalization) or its
+// bytes not its values (conjugate / negative views, ZeroTensors, nested, quantized), strided.
+// What classify tells in one key-set test before it looks at anything else.
+static bool plain_dense(PyObject* o, const c10::TensorImpl& impl) {
+  static const c10::DispatchKeySet unusual({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                            c10::DispatchKey::Functionalize, c10::DispatchKey::Python,
+                                            c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Conjugate,
+                                            c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor,
+                                            c10::DispatchKey::NestedTensor, c10::DispatchKey::Quantized,
+                                            c10::DispatchKey::Sparse, c10::DispatchKey::SparseCsr});
+  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && !impl.key_set().has_any(unusual) &&
+         impl.layout() == c10::kStrided &&
+         !impl.is_mkldnn() && !impl.is_meta();
+}
+
 std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes,
                                            std::optional<CurrentStream>* current) {
-  const int64_t itemsize = static_cast<int64_t>(t.dtype().itemsize());
-  *keep_bytes = t.numel() * itemsize;
-  if (is_parameter_object(o)) return KeepReason::Parameter;
-  if (!THPVariable_CheckExact(o) || wrapped_tensor(t)) return KeepReason::Subclass;
-  if (unsupported_layout(t)) return KeepReason::Layout;
-  if (without_data(t)) {  // Note [Tensors without data]: nothing to copy, nothing held
-    *keep_bytes = 0;
-    return KeepReason::NoData;
+  const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
+  const int64_t itemsize = static_cast<int64_t>(impl.dtype().itemsize());
+  *keep_bytes = impl.numel() * itemsize;
+  int64_t extent = 0;  // elements of its storage it reaches (extent_elements)
+  if (plain_dense(o, impl)) {
+    // The usual case, with what the checks below would conclude for it: no parameter object,
+    // no subclass, a supported layout; whether it has data is the span test here.
+    if (impl.numel() > 0) {
+      const c10::IntArrayRef sizes = impl.sizes(), strides = impl.strides();
+      extent = 1;
+      for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+    }
+    if (!impl.has_storage() || (extent > 0 && (impl.storage().data() == nullptr ||
+                                               static_cast<size_t>((impl.storage_offset() + extent) * itemsize) >
+                                                   impl.storage().nbytes()))) {
+      *keep_bytes = 0;  // Note [Tensors without data]
+      return KeepReason::NoData;
+    }
+  } else {
+    if (is_parameter_object(o)) return KeepReason::Parameter;
+    if (!THPVariable_CheckExact(o) || wrapped_tensor(t)) return KeepReason::Subclass;
+    if (unsupported_layout(t)) return KeepReason::Layout;
+    if (without_data(t)) {  // Note [Tensors without data]: nothing to copy, nothing held
+      *keep_bytes = 0;
+      return KeepReason::NoData;
+    }
+    extent = extent_elements(t);
   }
-  const c10::Device device = t.device();
+  const c10::Device device = impl.device();
   const bool device_ok = (device.is_cpu() && options_.offload_cpu) || (device.is_cuda() && options_.offload_cuda);
   if (!device_ok) return KeepReason::Device;
   // Under CUDA graph capture events cannot be queried and the pool's addresses would be baked
@@ -552,28 +588,28 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   if ((*current)->capturing()) return KeepReason::GraphCapture;
 
   // Note [Parameters and buffers]. An activation (the root of its views has a grad_fn) costs
-  // one flag test here, or two under autocast.
+  // one flag test here; under autocast a cast of a parameter is a low-precision float.
   const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
   if (root.is_leaf()) {
     if (!t_local_of_activation)
       if (auto why = leaf_owner(t, root)) return why;
-  } else if (autocast_region_active() && is_autocast_weight_cast(root)) {
+  } else if (c10::isReducedFloatingType(root.scalar_type()) && autocast_region_active() &&
+             is_autocast_weight_cast(root)) {
     return KeepReason::AutocastCast;
   }
 
-  const int64_t extent = extent_elements(t);
   if (extent == 0) {
     *keep_bytes = 0;
     return KeepReason::TooSmall;
   }
   span->itemsize = itemsize;
-  span->lo = t.storage_offset() * itemsize;
+  span->lo = impl.storage_offset() * itemsize;
   span->hi = span->lo + extent * itemsize;
   if (span->bytes() < options_.min_bytes) {
     *keep_bytes = span->bytes();
     return KeepReason::TooSmall;
   }
-  const auto& vc = t.unsafeGetTensorImpl()->version_counter();
+  const auto& vc = impl.version_counter();
   span->version = vc.enabled() ? vc.current_version() : 0;
   return std::nullopt;
 }
