@@ -532,40 +532,19 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   return saved;
 }
 
-// A plain dense tensor of torch.Tensor's own class (not a Parameter, which THPVariable_CheckExact
-// also accepts, nor any other subclass): none of the keys that make a tensor's
-// storage not its data (wrappers, __torch_dispatch__ subclasses, functionalization) or its
-// bytes not its values (conjugate / negative views, ZeroTensors, nested, quantized), strided.
-// What classify tells in one key-set test before it looks at anything else.
-static bool plain_dense(PyObject* o, const c10::TensorImpl& impl) {
-  static const c10::DispatchKeySet unusual({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-                                            c10::DispatchKey::Functionalize, c10::DispatchKey::Python,
-                                            c10::DispatchKey::BatchedNestedTensor, c10::DispatchKey::Conjugate,
-                                            c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor,
-                                            c10::DispatchKey::NestedTensor, c10::DispatchKey::Quantized,
-                                            c10::DispatchKey::Sparse, c10::DispatchKey::SparseCsr});
-  return Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && !impl.key_set().has_any(unusual) &&
-         impl.layout() == c10::kStrided &&
-         !impl.is_mkldnn() && !impl.is_meta();
-}
-
 std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Span* span, int64_t* keep_bytes,
                                            std::optional<CurrentStream>* current) {
   const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
   const int64_t itemsize = static_cast<int64_t>(impl.dtype().itemsize());
   *keep_bytes = impl.numel() * itemsize;
   int64_t extent = 0;  // elements of its storage it reaches (extent_elements)
-  if (plain_dense(o, impl)) {
-    // The usual case, with what the checks below would conclude for it: no parameter object,
-    // no subclass, a supported layout; whether it has data is the span test here.
-    if (impl.numel() > 0) {
-      const c10::IntArrayRef sizes = impl.sizes(), strides = impl.strides();
-      extent = 1;
-      for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
-    }
-    if (!impl.has_storage() || (extent > 0 && (impl.storage().data() == nullptr ||
-                                               static_cast<size_t>((impl.storage_offset() + extent) * itemsize) >
-                                                   impl.storage().nbytes()))) {
+  // The usual case first: torch.Tensor's own class (not a Parameter, which THPVariable_CheckExact
+  // also accepts, nor any other subclass), plainly strided. For it the checks below conclude "no
+  // parameter object, no subclass, a supported layout, not a ZeroTensor"; what is left of
+  // without_data is the storage test.
+  if (Py_TYPE(o) == reinterpret_cast<PyTypeObject*>(THPVariableClass) && plain_strided(impl)) {
+    extent = extent_elements(impl);
+    if (storage_lacks_span(impl, extent)) {
       *keep_bytes = 0;  // Note [Tensors without data]
       return KeepReason::NoData;
     }

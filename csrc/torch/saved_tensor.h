@@ -72,11 +72,6 @@ class SavedTensor {
   // t, a view of `storage` / `copy`: one more saved tensor over it to unpack (linked).
   SavedTensor(const at::Tensor& t, std::shared_ptr<OffloadedStorage> storage, std::shared_ptr<PackerCounters> counters);
   SavedTensor(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy, std::shared_ptr<PackerCounters> counters);
-  // The same, by value (the Python object autograd holds constructs its own in place).
-  static SavedTensor over(const at::Tensor& t, std::shared_ptr<ConvertedCopy> copy,
-                          std::shared_ptr<PackerCounters> counters) {
-    return SavedTensor(t, std::move(copy), std::move(counters));
-  }
 
   SavedTensor(SavedTensor&&) noexcept = default;
   SavedTensor& operator=(SavedTensor&&) = delete;

@@ -42,31 +42,12 @@ bool unsupported_layout(const at::Tensor& t) {
 // at all is the same to a copy. Copying any of them reads address 0 (or freed memory), so
 // they are kept as they are (KeepReason::NoData) and offload_tensor refuses them.
 bool without_data(const at::Tensor& t) {
-  if (t._is_zerotensor() || !t.has_storage()) return true;
-  if (t.numel() == 0) return false;  // nothing to read: an empty tensor may have a null pointer
-  const c10::Storage& st = t.storage();
-  return st.data() == nullptr ||
-         static_cast<size_t>((t.storage_offset() + extent_elements(t)) * static_cast<int64_t>(t.dtype().itemsize())) >
-             st.nbytes();
+  return t._is_zerotensor() || storage_lacks_span(*t.unsafeGetTensorImpl(), extent_elements(t));
 }
 
-// Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
-// storage that is not theirs to copy.
-bool wrapped_tensor(const at::Tensor& t) {
-  static const c10::DispatchKeySet wrappers({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
-                                             c10::DispatchKey::Functionalize, c10::DispatchKey::Python,
-                                             c10::DispatchKey::BatchedNestedTensor});
-  return t.key_set().has_any(wrappers);
-}
+bool wrapped_tensor(const at::Tensor& t) { return t.key_set().has_any(wrapper_keys()); }
 
-// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
-// reaches only its source's elements, so it does not grow on the host.
-int64_t extent_elements(const at::Tensor& t) {
-  if (t.numel() == 0) return 0;
-  int64_t extent = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
-  return extent;
-}
+int64_t extent_elements(const at::Tensor& t) { return extent_elements(*t.unsafeGetTensorImpl()); }
 
 
 int device_index(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }

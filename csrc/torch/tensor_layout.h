@@ -23,6 +23,39 @@ bool wrapped_tensor(const at::Tensor& t);
 // Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
 // reaches only its source's elements, so it does not grow on the host.
 int64_t extent_elements(const at::Tensor& t);
+
+// The three below are what Packer::classify asks of every saved tensor, inline here.
+inline const c10::DispatchKeySet& wrapper_keys() {  // wrapped_tensor's
+  static const c10::DispatchKeySet keys({c10::DispatchKey::FuncTorchBatched, c10::DispatchKey::FuncTorchGradWrapper,
+                                         c10::DispatchKey::Functionalize, c10::DispatchKey::Python,
+                                         c10::DispatchKey::BatchedNestedTensor});
+  return keys;
+}
+// Neither wrapped_tensor, nor unsupported_layout, nor a ZeroTensor, told in one key-set test.
+inline bool plain_strided(const c10::TensorImpl& t) {
+  static const c10::DispatchKeySet unusual =
+      wrapper_keys() | c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
+                                            c10::DispatchKey::ZeroTensor, c10::DispatchKey::NestedTensor,
+                                            c10::DispatchKey::Quantized, c10::DispatchKey::Sparse,
+                                            c10::DispatchKey::SparseCsr});
+  return !t.key_set().has_any(unusual) && t.layout() == c10::kStrided && !t.is_mkldnn() && !t.is_meta();
+}
+inline int64_t extent_elements(const c10::TensorImpl& t) {
+  if (t.numel() == 0) return 0;
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  int64_t extent = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+  return extent;
+}
+// without_data's test past the ZeroTensor one: no storage, or a span of `extent` elements (its
+// extent_elements) whose data pointer is null or that reaches past the storage's bytes.
+inline bool storage_lacks_span(const c10::TensorImpl& t, int64_t extent) {
+  if (!t.has_storage()) return true;
+  if (extent == 0) return false;  // nothing to read: an empty tensor may have a null pointer
+  const c10::Storage& st = t.storage();
+  return st.data() == nullptr ||
+         static_cast<size_t>((t.storage_offset() + extent) * static_cast<int64_t>(t.dtype().itemsize())) > st.nbytes();
+}
 // The profiler's device number: the CUDA index, -1 for CPU.
 int device_index(const c10::Device& d);
 // torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
