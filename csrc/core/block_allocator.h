@@ -15,7 +15,6 @@
 #include <map>
 #include <set>
 #include <iterator>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -120,28 +119,28 @@ class BlockAllocator {
 
   // The ranges tile every region, free ranges are coalesced and indexed. Test-only.
   bool check_invariants(std::string* why) const {
-    std::ostringstream err;
+    std::string err;  // Note [No iostreams in the extension] (text.h)
     size_t free_count = 0;
     uint64_t free_bytes = 0;
     for (const auto& [region, nodes] : regions_) {
       uint64_t expect = 0;
       bool prev_free = false;
       for (const auto& [offset, n] : nodes) {
-        if (offset != expect) err << "gap or overlap in region " << region << " at " << offset << "; ";
-        if (n.size == 0 || n.size % alignment_) err << "bad range size " << n.size << "; ";
+        if (offset != expect) err += "gap or overlap in region " + std::to_string(region) + " at " + std::to_string(offset) + "; ";
+        if (n.size == 0 || n.size % alignment_) err += "bad range size " + std::to_string(n.size) + "; ";
         if (n.free) {
           ++free_count;
           free_bytes += n.size;
-          if (!free_.count(Key{n.size, region, offset})) err << "free range missing from the index; ";
-          if (prev_free) err << "adjacent free ranges not coalesced; ";
+          if (!free_.count(Key{n.size, region, offset})) err += "free range missing from the index; ";
+          if (prev_free) err += "adjacent free ranges not coalesced; ";
         }
         prev_free = n.free;
         expect = offset + n.size;
       }
     }
-    if (free_count != free_.size()) err << "free index holds ranges of no region; ";
-    if (free_bytes != free_bytes_) err << "free_bytes mismatch; ";
-    const std::string e = err.str();
+    if (free_count != free_.size()) err += "free index holds ranges of no region; ";
+    if (free_bytes != free_bytes_) err += "free_bytes mismatch; ";
+    const std::string e = err;
     if (why) *why = e;
     return e.empty();
   }

@@ -10,10 +10,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 
 #include "crc32c.h"
 #include "profiler.h"
+#include "text.h"
 
 namespace ckpt_offload {
 
@@ -215,10 +215,9 @@ FileTier::Core::IoResult FileTier::Core::transfer(SpillFile& f, bool write, char
 }
 
 std::string FileTier::Core::where(const SpillFile& f, const SpillState& s, size_t chunk) const {
-  std::ostringstream os;
-  os << "spill file " << f.path << ", block at offset " << s.range.offset << " (" << s.nbytes << " bytes), chunk "
-     << chunk + 1 << " of " << nchunks(s.nbytes);
-  return os.str();
+  return "spill file " + f.path + ", block at offset " + std::to_string(s.range.offset) + " (" +
+         std::to_string(s.nbytes) + " bytes), chunk " + std::to_string(chunk + 1) + " of " +
+         std::to_string(nchunks(s.nbytes));
 }
 
 std::string FileTier::Core::run_chunk(Ticket& t, size_t chunk, char* bounce) {
@@ -269,12 +268,10 @@ std::string FileTier::Core::run_chunk(Ticket& t, size_t chunk, char* bounce) {
     if (crc != s.crcs[chunk]) {
       std::lock_guard<std::mutex> lock(mu);
       stats.checksum_errors++;
-      std::ostringstream os;
-      os << "ckpt_offload: checksum mismatch reading " << where(f, s, chunk) << ": CRC32C 0x" << std::hex << crc
-         << ", written as 0x" << s.crcs[chunk]
-         << ". The spilled activations changed on disk (something else wrote to the file, or the "
-            "disk corrupted it); refusing to compute gradients from them.";
-      return os.str();
+      return "ckpt_offload: checksum mismatch reading " + where(f, s, chunk) + ": CRC32C " + hex32(crc) +
+             ", written as " + hex32(s.crcs[chunk]) +
+             ". The spilled activations changed on disk (something else wrote to the file, or the disk corrupted "
+             "it); refusing to compute gradients from them.";
     }
     if (!in_place) std::memcpy(user, bounce, len);
     return "";

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <limits>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -404,45 +403,45 @@ void HostPool::set_max_bytes(size_t max_bytes) {
 
 bool HostPool::check_invariants(std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::ostringstream err;
+  std::string err;  // Note [No iostreams in the extension] (text.h)
   // The recent blocks first: each an allocated range, in the list of its size, counted once.
   size_t recent = 0;
   std::set<std::pair<uint32_t, uint64_t>> recent_ranges;
   for (const Recent& rl : recent_)
     for (const Block* b : rl.blocks) {
-      if (b->state != Block::Recent || b->range.size != rl.size) err << "recent block in the wrong list; ";
-      if (!alloc_.is_allocated(b->range)) err << "recent block's range is free in the allocator; ";
-      if (!recent_ranges.insert({b->range.region, b->range.offset}).second) err << "recent block listed twice; ";
+      if (b->state != Block::Recent || b->range.size != rl.size) err += "recent block in the wrong list; ";
+      if (!alloc_.is_allocated(b->range)) err += "recent block's range is free in the allocator; ";
+      if (!recent_ranges.insert({b->range.region, b->range.offset}).second) err += "recent block listed twice; ";
       recent += b->range.size;
     }
-  if (recent != recent_bytes_) err << "recent bytes mismatch; ";
+  if (recent != recent_bytes_) err += "recent bytes mismatch; ";
   // The ranges tile every segment, and the free ones are coalesced and indexed.
   std::string alloc_why;
-  if (!alloc_.check_invariants(&alloc_why)) err << alloc_why;
+  if (!alloc_.check_invariants(&alloc_why)) err += alloc_why;
   size_t reserved = 0, segments = 0;
   for (const Segment& s : segments_) {
     if (!s.base) continue;
     reserved += s.size;
     ++segments;
   }
-  if (segments != alloc_.num_regions()) err << "segments and the allocator's regions differ; ";
+  if (segments != alloc_.num_regions()) err += "segments and the allocator's regions differ; ";
   // Every live block is an allocated range of its segment, at its address, and no two share one.
   size_t used = 0, pending = 0, requested = 0, pending_blocks = 0;
   uint64_t blocks_in_use = 0;
   std::set<std::pair<uint32_t, uint64_t>> seen;
   for (const Block* b = live_; b; b = b->next) {
-    if (b->next && b->next->prev != b) err << "broken links between live blocks; ";
+    if (b->next && b->next->prev != b) err += "broken links between live blocks; ";
     const BlockAllocator::Range& r = b->range;
     if (r.region >= segments_.size() || !segments_[r.region].base) {
-      err << "block points at no segment; ";
+      err += "block points at no segment; ";
       continue;
     }
     const Segment& s = segments_[r.region];
-    if (b->ptr != s.base + r.offset || r.offset + r.size > s.size) err << "block outside its segment; ";
-    if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err << "misaligned block; ";
-    if (!alloc_.is_allocated(r)) err << "live block's range is free in the allocator; ";
+    if (b->ptr != s.base + r.offset || r.offset + r.size > s.size) err += "block outside its segment; ";
+    if (reinterpret_cast<uintptr_t>(b->ptr) % kAlignment) err += "misaligned block; ";
+    if (!alloc_.is_allocated(r)) err += "live block's range is free in the allocator; ";
     if (!seen.insert({r.region, r.offset}).second || recent_ranges.count({r.region, r.offset}))
-      err << "two live blocks share a range; ";
+      err += "two live blocks share a range; ";
     if (b->state == Block::Used) {
       used += r.size;
       requested += b->requested;
@@ -452,17 +451,17 @@ bool HostPool::check_invariants(std::string* why) {
       ++pending_blocks;
     }
   }
-  if (live_ && live_->prev) err << "broken links between live blocks; ";
+  if (live_ && live_->prev) err += "broken links between live blocks; ";
   // With the ranges tiling the segments, the live blocks are exactly the allocated ranges.
-  if (alloc_.free_bytes() + used + pending + recent != reserved) err << "blocks do not cover the segments; ";
-  if (pending_blocks != pending_.size() + poisoned_.size()) err << "pending blocks missing from the pending lists; ";
-  if (reserved != stats_.bytes_reserved) err << "bytes_reserved mismatch; ";
-  if (segments != stats_.num_segments) err << "num_segments mismatch; ";
-  if (pending != stats_.bytes_pending) err << "bytes_pending mismatch; ";
-  if (used != stats_.bytes_in_use) err << "bytes_in_use mismatch; ";
-  if (blocks_in_use != stats_.num_blocks_in_use) err << "num_blocks_in_use mismatch; ";
-  if (requested != stats_.bytes_requested) err << "bytes_requested mismatch; ";
-  std::string e = err.str();
+  if (alloc_.free_bytes() + used + pending + recent != reserved) err += "blocks do not cover the segments; ";
+  if (pending_blocks != pending_.size() + poisoned_.size()) err += "pending blocks missing from the pending lists; ";
+  if (reserved != stats_.bytes_reserved) err += "bytes_reserved mismatch; ";
+  if (segments != stats_.num_segments) err += "num_segments mismatch; ";
+  if (pending != stats_.bytes_pending) err += "bytes_pending mismatch; ";
+  if (used != stats_.bytes_in_use) err += "bytes_in_use mismatch; ";
+  if (blocks_in_use != stats_.num_blocks_in_use) err += "num_blocks_in_use mismatch; ";
+  if (requested != stats_.bytes_requested) err += "bytes_requested mismatch; ";
+  std::string e = err;
   if (why) *why = e;
   return e.empty();
 }

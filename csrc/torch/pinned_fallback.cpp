@@ -2,8 +2,7 @@
 
 #include <sys/resource.h>
 
-#include <fstream>
-#include <sstream>
+#include <cstdio>
 
 #include "device_runtime.h"
 
@@ -36,19 +35,27 @@ class SimulatedRefusingBackend final : public Backend {
   std::string name_;
 };
 
+// stdio, not fstream: Note [No iostreams in the extension] (csrc/core/text.h).
 long read_long(const char* path) {
-  std::ifstream f(path);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return -1;
   long v = -1;
-  if (f) f >> v;
-  return f ? v : -1;
+  if (std::fscanf(f, "%ld", &v) != 1) v = -1;
+  std::fclose(f);
+  return v;
 }
 
 long count_maps() {
-  std::ifstream f("/proc/self/maps");
+  FILE* f = std::fopen("/proc/self/maps", "r");
   if (!f) return -1;
   long n = 0;
-  std::string line;
-  while (std::getline(f, line)) ++n;
+  int c, last = '\n';
+  while ((c = std::fgetc(f)) != EOF) {
+    if (c == '\n') ++n;
+    last = c;
+  }
+  if (last != '\n') ++n;  // a last line without its newline counts too
+  std::fclose(f);
   return n;
 }
 
@@ -69,24 +76,22 @@ std::string diagnose_pinned_refusal(size_t bytes) {
   const long maps = count_maps();
   struct rlimit lock_limit {};
   const bool have_lock_limit = getrlimit(RLIMIT_MEMLOCK, &lock_limit) == 0;
-  std::ostringstream s;
-  s << "page-locked memory for a " << bytes << "-byte segment was refused";
-  if (!simulated.empty()) s << " (simulated " << simulated << " refusal)";
+  std::string s = "page-locked memory for a " + std::to_string(bytes) + "-byte segment was refused";
+  if (!simulated.empty()) s += " (simulated " + simulated + " refusal)";
   const bool maps_near = max_maps > 0 && maps >= 0 && maps + 64 >= max_maps;
   const bool lock_finite = have_lock_limit && lock_limit.rlim_cur != RLIM_INFINITY;
+  const std::string lock_text = have_lock_limit ? memlock_text(lock_limit) : std::string("unknown");
   if (simulated == "vm.max_map_count" || (simulated.empty() && maps_near)) {
-    s << "; limit: vm.max_map_count (" << maps << " mappings in use of " << max_maps
-      << "): raise it (sysctl -w vm.max_map_count=1048576) or use fewer, larger segments (segment_bytes=)";
+    s += "; limit: vm.max_map_count (" + std::to_string(maps) + " mappings in use of " + std::to_string(max_maps) +
+         "): raise it (sysctl -w vm.max_map_count=1048576) or use fewer, larger segments (segment_bytes=)";
   } else if (simulated == "RLIMIT_MEMLOCK" || (simulated.empty() && lock_finite)) {
-    s << "; limit: RLIMIT_MEMLOCK (ulimit -l: "
-      << (have_lock_limit ? memlock_text(lock_limit) : std::string("unknown"))
-      << "): raise it (ulimit -l unlimited, or the container's memlock limit)";
+    s += "; limit: RLIMIT_MEMLOCK (ulimit -l: " + lock_text +
+         "): raise it (ulimit -l unlimited, or the container's memlock limit)";
   } else {
-    s << "; limits: vm.max_map_count (" << maps << " mappings of " << max_maps << "), RLIMIT_MEMLOCK ("
-      << (have_lock_limit ? memlock_text(lock_limit) : std::string("unknown"))
-      << "): neither is exhausted, so the host is short of memory that can be locked";
+    s += "; limits: vm.max_map_count (" + std::to_string(maps) + " mappings of " + std::to_string(max_maps) +
+         "), RLIMIT_MEMLOCK (" + lock_text + "): neither is exhausted, so the host is short of memory that can be locked";
   }
-  return s.str();
+  return s;
 }
 
 FallbackBackend::FallbackBackend(std::unique_ptr<Backend> pinned) : pinned_(std::move(pinned)) {}

@@ -99,7 +99,7 @@ std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shar
   if (!t.defined()) throw std::invalid_argument("ckpt_offload.offload_tensor: tensor is undefined");
   if (unsupported_layout(t) || wrapped_tensor(t))
     throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be a plain strided tensor, got layout " +
-                                c10::str(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
+                                layout_name(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
                                 (t.is_neg() ? " with the negative bit set" : ""));
   if (!t.device().is_cpu() && !t.device().is_cuda())
     throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be on 'cpu' or 'cuda', got " +

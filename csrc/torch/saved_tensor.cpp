@@ -1,7 +1,6 @@
 // Note [Saved tensor kinds]: what every kind shares, the Kept kind, and the one unpack dispatch.
 #include "saved_tensor.h"
 
-#include <sstream>
 #include <stdexcept>
 
 #include "runtime.h"
@@ -20,14 +19,14 @@ SavedVersion::SavedVersion(const at::Tensor& t) {
 
 void SavedVersion::check(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device) const {
   if (!modified()) return;
-  std::ostringstream msg;
-  msg << "one of the variables needed for gradient computation has been modified by an inplace operation: "
-      << describe(dtype, sizes.vec(), device) << " is at version " << version_.current_version()
-      << "; expected version " << saved_
-      << " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so "
-      << "backward would have used the wrong values.) Hint: clone the tensor before modifying it in place, or "
-      << "use the out-of-place operation.";
-  throw std::runtime_error(msg.str());
+  // A string, not an ostringstream: Note [No iostreams in the extension] (csrc/core/text.h).
+  throw std::runtime_error(
+      "one of the variables needed for gradient computation has been modified by an inplace operation: " +
+      describe(dtype, sizes.vec(), device) + " is at version " + std::to_string(version_.current_version()) +
+      "; expected version " + std::to_string(saved_) +
+      " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so backward "
+      "would have used the wrong values.) Hint: clone the tensor before modifying it in place, or use the "
+      "out-of-place operation.");
 }
 
 SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes)

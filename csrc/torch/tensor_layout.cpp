@@ -1,15 +1,36 @@
 #include "tensor_layout.h"
 
-#include <sstream>
+#include "../core/text.h"
 
 namespace ckpt_offload {
 
+// Strings only, no ostringstream: Note [No iostreams in the extension] (csrc/core/text.h).
 std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device) {
-  std::ostringstream s;
-  s << "[" << c10::toString(dtype) << " on " << device << ", shape [";
-  for (size_t i = 0; i < sizes.size(); ++i) s << (i ? ", " : "") << sizes[i];
-  s << "]]";
-  return s.str();
+  std::string s = "[";
+  s += c10::toString(dtype);
+  s += " on ";
+  s += device.str();
+  s += ", shape [";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(sizes[i]);
+  }
+  s += "]]";
+  return s;
+}
+
+std::string layout_name(c10::Layout layout) {
+  switch (layout) {
+    case c10::kStrided: return "torch.strided";
+    case c10::kSparse: return "torch.sparse_coo";
+    case c10::kSparseCsr: return "torch.sparse_csr";
+    case c10::kSparseCsc: return "torch.sparse_csc";
+    case c10::kSparseBsr: return "torch.sparse_bsr";
+    case c10::kSparseBsc: return "torch.sparse_bsc";
+    case c10::kMkldnn: return "torch._mkldnn";
+    case c10::kJagged: return "torch.jagged";
+    default: return "layout " + std::to_string(static_cast<int>(layout));
+  }
 }
 
 std::string human_bytes(size_t bytes) {
@@ -20,14 +41,8 @@ std::string human_bytes(size_t bytes) {
     v /= 1024.0;
     ++u;
   }
-  std::ostringstream s;
-  if (u == 0) {
-    s << bytes << " bytes";
-  } else {
-    s.precision(1);
-    s << std::fixed << v << " " << units[u];
-  }
-  return s.str();
+  if (u == 0) return std::to_string(bytes) + " bytes";
+  return fixed1(v) + " " + units[u];
 }
 
 bool unsupported_layout(const at::Tensor& t) {
@@ -78,18 +93,16 @@ std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span)
 
 std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
   auto target = spill_target(&pool);
-  std::ostringstream msg;
-  msg << "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " << human_bytes(span) << " ("
-      << span << " bytes) for " << what;
+  std::string msg = "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " + human_bytes(span) +
+                    " (" + std::to_string(span) + " bytes) for " + what;
   if (target) {
     const FileTierStats ds = target->tier()->stats();
-    msg << "; spill_dir " << target->tier()->options().dir << ": " << human_bytes(ds.bytes_in_use) << " in use, "
-        << human_bytes(ds.bytes_reserved) << " preallocated, cap "
-        << (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+    msg += "; spill_dir " + target->tier()->options().dir + ": " + human_bytes(ds.bytes_in_use) + " in use, " +
+           human_bytes(ds.bytes_reserved) + " preallocated, cap " +
+           (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
   }
-  msg << ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
-      << "tensors on the device.";
-  return msg.str();
+  return msg + ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
+               "tensors on the device.";
 }
 
 std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
@@ -102,15 +115,12 @@ std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t,
 
 std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
   PoolStats ps = pool.stats();
-  std::ostringstream msg;
-  msg << "ckpt_offload: the host pool is full. Asked for " << human_bytes(span) << " (" << span
-      << " bytes) for " << what << "; "
-      << human_bytes(ps.bytes_in_use) << " in use, " << human_bytes(ps.bytes_pending) << " waiting for copies, "
-      << human_bytes(ps.bytes_reserved) << " reserved, cap "
-      << (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) << ". Raise the cap (co.HostPool(max_bytes=...) or "
-      << "pool.set_max_bytes(...)), offload less (a larger min_bytes), or pass on_full=\"keep\" to keep such "
-      << "tensors on the device.";
-  return msg.str();
+  return "ckpt_offload: the host pool is full. Asked for " + human_bytes(span) + " (" + std::to_string(span) +
+         " bytes) for " + what + "; " + human_bytes(ps.bytes_in_use) + " in use, " + human_bytes(ps.bytes_pending) +
+         " waiting for copies, " + human_bytes(ps.bytes_reserved) + " reserved, cap " +
+         (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) +
+         ". Raise the cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), offload less (a larger "
+         "min_bytes), or pass on_full=\"keep\" to keep such tensors on the device.";
 }
 
 }  // namespace ckpt_offload

@@ -61,6 +61,9 @@ int device_index(const c10::Device& d);
 // torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
 std::string dtype_name(c10::ScalarType t);
 std::string human_bytes(size_t bytes);
+// torch's names ("torch.strided", "torch.sparse_coo"), without c10's stream operator
+// (Note [No iostreams in the extension], csrc/core/text.h).
+std::string layout_name(c10::Layout layout);
 // "[float32 on cuda:0, shape [2, 3]]"
 std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device);
 // The message of PoolFull: what was asked, what the pool holds, and the three ways out.
