@@ -264,6 +264,9 @@ main() {
   echo "cores: $(nproc 2>/dev/null || echo '?')"
   (command -v nvcc >/dev/null && nvcc --version | tail -n 2) || echo "nvcc: not found"
   (command -v gcc >/dev/null && gcc --version | head -n 1) || echo "gcc: not found"
+  # The compiler the build will use (torch's extension builder takes $CXX, else c++), and its version:
+  # the extension mixes this compiler's libstdc++ with the copies torch's libraries export.
+  echo "CXX=${CXX:-(unset: c++)}: $( (${CXX:-c++} --version 2>/dev/null || echo 'not found') | head -n 1)"
   if command -v ninja >/dev/null 2>&1; then
     echo "ninja: $(command -v ninja) $(ninja --version)"
   elif "$PY" -c "import ninja" >/dev/null 2>&1; then
@@ -286,6 +289,8 @@ try:
           "devices", torch.cuda.device_count())
     if torch.cuda.is_available():
         print("device 0:", torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))
+    with open("/proc/self/maps") as f:  # which libstdc++ the process loaded (next to torch's own copies)
+        print("libstdc++:", " ".join(sorted({l.split()[-1] for l in f if "libstdc++" in l})) or "not loaded")
 except Exception as e:
     print("torch: import failed:", e)
 try:
