@@ -73,7 +73,8 @@ class Unavailable(Exception):
 
 
 class SaveCounter:
-    """Tensors and bytes that :class:`CountingSaveOnCpu` contexts sharing it copied to the host."""
+    """Tensors (with at least one element) and bytes that :class:`CountingSaveOnCpu` contexts
+    sharing it copied to the host."""
 
     def __init__(self):
         self.tensors = 0
@@ -100,8 +101,9 @@ class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
         def pack(tensor):
             packed = inner(tensor)
             host = packed[1]
-            counter.tensors += 1
-            counter.bytes += host.numel() * host.element_size()
+            if host.numel():  # torch 2.11's checkpoint also saves an empty tensor per region
+                counter.tensors += 1
+                counter.bytes += host.numel() * host.element_size()
             return packed
 
         self.pack_hook = pack

@@ -329,7 +329,9 @@ class BlockForward:
         """The block's forward without this wrapper."""
         if self.original is not None:
             return self.original
-        return type(self.block).forward.__get__(self.block)
+        # A partial rather than forward.__get__ (or types.MethodType): Dynamo in torch 2.11 traces
+        # neither of those under fullgraph=True.
+        return functools.partial(type(self.block).forward, self.block)
 
     @property
     def __signature__(self):

@@ -249,66 +249,35 @@ def f_plain(x, w):
 
 
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
-def test_func_transforms_fall_back_to_no_offload_with_one_warning(transform, fresh_warnings):
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)
-
-    def run(f):
-        if transform == "grad":
-            return torch.func.grad(f, argnums=(0, 1))(x, w)
-        if transform == "vjp":
-            _, pull = torch.func.vjp(f, x, w)
-            return pull(torch.tensor(1.0))
-        if transform == "jacrev":
-            return torch.func.jacrev(f, argnums=1)(x, w)
-        return torch.func.hessian(f, argnums=1)(x, w)
-
-    with pytest.warns(UserWarning, match="torch.func") as record:
-        got = run(f_offloaded)
-        run(f_offloaded)
-    assert sum("saved-tensor hooks are disabled" in str(r.message) for r in record) == 1  # once
-    expected = run(f_plain)
-    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)):
-        assert torch.equal(a, b)
-    assert_clean()
-
-
-def test_vmap_over_offload_is_bit_exact(pool):
-    ctx = cpu_offload(pool)
-
-    def f(x):
-        with ctx:
-            return torch.tanh(x) * x
-
-    x = torch.randn(3, 64, requires_grad=True)
-    torch.func.vmap(f)(x).sum().backward()
-    ref = x.detach().clone().requires_grad_()
-    torch.func.vmap(lambda v: torch.tanh(v) * v)(ref).sum().backward()
-    assert torch.equal(x.grad, ref.grad)
-    assert ctx.stats()["tensors_offloaded"] > 0
-    assert_clean(ctx)
-    assert pool.stats()["bytes_in_use"] == 0
-
-
-@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "hessian"])
 def test_func_transforms_over_offloaded_checkpoint_raise_torchs_error_and_stay_clean(transform, pool):
     # torch's own checkpoint refuses these transforms (it needs saved-tensor hooks); ours gives
-    # the same error and leaves no module hook or stuck shared context behind.
+    # the same error and leaves no module hook or stuck shared context behind. Which error that
+    # is depends on the torch release (torch 2.11's hessian fails on its checkpoint's vmap rule
+    # first), so it is compared with what torch's checkpoint raises here.
     opts = dict(CPU, pool=pool)
 
-    def f(x):
+    def ours(x):
         return co.checkpoint(lambda t: torch.tanh(t) * t, x, offload=opts).sum()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # torch's error, not our fallback warning
-        # hessian's first call imports a torch module that warns about torch.jit.script (once per
-        # process: this test failed alone and passed after any test that had imported it).
-        warnings.filterwarnings("ignore", message="`torch.jit.script` is", category=FutureWarning)
-        with pytest.raises(RuntimeError, match="torch.func"):
-            if transform == "vjp":
-                torch.func.vjp(f, torch.randn(8))
-            else:
-                getattr(torch.func, transform)(f)(torch.randn(8))
+    def theirs(x):
+        return tc.checkpoint(lambda t: torch.tanh(t) * t, x, use_reentrant=False).sum()
+
+    def first_line_of_the_error(f):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's error, not our fallback warning
+            # hessian's first call imports a torch module that warns about torch.jit.script (once
+            # per process: this test failed alone and passed after any test that had imported it).
+            # (a FutureWarning; in torch 2.11 a DeprecationWarning).
+            warnings.filterwarnings("ignore", message="`torch.jit.script` is")
+            with pytest.raises(RuntimeError) as info:
+                if transform == "vjp":
+                    torch.func.vjp(f, torch.randn(8))
+                else:
+                    getattr(torch.func, transform)(f)(torch.randn(8))
+        return str(info.value).splitlines()[0]
+
+    expected = first_line_of_the_error(theirs)
+    assert first_line_of_the_error(ours) == expected
     assert_clean()
     # The shared context still works (and shares inputs) afterwards.
     x = torch.randn(64, 64, requires_grad=True)

@@ -176,6 +176,8 @@ def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
     assert peaks[True] < 0.5 * without, (peaks, without)
 
 
+@pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12), strict=True,
+                   reason="torch 2.11's partitioner puts 3 of the 4 reloads in the forward graph (docs/scale_out.md)")
 def test_backward_reloads_block_by_block(pool):
     """In the compiled backward each block's input comes back as that block's backward starts
     (between the matmuls of the block after it and its own), not all up front."""

@@ -81,9 +81,11 @@ class HFCheckpointFunction:
             use_reentrant = kwargs.pop("use_reentrant", self.use_reentrant)
             if traced_reason(self.options, use_reentrant, torch_kwargs) is None:
                 pargs, pkw = (), {}
-                while isinstance(function, functools.partial):
-                    pargs = function.args + pargs
-                    pkw = {**function.keywords, **pkw}
+                # One level (transformers' partial(super().__call__, **kwargs)); an inner partial
+                # is traced as it is. Dynamo in torch 2.11 cannot tell whether a bound super()
+                # method is a partial, so a loop would break the graph there.
+                if isinstance(function, functools.partial):
+                    pargs, pkw = function.args, function.keywords
                     function = function.func
                 return traced_checkpoint(function, pargs + args, {**pkw, **kwargs}, self.options, torch_kwargs)
             kwargs = {**kwargs, **torch_kwargs, "use_reentrant": use_reentrant}
