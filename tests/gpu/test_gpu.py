@@ -84,8 +84,8 @@ class Block(nn.Module):
 
     Attention is written out (no fused SDPA kernel): flash / memory-efficient attention
     backward accumulates with atomics and is not bit-reproducible even without offload.
-    Saves views of one storage (q, k, v of one qkv tensor), transposed (non-contiguous)
-    tensors, a boolean mask buffer and layer-norm statistics.
+    Saves views of one storage (the softmax's output, and its (b*h, t, t) view that att @ v
+    saves), transposed (non-contiguous) tensors, a boolean mask buffer and layer-norm statistics.
     """
 
     def __init__(self, dim=256, heads=4, seq=128):
@@ -215,7 +215,12 @@ def test_gradients_bit_identical(device, pool, model_name, dtype_name, stream):
         assert kept["autocast_cast"] > 0, kept
     if model_name == "transformer":
         assert st["kept_by_reason"].get("buffer", 0) > 0  # the causal mask
-        assert st["tensors_deduplicated"] > 0  # q, k, v view one qkv storage
+        if not autocast:
+            # The softmax's output: saved by the softmax, and as a (b*h, t, t) view by att @ v.
+            # (q, k and v are copied by the matmuls' reshapes.) Under CUDA autocast the softmax
+            # runs in float32 and att @ v saves its bf16 cast, another storage: nothing to share
+            # (on 2026-12-04's GPU run the gradients there were bit-identical, dedup 0).
+            assert st["tensors_deduplicated"] > 0
     del got
     assert pool.stats()["bytes_in_use"] == 0
 
