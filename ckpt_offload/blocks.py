@@ -329,9 +329,11 @@ class BlockForward:
         """The block's forward without this wrapper."""
         if self.original is not None:
             return self.original
-        # A partial rather than forward.__get__ (or types.MethodType): Dynamo in torch 2.11 traces
-        # neither of those under fullgraph=True.
-        return functools.partial(type(self.block).forward, self.block)
+        if torch.compiler.is_compiling():
+            # A partial while Dynamo traces: torch 2.11's traces neither forward.__get__ nor
+            # types.MethodType under fullgraph=True.
+            return functools.partial(type(self.block).forward, self.block)
+        return type(self.block).forward.__get__(self.block)
 
     @property
     def __signature__(self):
