@@ -99,6 +99,11 @@ def want_cuda():
 def extension():
     # No -std flag: torch's cpp_extension picks the standard its headers need (C++20 for 2.10+).
     cxx = ["-O2", "-fvisibility=hidden"]
+    # libstdc++ first among the libraries the extension needs (torch's builder appends c10 and
+    # torch after these): the extension's references to libstdc++ are then versioned and bind to
+    # libstdc++ itself, not to the copies of its newer pieces that libc10 and libtorch_cpu export
+    # (Note [No iostreams in the extension], csrc/core/text.h).
+    libraries = ["stdc++"]
     if want_cuda():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
         cxx += ["-DCKPT_OFFLOAD_WITH_CUDA"] + extra_cuda_include_flags(cpp_extension.CUDA_HOME, torch)
@@ -106,8 +111,10 @@ def extension():
             "ckpt_offload._C",
             CORE + TORCH_LAYER_CUDA + CUDA_SOURCES,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA"]},
+            libraries=libraries,
         )
-    return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx})
+    return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx},
+                                      libraries=libraries)
 
 
 BUILD_CONFIG = "_build_config.py"

@@ -20,8 +20,11 @@ namespace ckpt_offload {
 // path that built its message with an ostringstream died by SIGSEGV as it raised (PoolFullError,
 // the in-place check of a saved tensor, on the CPU and on autograd's CUDA thread alike), while
 // the errors whose messages were built from strings were raised fine. That is the suspected
-// cause, not yet a backtrace; strings cost nothing, so they are the rule.
-// tests/core/test_packaging.py checks that csrc/ uses no iostream.
+// cause, not yet a backtrace; strings cost nothing, so they are the rule. And setup.py names
+// libstdc++ first among the libraries the extension needs, so that its libstdc++ references are
+// versioned and bind to libstdc++ itself, torch's headers' own inline ostringstreams included.
+// tests/core/test_packaging.py checks both: csrc/ uses no iostream, and at import no libstdc++
+// symbol of the extension binds to a torch library.
 
 // "0x1f2e3d4c": a 32-bit value in hex (checksums).
 inline std::string hex32(uint32_t v) {

@@ -3,6 +3,7 @@ refusal to build without torch (build isolation). The sdist and wheel themselves
 scripts/check_sdist.sh (CI)."""
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -298,6 +299,25 @@ def test_extension_sources_use_no_iostreams():
                 if pattern.search(line.split("//")[0]):
                     offenders.append(f"{os.path.relpath(path, SOURCE_ROOT)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's dynamic linker (LD_DEBUG)")
+def test_extension_binds_libstdcxx_symbols_to_libstdcxx(tmp_path):
+    # setup.py links libstdc++ first, so the extension's libstdc++ references are versioned and do
+    # not bind to the copies of libstdc++'s newer pieces that torch's libraries export (Note [No
+    # iostreams in the extension]). The dynamic linker reports every binding it makes.
+    so = co._C.__file__
+    trace = tmp_path / "bindings"
+    env = dict(os.environ, LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(trace))
+    done = subprocess.run([sys.executable, "-c", "import ckpt_offload"], cwd=PACKAGE_PARENT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for f in tmp_path.glob("bindings*") for line in f.read_text(errors="replace").splitlines()
+             if f"binding file {so} " in line]
+    assert lines, "LD_DEBUG reported no binding of the extension"
+    to_torch = [line.split("symbol ")[-1] for line in lines
+                if "/torch/lib/" in line and re.search(r"symbol `_Z(N|NK|NKR|T[VIT]N)?St|symbol `_ZSt", line)]
+    assert to_torch == []
 
 
 def _build_env():
