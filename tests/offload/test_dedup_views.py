@@ -363,3 +363,28 @@ def test_batched_small_views_come_back_right(pool, stream):
     assert ctx.stats()["tensors_batched"] >= 3
     co.synchronize()
     assert pool.stats()["bytes_in_use"] == 0
+
+
+def test_a_table_past_its_prune_size_still_finds_the_live_copies(pool):
+    """Note [Flat copy table]: past 1024 storages in one activation the copy table is rebuilt from
+    its live entries. The copies of storages still saved are found again (a later view of each
+    joins its copy: no new bytes), those whose saved tensors died are dropped, and every view
+    comes back with its values."""
+    x = torch.randn(3, requires_grad=True)
+    bases = [torch.randn(256) for _ in range(1500)]  # b[:128]: 512 bytes, one pool cell
+    with cpu_offload(pool) as ctx:
+        ys = [Saves.apply(x, b[:128]) for b in bases[:700]]
+        dropped = [Saves.apply(x, b[:128]) for b in bases[700:1400]]
+        del dropped  # their graphs die, and with them their copies
+        ys += [Saves.apply(x, b[:128]) for b in bases[1400:]]  # the table passes 1024 entries here
+        again = [Saves.apply(x, b[64:128]) for b in bases[:700]]  # inside each first copy
+        co.synchronize()
+        in_use = pool.stats()["bytes_in_use"]
+    assert in_use == CELL * (1 + 800)  # x, and the 800 bases still saved; `again` added nothing
+    s = ctx.stats()
+    assert s["tensors_offloaded"] == 1 + 1500
+    assert s["tensors_deduplicated"] == (2200 - 1) + 700  # x after its first save, and `again`
+    sum(y.sum() for y in ys + again).backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0 * (800 + 700)))
+    del ys, again
+    assert pool.stats()["bytes_in_use"] == 0
