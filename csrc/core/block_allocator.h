@@ -126,7 +126,8 @@ class BlockAllocator {
       uint64_t expect = 0;
       bool prev_free = false;
       for (const auto& [offset, n] : nodes) {
-        if (offset != expect) err += "gap or overlap in region " + std::to_string(region) + " at " + std::to_string(offset) + "; ";
+        if (offset != expect)
+          err += "gap or overlap in region " + std::to_string(region) + " at " + std::to_string(offset) + "; ";
         if (n.size == 0 || n.size % alignment_) err += "bad range size " + std::to_string(n.size) + "; ";
         if (n.free) {
           ++free_count;
@@ -140,9 +141,8 @@ class BlockAllocator {
     }
     if (free_count != free_.size()) err += "free index holds ranges of no region; ";
     if (free_bytes != free_bytes_) err += "free_bytes mismatch; ";
-    const std::string e = err;
-    if (why) *why = e;
-    return e.empty();
+    if (why) *why = err;
+    return err.empty();
   }
 
  private:

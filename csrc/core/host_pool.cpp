@@ -461,9 +461,8 @@ bool HostPool::check_invariants(std::string* why) {
   if (used != stats_.bytes_in_use) err += "bytes_in_use mismatch; ";
   if (blocks_in_use != stats_.num_blocks_in_use) err += "num_blocks_in_use mismatch; ";
   if (requested != stats_.bytes_requested) err += "bytes_requested mismatch; ";
-  std::string e = err;
-  if (why) *why = e;
-  return e.empty();
+  if (why) *why = err;
+  return err.empty();
 }
 
 }  // namespace ckpt_offload

@@ -89,7 +89,8 @@ std::string diagnose_pinned_refusal(size_t bytes) {
          "): raise it (ulimit -l unlimited, or the container's memlock limit)";
   } else {
     s += "; limits: vm.max_map_count (" + std::to_string(maps) + " mappings of " + std::to_string(max_maps) +
-         "), RLIMIT_MEMLOCK (" + lock_text + "): neither is exhausted, so the host is short of memory that can be locked";
+         "), RLIMIT_MEMLOCK (" + lock_text +
+         "): neither is exhausted, so the host is short of memory that can be locked";
   }
   return s;
 }

@@ -93,8 +93,8 @@ std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span)
 
 std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
   auto target = spill_target(&pool);
-  std::string msg = "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " + human_bytes(span) +
-                    " (" + std::to_string(span) + " bytes) for " + what;
+  std::string msg = "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " +
+                    human_bytes(span) + " (" + std::to_string(span) + " bytes) for " + what;
   if (target) {
     const FileTierStats ds = target->tier()->stats();
     msg += "; spill_dir " + target->tier()->options().dir + ": " + human_bytes(ds.bytes_in_use) + " in use, " +
