@@ -115,12 +115,25 @@ void saved_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
+// A read-only attribute for tests and debugging (never read on the hot path): `offloaded`, its
+// bytes are held by the host pool (or its disk tier) rather than kept as the tensor.
+PyObject* saved_offloaded(PyObject* self, void*) {
+  return PyBool_FromLong(reinterpret_cast<SavedObject*>(self)->saved.offloaded());
+}
+
+PyGetSetDef saved_getset[] = {
+    {"offloaded", saved_offloaded, nullptr, "True when the bytes are held by the host pool (or its disk tier).",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
 PyTypeObject* saved_type() {
   static PyTypeObject* type = [] {
     static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
     t.tp_name = "ckpt_offload._C.SavedActivation";
     t.tp_basicsize = sizeof(SavedObject);
     t.tp_dealloc = saved_dealloc;
+    t.tp_getset = saved_getset;
     t.tp_flags = Py_TPFLAGS_DEFAULT;
     t.tp_doc = "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.";
     if (PyType_Ready(&t) < 0) throw py::error_already_set();

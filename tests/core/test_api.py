@@ -164,6 +164,27 @@ def test_offload_accepts_device_forms():
             co.offload(devices=["cuda"])
 
 
+# --- what the pack hook returns -------------------------------------------------------------
+
+
+def test_saved_activation_says_whether_it_was_offloaded():
+    """The object pack hands to autograd answers `offloaded` (read by tests and when debugging a
+    plan): True for a tensor whose bytes went to the pool, False for one kept as it is."""
+    pool = co.HostPool(pinned=False)
+    ctx = co.offload(pool=pool, min_bytes=4096, devices=["cpu"])
+    big, small = torch.randn(1 << 12), torch.randn(8)
+    with ctx:
+        moved, kept = ctx._packer.pack(big), ctx._packer.pack(small)
+    assert moved.offloaded is True and kept.offloaded is False
+    assert pool.stats()["bytes_in_use"] >= big.nbytes
+    with pytest.raises(AttributeError):
+        moved.offloaded = False  # read-only
+    assert torch.equal(ctx._packer.unpack(moved), big) and torch.equal(ctx._packer.unpack(kept), small)
+    del moved, kept
+    gc.collect()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
 # --- offload_tensor: the engine on its own --------------------------------------------------
 
 
