@@ -163,6 +163,31 @@ def run_forked(fn, *args, timeout=120):
     assert error is None, error
 
 
+def _plain_backward():
+    torch.ones(4, requires_grad=True).mul(2).sum().backward()
+
+
+def skip_unless_torch_runs_backward_after_fork():
+    """Skips the test where torch itself refuses a backward in a forked child: once a process has run
+    a backward on a machine with a GPU, autograd's device threads exist and torch raises "Unable to
+    handle autograd's threading in combination with fork-based multiprocessing" in any child, with
+    or without ckpt_offload. Probed, not guessed: the parent runs a backward, a child tries one."""
+    _plain_backward()
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_in_child, args=(child, _plain_backward))
+    p.start()
+    child.close()
+    p.join(60)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    error = parent.recv() if parent.poll() else None
+    if error and "Autograd-and-Fork" in error:
+        pytest.skip("torch refuses backward in a forked child here (autograd's device threads started: "
+                    "a machine with a GPU); the same child without ckpt_offload fails alike")
+
+
 def _train_in_child(expected, stream, parent_graph):
     model = small_model()
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
@@ -182,6 +207,7 @@ def _train_in_child(expected, stream, parent_graph):
 
 @pytest.mark.parametrize("stream", ["side", "compute"])
 def test_forked_child_trains_a_step(stream):
+    skip_unless_torch_runs_backward_after_fork()
     model = small_model()
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     expected = step_grads(model, x)
@@ -216,6 +242,7 @@ class _OffloadedStepDataset(torch.utils.data.Dataset):
 
 
 def test_dataloader_fork_workers_offload():
+    skip_unless_torch_runs_backward_after_fork()
     model = small_model()
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     expected = step_grads(model, x)
@@ -243,6 +270,7 @@ def _spill_in_child(pool):
 
 
 def test_forked_child_gets_a_clear_error_from_the_parents_disk_tier(tmp_path):
+    skip_unless_torch_runs_backward_after_fork()
     pool = co.HostPool(pinned=False, max_bytes=256 * 1024, spill_dir=str(tmp_path))
     x = torch.randn(256, 256, requires_grad=True)
     with co.offload(pool=pool, **CPU):
