@@ -11,7 +11,9 @@ is every free. An allocation counts as a *saved activation* when it was
   activation the graph keeps;
 * made inside a ``ckpt_offload::reload`` / ``ckpt_offload::prefetch`` range (a saved tensor brought
   back from the host pool; ``ckpt_offload::reload_convert``: converted back from its narrower
-  storage, ``co.offload(store_dtype=...)``) -- until it is freed;
+  storage, ``co.offload(store_dtype=...)``) -- until it is freed. The range as the host ran it: on
+  a GPU the trace also has its twin on the device's lane, the copy as the GPU ran it, later
+  (Note [Ranges on the host]);
 * made inside a ``ckpt_offload::recompute`` range (the planner's recompute) and still alive at the
   range's end (a recomputed saved tensor) -- until it is freed.
 
@@ -40,6 +42,21 @@ _RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload
                                                     "reload_convert"))
 _RECOMPUTE = RECOMPUTE_RANGE
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+
+# Note [Ranges on the host]
+# A USER_SCOPE range (the engine's copy ranges, CopyRange in csrc/torch/runtime.cpp; torch's
+# record_function, which the recompute range falls back to without RecordFunctionFast) is in a
+# CUDA trace twice: on the host thread that ran it, and as a twin of the same name on the GPU's
+# lane (kineto's "gpu_user_annotation"), spanning the kernels and copies enqueued inside it as the
+# GPU ran them -- later than the host, behind the compute stream, for as long as the copy took.
+# Allocations are host events: what the host allocated while a prefetch's copy ran on the GPU
+# (backward's gradients and temporaries) is no reload. Only the host's ranges are read.
+_DEVICE_LANE_CATEGORIES = ("gpu_", "kernel")
+
+
+def _on_device_lane(event) -> bool:
+    """An event of a device's timeline (a kernel, a copy, a range's GPU twin), not the host's."""
+    return str(event.get("cat", "")).lower().startswith(_DEVICE_LANE_CATEGORIES)
 
 
 class SavedTimeline:
@@ -94,6 +111,11 @@ def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
         step()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
+    return _saved_timeline(_trace_events(prof), device)
+
+
+def _trace_events(prof):
+    """The chrome-trace events of a finished profile."""
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -102,10 +124,15 @@ def saved_activation_peak(step, device: str = "cpu") -> SavedTimeline:
             events = json.load(f)["traceEvents"]
     finally:
         os.remove(path)
+    return events
+
+
+def _saved_timeline(events, device: str) -> SavedTimeline:
+    """The saved-activation timeline of one profiled step, from its trace events."""
     code = _device_type_code(device)
     mem = sorted((e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == code),
                  key=lambda e: e["ts"])
-    ranges = [e for e in events if e.get("ph") == "X"]
+    ranges = [e for e in events if e.get("ph") == "X" and not _on_device_lane(e)]
     bwd = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in ranges if str(e.get("name", "")).startswith(_BACKWARD_PREFIX)]
     t_bwd = min(a for a, _ in bwd) if bwd else float("inf")
     t_bwd_end = max(b for _, b in bwd) if bwd else float("inf")

@@ -137,6 +137,40 @@ def test_measure_counts_saved_not_temporaries():
     assert 4 * 32 * 64 * 4 <= peak <= 4 * 32 * 64 * 4 + 16
 
 
+def test_measure_reads_the_hosts_copy_ranges_only(tiny, monkeypatch):
+    # On a GPU the trace holds each copy range twice: the host's, around the reload's allocation,
+    # and a twin of the same name on the device's lane (kineto's "gpu_user_annotation" of a
+    # USER_SCOPE range, csrc/torch/runtime.cpp's CopyRange), spanning the copy as the GPU runs it:
+    # later than the host enqueued it, behind the compute stream. What backward allocates on the
+    # host meanwhile (gradients, temporaries) is no reload. Here the CPU trace gets such twins,
+    # each lagging from its host range's end to the end of the step: the timeline must not change.
+    import ckpt_offload.planner.measure as measure
+
+    read, seen = measure._trace_events, {}
+
+    def with_device_twins(prof):
+        events = seen["host"] = read(prof)
+        end = max(e["ts"] + e.get("dur", 0) for e in events if "ts" in e)
+        twins = [dict(e, cat="gpu_user_annotation", pid=0, tid="stream 7", ts=e["ts"] + e["dur"],
+                      dur=end - e["ts"] - e["dur"])
+                 for e in events if e.get("ph") == "X" and e.get("name") in measure._RELOAD_RANGES]
+        assert twins
+        return events + twins
+
+    monkeypatch.setattr(measure, "_trace_events", with_device_twins)
+    handle = apply_units(tiny.model, tiny.named, singles(["offload"] * len(tiny.named)),
+                         dict(CPU_ALL, prefetch_bytes=200_000))
+    try:
+        tiny.drained_step()
+        twinned = saved_activation_peak(tiny.drained_step)
+    finally:
+        handle.remove()
+        tiny.model.zero_grad(set_to_none=True)
+    host = measure._saved_timeline(seen["host"], "cpu")
+    assert any(a[3] == "reload" for a in host.allocations)
+    assert (twinned.peak_bytes, twinned.allocations) == (host.peak_bytes, host.allocations)
+
+
 # ---- plans applied --------------------------------------------------------------------------------
 
 
