@@ -1,18 +1,25 @@
 """Runs a set of pytest tests so that one crash costs one test: the GPU suite's ``gpu_tests`` step.
 
-A single pytest process for every GPU test loses everything when one test kills the process (a
-segfault leaves no junit XML and runs nothing after it). Here every test file runs in its own
-process, ``python -X faulthandler -m pytest FILE -m MARKER -v --junitxml=...``, under a time limit.
-While it runs, this module, loaded into that process as a pytest plugin (``-p _suite_tests``),
-appends one JSON line per test phase to a record file and flushes it: when the process dies by a
-signal, times out or leaves no XML, the record still says which tests finished (and how) and which
-one was running. That test is run again alone in a fresh process (to tell "crashes by itself" from
-"crashes after the tests before it"), under ``cuda-gdb`` (or ``gdb``) for a native backtrace of
-every thread when one is on PATH, and recorded as an error testcase carrying the signal, the
-faulthandler output and the log's tail; the tests after it run in a fresh process, with the same
-handling. Without a usable record (the process died before its first test, or ``--isolate``), every
-test left runs in a process of its own. Nothing here forks: each process is a fresh interpreter,
-so no CUDA state is ever inherited.
+Every selected test runs in ONE process, ``python -X faulthandler -m pytest PATHS -m MARKER -v
+--junitxml=...``: on the GPU machine (an H200) each process spends 30-40 s importing torch and
+collecting before its first test, so a process per file left most tests unrun within the step's
+time. The tests under ``--first`` (default ``tests/gpu/``, the core GPU proof) run first, the rest
+after them in pytest's order. This module, loaded into that process as a pytest plugin
+(``-p _suite_tests``), appends flushed JSON lines to a record file: the node ids collected, then
+one line per test phase. So there is no separate collection process, and when the process dies by
+a signal, times out or leaves no XML, the record still says which tests finished (and how), which
+one was running, and which never started. That test is run again alone in a fresh process (to tell
+"crashes by itself" from "crashes after the tests before it"), at the end once more under
+``cuda-gdb`` (or ``gdb``) for a native backtrace of every thread when one is on PATH and the
+budget allows, and recorded as an error testcase carrying the signal, the faulthandler output and
+the log's tail; ALL the tests left (of every file) run in one fresh process, with the same
+handling. A test that runs past ``--hang-timeout-s`` (default: pytest-timeout's limit + 30 s, for a
+hang pytest-timeout cannot interrupt) has its process killed, is recorded as timed out (not rerun)
+and the rest continue. A test cut off because the step's budget ran out is "not run", as is every
+test after it. ``--isolate`` runs every test left after a crash in a process of its own;
+``--per-file`` runs the old way, one process per test file after a separate ``--collect-only``
+process (each file pays the start-up). Nothing here forks: each process is a fresh interpreter, so
+no CUDA state is ever inherited.
 
 Every per-process XML and every recorded crash is merged into one junit XML; the per-process logs
 are concatenated, each under a ``=====`` header, into one text file; ``section()`` turns any junit
@@ -40,17 +47,19 @@ from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECORD_ENV = "SUITE_TESTS_RECORD"
+FIRST_ENV = "SUITE_TESTS_FIRST"  # node id prefixes, one a line: their tests run first, in that order
 # Each process in a process group of its own, so a time limit kills it with its children (ranks,
 # a debugger's inferior); not a new session, which would outlive the command that started it.
 NEW_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 EXCERPT_LINES = 8  # lines of a failure's message in the summary
 LOG_TAIL_LINES = 60  # lines of a crashed process's log in its testcase
 MAX_SECTION_CHARS = 400_000  # per log section in the concatenated log (a file back from the GPU machine: 16 MiB)
+BUDGET_NOTRUN = "not run: the time budget of the step was used up"
 
 
 # ---------------------------------------------------------------------------------------------
-# The plugin half: loaded into each pytest process with ``-p _suite_tests``. It does nothing
-# unless SUITE_TESTS_RECORD names a file.
+# The plugin half: loaded into each pytest process with ``-p _suite_tests``. It records nothing
+# unless SUITE_TESTS_RECORD names a file, and reorders nothing unless SUITE_TESTS_FIRST is set.
 # ---------------------------------------------------------------------------------------------
 _record_file = None
 
@@ -61,10 +70,26 @@ def _record(obj: dict) -> None:
     if not path:
         return
     if _record_file is None:
-        _record_file = open(path, "a", buffering=1)
+        _record_file = open(path, "a", buffering=1)  # noqa: SIM115  (open for the process's life)
     # One line, flushed at once: a segfault a moment later must not lose it (write() has returned).
     _record_file.write(json.dumps(obj) + "\n")
     _record_file.flush()
+
+
+def first_rank(nodeid: str, first: list[str]) -> int:
+    """The index of the first prefix of `first` that nodeid starts with; len(first) for none."""
+    return next((k for k, p in enumerate(first) if nodeid.startswith(p)), len(first))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = [p for p in os.environ.get(FIRST_ENV, "").splitlines() if p]
+    if first:  # a stable sort: each file's tests stay together and in order
+        items[:] = sorted(items, key=lambda it: first_rank(it.nodeid, first))
+
+
+def pytest_collection_finish(session):
+    # After -m/-k deselection and the reordering above: exactly the tests this process will run.
+    _record({"event": "collected", "nodeids": [it.nodeid for it in session.items]})
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -94,6 +119,11 @@ class Case:
     time: float = 0.0
     signal: int | None = None
     log: str = ""  # which section of the concatenated log to read
+    classname: str | None = None  # pytest's own junit names, when the case comes from its XML
+    name: str | None = None
+
+    def key(self) -> tuple[str, str]:
+        return (self.classname, self.name) if self.classname is not None else split_nodeid(self.nodeid)
 
 
 @dataclass
@@ -105,6 +135,9 @@ class Proc:
     xml: str | None
     record: list = field(default_factory=list)
     timed_out: bool = False
+    hung: str | None = None  # the test killed for running past --hang-timeout-s
+    cut: bool = False  # killed because the step's time budget ran out (not a limit of its own)
+    collected: list | None = None  # the node ids it collected (None: it died before that)
 
 
 def signal_name(sig: int) -> str:
@@ -115,10 +148,66 @@ def signal_name(sig: int) -> str:
 
 
 def split_nodeid(nodeid: str) -> tuple[str, str]:
-    """(classname, name) as pytest's junitxml writes them: tests/a/test_x.py::C::t -> tests.a.test_x.C, t."""
-    parts = nodeid.split("::")
+    """(classname, name) as pytest's junitxml writes them: tests/a/test_x.py::C::t[p] -> tests.a.test_x.C, t[p]."""
+    path, bracket, params = nodeid.partition("[")
+    parts = path.split("::")
     mod = parts[0].removesuffix(".py")
-    return ".".join([mod.replace("/", ".").lstrip(".")] + parts[1:-1]), parts[-1]
+    return ".".join([mod.replace("/", ".").lstrip(".")] + parts[1:-1]), parts[-1] + bracket + params
+
+
+def how_it_ended(p: Proc, hang_s: float) -> str:
+    if p.hung:
+        return f"was killed: a test ran past {hang_s:.0f}s"
+    if p.timed_out:
+        return "was cut off: the step's time budget ran out" if p.cut else "timed out"
+    return f"died by {signal_name(p.signal)}" if p.signal else f"exited {p.rc} without junit XML"
+
+
+def targets_for(rest: list[str], ids: list[str]) -> list[str]:
+    """What to pass pytest to run `rest` (in order): a file's path where all its tests in `ids` are
+    left (-m selects them again; shorter than their node ids), the node ids elsewhere."""
+    by_file: dict[str, list[str]] = {}
+    for i in ids:
+        by_file.setdefault(i.split("::")[0], []).append(i)
+    left, out, seen = set(rest), [], set()
+    for i in rest:
+        f = i.split("::")[0]
+        if "::" in i and all(j in left for j in by_file.get(f, [i])):
+            if f not in seen:
+                seen.add(f)
+                out.append(f)
+        else:
+            out.append(i)
+    return out
+
+
+class RecordTail:
+    """Follows a record file while its process runs: which test is running, and since when."""
+
+    def __init__(self, path: str):
+        self.path, self.pos, self.part = path, 0, b""
+        self.running: str | None = None
+        self.since = 0.0
+
+    def poll(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self.pos += len(data)
+        lines = (self.part + data).split(b"\n")
+        self.part = lines.pop()
+        for line in lines:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("event") == "start":
+                self.running, self.since = r["nodeid"], time.monotonic()
+            elif r.get("event") == "report" and r.get("when") == "teardown" and r.get("nodeid") == self.running:
+                self.running = None
 
 
 class Runner:
@@ -131,14 +220,19 @@ class Runner:
         self.n = 0
         self.sections: list[tuple[str, str]] = []
         self.cases: list[Case] = []
+        self.expected: dict[str, None] = {}  # every node id collected, in order: the ones without a case did not run
         self.backtraces = 0
         self.child_log = None
+        self.child_record = None  # the running process's record, read if this runner is stopped
         self.child = None  # the running process (its group is killed if this runner is stopped)
-        self.pending_bt: list[Case] = []  # crashed tests to run under the debugger at the end
+        self.pending_bt: list[tuple[str, Case]] = []  # (rootdir, crashed test) to run under the debugger at the end
         self.last_native = ""  # where the last debugger run stopped: its signal and innermost frames
         self.python = args.python or sys.executable
         self.has_timeout = importlib.util.find_spec("pytest_timeout") is not None
         self.debugger = None if args.no_backtrace else (shutil.which("cuda-gdb") or shutil.which("gdb"))
+        self.first = list(getattr(args, "first", None) or ["tests/gpu/"])
+        hang = getattr(args, "hang_timeout_s", None)
+        self.hang_s = hang if hang is not None else (args.test_timeout_s + 30 if args.test_timeout_s > 0 else 0)
 
     # -- time -------------------------------------------------------------------------------------
     def left(self) -> float:
@@ -153,33 +247,52 @@ class Runner:
         env["PYTHONPATH"] = HERE + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["PYTHONFAULTHANDLER"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
+        env[FIRST_ENV] = "\n".join(self.first)
         env.pop(RECORD_ENV, None)
         if record:
             env[RECORD_ENV] = record
         return env
 
     def pytest_cmd(self, targets: list[str], xml: str | None, verbose: bool = True) -> list[str]:
+        # --continue-on-collection-errors: a module that fails to import is one error, not the whole run.
         cmd = [self.python, "-X", "faulthandler", "-m", "pytest", *targets, "-m", self.a.marker,
-               "-p", "no:cacheprovider", "-p", "_suite_tests", "--rootdir", self.root, "-rs"]
+               "-p", "no:cacheprovider", "-p", "_suite_tests", "--rootdir", self.root, "-rs",
+               "--continue-on-collection-errors"]
         cmd.append("-v" if verbose else "-q")
         if xml:
             cmd.append(f"--junitxml={xml}")
         if self.has_timeout and self.a.test_timeout_s > 0:
+            if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+                cmd += ["-p", "pytest_timeout"]
             cmd.append(f"--timeout={self.a.test_timeout_s}")
         return cmd + list(self.a.pytest_arg or [])
 
-    def spawn(self, cmd: list[str], timeout: float, record: str | None = None) -> tuple[int | None, str, float, bool]:
-        """Runs cmd in its own process group (killed as a whole at the limit); (rc, output, seconds, timed_out)."""
+    def spawn(self, cmd: list[str], timeout: float, record: str | None = None,
+              hang_s: float = 0.0) -> tuple[int | None, str, float, bool, str | None]:
+        """Runs cmd in its own process group (killed as a whole at the limit, or when the test its record
+        names has run past hang_s); (rc, output, seconds, timed_out, the test that hung or None)."""
         t = time.monotonic()
+        deadline = t + max(1.0, timeout)
+        tail = RecordTail(record) if record and hang_s > 0 else None
         log_path = os.path.join(self.work, f"p{self.n}.log")
+        hung = None
         with open(log_path, "wb") as log:
             p = subprocess.Popen(cmd, cwd=self.root, env=self.env(record), stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, **NEW_GROUP)
-            self.child, self.child_log = p.pid, log_path
+            self.child, self.child_log, self.child_record = p.pid, log_path, record
             timed_out = False
-            try:
-                rc = p.wait(timeout=max(1.0, timeout))
-            except subprocess.TimeoutExpired:
+            while True:
+                try:
+                    rc = p.wait(timeout=max(0.05, min(0.5, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if tail is not None:
+                    tail.poll()
+                    if tail.running is not None and time.monotonic() - tail.since > hang_s:
+                        hung = tail.running
+                if hung is None and time.monotonic() < deadline:
+                    continue
                 timed_out = True
                 # SIGABRT first: faulthandler then prints every thread's Python stack into the log.
                 for sig, wait in ((signal.SIGABRT, 5), (signal.SIGKILL, 10)):
@@ -193,30 +306,35 @@ class Runner:
                     except subprocess.TimeoutExpired:
                         continue
                 rc = None
+                break
             self.child = None
         with open(log_path, "rb") as f:
             out = f.read().decode("utf-8", "replace")
-        return rc, out, time.monotonic() - t, timed_out
+        return rc, out, time.monotonic() - t, timed_out, hung
 
     def run_pytest(self, targets: list[str], label: str) -> Proc:
         self.n += 1
         xml = os.path.join(self.work, f"p{self.n}.xml")
         record = os.path.join(self.work, f"p{self.n}.jsonl")
-        limit = min(self.a.file_timeout_s, self.left())
+        left, own = self.left(), self.a.process_timeout_s
+        limit = min(own, left) if own > 0 else left
         cmd = self.pytest_cmd(targets, xml)
-        rc, out, secs, timed_out = self.spawn(cmd, limit, record)
+        rc, out, secs, timed_out, hung = self.spawn(cmd, limit, record, self.hang_s)
         sig = -rc if rc is not None and rc < 0 else None
-        how = (f"TIMED OUT after {limit:.0f}s" if timed_out else
+        cut = timed_out and not hung and (own <= 0 or left <= own)
+        how = (f"TIMED OUT: {hung.split('::', 1)[-1]} ran past {self.hang_s:.0f}s" if hung else
+               f"TIMED OUT after {limit:.0f}s" + (", the step's budget" if cut else "") if timed_out else
                f"killed by {signal_name(sig)}" if sig else f"exit {rc}")
         head = f"{label} ({how}, {secs:.1f}s)"
         self.section(head, "$ " + " ".join(cmd) + "\n" + out)
         recs = []
         if os.path.exists(record):
-            for line in open(record, errors="replace"):
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:
-                    pass  # a line cut short by the crash
+            with open(record, errors="replace") as f:
+                for line in f:
+                    try:
+                        recs.append(json.loads(line))
+                    except ValueError:
+                        pass  # a line cut short by the crash
         ok_xml = None
         if os.path.exists(xml):
             try:
@@ -224,9 +342,10 @@ class Runner:
                 ok_xml = xml
             except ET.ParseError:
                 pass
-        self.say(f"{head}")
+        collected = next((r["nodeids"] for r in reversed(recs) if r.get("event") == "collected"), None)
+        self.say(f"{head}" + (f": collected {len(collected)} tests" if collected is not None else ""))
         return Proc(rc=None if timed_out else rc, signal=sig, seconds=secs, log=head, xml=ok_xml, record=recs,
-                    timed_out=timed_out)
+                    timed_out=timed_out, hung=hung, cut=cut, collected=collected)
 
     def section(self, header: str, text: str) -> None:
         if len(text) > MAX_SECTION_CHARS:
@@ -234,11 +353,11 @@ class Runner:
             text = text[:half] + f"\n... [{len(text) - 2 * half} characters cut] ...\n" + text[-half:]
         self.sections.append((header, text))
 
-    # -- collection -------------------------------------------------------------------------------
+    # -- collection (--per-file only: the one-process run records what it collected itself) ------
     def collect(self, paths: list[str]) -> dict[str, list[str]]:
         cmd = [self.python, "-m", "pytest", "--collect-only", "-q", "-m", self.a.marker, "-p", "no:cacheprovider",
                "--rootdir", self.root, *paths]
-        rc, out, secs, timed_out = self.spawn(cmd, min(self.a.collect_timeout_s, max(self.left(), 1)))
+        rc, out, secs, timed_out, _ = self.spawn(cmd, min(self.a.collect_timeout_s, max(self.left(), 1)))
         self.section(f"collection (exit {rc}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
         files: dict[str, list[str]] = {}
         for line in out.splitlines():
@@ -251,7 +370,7 @@ class Runner:
             self.cases.append(Case("<collection>", "error", why,
                                    "\n".join(errors + out.splitlines()[-LOG_TAIL_LINES:]), secs, log="collection"))
         self.say(f"collected {sum(map(len, files.values()))} tests in {len(files)} files ({secs:.1f}s)")
-        return files
+        return dict(sorted(files.items(), key=lambda kv: first_rank(kv[0] + "::", self.first)))
 
     # -- results ----------------------------------------------------------------------------------
     @staticmethod
@@ -285,12 +404,12 @@ class Runner:
         out = []
         for tc in ET.parse(path).getroot().iter("testcase"):
             cls, name = tc.get("classname", ""), tc.get("name", "")
-            c = Case(f"{cls}::{name}", "passed", time=float(tc.get("time", 0) or 0), log=log)
+            c = Case(f"{cls}::{name}", "passed", time=float(tc.get("time", 0) or 0), log=log,
+                     classname=cls, name=name)  # keep pytest's own names
             for kind, outcome in (("skipped", "skipped"), ("error", "error"), ("failure", "failed")):
                 el = tc.find(kind)
                 if el is not None:
                     c.outcome, c.message, c.text = outcome, el.get("message", ""), el.text or ""
-            c.classname, c.name = cls, name  # keep pytest's own names
             out.append(c)
         return out
 
@@ -314,7 +433,7 @@ class Runner:
         self.backtraces += 1
         self.n += 1
         cmd = debugger_cmd(self.debugger, self.pytest_cmd([nodeid], None, verbose=True))
-        rc, out, secs, timed_out = self.spawn(cmd, limit)
+        rc, out, secs, timed_out, _ = self.spawn(cmd, limit)
         head = f"{nodeid}: native backtrace, {os.path.basename(self.debugger)} " \
                f"({'TIMED OUT' if timed_out else f'exit {rc}'}, {secs:.1f}s)"
         self.section(head, "$ " + " ".join(cmd) + "\n" + out)
@@ -322,71 +441,90 @@ class Runner:
         self.last_native = native_stop(out)
         return head
 
-    def run_group(self, file: str, ids: list[str], targets: list[str], label: str, depth: int = 0) -> None:
-        """Runs `targets` (a file, or node ids) in one process; on a crash, isolates and continues."""
+    def run_group(self, ids: list[str] | None, targets: list[str], label: str, stalls: int = 0) -> None:
+        """Runs `targets` in one process; on a crash, isolates the running test and runs every test left in
+        one fresh process. ids: the tests expected (None: not known yet; the process records what it collects)."""
         if self.left() < self.a.min_left_s:
-            for i in ids:
-                self.cases.append(Case(i, "notrun", "not run: the time budget of the step was used up", log=""))
-            self.say(f"{label}: {len(ids)} tests not run (time budget)")
+            for i in ids or []:
+                self.cases.append(Case(i, "notrun", BUDGET_NOTRUN))
+            self.say(f"{label}: " + (f"{len(ids)} tests " if ids else "") + "not run (time budget)")
+            if ids is None:
+                self.cases.append(Case("<collection>", "notrun", BUDGET_NOTRUN))
             return
         p = self.run_pytest(targets, label)
-        broken = p.signal is not None or p.timed_out or p.xml is None
-        if not broken:
+        if p.collected is not None:
+            ids = p.collected
+            self.expected.update(dict.fromkeys(ids))
+        if not (p.signal is not None or p.timed_out or p.xml is None):
             self.cases += self.cases_from_xml(p.xml, p.log)
             return
+        how = how_it_ended(p, self.hang_s)
+        if p.collected is None:  # no record of what it meant to run: nothing to rerun by name
+            outcome = "notrun" if p.cut else "timeout" if p.timed_out else "crashed" if p.signal else "error"
+            self.cases.append(Case("<collection>", outcome, f"the process {how} before it had collected its tests",
+                                   self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log))
+            return  # any tests expected from an earlier process are "not run" at the end
         done, culprit = self.cases_from_record(p.record)
+        exit_case = Case(f"{(list(done) or ids or ['<session>'])[-1].split('::')[0]}::<process exit>",
+                         "timeout" if p.timed_out else "crashed", f"the process {how} after its tests had finished",
+                         self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log)
         if p.xml is not None:  # the session finished (XML written), then the process died: at exit
-            self.cases += self.cases_from_xml(p.xml, p.log)
-            done = {c.nodeid: c for c in self.cases}
-            culprit = None
-        else:
-            for c in done.values():
-                c.log = p.log
-            self.cases += done.values()
-        how = "timed out" if p.timed_out else (f"died by {signal_name(p.signal)}" if p.signal else
-                                               f"exited {p.rc} without junit XML")
+            self.cases += self.cases_from_xml(p.xml, p.log) + [exit_case]
+            return
+        for c in done.values():
+            c.log = p.log
+        self.cases += done.values()
         rest = [i for i in ids if i not in done and i != culprit]
         if culprit is not None:
             self.isolate_culprit(culprit, p, how, len(done))
-        elif not rest or (p.xml is not None):
-            # Every test finished, and then the process died (interpreter exit, destructors, atexit).
-            self.cases.append(Case(f"{file}::<process exit>", "timeout" if p.timed_out else "crashed",
-                                   f"the process {how} after its tests had finished",
-                                   self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log))
-            rest = []
+        elif not rest:  # every test finished, and then the process died (interpreter exit, destructors, atexit)
+            self.cases.append(exit_case)
+            return
         if not rest:
             return
-        if culprit is None or self.a.isolate or not p.record:
-            # Nothing tells which test killed it (before the first test, or no record): one process each.
-            why = "--isolate" if self.a.isolate and culprit is not None else f"{how} before its first test ended"
-            self.say(f"{label}: {why}; running its {len(rest)} remaining tests one per process")
+        if culprit is None:  # between two tests (a background thread?) or before the first one
+            stalls = 0 if done else stalls + 1
+            if stalls >= 2:
+                for i in rest:
+                    self.cases.append(Case(i, "notrun", f"not run: two processes in a row {how} before their "
+                                                        "first test", log=p.log))
+                self.say(f"{label}: {how} before its first test, twice; {len(rest)} tests not run")
+                return
+        if self.a.isolate:
+            self.say(f"{label}: --isolate; running its {len(rest)} remaining tests one per process")
             for i in rest:
                 self.run_one(i)
             return
-        self.run_group(file, rest, rest, f"{file}: the {len(rest)} tests after {culprit.split('::', 1)[-1]}", depth + 1)
+        after = f"after {culprit}" if culprit else f"left when the process {how}"
+        self.run_group(rest, targets_for(rest, ids), f"the {len(rest)} tests {after}", stalls)
 
     def run_one(self, nodeid: str) -> None:
         if self.left() < self.a.min_left_s:
-            self.cases.append(Case(nodeid, "notrun", "not run: the time budget of the step was used up"))
+            self.cases.append(Case(nodeid, "notrun", BUDGET_NOTRUN))
             return
         p = self.run_pytest([nodeid], f"{nodeid} (alone)")
         if p.xml is not None and p.signal is None and not p.timed_out:
             self.cases += self.cases_from_xml(p.xml, p.log)
             return
-        how = "timed out" if p.timed_out else (f"died by {signal_name(p.signal)}" if p.signal else
-                                               f"exited {p.rc} without junit XML")
-        c = Case(nodeid, "timeout" if p.timed_out else "crashed", f"{how} (run alone)",
-                 self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log)
+        how = how_it_ended(p, self.hang_s)
+        outcome = "notrun" if p.cut else "timeout" if p.timed_out else "crashed"
+        c = Case(nodeid, outcome, f"{how} (run alone)", self.crash_excerpt(p_log(self, p)), p.seconds, p.signal,
+                 p.log)
         self.cases.append(c)
         if p.signal and not p.timed_out:
-            self.pending_bt.append(c)
+            self.pending_bt.append((self.root, c))
 
     def isolate_culprit(self, nodeid: str, p: Proc, how: str, n_before: int) -> None:
         first = self.crash_excerpt(p_log(self, p))
         outcome = "timeout" if p.timed_out else "crashed"
         if p.timed_out:  # running it again alone would only hang again
-            self.cases.append(Case(nodeid, outcome, f"the process {how} while this test ran", first, p.seconds,
-                                   None, p.log))
+            if p.hung:
+                msg = f"ran past {self.hang_s:.0f}s (the runner's limit per test); its process was killed"
+            elif p.cut:
+                outcome, msg = "notrun", "cut off: the step's time budget ran out while it ran (no verdict on it)"
+            else:
+                msg = f"the process {how} while this test ran"
+            self.cases.append(Case(nodeid, outcome, msg, first, p.seconds, None, p.log))
             return
         if self.left() < self.a.min_left_s:
             self.cases.append(Case(nodeid, outcome, f"the process {how} while this test ran (not rerun: time budget)",
@@ -395,8 +533,7 @@ class Runner:
         q = self.run_pytest([nodeid], f"{nodeid} (alone, after the process {how} in it)")
         alone_broken = q.signal is not None or q.timed_out or q.xml is None
         if alone_broken:
-            alone = ("timed out" if q.timed_out else f"died by {signal_name(q.signal)}" if q.signal
-                     else f"exited {q.rc} without junit XML")
+            alone = how_it_ended(q, self.hang_s)
             msg = f"the process {how} while this test ran; alone it {alone} too"
             text = self.crash_excerpt(p_log(self, q))
             sig = q.signal or p.signal
@@ -409,9 +546,16 @@ class Runner:
         c = Case(nodeid, outcome, msg, text, p.seconds, sig, p.log)
         self.cases.append(c)
         if alone_broken and q.signal:
-            self.pending_bt.append(c)
+            self.pending_bt.append((self.root, c))
 
     # -- the whole run ----------------------------------------------------------------------------
+    def not_run_rest(self) -> None:
+        """A case for every collected test that has none: it never started."""
+        have = {c.key() for c in self.cases}
+        for i in self.expected:
+            if split_nodeid(i) not in have:
+                self.cases.append(Case(i, "notrun", "not run: the process meant to run it ended before it"))
+
     def stopped(self, signum, frame):
         """SIGTERM (the suite's `timeout`): end the running process group, keep what was recorded."""
         if self.child:
@@ -419,11 +563,32 @@ class Runner:
                 os.killpg(self.child, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        head = "the process running when the runner was stopped"
         if self.child_log and os.path.exists(self.child_log):
             with open(self.child_log, "rb") as f:
-                self.section("the process running when the runner was stopped", f.read().decode("utf-8", "replace"))
+                self.section(head, f.read().decode("utf-8", "replace"))
+        if self.child and self.child_record and os.path.exists(self.child_record):
+            # Keep the results of the tests that process finished (with every GPU test in one process, most of them).
+            with open(self.child_record, errors="replace") as f:
+                recs = []
+                for line in f:
+                    try:
+                        recs.append(json.loads(line))
+                    except ValueError:
+                        pass
+            for r in recs:
+                if r.get("event") == "collected":
+                    self.expected.update(dict.fromkeys(r["nodeids"]))
+            done, running = self.cases_from_record(recs)
+            for c in done.values():
+                c.log = head
+            self.cases += done.values()
+            if running:
+                self.cases.append(Case(running, "notrun", f"cut off: the runner was stopped by {signal_name(signum)} "
+                                                          "while it ran", log=head))
         self.cases.append(Case("<runner>", "timeout", f"the runner was stopped by {signal_name(signum)}; "
                                "the tests not recorded here did not run"))
+        self.not_run_rest()
         write_xml(self.cases, self.a.xml, self.a.marker)
         write_log(self.sections, self.a.log, f"per-process logs of `{self.a.marker}` tests (stopped)")
         os._exit(124)
@@ -433,28 +598,30 @@ class Runner:
         bt = self.debugger or ("off" if self.a.no_backtrace else "no cuda-gdb/gdb on PATH")
         self.say(f"python {self.python}; marker {self.a.marker!r}; pytest-timeout "
                  f"{f'--timeout={self.a.test_timeout_s}' if self.has_timeout else 'not installed'}; "
-                 f"native backtraces: {bt}; "
-                 f"budget {self.a.budget_s:.0f}s")
-        files = {}
+                 f"hang limit {f'{self.hang_s:.0f}s' if self.hang_s > 0 else 'off'}; native backtraces: {bt}; "
+                 f"first: {', '.join(self.first)}; budget {self.a.budget_s:.0f}s; "
+                 + ("one process per file" if self.a.per_file else "one process for all"))
         for root, paths in roots_of(self.a.root, self.a.paths).items():
             self.root = root  # pytest's rootdir and cwd: node ids are relative to it
-            group = self.collect(paths)
-            files.update(group)
-            for file, ids in group.items():
-                self.run_group(file, ids, [file], file)
-            # The debugger runs last (each can take minutes): every test file runs first.
-            for c in self.pending_bt:
-                self.last_native = ""
-                head = self.backtrace(c.nodeid)
-                if head:
-                    c.message += f"; native backtrace: {head}"
-                    c.text = self.last_native + c.text
-            self.pending_bt = []
+            if self.a.per_file:
+                for file, ids in self.collect(paths).items():
+                    self.expected.update(dict.fromkeys(ids))
+                    self.run_group(ids, [file], file)
+            else:
+                self.run_group(None, paths, f"{' '.join(paths)}: every `{self.a.marker}` test, one process")
+        # The debugger runs last (each run can take minutes), when the budget allows: every test runs first.
+        for root, c in self.pending_bt:
+            self.root, self.last_native = root, ""
+            head = self.backtrace(c.nodeid)
+            if head:
+                c.message += f"; native backtrace: {head}"
+                c.text = self.last_native + c.text
+        self.not_run_rest()
         write_xml(self.cases, self.a.xml, self.a.marker)
         write_log(self.sections, self.a.log, f"per-process logs of `{self.a.marker}` tests")
         counts = count_cases(self.cases)
         self.say("result: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v or k == "tests"))
-        if not files and not self.cases:
+        if not self.expected and not self.cases:
             return 5
         return 0 if counts["tests"] == counts["passed"] + counts["skipped"] else 1
 
@@ -667,7 +834,7 @@ def diagnose(args) -> int:
             lines.append(f"- {label}: not run (time budget)")
             continue
         r.n += 1
-        rc, out, secs, timed_out = r.spawn(cmd, min(args.backtrace_timeout_s, left - 5))
+        rc, out, secs, timed_out, _ = r.spawn(cmd, min(args.backtrace_timeout_s, left - 5))
         how = ("TIMED OUT" if timed_out else
                f"killed by {signal_name(-rc)}" if rc is not None and rc < 0 else f"exit {rc}")
         r.section(f"diagnose: {label} ({how}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
@@ -700,15 +867,23 @@ def main(argv=None) -> int:
         p.add_argument("--no-backtrace", action="store_true", help="never run cuda-gdb/gdb")
         p.add_argument("--pytest-arg", action="append", help="one more argument for every pytest process")
 
-    p = sub.add_parser("run", help="run the tests under PATHS file by file, isolating crashes")
+    p = sub.add_parser("run", help="run the tests under PATHS in one process, isolating crashes")
     common(p)
     p.add_argument("paths", nargs="+")
     p.add_argument("--xml", required=True, help="the merged junit XML to write")
-    p.add_argument("--file-timeout-s", type=float, default=300, help="one process's limit")
-    p.add_argument("--collect-timeout-s", type=float, default=120)
+    p.add_argument("--first", action="append",
+                   help="a node id prefix whose tests run first (repeatable, in order; default: tests/gpu/)")
+    p.add_argument("--process-timeout-s", "--file-timeout-s", type=float, default=0,
+                   help="one process's own limit (default 0: none but what is left of the budget)")
+    p.add_argument("--hang-timeout-s", type=float, default=None,
+                   help="kill the process when one test runs longer (default: --test-timeout-s + 30; 0: never)")
     p.add_argument("--min-left-s", type=float, default=10, help="start no process with less of the budget left")
     p.add_argument("--max-backtraces", type=int, default=2)
-    p.add_argument("--isolate", action="store_true", help="after a crash, run every remaining test of the file alone")
+    p.add_argument("--isolate", action="store_true",
+                   help="after a crash, run every test left in a process of its own (each pays the start-up)")
+    p.add_argument("--per-file", action="store_true",
+                   help="one process per test file, after a separate --collect-only process (the old way)")
+    p.add_argument("--collect-timeout-s", type=float, default=120, help="--per-file's collection limit")
     p.add_argument("--summary", default=None, help="also write the markdown section here")
     p = sub.add_parser("diagnose", help="the crash hunt's runs (logs only)")
     common(p)
