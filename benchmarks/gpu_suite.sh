@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite: one command that builds ckpt_offload on the GPU machine, runs the GPU tests (file
-# by file, so that a crash costs one test), the CPU test suite, the bandwidth, disk-tier, hot-path,
+# The GPU suite: one command that builds ckpt_offload on the GPU machine, runs the GPU tests (all
+# in one pytest process, a crash costing one test), the CPU test suite, the bandwidth, disk-tier, hot-path,
 # overlap and planner benchmarks, the long-context benchmark and the demo (when they exist), and
 # writes the results into OUT_DIR.
 #
@@ -15,11 +15,12 @@
 #   suite.log      everything printed by every step (also on stdout)
 #   summary.md     one page: environment, step table, every failing or crashed test with ~8 lines
 #                  of its message, bandwidth / disk / hot-path / overlap / planner headlines
-#   test_logs.txt  the test logs as text, one section per process under a "=====" header: each
-#                  GPU test file's `pytest -v` output, each crashed test's run alone and its native
-#                  backtrace (cuda-gdb or gdb), the diagnose runs, the CPU suite's output
-#   gpu_tests.xml  junit XML of every `gpu` test, merged from one process per file; a crashed test
-#                  is an <error type="crashed" signal="11"> holding faulthandler's output and the log's tail
+#   test_logs.txt  the test logs as text, one section per process under a "=====" header: the GPU
+#                  tests' `pytest -v` output (one process, one more after each crash), each crashed
+#                  test's run alone and its native backtrace (cuda-gdb or gdb), the diagnose runs,
+#                  the CPU suite's output
+#   gpu_tests.xml  junit XML of every `gpu` test, merged from those processes; a crashed test is an
+#                  <error type="crashed" signal="11"> holding faulthandler's output and the log's tail
 #   cpu_tests.xml  junit XML of `pytest tests -m "not gpu" --maxfail=25`
 #   bandwidth.md, overlap.md   the benchmarks' tables
 #   extras.tar.gz  the rest, packed: extras/build.log, extras/bandwidth.json, extras/overlap.json,
@@ -55,8 +56,10 @@
 # STORE_DTYPE_TRAIN_STEPS, default 100, STORE_DTYPE_BUDGET_S, default 300), OVERLAP_BUDGET_S (45: the old overlap benchmark is now a small check), PLANNER_BUDGET_S (60: the
 # planner sweep's rows stop there; skipped when less than that is left after a 100 s reserve for
 # the demo), LONG_CONTEXT_BUDGET_S (150: long_context.py --budget-s; its step cap is 60 s more), GPU_TESTS_BUDGET_S (200), GPU_TEST_TIMEOUT_S (120, per
-# test, through pytest-timeout), GPU_TESTS_ISOLATE=1 (after a crash, run every remaining test of
-# that file in a process of its own instead of the rest of the file in one), GPU_TEST_PATHS
+# test, through pytest-timeout; a test still running 30 s later has its process killed),
+# GPU_TESTS_ISOLATE=1 (after a crash, run every test left in a process of its own instead of all of
+# them in one; each pays torch's start-up, 30-40 s on the H200), GPU_TESTS_PER_FILE=1 (one process
+# per test file after a separate collection, the old way: 3 of 15 files ran in a 240 s step there), GPU_TEST_PATHS
 # (default "tests": where the gpu_tests step collects `-m gpu` tests), CPU_TEST_PATHS (default
 # "tests": what the cpu_tests step runs; both lists are for trying the suite), CPU_TESTS_BUDGET_S (200),
 # CPU_MAXFAIL (25), CPU_TESTS_BESIDE (default 1 on 8 cores or more: the CPU suite runs at the
@@ -81,7 +84,8 @@ Steps, in the order they run (environment, gpu_present and the summary always ru
   diagnose      OFF by default (on with --only diagnose or DIAGNOSE=1): the crash hunt's runs,
                 each test alone, plainly, under cuda-gdb/gdb (every thread's backtrace) and
                 under compute-sanitizer memcheck; output in test_logs.txt
-  gpu_tests     every `gpu` test, one process per file, a crashed test rerun alone -> gpu_tests.xml
+  gpu_tests     every `gpu` test (tests/gpu/ first) in one process; a crashed test rerun
+                alone, the tests left in one fresh process -> gpu_tests.xml
   cpu_tests     pytest tests -m "not gpu" --maxfail=25 -> cpu_tests.xml
   bandwidth     benchmarks/bandwidth.py
   disk_tier     benchmarks/disk_tier.py
@@ -409,14 +413,16 @@ EOF
     not_selected cpu_tests
   fi
 
-  # One process per test file (benchmarks/_suite_tests.py): a crash loses one test, not the rest.
+  # Every GPU test in one process (benchmarks/_suite_tests.py): torch's start-up is paid once, and
+  # a crash still loses one test, not the rest.
   if want gpu_tests; then
-    ISOLATE=()
-    if [ "${GPU_TESTS_ISOLATE:-0}" = "1" ]; then ISOLATE=(--isolate); fi
+    GPU_RUN_ARGS=()
+    if [ "${GPU_TESTS_ISOLATE:-0}" = "1" ]; then GPU_RUN_ARGS+=(--isolate); fi
+    if [ "${GPU_TESTS_PER_FILE:-0}" = "1" ]; then GPU_RUN_ARGS+=(--per-file); fi
     # shellcheck disable=SC2086  # GPU_TEST_PATHS is a space-separated list of paths
     step gpu_tests "${GPU_TESTS_BUDGET_S:-200}" - "$PY" benchmarks/_suite_tests.py run --root "$REPO" \
       --work "$WORK/gpu_tests" --xml "$OUT/gpu_tests.xml" --log "$LOGS/2-gpu_tests.txt" --marker gpu \
-      --test-timeout-s "${GPU_TEST_TIMEOUT_S:-120}" "${ISOLATE[@]}" ${GPU_TEST_PATHS:-tests}
+      --test-timeout-s "${GPU_TEST_TIMEOUT_S:-120}" "${GPU_RUN_ARGS[@]}" ${GPU_TEST_PATHS:-tests}
     if [ "$LAST_RC" -eq 5 ]; then note_last gpu_tests "no GPU tests were collected"; fi
     if [ "$LAST_RC" -eq 0 ] && [ "$TORCH_GPU" != "1" ]; then note_last gpu_tests "all skipped: no GPU"; fi
   else
