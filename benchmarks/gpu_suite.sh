@@ -63,8 +63,9 @@
 # (default "tests": where the gpu_tests step collects `-m gpu` tests), CPU_TEST_PATHS (default
 # "tests": what the cpu_tests step runs; both lists are for trying the suite), CPU_TESTS_BUDGET_S (200),
 # CPU_MAXFAIL (25), CPU_TESTS_BESIDE (default 1 on 8 cores or more: the CPU suite runs at the
-# same time as the GPU tests; 0: after them), CPU_TESTS_WORKERS (default: 4 pytest-xdist workers when xdist is installed and
-# there are 8 cores or more, else 0 = one process), DIAG_RUN_TIMEOUT_S (150, each diagnose run),
+# same time as the GPU tests; 0: after them), CPU_TESTS_WORKERS (default, with pytest-xdist and 8 cores
+# or more: beside the GPU tests half the cores minus 2, at least 4, so the GPU tests' process is not
+# starved (6 on 16 cores); after them 4; else 0 = one process), DIAG_RUN_TIMEOUT_S (150, each diagnose run),
 # DIAG_TARGETS ("NODEID [pytest args];..." to diagnose instead of the built-in list),
 # SPILL_DIR (/tmp).
 
@@ -380,10 +381,22 @@ EOF
   if want cpu_tests; then
     CPU_ARGS=(-q -rfE -m "not gpu" -p no:cacheprovider --maxfail="${CPU_MAXFAIL:-25}" --junitxml="$OUT/cpu_tests.xml")
     if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then CPU_ARGS+=(--timeout="${CPU_TEST_TIMEOUT_S:-120}"); fi
+    # With cores to spare the CPU suite runs beside the GPU tests (one process at a time on the
+    # GPU), which halves the tests' wall time; never beside the benchmarks, which time things.
+    cores=$(nproc 2>/dev/null || echo 1)
+    beside=${CPU_TESTS_BESIDE:-auto}
+    if [ "$beside" = "auto" ]; then
+      beside=0
+      if [ "$cores" -ge 8 ] && want gpu_tests; then beside=1; fi
+    fi
     workers=${CPU_TESTS_WORKERS:-auto}
     if [ "$workers" = "auto" ]; then
       workers=0
-      if "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$(nproc 2>/dev/null || echo 1)" -ge 8 ]; then workers=4; fi
+      if "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$cores" -ge 8 ]; then
+        workers=4
+        # Beside the GPU tests: leave their one process (and the GPU's driver threads) cores of their own.
+        if [ "$beside" = "1" ] && [ $((cores / 2 - 2)) -gt 4 ]; then workers=$((cores / 2 - 2)); fi
+      fi
     fi
     # pytest-xdist starts fresh interpreters (no fork); a worker that crashes is replaced and its
     # test reported as failed. --dist loadfile keeps each file's tests, in order, in one worker.
@@ -392,13 +405,6 @@ EOF
     CPU_CMD=("$PY" -X faulthandler -m pytest ${CPU_TEST_PATHS:-tests} "${CPU_ARGS[@]}")
     # At its time limit it gets SIGINT (STEP_SIGNAL=INT below): pytest then stops like on Ctrl-C and
     # still writes cpu_tests.xml with every test that ran.
-    # With cores to spare the CPU suite runs beside the GPU tests (one process at a time on the
-    # GPU), which halves the tests' wall time; never beside the benchmarks, which time things.
-    beside=${CPU_TESTS_BESIDE:-auto}
-    if [ "$beside" = "auto" ]; then
-      beside=0
-      if [ "$(nproc 2>/dev/null || echo 1)" -ge 8 ] && want gpu_tests; then beside=1; fi
-    fi
     if [ "$beside" = "1" ]; then
       echo
       echo "=== [cpu_tests] starts beside gpu_tests (CPU_TESTS_BESIDE=1); its lines follow when it ends"
