@@ -62,7 +62,8 @@
 # per test file after a separate collection, the old way: 3 of 15 files ran in a 240 s step there), GPU_TEST_PATHS
 # (default "tests": where the gpu_tests step collects `-m gpu` tests), CPU_TEST_PATHS (default
 # "tests": what the cpu_tests step runs; both lists are for trying the suite), CPU_TESTS_BUDGET_S (200),
-# CPU_MAXFAIL (25), CPU_TESTS_BESIDE (default 1 on 8 cores or more: the CPU suite runs at the
+# CPU_MAXFAIL (25), CPU_TESTS_THREADS (torch's threads per CPU test worker; default: the cores over workers + 1,
+# when there are workers), CPU_TESTS_BESIDE (default 1 on 8 cores or more: the CPU suite runs at the
 # same time as the GPU tests; 0: after them), CPU_TESTS_WORKERS (default, with pytest-xdist and 8 cores
 # or more: beside the GPU tests half the cores minus 2, at least 4, so the GPU tests' process is not
 # starved (6 on 16 cores); after them 4; else 0 = one process), DIAG_RUN_TIMEOUT_S (150, each diagnose run),
@@ -401,8 +402,15 @@ EOF
     # pytest-xdist starts fresh interpreters (no fork); a worker that crashes is replaced and its
     # test reported as failed. --dist loadfile keeps each file's tests, in order, in one worker.
     if [ "$workers" -gt 0 ]; then CPU_ARGS+=(-n "$workers" --dist loadfile); fi
+    # Each worker (and every subprocess a test starts) would otherwise run torch's ops on one thread
+    # per core: 6 workers x 16 threads on 16 cores. The CPU tests' tensors are tiny; a share of the
+    # cores each (CPU_TESTS_THREADS) keeps them from fighting over the cores.
+    threads=${CPU_TESTS_THREADS:-$(( workers > 0 ? (cores / (workers + 1) > 1 ? cores / (workers + 1) : 1) : 0 ))}
+    THREAD_ENV=()
+    if [ "$threads" -gt 0 ]; then THREAD_ENV=(env "OMP_NUM_THREADS=$threads" "MKL_NUM_THREADS=$threads"); fi
     # shellcheck disable=SC2086  # CPU_TEST_PATHS is a space-separated list of paths
-    CPU_CMD=("$PY" -X faulthandler -m pytest ${CPU_TEST_PATHS:-tests} "${CPU_ARGS[@]}")
+    CPU_CMD=("${THREAD_ENV[@]}" "$PY" -X faulthandler -m pytest ${CPU_TEST_PATHS:-tests} "${CPU_ARGS[@]}")
+    echo "cpu_tests: ${workers} xdist workers$([ "$threads" -gt 0 ] && echo ", OMP_NUM_THREADS=$threads")"
     # At its time limit it gets SIGINT (STEP_SIGNAL=INT below): pytest then stops like on Ctrl-C and
     # still writes cpu_tests.xml with every test that ran.
     if [ "$beside" = "1" ]; then
