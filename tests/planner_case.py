@@ -52,6 +52,17 @@ class PlannerCase:
         self.model.zero_grad(set_to_none=True)
         return g
 
+    def timeline(self, units, options):
+        """The SavedTimeline of a drained step (after a warm-up one) with ``units`` applied with
+        ``options`` (apply_units' offload options, or None)."""
+        handle = apply_units(self.model, self.named, units, options)
+        try:
+            self.drained_step()
+            return saved_activation_peak(self.drained_step)
+        finally:
+            handle.remove()
+            self.model.zero_grad(set_to_none=True)
+
     def measured(self, units, prefetch, grads: bool = True):
         """The measured peak of saved activations of a drained step with ``units`` applied, and
         with ``grads`` the gradients of a step under them: ``(peak, gradients)``."""

@@ -34,7 +34,6 @@ from ckpt_offload.planner import (
 )
 from ckpt_offload.planner.solver import chain_dp, chain_exhaustive, rotor, solve
 from ckpt_offload.planner.simulator import singles
-from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.solver import baselines, chain_cost, evaluate, first_k_units
 
 from conftest import assert_bit_identical, grads_of
@@ -158,14 +157,7 @@ def test_measure_reads_the_hosts_copy_ranges_only(tiny, monkeypatch):
         return events + twins
 
     monkeypatch.setattr(measure, "_trace_events", with_device_twins)
-    handle = apply_units(tiny.model, tiny.named, singles(["offload"] * len(tiny.named)),
-                         dict(CPU_ALL, prefetch_bytes=200_000))
-    try:
-        tiny.drained_step()
-        twinned = saved_activation_peak(tiny.drained_step)
-    finally:
-        handle.remove()
-        tiny.model.zero_grad(set_to_none=True)
+    twinned = tiny.timeline(singles(["offload"] * len(tiny.named)), dict(CPU_ALL, prefetch_bytes=200_000))
     host = measure._saved_timeline(seen["host"], "cpu")
     assert any(a[3] == "reload" for a in host.allocations)
     assert (twinned.peak_bytes, twinned.allocations) == (host.peak_bytes, host.allocations)
@@ -591,16 +583,7 @@ def test_recompute_range_holds_only_recomputed_saved_tensors(tiny):
     # What a recompute leaves alive when its range ends is exactly the block's saved storages less
     # its input: torch's early stop raises through the block, and the frames of that exception
     # (holding the last op's output) are dropped before the range ends.
-    from ckpt_offload.blocks import select_blocks as _select_blocks
-
-    units = singles(["recompute"] * len(tiny.named))
-    handle = apply_units(tiny.model, _select_blocks(tiny.model, None), units, None)
-    try:
-        tiny.drained_step()
-        timeline = saved_activation_peak(tiny.drained_step)
-    finally:
-        handle.remove()
-        tiny.model.zero_grad(set_to_none=True)
+    timeline = tiny.timeline(singles(["recompute"] * len(tiny.named)), None)
     recomputed = sum(a[2] for a in timeline.allocations if a[3] == "recompute")
     expected = sum(s.nbytes for b in tiny.costs.blocks for s in b.storages if not s.is_input)
     assert recomputed == expected
