@@ -11,6 +11,7 @@ and an @reproduce_failure line to replay it.
 
 from __future__ import annotations
 
+import gc
 import math
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 import ckpt_offload as co  # noqa: E402
 from ckpt_offload.pool import MIN_MAX_BYTES  # noqa: E402
-from conftest import cpu_offload, hypothesis_examples, nonzero  # noqa: E402
+from conftest import cpu_offload, hypothesis_examples, nonzero, run_a_backward  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 # Gradients are compared as raw bits: NaN and -0.0 included, nothing is "close enough".
@@ -47,13 +48,27 @@ def assert_same_bits(ref: list, got: list, what: str):
 @pytest.fixture(scope="module")
 def shared_pool():
     """One pool for every example (a fresh 64 MiB segment per example would dominate the time);
-    each example checks that the bytes it used came back."""
+    each example checks that the bytes it used came back. Pageable, and passed to every example
+    that offloads: the default pool is pinned on a GPU machine, where the examples would otherwise
+    pin host memory (and start a CUDA context) to test the same CPU path."""
     return co.HostPool(pinned=False, segment_bytes=1 << 20)
 
 
 def _settle():
     co.synchronize()
     co._C.poll()
+
+
+def _assert_drained(pool, start: int):
+    """The example gave back every byte it took from ``pool`` (a graph held only by a reference
+    cycle, an exception's traceback, is collected first, and after a backward that raised the
+    nodes torch's engine still holds are released by another backward)."""
+    _settle()
+    if pool.stats()["bytes_in_use"] != start:
+        gc.collect()
+        run_a_backward()
+        _settle()
+    assert pool.stats()["bytes_in_use"] == start, "a block outlived its graph"
 
 
 # --- random autograd graphs -----------------------------------------------------------------
@@ -293,7 +308,7 @@ def chunk_cases(draw):
 
 @settings(max_examples=hypothesis_examples(200))
 @given(c=chunk_cases())
-def test_chunked_views_come_back_as_the_storage_dtype_promises(c):
+def test_chunked_views_come_back_as_the_storage_dtype_promises(c, shared_pool):
     """q, k, v-like chunks of one activation, of unequal magnitudes, with infinities and NaN: each
     saved chunk comes back as its own conversion says, and gradients are as finite as without
     offload."""
@@ -309,7 +324,8 @@ def test_chunked_views_come_back_as_the_storage_dtype_promises(c):
         flat[i % flat.numel()] = float(v)
     leaf = base.to(c["dtype"]).requires_grad_()
     ws = [torch.ones(p.shape, dtype=c["dtype"], requires_grad=True) for p in parts]
-    with cpu_offload(store_dtype=c["store"]) as ctx:
+    start = shared_pool.stats()["bytes_in_use"]
+    with cpu_offload(shared_pool, store_dtype=c["store"]) as ctx:
         views = (leaf * 1).chunk(c["chunks"], c["dim"])
         y = sum((v * w).sum() for v, w in zip(views, ws))  # w.grad is the saved view, as unpacked
     y.backward()
@@ -318,6 +334,8 @@ def test_chunked_views_come_back_as_the_storage_dtype_promises(c):
         ref = _stored(v.detach(), c["store"])
         assert _same_values(w.grad, ref), f"chunk {i}: {w.grad} != {ref}"
         assert torch.equal(torch.isfinite(w.grad), torch.isfinite(ref))
+    del views, y
+    _assert_drained(shared_pool, start)
 
 
 # --- random checkpointed models -------------------------------------------------------------
@@ -679,18 +697,19 @@ _plan_options = st.fixed_dictionaries({
 
 @settings(max_examples=hypothesis_examples(8))
 @given(c=h_cases(), o=_plan_options)
-def test_random_plans_never_change_loss_gradients_or_state(c, o):
+def test_random_plans_never_change_loss_gradients_or_state(c, o, shared_pool):
     from ckpt_offload.blocks import select_blocks as _select_blocks
     from ckpt_offload.planner import Bandwidth, measure_costs, simulate
     from ckpt_offload.planner.simulator import singles
 
     (ref_model, planned, probe), x = _h_models(c, 3)
+    start = shared_pool.stats()["bytes_in_use"]
     ref = _h_step(ref_model, x)
     costs = measure_costs(lambda: probe(x).backward(), _select_blocks(probe, None), "cpu",
                           bandwidth=Bandwidth(math.inf, math.inf, 0.0), min_bytes=0)
     full = simulate(costs, singles(["keep"] * len(costs.blocks))).peak_bytes
-    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0}, kinds=o["kinds"], levels=o["levels"],
-                segments=o["segments"], costs=costs)
+    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0, "pool": shared_pool}, kinds=o["kinds"],
+                levels=o["levels"], segments=o["segments"], costs=costs)
     try:
         plan = co.plan(planned, lambda: None, budget=max(1, int(full * o["fraction"])), **opts)
     except co.planner.InfeasibleBudget as e:
@@ -701,6 +720,7 @@ def test_random_plans_never_change_loss_gradients_or_state(c, o):
     finally:
         handle.remove()
     _assert_same_step(ref, got, f"plan {plan.choices}")
+    _assert_drained(shared_pool, start)
 
 
 _apply_options = st.one_of(
@@ -711,14 +731,15 @@ _apply_options = st.one_of(
 
 @settings(max_examples=hypothesis_examples(15))
 @given(c=h_cases(), o=_apply_options)
-def test_random_apply_options_never_change_loss_gradients_or_state(c, o):
+def test_random_apply_options_never_change_loss_gradients_or_state(c, o, shared_pool):
     if "every_n_layers" in o:
         # co.apply without segments is torch's checkpoint per block: it updates running statistics
         # in its recompute as torch's does (documented); the planner and segments refuse that.
         c.specs = [dict(s, bn=False) for s in c.specs]
     (ref_model, applied), x = _h_models(c, 2)
+    start = shared_pool.stats()["bytes_in_use"]
     ref = _h_step(ref_model, x)
-    offload = {"devices": ["cpu"], "min_bytes": 0} if o["offload"] else False
+    offload = {"devices": ["cpu"], "min_bytes": 0, "pool": shared_pool} if o["offload"] else False
     handle = co.apply(applied, layers=HBlock, offload=offload, **{k: v for k, v in o.items() if k != "offload"})
     try:
         got = _h_step(applied, x)
@@ -726,7 +747,9 @@ def test_random_apply_options_never_change_loss_gradients_or_state(c, o):
         msg = str(e)
         # ... or a segment over a block whose dict the model unpacks
         assert "in place" in msg or "inplace" in msg or "running statistics" in msg or "returns a dict" in msg, msg
-        return
+        got = None
     finally:
         handle.remove()
-    _assert_same_step(ref, got, f"co.apply({o})")
+    if got is not None:
+        _assert_same_step(ref, got, f"co.apply({o})")
+    _assert_drained(shared_pool, start)
