@@ -185,7 +185,8 @@ def test_co_checkpoint_nests():
 
     run_plain().square().sum().backward()
     reference = grads_of(layers) | {"x": x.grad.clone()}
-    options = {"devices": ["cpu"], "min_bytes": 0}
+    # A pageable pool on every machine (the default pool is pinned where a GPU is usable).
+    options = {"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)}
     for outer, inner in ((False, False), (options, False), (options, options)):
         layers.zero_grad(set_to_none=True)
         x.grad = None
