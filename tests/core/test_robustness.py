@@ -147,8 +147,9 @@ def _in_child(conn, fn, *args):
         conn.close()
 
 
-def run_forked(fn, *args, timeout=120):
-    """Runs fn(*args) in a child made by fork; fails (never hangs) when the child hangs or fails."""
+def _forked(fn, *args, timeout=120):
+    """Runs fn(*args) in a child made by fork: its traceback, None when it returned, or why it did
+    not (it hung: killed after `timeout` s; it died)."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_in_child, args=(child, fn, *args))
@@ -158,8 +159,13 @@ def run_forked(fn, *args, timeout=120):
     if p.is_alive():
         p.kill()
         p.join()
-        pytest.fail(f"the forked child hung ({timeout} s) running {fn.__name__}")
-    error = parent.recv() if parent.poll() else f"the child died with exit code {p.exitcode}"
+        return f"the forked child hung ({timeout} s) running {fn.__name__}"
+    return parent.recv() if parent.poll() else f"the child died with exit code {p.exitcode}"
+
+
+def run_forked(fn, *args, timeout=120):
+    """Runs fn(*args) in a child made by fork; fails (never hangs) when the child hangs or fails."""
+    error = _forked(fn, *args, timeout=timeout)
     assert error is None, error
 
 
@@ -173,16 +179,7 @@ def skip_unless_torch_runs_backward_after_fork():
     handle autograd's threading in combination with fork-based multiprocessing" in any child, with
     or without ckpt_offload. Probed, not guessed: the parent runs a backward, a child tries one."""
     _plain_backward()
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_in_child, args=(child, _plain_backward))
-    p.start()
-    child.close()
-    p.join(60)
-    if p.is_alive():
-        p.kill()
-        p.join()
-    error = parent.recv() if parent.poll() else None
+    error = _forked(_plain_backward, timeout=60)
     if error and "Autograd-and-Fork" in error:
         pytest.skip("torch refuses backward in a forked child here (autograd's device threads started: "
                     "a machine with a GPU); the same child without ckpt_offload fails alike")
