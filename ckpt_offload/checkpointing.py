@@ -24,7 +24,7 @@ from ckpt_offload._args import check_int, closest
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason
 from ckpt_offload.offloading import offload as offload_context
-from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options, check_offloads_something
+from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options, check_offloads_something, pool_free_key
 
 __all__ = ["checkpoint", "checkpoint_sequential", "run_checkpoint", "context_for", "TORCH_KEYWORDS",
            "check_checkpoint_keywords", "check_reentrant"]
@@ -110,7 +110,7 @@ def context_for(options: OffloadOptions, owner: "StatsCollector | None" = None) 
     The routes that get here (co.checkpoint, co.apply, co.hf, a plan) checked at the user's own
     line that these options offload something, so the contexts made here do not warn again."""
     pool = options.pool
-    key = options.replace(pool=None)  # frozen and hashable; the pool by identity below
+    key = pool_free_key(options)  # frozen and hashable; the pool by identity below
     if owner is not None:
         table, key = owner._table(), (key, id(pool))  # the context holds the pool: its id stays its own
     else:
@@ -134,7 +134,19 @@ def _as_positional(function, args, kwargs, before=None):
     would get wrong gradients instead of the "modified by an inplace operation" error. Handed
     over this way, each one is saved, so torch's own check sees the write; with offload, the
     active saved-tensor hooks (ours) hold them in the pool instead of on the device.
-    ``before``: called at the start of every run (the forward and the recompute)."""
+    ``before``: called at the start of every run (the forward and the recompute).
+
+    The usual call -- only tensors, by position -- is handed over as it is: no flatten, and no
+    unflatten in the forward and again in the recompute (Note [Fixed cost per call])."""
+    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+        if before is None:
+            return function, list(args)
+
+        def run_plain(*inputs):
+            before()
+            return function(*inputs)
+
+        return run_plain, list(args)
     leaves, spec = tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in positions]

@@ -42,10 +42,18 @@ STORE_DTYPES = tuple(getattr(torch, name) for name in _C.store_formats())
 ON_FULL_POLICIES = ("keep", "raise")
 
 
+_offloading_devices: set = set()  # devices arguments that select a device with tensors here
+
+
 def check_offloads_something(devices, route: str) -> None:
     """Warns at the user's line (once per call site) when ``devices`` (a co.offload ``devices``
     argument; None: the default) selects no device that has tensors here. ``route`` names the
     API the user called, e.g. ``"co.apply(offload=...)"``."""
+    try:
+        if devices in _offloading_devices:  # Note [Fixed cost per call]
+            return
+    except TypeError:  # unhashable (a list): checked below
+        pass
     if devices is None:
         types = ["cuda"] if "cuda" in usable_device_types() else []
     else:
@@ -54,6 +62,8 @@ def check_offloads_something(devices, route: str) -> None:
         except (TypeError, ValueError):
             return  # the context raises its own clear error
     if any(t in usable_device_types() for t in types):
+        if isinstance(devices, (tuple, str, type(None))):
+            _offloading_devices.add(devices)
         return
     asked = "devices=None (the default: the GPU)" if devices is None else f"devices={list(types)}"
     warn_at_user_line(
@@ -102,6 +112,12 @@ def store_dtype_named(name: str) -> torch.dtype:
         raise ValueError(f"store_dtype: unknown name {name!r}; accepted: None, {', '.join(map(repr, by_name))} "
                          f"or a torch.dtype ({', '.join(str(d) for d in STORE_DTYPES)})")
     return got
+
+
+def _without_effect(options) -> bool:
+    """True when _warn_if_without_effect has something to say about ``options``."""
+    return (options.store_dtype is None and bool(options.measure_error or options.store_min_bytes)) or (
+        options.stream == "compute" and bool(options.prefetch_bytes))
 
 
 def _warn_if_without_effect(options) -> None:
@@ -324,6 +340,66 @@ def _init_naming_unknown_options(init):
 OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 
 
+# Note [Fixed cost per call]
+# co.checkpoint, co.apply's blocks, co.hf and plans run once per block per step, in forward and
+# again in the recompute: whatever a call does before torch's checkpoint is paid that often.
+# Checking and normalizing options costs about as much as torch's checkpoint itself adds on a
+# small block, so what depends only on the options is done once per distinct options:
+#  - offload=True is always the same defaults (one frozen instance, _default_options);
+#  - an offload={...} dict written in the call is made into options once per distinct contents
+#    (_made_from_dicts: keyed by the keys, values and their types, so 1 and True, or a list and
+#    a set, are never mistaken for each other; unhashable values are not cached). Options that
+#    warn (Note: _warn_if_without_effect) are made again at every call, so that every call site
+#    hears about them;
+#  - the key of the checkpoint routes' shared context (the options without their pool) is made
+#    once per options object (pool_free_key);
+#  - check_offloads_something remembers the devices arguments that select a device here;
+#  - inputs that are all tensors, by position, go to torch's checkpoint as they are (no pytree
+#    flatten, and no unflatten in forward and recompute: checkpointing._as_positional).
+# Every cache holds frozen values only, so no call can see another's changes.
+
+
+@functools.cache
+def _default_options() -> "OffloadOptions":
+    """``as_options(True)``: the defaults, one frozen instance (Note [Fixed cost per call])."""
+    return OffloadOptions()
+
+
+_made_from_dicts: dict = {}
+_MADE_FROM_DICTS_MAX = 256  # distinct dicts remembered; cleared when full
+
+
+def _frozen(value):
+    """A hashable stand-in for an option's value that tells types apart (1 from True, a list
+    from a set), or raises TypeError for an unhashable one."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_frozen(v) for v in value))
+    hash(value)
+    return (type(value), value)
+
+
+def _dict_key(options: dict):
+    """The cache key of an ``offload={...}`` dict, or None when a value cannot be hashed."""
+    try:
+        return tuple(sorted(((k, _frozen(v)) for k, v in options.items()), key=lambda kv: repr(kv[0])))
+    except TypeError:
+        return None
+
+
+def pool_free_key(options: "OffloadOptions") -> "OffloadOptions":
+    """``options`` without their pool (what the checkpoint routes' shared contexts are keyed by),
+    made once per options object (Note [Fixed cost per call])."""
+    if options.pool is None:
+        return options
+    key = options.__dict__.get("_pool_free_key")
+    if key is None:
+        key = options.replace(pool=None)
+        object.__setattr__(options, "_pool_free_key", key)  # frozen: a cache, not a field
+    return key
+
+
 def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
     """The options of a call such as ``co.offload(0, "side", devices=["cpu"])``: positional
     arguments in field order (the first eight), keywords by name, or one :class:`OffloadOptions`."""
@@ -356,17 +432,26 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
     if offload is None or offload is False:
         return None
     if offload is True:
-        return OffloadOptions()
+        return _default_options()
     if isinstance(offload, OffloadOptions):
         return offload
     if isinstance(offload, dict):
+        key = _dict_key(offload)
+        made = _made_from_dicts.get(key) if key is not None else None
+        if made is not None:
+            return made
         unknown = sorted(set(offload) - set(OFFLOAD_KEYS), key=repr)
         if unknown:
             raise TypeError(_unknown_message(name, [str(k) for k in unknown]))
         try:
-            return OffloadOptions(**offload)
+            made = OffloadOptions(**offload)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {e}") from None
+        if key is not None and not _without_effect(made):  # one that warns warns at every call site
+            if len(_made_from_dicts) >= _MADE_FROM_DICTS_MAX:
+                _made_from_dicts.clear()
+            _made_from_dicts[key] = made
+        return made
     raise TypeError(
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}) "
         f"or a co.OffloadOptions; got {type(offload).__name__}"

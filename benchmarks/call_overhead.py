@@ -1,0 +1,231 @@
+"""The fixed cost of a checkpointed call: what ckpt_offload's routes add per block, per step.
+
+    python3 benchmarks/call_overhead.py              # CPU (one thread) or the GPU
+    python3 benchmarks/call_overhead.py --quick      # a smoke run (seconds on CPU)
+    python3 benchmarks/call_overhead.py --out DIR    # also writes DIR/call_overhead.json and .md
+
+hot_path.py measures what a context costs per *saved tensor*. A checkpointed model also pays a
+cost per *call*: every block, every step, the route checks and resolves its options, finds its
+offload context, hands its inputs to torch's checkpoint and enters and exits the context. In a
+32-layer model that is paid 32 times a step, in forward and again in the recompute. This
+benchmark times that cost on a block so small (``Linear(dim, dim)`` + ``tanh``) that the call's
+fixed cost is most of its time:
+
+- ``plain``: the block, no checkpoint;
+- ``torch_checkpoint``: ``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)``,
+  measured twice (the second arm is the A/A pair, the noise floor of the ratios);
+- ``co_checkpoint``: ``co.checkpoint(block, x)`` (no offload);
+- ``co_checkpoint_offload``: ``co.checkpoint(block, x, offload=opts)`` with ``opts`` an
+  ``OffloadOptions`` made once;
+- ``co_checkpoint_offload_dict``: the same with ``offload={...}`` written in the call, as most
+  code does (its options are checked each call);
+- ``co_apply_offload``: a block wrapped once by ``co.apply(..., offload=opts)``, called as is.
+
+The offload arms offload with ``min_bytes=0``, so the block's input is copied to the pool and
+back: their extra over ``co_checkpoint`` is one offloaded tensor plus the context. Timing as in
+hot_path.py: rounds in a freshly shuffled order, each arm one untimed step then the fastest of
+``--reps`` timed ones (forward and backward each), the cyclic GC off while timing. An arm's
+overhead is its time minus plain's in the same round; a route's ratio is its overhead over
+torch_checkpoint's, per round, median over rounds. Printed, never asserted on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+from _package import co, save_report  # noqa: E402
+from hot_path import pct, round_orders, spread  # noqa: E402  (the same timing method)
+
+BASE = "torch_checkpoint"
+AA = BASE + " (again)"
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def arms(device: str, dim: int, pool) -> dict:
+    """name -> a function of x that runs one checkpointed block (its forward)."""
+    block = Block(dim).to(device)
+    opts = co.OffloadOptions(devices=[device], min_bytes=0, pool=pool)
+    as_dict = {"devices": [device], "min_bytes": 0, "pool": pool}
+    wrapped = nn.Sequential(Block(dim).to(device))
+    wrapped.load_state_dict({"0." + k: v for k, v in block.state_dict().items()})
+    co.apply(wrapped, layers=Block, offload=opts)  # its one Block is checkpointed
+    return {
+        "plain": block,
+        BASE: lambda x: torch_checkpoint.checkpoint(block, x, use_reentrant=False),
+        AA: lambda x: torch_checkpoint.checkpoint(block, x, use_reentrant=False),
+        "co_checkpoint": lambda x: co.checkpoint(block, x),
+        "co_checkpoint_offload": lambda x: co.checkpoint(block, x, offload=opts),
+        "co_checkpoint_offload_dict": lambda x: co.checkpoint(block, x, offload=as_dict),
+        "co_apply_offload": wrapped,
+    }
+
+
+def one_step(fn, x, cuda: bool, clock) -> tuple:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = clock()
+    y = fn(x)
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = clock()
+    y.sum().backward()
+    if cuda:
+        co.synchronize()
+        torch.cuda.synchronize()
+    t2 = clock()
+    return t1 - t0, t2 - t1
+
+
+def run(args) -> dict:
+    cuda = args.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    torch.manual_seed(0)
+    pool = co.HostPool()
+    fns = arms(args.device, args.dim, pool)
+    x = torch.randn(args.batch, args.dim, device=args.device, requires_grad=True)
+    names = list(fns)
+    times = {n: [] for n in names}  # per round: (forward, backward), each the fastest of --reps
+
+    def measure(n, reps):
+        best = None
+        for i in range(reps + 1):
+            t = one_step(fns[n], x, cuda, clock)
+            x.grad = None
+            if i:
+                best = t if best is None else (min(best[0], t[0]), min(best[1], t[1]))
+        return best
+
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what a route warns once is not what is timed
+            for order in round_orders(names, args.warmup, args.seed + 1):
+                for n in order:
+                    measure(n, 1)
+            for order in round_orders(names, args.rounds, args.seed):
+                gc.collect()
+                for n in order:
+                    times[n].append(measure(n, args.reps))
+        co.synchronize()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+    def overhead(n):
+        """Arm n's time over plain's per round (µs), forward + backward."""
+        return [(sum(a) - sum(p)) * 1e6 for a, p in zip(times[n], times["plain"])]
+
+    base = overhead(BASE)
+    rows = []
+    for n in names:
+        if n == "plain":
+            continue
+        mine = overhead(n)
+        over_base = [a - b for a, b in zip(mine, base)]
+        rounds = [a / b if b > 0 else None for a, b in zip(mine, base)]
+        sp = spread(rounds)
+        rows.append({
+            "arm": n,
+            "overhead_us": statistics.median(mine),
+            "over_torch_checkpoint_us": statistics.median(over_base),
+            "over_p25": pct(over_base, 0.25), "over_p75": pct(over_base, 0.75),
+            "ratio": sp["median"], "ratio_p25": sp["p25"], "ratio_p75": sp["p75"],
+        })
+    return {
+        "benchmark": "call_overhead",
+        "mode": "gpu" if cuda else "cpu",
+        "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
+        "args": vars(args),
+        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "cpu_count": os.cpu_count(),
+        "plain_step_us": statistics.median(sum(t) for t in times["plain"]) * 1e6,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "package": os.path.dirname(os.path.abspath(co.__file__)),
+        "rows": rows,
+    }
+
+
+def markdown(r: dict) -> str:
+    a = r["args"]
+    lines = [f"# Call overhead: the fixed cost of a checkpointed block "
+             f"({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})", "",
+             f"Block Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}; {a['rounds']} rounds in shuffled "
+             f"order, each arm the fastest of {a['reps']} steps (forward, backward each); clock: {a['clock']} time; "
+             f"torch {r['torch_version']}. Plain step {r['plain_step_us']:.1f} µs. Overhead: the arm's forward + "
+             "backward less plain's, in the same round (µs, median over rounds). Ratio: the overhead over "
+             f"{BASE}'s, per round, median [p25, p75]; `{AA}` is its A/A pair.", ""]
+    load = r.get("load_average") or [None, None]
+    if load[0] is not None:
+        lines += [f"Load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {r['cpu_count']} CPUs.", ""]
+    lines += ["| arm | overhead µs | over torch_checkpoint µs [p25, p75] | ratio [p25, p75] |", "|---|---:|---:|---:|"]
+    for x in r["rows"]:
+        lines.append(f"| {x['arm']} | {x['overhead_us']:.1f} | {x['over_torch_checkpoint_us']:+.1f} "
+                     f"[{x['over_p25']:+.1f}, {x['over_p75']:+.1f}] | {x['ratio']:.2f} "
+                     f"[{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}] |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when usable, else cpu")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--clock", choices=["process", "wall"], default=None,
+                   help="default: process time on CPU (other processes do not inflate it), wall on a GPU")
+    p.add_argument("--quick", action="store_true", help="25 rounds, 2 warm-up")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if (torch.cuda.is_available() and co.build_info()["cuda_compiled"]) else "cpu"
+    if args.clock is None:
+        args.clock = "wall" if args.device == "cuda" else "process"
+    if args.quick:
+        args.rounds, args.warmup = 25, 2
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    r = run(args)
+    text = markdown(r)
+    print(text)
+    if args.out:
+        save_report(args.out, "call_overhead", r, text)
+    return r
+
+
+if __name__ == "__main__":
+    main()

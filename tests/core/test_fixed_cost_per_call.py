@@ -1,0 +1,135 @@
+"""Note [Fixed cost per call]: what the checkpoint routes do once per distinct options rather than
+once per call -- and that doing it once never changes an answer: errors still raise at every call,
+warnings still reach every call site, distinct values are never mistaken for each other, and the
+tensors handed to torch's checkpoint are the same."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ckpt_offload as co
+from ckpt_offload import checkpointing, options as options_module
+from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something, pool_free_key
+from conftest import assert_bit_identical
+from helpers import grads_of
+
+CPU = {"devices": ["cpu"], "min_bytes": 0}
+
+
+def test_offload_true_is_one_frozen_instance_of_the_defaults():
+    assert as_options(True) is as_options(True)
+    assert as_options(True) == OffloadOptions()
+
+
+def test_a_dict_is_made_into_options_once_per_distinct_contents():
+    a = as_options({"devices": ["cpu"], "min_bytes": "64KiB"})
+    assert as_options({"devices": ["cpu"], "min_bytes": "64KiB"}) is a
+    assert as_options({"min_bytes": "64KiB", "devices": ["cpu"]}) is a  # key order does not matter
+    # Equal contents of other types are other entries, each normalized on its own.
+    s = as_options({"devices": {"cpu"}, "min_bytes": "64KiB"})
+    assert s == a and s is not a
+    assert as_options({"devices": ["cpu"], "min_bytes": 65536}).min_bytes == 65536
+
+
+def test_a_cached_value_never_stands_for_an_equal_value_of_another_type():
+    assert as_options({"min_bytes": 1}).min_bytes == 1  # cached
+    # True == 1 and hash(True) == hash(1), but True is refused, at every call.
+    for _ in range(2):
+        with pytest.raises(TypeError, match="min_bytes must be an int .* got bool"):
+            as_options({"min_bytes": True})
+    with pytest.raises(TypeError, match="min_bytes must be an int"):
+        as_options({"min_bytes": 1.0})  # 1.0 == 1 too
+
+
+def test_bad_options_raise_at_every_call_and_unhashable_values_are_not_cached():
+    for _ in range(2):
+        with pytest.raises(ValueError, match="stream must be"):
+            as_options({"stream": "gpu"})
+    pool = co.HostPool()
+    given = {"devices": ["cpu"], "pool": pool, "store_dtype": None, "prefetch_bytes": [1]}
+    for _ in range(2):
+        with pytest.raises(TypeError, match="prefetch_bytes"):
+            as_options(given)
+
+
+def test_options_that_do_nothing_warn_at_every_call_site():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        as_options({"store_min_bytes": 4096})
+        as_options({"store_min_bytes": 4096})  # another line: warned again
+    said = [w for w in caught if "store_min_bytes=4096 without store_dtype does nothing" in str(w.message)]
+    assert len(said) == 2 and said[0].lineno != said[1].lineno
+
+
+def test_the_dict_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(options_module, "_MADE_FROM_DICTS_MAX", 4)
+    monkeypatch.setattr(options_module, "_made_from_dicts", {})
+    for n in range(10):
+        assert as_options({"min_bytes": n}).min_bytes == n
+    assert len(options_module._made_from_dicts) <= 4
+
+
+def test_pool_free_key_is_the_options_without_their_pool_made_once():
+    pool = co.HostPool()
+    o = OffloadOptions(devices=["cpu"], pool=pool)
+    key = pool_free_key(o)
+    assert key == o.replace(pool=None) and key.pool is None
+    assert pool_free_key(o) is key
+    assert pool_free_key(key) is key  # without a pool: itself
+    # A cache, not a field: equality, hashing, the dict form and a copy are unchanged.
+    assert o == OffloadOptions(devices=["cpu"], pool=pool) and hash(o) == hash(OffloadOptions(devices=["cpu"], pool=pool))
+    assert "_pool_free_key" not in o.to_dict() and o.replace(min_bytes=1).pool is pool
+
+
+def test_devices_that_select_a_device_are_checked_once(monkeypatch):
+    calls = []
+    real = options_module.usable_device_types
+    monkeypatch.setattr(options_module, "_offloading_devices", set())
+    monkeypatch.setattr(options_module, "usable_device_types", lambda: calls.append(1) or real())
+    for _ in range(3):
+        check_offloads_something(("cpu",), "co.checkpoint(offload=...)")
+    assert len(calls) == 1
+    # One that selects nothing here is checked (and warned about, once per call site) every time.
+    if "cuda" not in real():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            check_offloads_something(("cuda",), "test-route-a")
+            check_offloads_something(("cuda",), "test-route-b")
+        assert sum("selects no device" in str(w.message) for w in caught) == 2
+        assert ("cuda",) not in options_module._offloading_devices
+
+
+def test_tensors_only_by_position_go_to_torchs_checkpoint_as_they_are():
+    f = nn.Linear(4, 4)
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    run, tensors = checkpointing._as_positional(f, (x, y), {})
+    assert run is f and tensors[0] is x and tensors[1] is y
+    seen = []
+    run, tensors = checkpointing._as_positional(lambda a: a * 2, (x,), {}, before=lambda: seen.append(1))
+    assert torch.equal(run(*tensors), x * 2) and seen == [1]
+    # Anything else -- a keyword, a container, a non-tensor -- goes through the flatten.
+    echo = lambda *a, **k: (a, k)  # noqa: E731
+    for args, kwargs, n in (((x,), {"b": y}, 2), (([x, y],), {}, 2), ((x, 3), {}, 1)):
+        run, tensors = checkpointing._as_positional(echo, args, kwargs)
+        assert run is not echo and len(tensors) == n and all(isinstance(t, torch.Tensor) for t in tensors)
+        a, k = run(*tensors)
+        assert repr((a, k)) == repr((args, kwargs))  # put back where they were
+
+
+@pytest.mark.parametrize("offload", [False, CPU, "options"])
+def test_gradients_match_through_the_fast_paths(offload):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+    want = dict(grads_of(model), x=x.grad.clone())
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    opts = OffloadOptions(**CPU) if offload == "options" else offload
+    for _ in range(2):  # the second call reads every cache the first one filled
+        co.checkpoint(model, x, offload=opts).sum().backward()
+        assert_bit_identical(want, dict(grads_of(model), x=x.grad.clone()))
+        model.zero_grad(set_to_none=True)
+        x.grad = None
