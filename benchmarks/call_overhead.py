@@ -18,7 +18,7 @@ fixed cost is most of its time:
 - ``co_checkpoint_offload``: ``co.checkpoint(block, x, offload=opts)`` with ``opts`` an
   ``OffloadOptions`` made once;
 - ``co_checkpoint_offload_dict``: the same with ``offload={...}`` written in the call, as most
-  code does (its options are checked each call);
+  code does, into the default pool (a dict of plain values: made into options once);
 - ``co_apply_offload``: a block wrapped once by ``co.apply(..., offload=opts)``, called as is.
 
 The offload arms offload with ``min_bytes=0``, so the block's input is copied to the pool and
@@ -67,7 +67,7 @@ def arms(device: str, dim: int, pool) -> dict:
     """name -> a function of x that runs one checkpointed block (its forward)."""
     block = Block(dim).to(device)
     opts = co.OffloadOptions(devices=[device], min_bytes=0, pool=pool)
-    as_dict = {"devices": [device], "min_bytes": 0, "pool": pool}
+    as_dict = {"devices": [device], "min_bytes": 0}  # the default pool: a dict of plain values
     wrapped = nn.Sequential(Block(dim).to(device))
     wrapped.load_state_dict({"0." + k: v for k, v in block.state_dict().items()})
     co.apply(wrapped, layers=Block, offload=opts)  # its one Block is checkpointed
@@ -198,22 +198,24 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when usable, else cpu")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=None, help="default 60 (25 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="default 5 (2 with --quick)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=["process", "wall"], default=None,
                    help="default: process time on CPU (other processes do not inflate it), wall on a GPU")
-    p.add_argument("--quick", action="store_true", help="25 rounds, 2 warm-up")
+    p.add_argument("--quick", action="store_true", help="25 rounds, 2 warm-up (a few seconds on CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if (torch.cuda.is_available() and co.build_info()["cuda_compiled"]) else "cpu"
     if args.clock is None:
         args.clock = "wall" if args.device == "cuda" else "process"
-    if args.quick:
-        args.rounds, args.warmup = 25, 2
+    if args.rounds is None:
+        args.rounds = 25 if args.quick else 60
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 5
     return args
 
 

@@ -106,7 +106,7 @@ class StatsCollector:
     def note_device_bytes(self, pool=None) -> None:
         """Samples the device count (Note [Handle device peak]), and ``pool``'s bytes in use."""
         now = _C.device_bytes_saved()
-        in_pool = pool._impl.stats()["bytes_in_use"] if pool is not None else 0
+        in_pool = pool._impl.bytes_in_use() if pool is not None else 0
         if now > self._device_peak or in_pool > self._pool_peak:
             with self._peak_lock:  # two threads' checkpoints: the larger sample wins
                 self._device_peak = max(self._device_peak, now)

@@ -91,7 +91,7 @@ def _table_for(pool) -> dict:
         local = _local
     else:
         # dict.setdefault is atomic: two threads get the same thread-local object.
-        local = pool.__dict__.setdefault(_POOL_ATTR, threading.local())
+        local = pool.__dict__.get(_POOL_ATTR) or pool.__dict__.setdefault(_POOL_ATTR, threading.local())
     table = getattr(local, "contexts", None)
     if table is None:
         table = local.contexts = {}

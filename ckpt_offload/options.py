@@ -348,7 +348,9 @@ OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 #  - offload=True is always the same defaults (one frozen instance, _default_options);
 #  - an offload={...} dict written in the call is made into options once per distinct contents
 #    (_made_from_dicts: keyed by the keys, values and their types, so 1 and True, or a list and
-#    a set, are never mistaken for each other; unhashable values are not cached). Options that
+#    a set, are never mistaken for each other). Only dicts of plain values (strings, numbers,
+#    dtypes, devices, lists of them) are cached: one holding a pool is made each call, so that
+#    the cache never keeps a pool alive (the caller's to drop). Options that
 #    warn (Note: _warn_if_without_effect) are made again at every call, so that every call site
 #    hears about them;
 #  - the key of the checkpoint routes' shared context (the options without their pool) is made
@@ -369,14 +371,20 @@ _made_from_dicts: dict = {}
 _MADE_FROM_DICTS_MAX = 256  # distinct dicts remembered; cleared when full
 
 
+# The values a cached dict may hold: plain values only, so that the cache keeps no object alive
+# (a pool given in the dict is the caller's to drop) and no value can change after it was read.
+_PLAIN_VALUES = (str, int, float, bool, type(None), torch.dtype, torch.device)
+
+
 def _frozen(value):
     """A hashable stand-in for an option's value that tells types apart (1 from True, a list
-    from a set), or raises TypeError for an unhashable one."""
+    from a set); TypeError for anything but plain values and lists, tuples and sets of them."""
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_frozen(v) for v in value))
     if isinstance(value, (set, frozenset)):
         return (type(value), frozenset(_frozen(v) for v in value))
-    hash(value)
+    if type(value) not in _PLAIN_VALUES:
+        raise TypeError(f"not cached: {type(value).__name__}")
     return (type(value), value)
 
 

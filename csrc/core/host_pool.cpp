@@ -384,6 +384,12 @@ PoolStats HostPool::stats() {
   return stats_;
 }
 
+size_t HostPool::bytes_in_use() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim_locked(/*wait=*/false);
+  return stats_.bytes_in_use;
+}
+
 void HostPool::reset_peak() {
   std::lock_guard<std::mutex> lock(mu_);
   stats_.reset_peaks();

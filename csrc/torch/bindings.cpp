@@ -109,6 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
       .def(py::init(&make_pool), py::arg("backend"), py::arg("max_bytes"), py::arg("segment_bytes"))
       .def("stats", &pool_stats)
+      .def("bytes_in_use", &HostPool::bytes_in_use)
       .def("reset_peak", &HostPool::reset_peak)
       .def("empty_cache", &HostPool::empty_cache, py::call_guard<py::gil_scoped_release>())
       .def("release_retired", &HostPool::release_retired, py::call_guard<py::gil_scoped_release>())

@@ -47,11 +47,18 @@ def test_bad_options_raise_at_every_call_and_unhashable_values_are_not_cached():
     for _ in range(2):
         with pytest.raises(ValueError, match="stream must be"):
             as_options({"stream": "gpu"})
-    pool = co.HostPool()
-    given = {"devices": ["cpu"], "pool": pool, "store_dtype": None, "prefetch_bytes": [1]}
+    given = {"devices": ["cpu"], "store_dtype": None, "prefetch_bytes": [1]}
     for _ in range(2):
         with pytest.raises(TypeError, match="prefetch_bytes"):
             as_options(given)
+
+
+def test_a_dict_holding_a_pool_is_never_cached():
+    # The cache would keep the pool alive after the caller dropped it.
+    pool = co.HostPool()
+    a = as_options({"devices": ["cpu"], "pool": pool})
+    assert a.pool is pool and as_options({"devices": ["cpu"], "pool": pool}) is not a
+    assert not any(k == "pool" for key in options_module._made_from_dicts for k, _ in key)
 
 
 def test_options_that_do_nothing_warn_at_every_call_site():

@@ -70,6 +70,7 @@ void test_split_and_coalesce() {
     const uintptr_t start = addr(blocks[0]);  // a freed block's handle is gone: read it now
     CHECK_EQ(pool->stats().num_backend_allocs, 1u);
     CHECK_EQ(pool->stats().bytes_in_use, seg);
+    CHECK_EQ(pool->bytes_in_use(), seg);  // the one-counter read agrees
     CHECK_POOL(*pool);
     for (size_t i : order) {
       pool->free(blocks[i]);
@@ -203,6 +204,7 @@ void test_event_ordered_reuse() {
   PoolStats s = pool->stats();
   CHECK_EQ(s.bytes_pending, 64 * KiB);
   CHECK_EQ(s.bytes_in_use, 512u);
+  CHECK_EQ(pool->bytes_in_use(), 512u);  // a block waiting for its copy is pending, not in use
   CHECK_EQ(s.num_blocks_in_use, 1u);
   CHECK_POOL(*pool);
   // Everything else may be used, a's bytes may not.
