@@ -123,6 +123,13 @@ def context_for(options: OffloadOptions, owner: "StatsCollector | None" = None) 
     return ctx
 
 
+def _all_tensors(args) -> bool:
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            return False
+    return True
+
+
 def _as_positional(function, args, kwargs, before=None):
     """``(run, tensors)``: every tensor leaf of ``(args, kwargs)`` -- also those passed by keyword
     and inside lists, tuples and dicts -- as one positional argument of ``run``, which puts them
@@ -138,7 +145,7 @@ def _as_positional(function, args, kwargs, before=None):
 
     The usual call -- only tensors, by position -- is handed over as it is: no flatten, and no
     unflatten in the forward and again in the recompute (Note [Fixed cost per call])."""
-    if not kwargs and all(type(a) is torch.Tensor or isinstance(a, torch.Tensor) for a in args):
+    if not kwargs and _all_tensors(args):
         if before is None:
             return function, list(args)
 
@@ -192,8 +199,16 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
     del args, kwargs
     if collector is not None:
         collector.add(ctx)
-    with ctx:
-        return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
+    # `with ctx:`, without its two compile checks: graph_break_if_compiling above made that
+    # check for this whole call (Note [Fixed cost per call]).
+    ctx._enter()
+    try:
+        out = torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
+    except BaseException as e:
+        ctx._exit(type(e))
+        raise
+    ctx._exit()
+    return out
 
 
 def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: bool | None = None, **kwargs: Any):
@@ -229,7 +244,7 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     options = as_options(offload)
     if options is not None:
         check_offloads_something(options.devices, "co.checkpoint(offload=...)")
-    torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs}
+    torch_kwargs = {k: kwargs.pop(k) for k in TORCH_KEYWORDS if k in kwargs} if kwargs else {}
     if kwargs:
         _check_function_keywords(function, kwargs)
     return run_checkpoint(function, args, kwargs, options, check_reentrant(use_reentrant, options), torch_kwargs)

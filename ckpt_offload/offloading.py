@@ -291,6 +291,11 @@ class offload:
     def __enter__(self) -> "offload":
         if torch.compiler.is_compiling():
             graph_break_if_compiling()
+        return self._enter()
+
+    def _enter(self) -> "offload":
+        """``__enter__`` after its compile check: what the checkpoint routes call, having made
+        that check once for the whole call (Note [Fixed cost per call])."""
         if _stale:
             _drop_stale_entries()  # Note [Exits that cannot pop]
         check_compiled_regions()  # Note [Compiled regions inside co.offload]
@@ -336,17 +341,22 @@ class offload:
     def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
         if torch.compiler.is_compiling():
             graph_break_if_compiling()
+        self._exit(exc_type, 2)
+
+    def _exit(self, exc_type=None, depth: int = 1) -> None:
+        """``__exit__`` after its compile check (as ``_enter``). ``depth``: how many frames up
+        the line that exited the context is, from here (its warnings point there)."""
         try:
             # Pops its own entry and ends the activation (one call), or says why it cannot.
             done = self._hooks.exit()
         except Exception as e:
             # The flush's error (PoolFullError with on_full="raise"): the context has exited.
-            self._after_flush_error(e, exc_type)
+            self._after_flush_error(e, exc_type, depth + 1)
             return
         if done is None:
             return  # nothing to report: the usual exit
         if done > 0:
-            caller = sys._getframe(1)
+            caller = sys._getframe(depth)
             if done == _REPORT_NOOP and (_NOOP_KEY, id(caller.f_code), caller.f_lasti) in _warned_callers:
                 self._hooks.noop_checks = 0  # this line has warned (a fresh context per step)
                 return
@@ -379,14 +389,14 @@ class offload:
             f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
             "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=depth + 1,
         )
         if isinstance(done, Exception):
-            self._after_flush_error(done, exc_type)
+            self._after_flush_error(done, exc_type, depth + 1)
         elif done is not None:
-            self._report(done, sys._getframe(1))
+            self._report(done, sys._getframe(depth))
 
-    def _after_flush_error(self, error: Exception, exc_type) -> None:
+    def _after_flush_error(self, error: Exception, exc_type, depth: int = 2) -> None:
         # An exception raised in the block (a KeyboardInterrupt, an OOM) is the one the caller
         # must see; the flush's PoolFullError only when the block itself succeeded. Its tensors
         # were kept on the device either way, so backward still works.
@@ -394,7 +404,7 @@ class offload:
             raise error
         done = self._hooks.report()
         if done is not None:
-            self._report(done, sys._getframe(2))
+            self._report(done, sys._getframe(depth))
 
     def _report(self, why: int, caller=None) -> None:
         """What the native exit reported (Note [Native activation]): a bit per check that has

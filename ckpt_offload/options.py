@@ -272,6 +272,19 @@ class OffloadOptions:
         (``("cuda",)`` with a usable GPU, ``()`` without one)."""
         return self.devices if self.devices is not None else tuple(default_devices())
 
+    def __hash__(self) -> int:
+        # The generated hash (the fields' tuple), computed once: the checkpoint routes look their
+        # shared context up by these options on every call (Note [Fixed cost per call]).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # The caches stay behind: a string's hash differs from one process to the next.
+        return {k: v for k, v in self.__dict__.items() if k not in _CACHE_ATTRS}
+
     def replace(self, **changes) -> "OffloadOptions":
         """A copy with ``changes`` (checked like the original). Example: ``opts.replace(min_bytes=0)``."""
         unknown = sorted(set(changes) - set(OFFLOAD_KEYS))
@@ -308,6 +321,8 @@ class OffloadOptions:
         given = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
         return f"OffloadOptions({given})"
 
+
+_CACHE_ATTRS = ("_hash", "_pool_free_key")  # OffloadOptions' caches (not fields, never pickled)
 
 #: The option names, in the order of :class:`OffloadOptions`' fields.
 OFFLOAD_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))

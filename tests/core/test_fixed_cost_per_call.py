@@ -140,3 +140,50 @@ def test_gradients_match_through_the_fast_paths(offload):
         assert_bit_identical(want, dict(grads_of(model), x=x.grad.clone()))
         model.zero_grad(set_to_none=True)
         x.grad = None
+
+
+def test_options_pickle_without_their_caches():
+    pool = co.HostPool()
+    o = OffloadOptions(devices=["cpu"], min_bytes="64KiB", pool=pool)
+    hash(o), pool_free_key(o)  # fill both caches
+    assert "_hash" in o.__dict__ and "_pool_free_key" in o.__dict__
+    state = o.__getstate__()
+    assert "_hash" not in state and "_pool_free_key" not in state  # a string hashes otherwise elsewhere
+    p = OffloadOptions(devices=["cpu"], min_bytes=65536, pool=pool)
+    assert hash(o) == hash(p) == hash(tuple(getattr(p, k) for k in options_module.OFFLOAD_KEYS))
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_block_that_raises_leaves_the_routes_context_idle(error):
+    # The route enters and exits its shared context itself (not through `with`): a raise inside
+    # torch's checkpoint must still exit it, and the next call must work as the first.
+    pool = co.HostPool(pinned=False)
+    opts = OffloadOptions(pool=pool, **CPU)
+
+    def block(x):
+        y = torch.tanh(x)
+        if flag:
+            raise error("from the block")
+        return y
+
+    x = torch.randn(4, 8, requires_grad=True)
+    flag = True
+    with pytest.raises(error, match="from the block"):
+        co.checkpoint(block, x, offload=opts)
+    ctx = checkpointing.context_for(opts)
+    assert not ctx.active and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    flag = False
+    co.checkpoint(block, x, offload=opts).sum().backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+    assert checkpointing.context_for(opts) is ctx and ctx.stats()["tensors_offloaded"] >= 1
+
+
+def test_a_full_pool_raises_at_the_routes_exit_and_backward_still_works():
+    # on_full="raise" with batching: the batch's flush at the route's exit raises PoolFullError
+    # (its tensors kept on the device), as it does at a `with co.offload()` exit.
+    pool = co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096)
+    opts = OffloadOptions(pool=pool, on_full="raise", batch_below=64 * 1024, batch_bytes=64 * 1024, **CPU)
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(co.PoolFullError):
+        co.checkpoint(torch.exp, x, offload=opts)
+    assert not checkpointing.context_for(opts).active
