@@ -129,6 +129,23 @@ if os.path.exists(hp):
         lines.append(f"could not read hot_path.json: {e}")
 else:
     lines.append("no hot_path.json (the step failed or did not run)")
+co_path = os.path.join(extras, "call_overhead.json")
+lines.append("")
+lines.append("## Fixed cost per checkpointed call (extras/call_overhead.md)")
+lines.append("")
+if os.path.exists(co_path):
+    try:
+        r = json.load(open(co_path))
+        if r["mode"] == "cpu":
+            lines.append("**CPU numbers, not GPU numbers.**")
+            lines.append("")
+        for x in r["rows"]:
+            lines.append(f"- {x['arm']}: {x['over_torch_checkpoint_us']:+.1f} µs per call over torch's checkpoint "
+                         f"(ratio {x['ratio']:.2f} [{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}])")
+    except Exception as e:
+        lines.append(f"could not read call_overhead.json: {e}")
+else:
+    lines.append("no call_overhead.json (the step failed or did not run)")
 
 ov = os.path.join(extras, "overlap.json")
 lines.append("")

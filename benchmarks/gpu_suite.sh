@@ -91,7 +91,7 @@ Steps, in the order they run (environment, gpu_present and the summary always ru
   cpu_tests     pytest tests -m "not gpu" --maxfail=25 -> cpu_tests.xml
   bandwidth     benchmarks/bandwidth.py
   disk_tier     benchmarks/disk_tier.py
-  hot_path      benchmarks/hot_path.py
+  hot_path      benchmarks/hot_path.py, then benchmarks/call_overhead.py --quick
   overlap       benchmarks/overlap.py
   long_context  benchmarks/long_context.py --out DIR (only when that file exists)
   planner       benchmarks/planner_sweep.py
@@ -462,10 +462,12 @@ EOF
   else
     not_selected disk_tier
   fi
-  # ---- hot path: the fixed cost per saved tensor (its files travel in extras.tar.gz) ---------
+  # ---- hot path: the fixed cost per saved tensor, then per checkpointed call (call_overhead.py,
+  # --quick: seconds) -- their files travel in extras.tar.gz ---------------------------------
   if want hot_path; then
     if [ "$TORCH_GPU" = "1" ]; then HOT_ARGS=(); else HOT_ARGS=(--quick); fi
-    step hot_path 90 - "$PY" benchmarks/hot_path.py "${HOT_ARGS[@]}" --out "$EXTRAS"
+    step hot_path 120 - bash -c '"$1" benchmarks/hot_path.py "${@:3}" --out "$2" &&
+      "$1" benchmarks/call_overhead.py --quick --out "$2"' hot_path "$PY" "$EXTRAS" "${HOT_ARGS[@]}"
   else
     not_selected hot_path
   fi

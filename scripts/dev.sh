@@ -101,6 +101,8 @@ run_hot_path() {
   local start=$SECONDS
   echo "== hot path (benchmarks/hot_path.py --quick, CPU; printed, not asserted)"
   "$VENV/bin/python" benchmarks/hot_path.py --quick --device cpu
+  echo "== the fixed cost per checkpointed call (benchmarks/call_overhead.py --quick, CPU; printed, not asserted)"
+  "$VENV/bin/python" benchmarks/call_overhead.py --quick --device cpu
   echo "== hot path measured in $((SECONDS - start)) s"
 }
 
