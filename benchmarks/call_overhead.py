@@ -32,7 +32,6 @@ torch_checkpoint's, per round, median over rounds. Printed, never asserted on.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -48,7 +47,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 from _package import co, save_report  # noqa: E402
-from hot_path import pct, round_orders, spread  # noqa: E402  (the same timing method)
+from hot_path import load_average, pct, shuffled_rounds, spread  # noqa: E402  (the same timing method)
 
 BASE = "torch_checkpoint"
 AA = BASE + " (again)"
@@ -108,9 +107,9 @@ def run(args) -> dict:
     fns = arms(args.device, args.dim, pool)
     x = torch.randn(args.batch, args.dim, device=args.device, requires_grad=True)
     names = list(fns)
-    times = {n: [] for n in names}  # per round: (forward, backward), each the fastest of --reps
 
     def measure(n, reps):
+        """(forward, backward) of arm n, each the fastest of ``reps`` steps after an untimed one."""
         best = None
         for i in range(reps + 1):
             t = one_step(fns[n], x, cuda, clock)
@@ -119,24 +118,10 @@ def run(args) -> dict:
                 best = t if best is None else (min(best[0], t[0]), min(best[1], t[1]))
         return best
 
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # what a route warns once is not what is timed
-            for order in round_orders(names, args.warmup, args.seed + 1):
-                for n in order:
-                    measure(n, 1)
-            for order in round_orders(names, args.rounds, args.seed):
-                gc.collect()
-                for n in order:
-                    times[n].append(measure(n, args.reps))
-        co.synchronize()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    load_before = load_average()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what a route warns once is not what is timed
+        times = shuffled_rounds(names, measure, args.warmup, args.rounds, args.reps, args.seed)
 
     def overhead(n):
         """Arm n's time over plain's per round (µs), forward + backward."""
@@ -163,7 +148,7 @@ def run(args) -> dict:
         "mode": "gpu" if cuda else "cpu",
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
         "args": vars(args),
-        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "load_average": [load_before, load_average()],
         "cpu_count": os.cpu_count(),
         "plain_step_us": statistics.median(sum(t) for t in times["plain"]) * 1e6,
         "torch_version": torch.__version__,

@@ -174,6 +174,35 @@ def round_orders(names: list, rounds: int, seed: int) -> list:
     return orders
 
 
+def load_average():
+    """The machine's 1-minute load average, None where the OS has none."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def shuffled_rounds(names: list, measure, warmup: int, rounds: int, reps: int, seed: int) -> dict:
+    """The timing method (module docstring): ``warmup`` rounds of ``measure(name, 1)`` per arm,
+    then ``rounds`` rounds of ``measure(name, reps)``, each round in a freshly shuffled order, the
+    cyclic garbage collector off while timing and collected between rounds (untimed: no
+    collection lands in one arm's step). Returns ``{name: [measure's result, one per round]}``."""
+    out = {n: [] for n in names}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for order in round_orders(names, warmup, seed + 1):
+            for n in order:
+                measure(n, 1)
+        for order in round_orders(names, rounds, seed):
+            gc.collect()
+            for n in order:
+                out[n].append(measure(n, reps))
+        co.synchronize()
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return out
+
+
 def spread(values) -> dict:
     """Median, 25th-75th percentiles and extremes of ``values`` (None when there are none)."""
     v = [x for x in values if x is not None]
@@ -220,24 +249,11 @@ def run(args) -> dict:
         best["total"] = best["forward"] + best["backward"]
         return best
 
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        for order in round_orders(names, args.warmup, args.seed + 1):
-            for n in order:
-                measure(n, 1)
-        for order in round_orders(names, args.rounds, args.seed):
-            gc.collect()  # between rounds, untimed: no collection lands in one arm's step
-            for n in order:
-                t = measure(n, args.reps)
-                for k, v in t.items():
-                    times[n][k].append(v)
-        co.synchronize()
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    load_before = load_average()
+    for n, per_round in shuffled_rounds(names, measure, args.warmup, args.rounds, args.reps, args.seed).items():
+        for t in per_round:
+            for k, v in t.items():
+                times[n][k].append(v)
 
     def per_round(n, phase):
         """Arm n's overhead per saved tensor in each round (µs): its time less plain's that round."""
@@ -286,7 +302,7 @@ def run(args) -> dict:
                                                "threads", "quick", "clock")},
         "method": METHOD,
         # The machine's 1-minute load average before and after: above its core count the spread widens.
-        "load_average": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+        "load_average": [load_before, load_average()],
         "cpu_count": os.cpu_count(),
         "saved_tensors_per_step": saved,
         "saved_tensor_bytes": args.batch * args.dim * 4,
