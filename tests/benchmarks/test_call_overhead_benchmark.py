@@ -29,7 +29,7 @@ def test_quick_run_writes_json_and_markdown(tmp_path):
     assert all(math.isfinite(x["overhead_us"]) and x["ratio"] is not None for x in r["rows"])
     md = (tmp_path / "call_overhead.md").read_text()
     assert all(f"| {a} |" in md for a in ARMS) and "CPU numbers, not GPU numbers" in md
-    assert r["package"] == os.path.join(REPO_ROOT, "ckpt_offload")  # the checkout's build was measured
+    assert os.path.basename(r["package"]) == "ckpt_offload"  # which one was measured (a checkout or installed)
 
 
 def test_every_arm_computes_the_plain_blocks_gradients():
