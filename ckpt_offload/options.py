@@ -365,15 +365,19 @@ OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 #    (_made_from_dicts: keyed by the keys, values and their types, so 1 and True, or a list and
 #    a set, are never mistaken for each other). Only dicts of plain values (strings, numbers,
 #    dtypes, devices, lists of them) are cached: one holding a pool is made each call, so that
-#    the cache never keeps a pool alive (the caller's to drop). Options that
-#    warn (Note: _warn_if_without_effect) are made again at every call, so that every call site
+#    the cache never keeps a pool alive (the caller's to drop). Options that do nothing (those
+#    _warn_if_without_effect warns about) are made again at every call, so that every call site
 #    hears about them;
 #  - the key of the checkpoint routes' shared context (the options without their pool) is made
-#    once per options object (pool_free_key);
+#    once per options object (pool_free_key), and so is the options' hash (OffloadOptions.__hash__;
+#    neither is pickled: a string's hash differs from one process to the next);
 #  - check_offloads_something remembers the devices arguments that select a device here;
 #  - inputs that are all tensors, by position, go to torch's checkpoint as they are (no pytree
-#    flatten, and no unflatten in forward and recompute: checkpointing._as_positional).
+#    flatten, and no unflatten in forward and recompute: checkpointing._as_positional);
+#  - the route makes the compile check once (run_checkpoint) and enters and exits its context
+#    through offload._enter / _exit, which are __enter__ / __exit__ without theirs.
 # Every cache holds frozen values only, so no call can see another's changes.
+# benchmarks/call_overhead.py measures what a call costs against torch's checkpoint.
 
 
 @functools.cache
