@@ -33,6 +33,7 @@ from ckpt_offload.options import (
     args_section,
     check_offloads_something,
     from_arguments,
+    native_packer_options,
     option_docs,
 )
 from ckpt_offload.pool import HostPool, PoolFullError, default_pool
@@ -238,11 +239,10 @@ class offload:
         if not isinstance(keep_dedup, bool):
             raise TypeError(f"keep_dedup must be True or False, got {type(keep_dedup).__name__}")
         self.options = options  #: the :class:`~ckpt_offload.OffloadOptions` of this context
-        for name in OFFLOAD_KEYS:
-            setattr(self, name, getattr(options, name))
+        # The other options read through to self.options (_option_reader, below the class).
         self.devices = options.device_types
         self.pool = options.pool if options.pool is not None else default_pool()
-        self._packer = _C.Packer(pool=self.pool._impl, **options.packer_kwargs())
+        self._packer = _C.Packer(native_packer_options(options), self.pool._impl)
         self.keep_dedup = keep_dedup
         # The hook functions and the activation in force, entered and exited in one native call
         # each (Note [Native activation], csrc/torch/hooks.cpp): one activation at a time.
@@ -563,6 +563,20 @@ KEEP_DEDUP_DOC = (
     "entry starts afresh), so that a tensor saved in several entries -- an input every checkpointed layer "
     "receives -- is stored once. The table holds no tensor. `co.checkpoint` uses this for the context it "
     "shares across layers.")
+
+
+def _option_reader(name: str) -> property:
+    return property(lambda self: getattr(self.options, name),
+                    doc=f"This context's ``{name}`` option (``ctx.options.{name}``).")
+
+
+# ctx.min_bytes, ctx.stream, ...: read from ctx.options, not copied into every context made
+# (Note [Fixed cost per call]); devices (the types resolved) and pool (the default resolved)
+# are the context's own.
+for _name in OFFLOAD_KEYS:
+    if _name not in ("devices", "pool"):
+        setattr(offload, _name, _option_reader(_name))
+del _name
 
 
 def argument_docs() -> dict:

@@ -322,7 +322,7 @@ class OffloadOptions:
         return f"OffloadOptions({given})"
 
 
-_CACHE_ATTRS = ("_hash", "_pool_free_key")  # OffloadOptions' caches (not fields, never pickled)
+_CACHE_ATTRS = ("_hash", "_pool_free_key", "_packer_options")  # OffloadOptions' caches (not fields, never pickled)
 
 #: The option names, in the order of :class:`OffloadOptions`' fields.
 OFFLOAD_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
@@ -357,27 +357,34 @@ OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 
 # Note [Fixed cost per call]
 # co.checkpoint, co.apply's blocks, co.hf and plans run once per block per step, in forward and
-# again in the recompute: whatever a call does before torch's checkpoint is paid that often.
-# Checking and normalizing options costs about as much as torch's checkpoint itself adds on a
-# small block, so what depends only on the options is done once per distinct options:
+# again in the recompute: whatever a call does before torch's checkpoint is paid that often. A
+# training loop that writes `with co.offload(...):` makes a context every step, and what the
+# construction leaves in the caches slows the step that follows it. Checking and normalizing
+# options costs about as much as torch's checkpoint itself adds on a small block, so what
+# depends only on the options is done once per distinct options:
 #  - offload=True is always the same defaults (one frozen instance, _default_options);
-#  - an offload={...} dict written in the call is made into options once per distinct contents
-#    (_made_from_dicts: keyed by the keys, values and their types, so 1 and True, or a list and
-#    a set, are never mistaken for each other). Only dicts of plain values (strings, numbers,
-#    dtypes, devices, lists of them) are cached: one holding a pool is made each call, so that
-#    the cache never keeps a pool alive (the caller's to drop). Options that do nothing (those
-#    _warn_if_without_effect warns about) are made again at every call, so that every call site
-#    hears about them;
+#  - the options of a co.offload(...) call, and of an offload={...} dict written in a route's
+#    call, are made once per distinct arguments (_made_from_calls, keyed by _call_key: the
+#    names, values and their types, so 1 and True, or a list and a set, are never mistaken for
+#    each other). Only plain values (strings, numbers, dtypes, devices, lists of them) are
+#    cached, and the pool is left out: the cache holds the options without their pool, and a
+#    call that gives one gets a copy with it (_made_before), so that the cache never keeps a
+#    pool alive (the caller's to drop). Options that do nothing (those _warn_if_without_effect
+#    warns about) are made again at every call, so that every call site hears about them; bad
+#    ones raise at every call (they are never cached);
 #  - the key of the checkpoint routes' shared context (the options without their pool) is made
-#    once per options object (pool_free_key), and so is the options' hash (OffloadOptions.__hash__;
-#    neither is pickled: a string's hash differs from one process to the next);
+#    once per options object (pool_free_key), and so are the options' hash (OffloadOptions.__hash__)
+#    and the native packer's options (native_packer_options, on the pool-free options); none is
+#    pickled (a string's hash differs from one process to the next);
+#  - a context reads its options through ctx.options (no copy of each into every context);
 #  - check_offloads_something remembers the devices arguments that select a device here;
 #  - inputs that are all tensors, by position, go to torch's checkpoint as they are (no pytree
 #    flatten, and no unflatten in forward and recompute: checkpointing._as_positional);
 #  - the route makes the compile check once (run_checkpoint) and enters and exits its context
 #    through offload._enter / _exit, which are __enter__ / __exit__ without theirs.
 # Every cache holds frozen values only, so no call can see another's changes.
-# benchmarks/call_overhead.py measures what a call costs against torch's checkpoint.
+# benchmarks/call_overhead.py measures what a call costs against torch's checkpoint, and what
+# making a co.offload(...) context costs.
 
 
 @functools.cache
@@ -386,13 +393,10 @@ def _default_options() -> "OffloadOptions":
     return OffloadOptions()
 
 
-_made_from_dicts: dict = {}
-_MADE_FROM_DICTS_MAX = 256  # distinct dicts remembered; cleared when full
-
-
-# The values a cached dict may hold: plain values only, so that the cache keeps no object alive
-# (a pool given in the dict is the caller's to drop) and no value can change after it was read.
+# The values a cached call may give: plain values only, so that the cache keeps no object alive
+# (the pool is left out of it) and no value can change after it was read.
 _PLAIN_VALUES = (str, int, float, bool, type(None), torch.dtype, torch.device)
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def _frozen(value):
@@ -407,12 +411,19 @@ def _frozen(value):
     return (type(value), value)
 
 
-def _dict_key(options: dict):
-    """The cache key of an ``offload={...}`` dict, or None when a value cannot be hashed."""
-    try:
-        return tuple(sorted(((k, _frozen(v)) for k, v in options.items()), key=lambda kv: repr(kv[0])))
-    except TypeError:
-        return None
+def _fields(options: "OffloadOptions") -> dict:
+    """The fields of ``options`` as a new dict (their caches left out)."""
+    fields = dict(options.__dict__)
+    for name in _CACHE_ATTRS:
+        fields.pop(name, None)
+    return fields
+
+
+def _made_of(fields: dict) -> "OffloadOptions":
+    """Options whose ``__dict__`` is ``fields``, taken as checked already (no __post_init__)."""
+    made = object.__new__(OffloadOptions)
+    object.__setattr__(made, "__dict__", fields)  # frozen: its fields are written once, here
+    return made
 
 
 def pool_free_key(options: "OffloadOptions") -> "OffloadOptions":
@@ -422,9 +433,75 @@ def pool_free_key(options: "OffloadOptions") -> "OffloadOptions":
         return options
     key = options.__dict__.get("_pool_free_key")
     if key is None:
-        key = options.replace(pool=None)
+        fields = _fields(options)
+        fields["pool"] = None
+        key = _made_of(fields)
         object.__setattr__(options, "_pool_free_key", key)  # frozen: a cache, not a field
     return key
+
+
+def native_packer_options(options: "OffloadOptions"):
+    """``options.packer_kwargs()`` as the native packer's options object (``_C.PackerOptions``),
+    made once per options without their pool (Note [Fixed cost per call])."""
+    holder = pool_free_key(options)
+    made = holder.__dict__.get("_packer_options")
+    if made is None:
+        made = _C.PackerOptions(**holder.packer_kwargs())
+        object.__setattr__(holder, "_packer_options", made)  # frozen: a cache, not a field
+    return made
+
+
+# Options made from a call's arguments, without their pool: {_call_key: (options, their fields)}.
+_made_from_calls: dict = {}
+_MADE_FROM_CALLS_MAX = 256  # distinct calls remembered; cleared when full
+_POOL_INDEX = POSITIONAL_KEYS.index("pool")
+_POOL_SLOT = ("pool",)  # the pool's place in a key: it is put back on a hit
+
+
+def _call_key(args: tuple, kwargs: dict):
+    """The cache key of options given as ``co.offload(*args, **kwargs)`` (or as a dict, in
+    ``kwargs``), or None when a value cannot be cached. Each item is (name, type, value) for a
+    scalar, (name, _frozen(value)) otherwise, so that 1 and True, or a list and a set, never
+    match; the keywords in name order (a dict's order does not matter), after the positional
+    ones and their count (an option given by position never matches one given by name)."""
+    try:
+        key = [len(args)]
+        for name, value in itertools.chain(zip(POSITIONAL_KEYS, args), sorted(kwargs.items())):
+            if name == "pool":
+                key.append(_POOL_SLOT)
+            elif type(value) in _SCALARS:
+                key.append((name, type(value), value))
+            else:
+                key.append((name, _frozen(value)))
+        return tuple(key)
+    except TypeError:  # a value of another kind, or a dict key that is not a string
+        return None
+
+
+def _made_before(key, pool) -> "OffloadOptions | None":
+    """The options made for ``key`` earlier, with ``pool``; None when there are none (or the pool
+    is no pool: the call then makes its options, and raises)."""
+    made = _made_from_calls.get(key) if key is not None else None
+    if made is None:
+        return None
+    if pool is None:
+        return made[0]
+    if not isinstance(pool, HostPool):
+        return None
+    fields = made[1].copy()
+    fields["pool"] = pool
+    fields["_pool_free_key"] = made[0]
+    return _made_of(fields)
+
+
+def _remember(key, made: "OffloadOptions") -> None:
+    """Caches ``made`` (without its pool) for ``key``, unless it warns (then it warns at every call site)."""
+    if key is None or _without_effect(made):
+        return
+    if len(_made_from_calls) >= _MADE_FROM_CALLS_MAX:
+        _made_from_calls.clear()
+    free = pool_free_key(made)
+    _made_from_calls[key] = (free, _fields(free))
 
 
 def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
@@ -434,6 +511,10 @@ def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
         if kwargs:
             return args[0].replace(**kwargs)
         return args[0]
+    key = _call_key(args, kwargs)
+    made = _made_before(key, args[_POOL_INDEX] if len(args) > _POOL_INDEX else kwargs.get("pool"))
+    if made is not None:
+        return made
     if len(args) > len(POSITIONAL_KEYS):
         raise TypeError(f"{route} takes at most {len(POSITIONAL_KEYS)} positional options "
                         f"({', '.join(POSITIONAL_KEYS)}), got {len(args)}; pass the others by keyword")
@@ -443,7 +524,9 @@ def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
     twice = [k for k in POSITIONAL_KEYS[:len(args)] if k in kwargs]
     if twice:
         raise TypeError(f"{route} got {twice[0]} both by position and by keyword")
-    return OffloadOptions(**dict(zip(POSITIONAL_KEYS, args)), **kwargs)
+    made = OffloadOptions(**dict(zip(POSITIONAL_KEYS, args)), **kwargs)
+    _remember(key, made)
+    return made
 
 
 def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
@@ -463,8 +546,8 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
     if isinstance(offload, OffloadOptions):
         return offload
     if isinstance(offload, dict):
-        key = _dict_key(offload)
-        made = _made_from_dicts.get(key) if key is not None else None
+        key = _call_key((), offload)
+        made = _made_before(key, offload.get("pool"))
         if made is not None:
             return made
         unknown = sorted(set(offload) - set(OFFLOAD_KEYS), key=repr)
@@ -474,10 +557,7 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
             made = OffloadOptions(**offload)
         except (TypeError, ValueError) as e:
             raise type(e)(f"{name}: {e}") from None
-        if key is not None and not _without_effect(made):  # one that warns warns at every call site
-            if len(_made_from_dicts) >= _MADE_FROM_DICTS_MAX:
-                _made_from_dicts.clear()
-            _made_from_dicts[key] = made
+        _remember(key, made)
         return made
     raise TypeError(
         f"{name} must be False, True, or a dict of co.offload options ({', '.join(OFFLOAD_KEYS)}) "

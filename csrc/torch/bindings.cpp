@@ -186,7 +186,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("dtype"), py::arg("span"), py::arg("store_dtype"));
 
+  // The options of packer_options() made once, without a pool: co.offload makes a Packer per
+  // context, and reading a dozen keywords cost more than the rest of its construction together
+  // (Note [Fixed cost per call], ckpt_offload/options.py). Read-only: one object serves every
+  // context made from the same options.
+  py::class_<PackerOptions>(m, "PackerOptions")
+      .def(py::init([](const py::kwargs& options) { return packer_options(nullptr, options); }))
+      .def_property_readonly("min_bytes", [](const PackerOptions& o) { return o.min_bytes; })
+      .def_property_readonly("side_stream", [](const PackerOptions& o) { return o.side_stream; });
+
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
+      // First: the overload co.offload calls, tried before the keyword one.
+      .def(py::init([](const PackerOptions& options, std::shared_ptr<HostPool> pool) {
+             PackerOptions o = options;
+             o.pool = std::move(pool);
+             return std::make_shared<Packer>(std::move(o));
+           }),
+           py::arg("options"), py::arg("pool"))
       .def(py::init([](std::shared_ptr<HostPool> pool, const py::kwargs& options) {
              return std::make_shared<Packer>(packer_options(std::move(pool), options));
            }),

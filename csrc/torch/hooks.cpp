@@ -29,8 +29,9 @@ namespace {
 // Note [Hook entry points]
 // The saved-tensor hooks torch calls once per saved tensor are plain CPython functions (METH_O),
 // not pybind11 methods: pybind11's dispatcher (overload resolution, argument casters) costs as
-// much as the whole keep decision. Each function carries its Packer in a capsule, and turns a
-// C++ exception into the Python exception pybind11 would have raised (PoolFullError included).
+// much as the whole keep decision. Each function carries its Packer in its `self` (HookHolder),
+// and turns a C++ exception into the Python exception pybind11 would have raised (PoolFullError
+// included).
 PyObject* raise_translated() noexcept {
   try {
     throw;
@@ -44,24 +45,44 @@ PyObject* raise_translated() noexcept {
   return nullptr;
 }
 
-// What each hook function carries. `closed`: set by close_hook when the context that pushed
-// the function was exited where its entry could not be popped (another thread, another
-// backward): from then on pack hands every tensor back as it is (a detached alias, which
-// unpack returns), so the entry left on that thread's stack offloads nothing.
+// What each hook function carries, as the function's `self`: a minimal CPython object (not a
+// capsule, whose every read compares its name with strcmp: twice per saved tensor). `closed`:
+// set by close_hook when the context that pushed the function was exited where its entry could
+// not be popped (another thread, another backward): from then on pack hands every tensor back as
+// it is (a detached alias, which unpack returns), so the entry left on that thread's stack
+// offloads nothing.
 struct HookHolder {
+  PyObject_HEAD
   std::shared_ptr<Packer> packer;
-  std::atomic<bool> closed{false};
+  std::atomic<bool> closed;
 };
 
-constexpr const char* kCapsuleName = "ckpt_offload.Packer";
-
-HookHolder* capsule_holder(PyObject* capsule) {
-  return static_cast<HookHolder*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+void holder_dealloc(PyObject* o) {
+  auto* h = reinterpret_cast<HookHolder*>(o);
+  h->packer.~shared_ptr();
+  h->closed.~atomic();
+  Py_TYPE(o)->tp_free(o);
 }
 
-PyObject* hook_pack(PyObject* capsule, PyObject* arg) {
+PyTypeObject* holder_type() {
+  static PyTypeObject* type = [] {
+    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
+    t.tp_name = "ckpt_offload._C.HookHolder";
+    t.tp_basicsize = sizeof(HookHolder);
+    t.tp_dealloc = holder_dealloc;
+    t.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no Python reference: no cycle to collect
+    t.tp_doc = "The Packer a co.offload hook function calls (Note [Hook entry points]).";
+    if (PyType_Ready(&t) < 0) throw py::error_already_set();
+    return &t;
+  }();
+  return type;
+}
+
+HookHolder* holder_of(PyObject* self) { return reinterpret_cast<HookHolder*>(self); }
+
+PyObject* hook_pack(PyObject* self, PyObject* arg) {
   try {
-    HookHolder* holder = capsule_holder(capsule);
+    HookHolder* holder = holder_of(self);
     if (holder->closed.load(std::memory_order_relaxed)) {
       if (!THPVariable_Check(arg)) return py::reinterpret_borrow<py::object>(arg).release().ptr();
       return THPVariable_Wrap(THPVariable_Unpack(arg).detach());
@@ -72,9 +93,9 @@ PyObject* hook_pack(PyObject* capsule, PyObject* arg) {
   }
 }
 
-PyObject* hook_unpack(PyObject* capsule, PyObject* arg) {
+PyObject* hook_unpack(PyObject* self, PyObject* arg) {
   try {
-    return THPVariable_Wrap(capsule_holder(capsule)->packer->unpack(arg));
+    return THPVariable_Wrap(holder_of(self)->packer->unpack(arg));
   } catch (...) {
     return raise_translated();
   }
@@ -251,15 +272,14 @@ PyObject* hooks_finish(PyObject* o, PyObject*) {
 PyObject* hooks_report(PyObject* o, PyObject*) { return report(reinterpret_cast<HooksObject*>(o)); }
 
 PyObject* new_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def) {
-  auto* h = new HookHolder();
-  h->packer = packer;
-  PyObject* capsule = PyCapsule_New(h, kCapsuleName, [](PyObject* c) { delete capsule_holder(c); });
-  if (!capsule) {
-    delete h;
-    return nullptr;
-  }
-  PyObject* fn = PyCFunction_New(def, capsule);
-  Py_DECREF(capsule);
+  PyTypeObject* type = holder_type();
+  PyObject* o = type->tp_alloc(type, 0);
+  if (!o) return nullptr;
+  auto* h = reinterpret_cast<HookHolder*>(o);
+  new (&h->packer) std::shared_ptr<Packer>(packer);
+  new (&h->closed) std::atomic<bool>(false);
+  PyObject* fn = PyCFunction_New(def, o);
+  Py_DECREF(o);
   return fn;
 }
 
@@ -405,9 +425,9 @@ void bind_hooks(py::module_& m) {
       "close_hook",
       [](py::handle fn) {
         PyObject* self = PyCFunction_Check(fn.ptr()) ? PyCFunction_GET_SELF(fn.ptr()) : nullptr;
-        if (!self || !PyCapsule_IsValid(self, kCapsuleName))
+        if (!self || Py_TYPE(self) != holder_type())
           throw py::type_error("ckpt_offload: close_hook takes a Packer's pack function");
-        capsule_holder(self)->closed.store(true);
+        holder_of(self)->closed.store(true);
       },
       py::arg("pack"), "Makes a Packer's pack function hand tensors back unchanged from now on (see HookHolder).");
 }

@@ -4,6 +4,7 @@ warnings still reach every call site, distinct values are never mistaken for eac
 tensors handed to torch's checkpoint are the same."""
 
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -53,12 +54,20 @@ def test_bad_options_raise_at_every_call_and_unhashable_values_are_not_cached():
             as_options(given)
 
 
-def test_a_dict_holding_a_pool_is_never_cached():
-    # The cache would keep the pool alive after the caller dropped it.
-    pool = co.HostPool()
+def test_a_pool_given_in_a_dict_is_put_back_on_the_options_and_never_kept_by_the_cache():
+    pool, other = co.HostPool(), co.HostPool()
     a = as_options({"devices": ["cpu"], "pool": pool})
-    assert a.pool is pool and as_options({"devices": ["cpu"], "pool": pool}) is not a
-    assert not any(k == "pool" for key in options_module._made_from_dicts for k, _ in key)
+    b = as_options({"devices": ["cpu"], "pool": other})  # the same entry, another pool
+    assert a.pool is pool and b.pool is other and a != b
+    assert a == OffloadOptions(devices=["cpu"], pool=pool)
+    assert hash(a) == hash(OffloadOptions(devices=["cpu"], pool=pool))
+    assert pool_free_key(a) is pool_free_key(b)  # both made from one cached entry
+    assert as_options({"devices": ["cpu"], "pool": None}).pool is None
+    assert all(made.pool is None for made, _ in options_module._made_from_calls.values())
+    # Dropped by its caller, the pool goes at once: nothing the cache holds refers to it.
+    ref = weakref.ref(pool)
+    del a, pool
+    assert ref() is None
 
 
 def test_options_that_do_nothing_warn_at_every_call_site():
@@ -70,12 +79,72 @@ def test_options_that_do_nothing_warn_at_every_call_site():
     assert len(said) == 2 and said[0].lineno != said[1].lineno
 
 
-def test_the_dict_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(options_module, "_MADE_FROM_DICTS_MAX", 4)
-    monkeypatch.setattr(options_module, "_made_from_dicts", {})
+def test_the_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(options_module, "_MADE_FROM_CALLS_MAX", 4)
+    monkeypatch.setattr(options_module, "_made_from_calls", {})
     for n in range(10):
         assert as_options({"min_bytes": n}).min_bytes == n
-    assert len(options_module._made_from_dicts) <= 4
+        assert co.offload(min_bytes=n, devices=["cpu"]).min_bytes == n
+    assert len(options_module._made_from_calls) <= 4
+
+
+def test_a_co_offload_call_makes_its_options_once_per_distinct_arguments(monkeypatch):
+    pool = co.HostPool()
+    first = co.offload(min_bytes="1KiB", stream="compute", devices=["cpu"], pool=pool)
+    made = []
+    real = OffloadOptions.__post_init__
+    monkeypatch.setattr(OffloadOptions, "__post_init__", lambda self: made.append(1) or real(self))
+    again = co.offload(min_bytes="1KiB", stream="compute", devices=["cpu"], pool=pool)
+    assert made == []  # nothing checked again
+    want = OffloadOptions(min_bytes=1024, stream="compute", devices=["cpu"], pool=pool)
+    assert again.options == first.options == want and again.options is not first.options
+    # The context reads its options through ctx.options; devices and pool are resolved.
+    assert (again.min_bytes, again.stream, again.on_full, again.devices) == (1024, "compute", "keep", ("cpu",))
+    assert again.pool is pool and co.offload(devices=["cpu"]).pool is co.default_pool()
+    # By position and by name are other entries; each is checked on its own.
+    assert co.offload(1024, "compute", ["cpu"], pool).options == want
+    with pytest.raises(TypeError, match="got min_bytes both by position and by keyword"):
+        co.offload(1024, min_bytes=1024)
+    # A pool that is no pool still raises on a cached entry.
+    with pytest.raises(TypeError, match="pool must be a ckpt_offload.HostPool"):
+        co.offload(min_bytes="1KiB", stream="compute", devices=["cpu"], pool="pool")
+    # A value equal to a cached one but of another type is checked on its own.
+    co.offload(measure_error=False, devices=["cpu"])
+    with pytest.raises(TypeError, match="measure_error must be True or False"):
+        co.offload(measure_error=0, devices=["cpu"])
+
+
+def test_a_context_made_from_cached_options_offloads_as_the_first():
+    pool = co.HostPool(pinned=False)
+    x = torch.randn(64, 64, requires_grad=True)
+    for _ in range(2):
+        with co.offload(min_bytes=0, devices=["cpu"], pool=pool) as ctx:
+            y = torch.tanh(x)
+        y.sum().backward()
+        torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+        x.grad = None
+        assert ctx.stats()["tensors_offloaded"] == 1 and ctx.stats()["bytes_offloaded"] == 64 * 64 * 4
+
+
+def test_native_packer_options_are_made_once_per_cached_options_whatever_their_pool():
+    given = {"devices": ["cpu"], "min_bytes": 4096, "stream": "compute"}
+    a, b = as_options({**given, "pool": co.HostPool()}), as_options({**given, "pool": co.HostPool()})
+    native = options_module.native_packer_options(a)
+    assert options_module.native_packer_options(b) is native  # kept on their shared pool-free options
+    assert options_module.native_packer_options(a.replace(min_bytes=0)).min_bytes == 0
+    assert (native.min_bytes, native.side_stream) == (4096, False)
+    with pytest.raises(TypeError, match="Packer: missing option 'offload_cpu'"):
+        co._C.PackerOptions(min_bytes=0)
+    # A Packer made from them packs as one made from the keywords.
+    packer = co._C.Packer(native, co.HostPool(pinned=False)._impl)
+    hooks = co._C.Hooks(packer)
+    x = torch.randn(64, 64, requires_grad=True)
+    hooks.enter()
+    y = torch.tanh(x)
+    hooks.exit()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 1 - torch.tanh(x.detach()) ** 2)
+    assert packer.stats()["tensors_offloaded"] == 1
 
 
 def test_pool_free_key_is_the_options_without_their_pool_made_once():
