@@ -458,24 +458,33 @@ _POOL_INDEX = POSITIONAL_KEYS.index("pool")
 _POOL_SLOT = ("pool",)  # the pool's place in a key: it is put back on a hit
 
 
-def _call_key(args: tuple, kwargs: dict):
+def _call_key(args: tuple, kwargs: dict, in_any_order: bool = False):
     """The cache key of options given as ``co.offload(*args, **kwargs)`` (or as a dict, in
-    ``kwargs``), or None when a value cannot be cached. Each item is (name, type, value) for a
-    scalar, (name, _frozen(value)) otherwise, so that 1 and True, or a list and a set, never
-    match; the keywords in name order (a dict's order does not matter), after the positional
-    ones and their count (an option given by position never matches one given by name)."""
+    ``kwargs``, with ``in_any_order``: its keys in name order), or None when a value cannot be
+    cached. Each item is (name, type, value) for a scalar, (name, type, the items' types, the
+    items) for a list or tuple of scalars, (name, _frozen(value)) otherwise (never one for
+    another: their lengths differ), so that 1 and True, or a list and a set, never match; the
+    positional ones first, with their count (an option given by position never matches one
+    given by name)."""
+    key = [len(args)]
+    append = key.append
     try:
-        key = [len(args)]
-        for name, value in itertools.chain(zip(POSITIONAL_KEYS, args), sorted(kwargs.items())):
-            if name == "pool":
-                key.append(_POOL_SLOT)
-            elif type(value) in _SCALARS:
-                key.append((name, type(value), value))
+        items = sorted(kwargs.items()) if in_any_order else kwargs.items()
+        if args:
+            items = [*zip(POSITIONAL_KEYS, args), *items]
+        for name, value in items:
+            kind = type(value)
+            if kind in _SCALARS:
+                append((name, kind, value))
+            elif name == "pool":
+                append(_POOL_SLOT)
+            elif (kind is list or kind is tuple) and all(type(v) in _SCALARS for v in value):
+                append((name, kind, tuple(map(type, value)), tuple(value)))
             else:
-                key.append((name, _frozen(value)))
-        return tuple(key)
+                append((name, _frozen(value)))
     except TypeError:  # a value of another kind, or a dict key that is not a string
         return None
+    return tuple(key)
 
 
 def _made_before(key, pool) -> "OffloadOptions | None":
@@ -546,7 +555,7 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
     if isinstance(offload, OffloadOptions):
         return offload
     if isinstance(offload, dict):
-        key = _call_key((), offload)
+        key = _call_key((), offload, in_any_order=True)
         made = _made_before(key, offload.get("pool"))
         if made is not None:
             return made

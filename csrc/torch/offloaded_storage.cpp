@@ -234,7 +234,21 @@ int64_t OffloadedStorage::start_prefetch() {
   return static_cast<int64_t>(nbytes_);
 }
 
-c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fresh_bytes) {
+// Note [Same view, same tensor]
+// tanh saves its output and the next Linear saves the same tensor as its input: two saved
+// tensors of one copy, viewing it the same way. The reload is held for the second (Staged::held),
+// and so is the tensor the first unpack made over it: the second unpack hands back that same
+// tensor instead of making another tensor and Python object over the same bytes. This is what
+// autograd does without hooks, where every node that saved a tensor unpacks the tensor itself
+// (and a node that needs a grad_fn gets its own shallow copy from autograd, either way). Only an
+// identical view (dtype, sizes, strides, offset) shares; a tensor is never held past the last
+// saved tensor of the copy that is still to unpack, nor past the reload it views.
+static bool same_view(const at::Tensor& t, const OffloadedStorage::View& v, int64_t offset) {
+  return t.scalar_type() == v.dtype && t.storage_offset() == offset && t.sizes() == v.sizes && t.strides() == v.strides;
+}
+
+c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fresh_bytes, const View* view,
+                                           at::Tensor* same) {
   *shared = false;
   *fresh_bytes = 0;
   c10::Storage out;
@@ -244,25 +258,24 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
   // reload (consumed), and backward had to wait for it (waited).
   bool consumed = false, waited = false;
   DeviceScope scope(device_);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    sealed_ = true;  // Note [One copy per storage]: a device copy exists from here on
-    if (on_device_) {
-      // Kept on the device when its batch found the pool full: the same copy, for every unpack
-      // (retain_graph, double backward); it has no host bytes to reload from.
-      if (first) --pending_;
-      *shared = true;
-      record_consumer(on_device_, device_);
-      return on_device_;
-    }
+  std::unique_lock<std::mutex> lock(mu_);
+  sealed_ = true;  // Note [One copy per storage]: a device copy exists from here on
+  if (on_device_) {
+    // Kept on the device when its batch found the pool full: the same copy, for every unpack
+    // (retain_graph, double backward); it has no host bytes to reload from.
+    if (first) --pending_;
+    *shared = true;
+    record_consumer(on_device_, device_);
+    return on_device_;
   }
   for (int attempt = 0;; ++attempt) {
     std::shared_ptr<Event> request;
     if (batch_) {
+      lock.unlock();  // Note [Lock order]: the batch flushes and reloads before this takes its lock
       if (!batch_->flushed()) batch_->flush();
       bool need;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        std::lock_guard<std::mutex> relock(mu_);
         if (on_device_) {
           // This unpack's flush found the pool full: the batch kept its members on the device
           // (as above), and there are no host bytes to reload.
@@ -279,8 +292,8 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
         batch_->reload(/*prefetch=*/false);
         waited = true;
       }
+      lock.lock();
     }
-    std::lock_guard<std::mutex> lock(mu_);
     // Asked for now: a reload started here runs on the demand stream, never behind queued
     // prefetches (Note [Stream ordering] rule 4).
     StreamPair streams(device_, side_stream_, /*to_host=*/false, /*demand=*/true);
@@ -290,6 +303,9 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       *shared = true;
       out = staged_.storage;
       record_consumer(out, device_);  // rule 3: the consumer may be another stream
+      if (view && staged_.tensor.defined() &&
+          same_view(staged_.tensor, *view, (view->lo - base()) / static_cast<int64_t>(c10::elementSize(view->dtype))))
+        *same = staged_.tensor;  // Note [Same view, same tensor]
     } else if (static_cast<bool>(staged_.storage)) {
       Staged st = std::move(staged_);
       staged_ = Staged{};
@@ -355,6 +371,11 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     if (pending_ > 0 && !static_cast<bool>(staged_.storage)) {
       // Other saved tensors of this storage are still to unpack: keep the bytes for them.
       staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
+      if (view) {  // Note [Same view, same tensor]
+        const int64_t offset = (view->lo - base()) / static_cast<int64_t>(c10::elementSize(view->dtype));
+        staged_.tensor = tensor_over(out, view->dtype, view->sizes, view->strides, offset);
+        *same = staged_.tensor;
+      }
     } else if (pending_ <= 0 && staged_.held) {
       drop_staged_locked();
     }
@@ -362,6 +383,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     seq = seq_;
     break;
   }
+  lock.unlock();
   if (prefetcher) {
     if (consumed) prefetcher->note_unpack(waited);
     prefetcher->after_unpack(seq, device_);

@@ -73,13 +73,27 @@ class OffloadedStorage : public Reloadable {
     // Counts the bytes in the memory timeline while staged_ owns them (not when `held`: the
     // saved tensor that unpacked the reload counts them).
     DeviceBytesHeld counted;
+    // With `held`: the tensor the unpack that reloaded made over `storage`, for the saved
+    // tensors still to come that view it the same way (Note [Same view, same tensor]).
+    at::Tensor tensor;
+  };
+  // How a saved tensor views this storage: what its unpack makes a tensor of. `lo`: its first
+  // byte in the original storage (its element offset in a reload is (lo - base()) / itemsize).
+  struct View {
+    c10::ScalarType dtype;
+    c10::IntArrayRef sizes, strides;
+    int64_t lo;
   };
 
   // A device storage holding the bytes again. While one reloaded storage is alive, later
   // unpacks (other views, retain_graph, double backward) share it instead of copying again.
   // `*fresh_bytes`: device bytes this call brought back (0 when shared).
   // `first`: the first unpack of one of the saved tensors that view this storage.
-  c10::Storage materialize(bool first, bool* shared, int64_t* fresh_bytes);
+  // With `view`: `*same` gets the tensor an earlier unpack made for the same view while the
+  // reload is held for the saved tensors still to come, and a reload held for them keeps the
+  // tensor this unpack gets (the caller returns `*same` when it is set).
+  c10::Storage materialize(bool first, bool* shared, int64_t* fresh_bytes, const View* view = nullptr,
+                           at::Tensor* same = nullptr);
   // A saved tensor that views this storage was made / died before it was ever unpacked.
   void link();
   void unlink();

@@ -908,7 +908,7 @@ at::Tensor Packer::unpack(py::handle obj) {
     saved.version().accept_modification();  // Note [Selective checkpoint cache mutation]
   saved.check_version();
   const int task = torch::autograd::get_current_graph_task_id();
-  if (task >= 0 && last_graph_task_.exchange(task) != task) {
+  if (task >= 0 && last_graph_task_.load(std::memory_order_relaxed) != task && last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when
     // its graph dies or the next forward offloads.
     torch::autograd::Engine::get_default_engine().queue_callback(

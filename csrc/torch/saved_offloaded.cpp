@@ -76,7 +76,9 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
   o.storage = OffloadedStorage::resolve(std::move(o.storage));
   bool shared = false;
   int64_t fresh = 0;
-  c10::Storage st = o.storage->materialize(!unpacked_, &shared, &fresh);
+  const OffloadedStorage::View view{dtype_, sizes_, strides_, lo_};
+  at::Tensor same;
+  c10::Storage st = o.storage->materialize(!unpacked_, &shared, &fresh, &view, &same);
   unpacked_ = true;
   if (shared) {
     counters_->tensors_reload_shared++;
@@ -90,6 +92,7 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
     device_held_.set(device_held_.bytes() + fresh);
   }
   sample_memory(o.storage->pool(), device_);
+  if (same.defined()) return same;  // Note [Same view, same tensor]
   const int64_t offset = (lo_ - o.storage->base()) / static_cast<int64_t>(c10::elementSize(dtype_));
   return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
 }

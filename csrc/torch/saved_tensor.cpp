@@ -36,10 +36,16 @@ SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<Packe
       device_(t.device()),
       counters_(std::move(counters)) {
   if (!layout) return;
-  sizes_ = at::DimVector(t.sizes());
-  strides_ = at::DimVector(t.strides());
-  nbytes_ = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
-  lo_ = t.storage_offset() * static_cast<int64_t>(t.dtype().itemsize());
+  const c10::TensorImpl& impl = *t.unsafeGetTensorImpl();
+  const c10::IntArrayRef sizes = impl.sizes(), strides = impl.strides();
+  sizes_.assign(sizes.begin(), sizes.end());
+  strides_.assign(strides.begin(), strides.end());
+  int64_t extent = impl.numel() > 0 ? 1 : 0;  // extent_elements, from what is at hand
+  if (extent)
+    for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+  const int64_t item = static_cast<int64_t>(impl.dtype().itemsize());
+  nbytes_ = extent * item;
+  lo_ = impl.storage_offset() * item;
 }
 
 SavedTensor::SavedTensor(KeptTag, const at::Tensor& t, at::Tensor alias, int64_t nbytes, int64_t device_bytes,

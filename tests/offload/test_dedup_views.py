@@ -2,11 +2,14 @@
 the host once, as one span covering their union, and reloaded into one storage (Note [One copy per storage],
 csrc/torch/offloaded_storage.h): exact pool bytes, shared reloaded storages, bit-identical gradients."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_bit_identical, cpu_offload, grads_of, hypothesis_examples, run_a_backward
+from conftest import (assert_bit_identical, cpu_offload, device_bytes_saved, grads_of, hypothesis_examples,
+                      run_a_backward)
 
 import ckpt_offload as co
 
@@ -388,3 +391,48 @@ def test_a_table_past_its_prune_size_still_finds_the_live_copies(pool):
     assert torch.equal(x.grad, torch.full_like(x, 2.0 * (800 + 700)))
     del ys, again
     assert pool.stats()["bytes_in_use"] == 0
+
+
+class SavesTwice(torch.autograd.Function):
+    """Saves w twice and w.t() once (three saved tensors of one host copy); backward records what each
+    unpack gave."""
+
+    seen = []
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w, w, w.t())
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        SavesTwice.seen = list(ctx.saved_tensors)
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_tensor_saved_twice_unpacks_to_one_tensor(pool, stream, retain, device):
+    # Note [Same view, same tensor]: the second unpack of an identical view gets the tensor the first
+    # made, as autograd without hooks hands each node the saved tensor itself; another view of the
+    # same copy gets a tensor of its own over the same reload. Nothing is held once all have unpacked.
+    # A second backward (retain_graph) reloads once more and shares the reload, not the tensor.
+    x, w = torch.randn(3, device=device, requires_grad=True), torch.randn(8, 8, device=device)
+    with co.offload(pool=pool, stream=stream, devices=[device], min_bytes=0) as ctx:
+        y = SavesTwice.apply(x, w)
+    for second in ([False, True] if retain else [False]):
+        y.sum().backward(retain_graph=retain)
+        a, b, c = SavesTwice.seen
+        assert (a is b) != second and c is not a
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+        assert torch.equal(a, w) and torch.equal(b, w) and torch.equal(c, w.t()) and c.stride() == w.t().stride()
+        gone = weakref.ref(a)
+        SavesTwice.seen = []
+        del a, b, c
+        assert gone() is None  # neither the copy nor the graph holds the unpacked tensor
+    assert torch.equal(x.grad, torch.full_like(x, 4.0 if retain else 2.0))
+    s = ctx.stats()
+    assert (s["tensors_offloaded"], s["tensors_deduplicated"]) == (1, 2)
+    assert (s["tensors_reloaded"], s["tensors_reload_shared"]) == ((2, 4) if retain else (1, 2))
+    del y
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0 and device_bytes_saved() == 0
