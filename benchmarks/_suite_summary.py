@@ -142,6 +142,10 @@ if os.path.exists(co_path):
         for x in r["rows"]:
             lines.append(f"- {x['arm']}: {x['over_torch_checkpoint_us']:+.1f} µs per call over torch's checkpoint "
                          f"(ratio {x['ratio']:.2f} [{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}])")
+        made = r.get("construction_us")
+        if made:
+            lines.append(f"- making a context: co.offload(...) {made['co_offload']:.1f} µs, torch's saved_tensors_hooks "
+                         f"{made['saved_tensors_hooks']:.1f} µs, save_on_cpu {made['save_on_cpu']:.1f} µs")
     except Exception as e:
         lines.append(f"could not read call_overhead.json: {e}")
 else:

@@ -21,6 +21,10 @@ fixed cost is most of its time:
   code does, into the default pool (a dict of plain values: made into options once);
 - ``co_apply_offload``: a block wrapped once by ``co.apply(..., offload=opts)``, called as is.
 
+Apart from the arms: what making a context costs (``co.offload(...)`` with keywords, as a
+training loop writes ``with co.offload(...):`` every step; against torch's ``saved_tensors_hooks``
+and ``save_on_cpu``), in µs per context, the median of ``--rounds`` batches of 200.
+
 The offload arms offload with ``min_bytes=0``, so the block's input is copied to the pool and
 back: their extra over ``co_checkpoint`` is one offloaded tensor plus the context. Timing as in
 hot_path.py: rounds in a freshly shuffled order, each arm one untimed step then the fastest of
@@ -79,6 +83,31 @@ def arms(device: str, dim: int, pool) -> dict:
         "co_checkpoint_offload_dict": lambda x: co.checkpoint(block, x, offload=as_dict),
         "co_apply_offload": wrapped,
     }
+
+
+def _same(t):
+    return t
+
+
+def construction_us(device: str, pool, rounds: int, clock, per_batch: int = 200) -> dict:
+    """µs to make one context, per kind: the median over ``rounds`` batches of ``per_batch``."""
+    dev = [device]
+    makers = {
+        "co_offload": lambda: co.offload(min_bytes=0, stream="compute", devices=dev, pool=pool),
+        "saved_tensors_hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same),
+        "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(),
+    }
+    out = {}
+    for name, make in makers.items():
+        make()  # the first one fills what later ones reuse
+        batches = []
+        for _ in range(max(rounds, 1)):
+            t0 = clock()
+            for _ in range(per_batch):
+                make()
+            batches.append((clock() - t0) / per_batch * 1e6)
+        out[name] = statistics.median(batches)
+    return out
 
 
 def one_step(fn, x, cuda: bool, clock) -> tuple:
@@ -155,6 +184,7 @@ def run(args) -> dict:
         "python": platform.python_version(),
         "package": os.path.dirname(os.path.abspath(co.__file__)),
         "rows": rows,
+        "construction_us": construction_us(args.device, pool, args.rounds, clock),
     }
 
 
@@ -175,6 +205,11 @@ def markdown(r: dict) -> str:
         lines.append(f"| {x['arm']} | {x['overhead_us']:.1f} | {x['over_torch_checkpoint_us']:+.1f} "
                      f"[{x['over_p25']:+.1f}, {x['over_p75']:+.1f}] | {x['ratio']:.2f} "
                      f"[{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}] |")
+    c = r.get("construction_us")
+    if c:
+        lines += ["", f"Making a context: co.offload(...) {c['co_offload']:.1f} µs, torch's saved_tensors_hooks "
+                  f"{c['saved_tensors_hooks']:.1f} µs, save_on_cpu {c['save_on_cpu']:.1f} µs (median of "
+                  f"{a['rounds']} batches of 200)."]
     return "\n".join(lines) + "\n"
 
 

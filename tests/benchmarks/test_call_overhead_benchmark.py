@@ -27,7 +27,11 @@ def test_quick_run_writes_json_and_markdown(tmp_path):
     base = r["rows"][0]
     assert base["over_torch_checkpoint_us"] == 0 and base["ratio"] == 1.0  # itself, in every round
     assert all(math.isfinite(x["overhead_us"]) and x["ratio"] is not None for x in r["rows"])
+    made = r["construction_us"]
+    assert set(made) == {"co_offload", "saved_tensors_hooks", "save_on_cpu"}
+    assert all(math.isfinite(v) and v > 0 for v in made.values())
     md = (tmp_path / "call_overhead.md").read_text()
+    assert "Making a context: co.offload(...)" in md
     assert all(f"| {a} |" in md for a in ARMS) and "CPU numbers, not GPU numbers" in md
     assert os.path.basename(r["package"]) == "ckpt_offload"  # which one was measured (a checkout or installed)
 
