@@ -8,12 +8,14 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn as nn
 
 import ckpt_offload as co
 from ckpt_offload import checkpointing, options as options_module
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something, pool_free_key
-from conftest import assert_bit_identical
+from conftest import assert_bit_identical, hypothesis_examples
 from helpers import grads_of
 
 CPU = {"devices": ["cpu"], "min_bytes": 0}
@@ -256,3 +258,52 @@ def test_a_full_pool_raises_at_the_routes_exit_and_backward_still_works():
     with pytest.raises(co.PoolFullError):
         co.checkpoint(torch.exp, x, offload=opts)
     assert not checkpointing.context_for(opts).active
+
+
+# Values of each option, valid and not, of the types a call may mix up (1 and True, 1.0; a list,
+# a tuple, a set; a string where a number goes).
+_VALUES = {
+    "min_bytes": [0, 1, 4096, True, 1.0, "4KiB", "4 KiB", -1, None],
+    "stream": ["side", "compute", "gpu", 1, None],
+    "devices": [["cpu"], ("cpu",), {"cpu"}, "cpu", None, [1], ["cpu", "cpu"], [torch.device("cpu")]],
+    "on_full": ["keep", "raise", "drop", True],
+    "batch_below": [0, 64, "1KiB", False, 2.0],
+    "measure_error": [False, True, 0, 1],
+    "store_dtype": [None, torch.bfloat16, "bf16", torch.int8, "fp8"],
+}
+
+
+def _outcome(make):
+    """What a call gives: its options, or the type and message of what it raised."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make()
+    except (TypeError, ValueError) as e:
+        return (type(e), str(e))
+
+
+@settings(max_examples=hypothesis_examples(60), deadline=None)
+@given(data=st.data())
+def test_property_cached_calls_give_what_an_uncached_call_gives(data):
+    # Any mix of option values, by keyword, with or without a pool, then the same call with one
+    # value swapped for another of the same option (often one that compares equal: 1 and True, a
+    # list and a tuple): every call, first or served by the cache, gives what OffloadOptions
+    # itself gives, options or error.
+    names = data.draw(st.lists(st.sampled_from(sorted(_VALUES)), unique=True, min_size=1, max_size=4), label="names")
+    kwargs = {n: data.draw(st.sampled_from(_VALUES[n]), label=n) for n in names}
+    if data.draw(st.booleans(), label="pool"):
+        kwargs["pool"] = co.HostPool(pinned=False)
+    swapped = data.draw(st.sampled_from(names), label="swapped")
+    variant = {**kwargs, swapped: data.draw(st.sampled_from(_VALUES[swapped]), label="swapped value")}
+    for call in (kwargs, variant, kwargs, variant):
+        want = _outcome(lambda: OffloadOptions(**call))
+        got = _outcome(lambda: options_module.from_arguments("co.offload()", (), call))
+        assert got == want
+        if isinstance(want, OffloadOptions):
+            assert got.pool is want.pool and hash(got) == hash(want)
+        got = _outcome(lambda: as_options(dict(call)))
+        if isinstance(want, OffloadOptions):
+            assert got == want and got.pool is want.pool
+        else:  # as_options names its argument first
+            assert got[0] is want[0] and got[1].endswith(want[1])
