@@ -19,6 +19,7 @@
 
 #include "packer.h"
 #include "pinned_fallback.h"
+#include "plain_type.h"
 
 namespace py = pybind11;
 
@@ -67,13 +68,8 @@ void holder_dealloc(PyObject* o) {
 PyTypeObject* holder_type() {
   static PyTypeObject* type = [] {
     static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "ckpt_offload._C.HookHolder";
-    t.tp_basicsize = sizeof(HookHolder);
-    t.tp_dealloc = holder_dealloc;
-    t.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no Python reference: no cycle to collect
-    t.tp_doc = "The Packer a co.offload hook function calls (Note [Hook entry points]).";
-    if (PyType_Ready(&t) < 0) throw py::error_already_set();
-    return &t;
+    return ready_plain_type(t, "ckpt_offload._C.HookHolder", sizeof(HookHolder), holder_dealloc,
+                            "The Packer a co.offload hook function calls (Note [Hook entry points]).");
   }();
   return type;
 }
@@ -384,17 +380,14 @@ PyMemberDef hooks_members[] = {
 PyTypeObject* hooks_type() {
   static PyTypeObject* type = [] {
     static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "ckpt_offload._C.Hooks";
-    t.tp_basicsize = sizeof(HooksObject);
-    t.tp_dealloc = hooks_dealloc;
-    t.tp_flags = Py_TPFLAGS_DEFAULT;  // its functions hold the Packer, never this object: no cycle
-    t.tp_doc = "A co.offload context's hook functions and the activation in force (Note [Native activation]).";
     t.tp_new = hooks_new;
     t.tp_methods = hooks_methods;
     t.tp_getset = hooks_getset;
     t.tp_members = hooks_members;
-    if (PyType_Ready(&t) < 0) throw py::error_already_set();
-    return &t;
+    // Its functions hold the Packer, never this object: no cycle.
+    return ready_plain_type(t, "ckpt_offload._C.Hooks", sizeof(HooksObject), hooks_dealloc,
+                            "A co.offload context's hook functions and the activation in force "
+                            "(Note [Native activation]).");
   }();
   return type;
 }

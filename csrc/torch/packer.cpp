@@ -15,6 +15,7 @@
 #include "../core/profiler.h"
 #include "device_memory.h"
 #include "frames.h"
+#include "plain_type.h"
 #include "runtime.h"
 #include "saved_converted.h"
 #include "tensor_layout.h"
@@ -130,14 +131,9 @@ PyGetSetDef saved_getset[] = {
 PyTypeObject* saved_type() {
   static PyTypeObject* type = [] {
     static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "ckpt_offload._C.SavedActivation";
-    t.tp_basicsize = sizeof(SavedObject);
-    t.tp_dealloc = saved_dealloc;
     t.tp_getset = saved_getset;
-    t.tp_flags = Py_TPFLAGS_DEFAULT;
-    t.tp_doc = "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.";
-    if (PyType_Ready(&t) < 0) throw py::error_already_set();
-    return &t;
+    return ready_plain_type(t, "ckpt_offload._C.SavedActivation", sizeof(SavedObject), saved_dealloc,
+                            "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.");
   }();
   return type;
 }
@@ -330,13 +326,9 @@ void saved_dtensor_dealloc(PyObject* self) {
 PyTypeObject* saved_dtensor_type() {
   static PyTypeObject* type = [] {
     static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_name = "ckpt_offload._C.SavedDTensor";
-    t.tp_basicsize = sizeof(SavedDTensorObject);
-    t.tp_dealloc = saved_dtensor_dealloc;
-    t.tp_flags = Py_TPFLAGS_DEFAULT;  // holds no object that can refer back to it: no GC
-    t.tp_doc = "A DTensor saved by co.offload's pack hook: its packed local tensor and its spec.";
-    if (PyType_Ready(&t) < 0) throw py::error_already_set();
-    return &t;
+    // Its local tensor and spec cannot refer back to it.
+    return ready_plain_type(t, "ckpt_offload._C.SavedDTensor", sizeof(SavedDTensorObject), saved_dtensor_dealloc,
+                            "A DTensor saved by co.offload's pack hook: its packed local tensor and its spec.");
   }();
   return type;
 }
@@ -908,7 +900,8 @@ at::Tensor Packer::unpack(py::handle obj) {
     saved.version().accept_modification();  // Note [Selective checkpoint cache mutation]
   saved.check_version();
   const int task = torch::autograd::get_current_graph_task_id();
-  if (task >= 0 && last_graph_task_.load(std::memory_order_relaxed) != task && last_graph_task_.exchange(task) != task) {
+  if (task >= 0 && last_graph_task_.load(std::memory_order_relaxed) != task &&
+      last_graph_task_.exchange(task) != task) {
     // Once per backward: what this backward leaves behind is released when it ends, not when
     // its graph dies or the next forward offloads.
     torch::autograd::Engine::get_default_engine().queue_callback(
