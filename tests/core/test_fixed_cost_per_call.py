@@ -157,7 +157,8 @@ def test_pool_free_key_is_the_options_without_their_pool_made_once():
     assert pool_free_key(o) is key
     assert pool_free_key(key) is key  # without a pool: itself
     # A cache, not a field: equality, hashing, the dict form and a copy are unchanged.
-    assert o == OffloadOptions(devices=["cpu"], pool=pool) and hash(o) == hash(OffloadOptions(devices=["cpu"], pool=pool))
+    same = OffloadOptions(devices=["cpu"], pool=pool)
+    assert o == same and hash(o) == hash(same)
     assert "_pool_free_key" not in o.to_dict() and o.replace(min_bytes=1).pool is pool
 
 
