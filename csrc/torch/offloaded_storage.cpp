@@ -303,8 +303,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       *shared = true;
       out = staged_.storage;
       record_consumer(out, device_);  // rule 3: the consumer may be another stream
-      if (view && staged_.tensor.defined() &&
-          same_view(staged_.tensor, *view, (view->lo - base()) / static_cast<int64_t>(c10::elementSize(view->dtype))))
+      if (view && staged_.tensor.defined() && same_view(staged_.tensor, *view, offset_of(view->lo, view->dtype)))
         *same = staged_.tensor;  // Note [Same view, same tensor]
     } else if (static_cast<bool>(staged_.storage)) {
       Staged st = std::move(staged_);
@@ -372,8 +371,7 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       // Other saved tensors of this storage are still to unpack: keep the bytes for them.
       staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
       if (view) {  // Note [Same view, same tensor]
-        const int64_t offset = (view->lo - base()) / static_cast<int64_t>(c10::elementSize(view->dtype));
-        staged_.tensor = tensor_over(out, view->dtype, view->sizes, view->strides, offset);
+        staged_.tensor = tensor_over(out, view->dtype, view->sizes, view->strides, offset_of(view->lo, view->dtype));
         *same = staged_.tensor;
       }
     } else if (pending_ <= 0 && staged_.held) {

@@ -103,6 +103,11 @@ class OffloadedStorage : public Reloadable {
   // tensor's element offset there is (its byte offset - base()) / itemsize. Fixed once sealed
   // (read it after materialize).
   int64_t base() const { return lo_ - static_cast<int64_t>(pad_); }
+  // The element offset in a reloaded storage of a view that starts at byte `lo` of the original
+  // (read after materialize, as base()).
+  int64_t offset_of(int64_t lo, c10::ScalarType dtype) const {
+    return (lo - base()) / static_cast<int64_t>(c10::elementSize(dtype));
+  }
 
   // Note [One copy per storage]. Whether more pieces can still be added (not sealed, not a
   // batch member, not absorbed).

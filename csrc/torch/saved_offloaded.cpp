@@ -93,8 +93,7 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
   }
   sample_memory(o.storage->pool(), device_);
   if (same.defined()) return same;  // Note [Same view, same tensor]
-  const int64_t offset = (lo_ - o.storage->base()) / static_cast<int64_t>(c10::elementSize(dtype_));
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
+  return tensor_over(std::move(st), dtype_, sizes_, strides_, o.storage->offset_of(lo_, dtype_));
 }
 
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
