@@ -140,7 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("offloaded", &SavedTensor::offloaded)
       .def_property_readonly("nbytes", &SavedTensor::nbytes)
       .def_property_readonly("device", [](const SavedTensor& s) { return s.device().str(); })
-      .def("reload", &SavedTensor::unpack);
+      .def("reload", [](SavedTensor& self) { return self.unpack(); });
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
   // The kernels of the ops that offload inside a compiled graph (ckpt_offload/_compile_ops.py).

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <stdexcept>
+#include <string>
 
 #include <c10/core/CPUAllocator.h>
 
@@ -10,6 +11,7 @@
 #include "device_bytes.h"
 #include "device_runtime.h"
 #include "runtime.h"
+#include "tensor_layout.h"
 
 namespace ckpt_offload {
 
@@ -36,6 +38,23 @@ at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArra
                                                    c10::scalarTypeToTypeMeta(dtype));
   impl->set_sizes_and_strides(sizes, strides, offset);
   return at::Tensor(std::move(impl));
+}
+
+void DeviceCopyVersion::check(bool accept_modified, c10::ScalarType dtype, c10::IntArrayRef sizes,
+                              const c10::Device& device) {
+  if (!modified()) return;
+  if (accept_modified) {
+    accept();
+    return;
+  }
+  // autograd's own wording (SavedVariable::unpack), so that what catches torch's error catches this.
+  throw DeviceCopyModified(
+      "one of the variables needed for gradient computation has been modified by an inplace operation: " +
+      describe(dtype, sizes.vec(), device) + " is at version " + std::to_string(counter_.current_version()) +
+      "; expected version " + std::to_string(at_) +
+      " instead. (Detected by ckpt_offload: a backward wrote a tensor it unpacked in place, and another saved "
+      "tensor views the same bytes, so its backward would have read the written values.) Hint: the backward that "
+      "modified its saved tensor must clone it first.");
 }
 
 // record_consumer: the device side's (cuda/device_memory.cpp, cpu/device_memory.cpp).

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 
 #include "../core/copy_engine.h"
 #include "../core/host_pool.h"
@@ -23,6 +24,52 @@ c10::Storage device_storage(const c10::Device& device, size_t n);
 // stays inside the storage: it was the saved tensor's own, checked when it was packed.
 at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArrayRef sizes, c10::IntArrayRef strides,
                        int64_t offset);
+// Note [One version per device copy]
+// Autograd without hooks hands every node that saved a tensor the tensor itself, and checks its
+// version at every unpack; views of one base share that counter. With hooks it checks nothing,
+// but gives the unpacked tensor's counter to what the node gets (SavedVariable::unpack). A device
+// copy that several unpacks share -- a reload held for the saved tensors still to come, a reload
+// still alive (retain_graph, double backward, another view of the storage), a batch member kept
+// on the device, a converted reload -- plays that base: every tensor made over it shares one
+// version counter, and an unpack that shares the copy first checks that the counter has not moved
+// since the copy was made. A backward that wrote its saved tensor in place (a kernel reusing its
+// input as scratch) then makes the next unpack of those bytes raise autograd's error, as it does
+// without hooks, instead of handing that node the written bytes. Each unpack gets a tensor of its
+// own (two saved tensors never share one object: selective checkpointing returns them as the
+// outputs of different ops, which must be different tensors).
+class DeviceCopyVersion {
+ public:
+  // `t`, the first tensor made over a new device copy: its counter becomes the copy's.
+  void start(const at::Tensor& t) {
+    counter_ = t.unsafeGetTensorImpl()->version_counter();
+    at_ = counter_.enabled() ? counter_.current_version() : 0;
+  }
+  // Another tensor over the same copy shares the counter (as views of one base do).
+  void share(const at::Tensor& t) const {
+    if (counter_.enabled() && t.unsafeGetTensorImpl()->version_counter().enabled())
+      t.unsafeGetTensorImpl()->set_version_counter(counter_);
+  }
+  bool started() const { return counter_.enabled(); }
+  bool modified() const { return counter_.enabled() && counter_.current_version() != at_; }
+  // Takes the write as the copy's value from now on (Note [Selective checkpoint cache mutation]).
+  void accept() { at_ = counter_.enabled() ? counter_.current_version() : 0; }
+  // Raises DeviceCopyModified, describing the saved tensor as `dtype`, `sizes`, `device`, when
+  // modified() and the caller did not accept the write.
+  void check(bool accept_modified, c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device);
+
+ private:
+  c10::VariableVersion counter_;  // disabled until a copy starts
+  uint32_t at_ = 0;
+};
+
+// Autograd's in-place error for a shared device copy written since it was made
+// (Note [One version per device copy]). Raised before the unpack changes anything, so that the
+// caller may retry it accepting the write where torch allows it.
+class DeviceCopyModified : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // Holds a source storage until its copy has read it, counted in the memory timeline meanwhile.
 // The pointer is the c10::Storage.
 std::shared_ptr<void> tracked_keepalive(const c10::Storage& st, int64_t bytes);

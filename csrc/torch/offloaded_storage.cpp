@@ -234,21 +234,8 @@ int64_t OffloadedStorage::start_prefetch() {
   return static_cast<int64_t>(nbytes_);
 }
 
-// Note [Same view, same tensor]
-// tanh saves its output and the next Linear saves the same tensor as its input: two saved
-// tensors of one copy, viewing it the same way. The reload is held for the second (Staged::held),
-// and so is the tensor the first unpack made over it: the second unpack hands back that same
-// tensor instead of making another tensor and Python object over the same bytes. This is what
-// autograd does without hooks, where every node that saved a tensor unpacks the tensor itself
-// (and a node that needs a grad_fn gets its own shallow copy from autograd, either way). Only an
-// identical view (dtype, sizes, strides, offset) shares; a tensor is never held past the last
-// saved tensor of the copy that is still to unpack, nor past the reload it views.
-static bool same_view(const at::Tensor& t, const OffloadedStorage::View& v, int64_t offset) {
-  return t.scalar_type() == v.dtype && t.storage_offset() == offset && t.sizes() == v.sizes && t.strides() == v.strides;
-}
-
-c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fresh_bytes, const View* view,
-                                           at::Tensor* same) {
+at::Tensor OffloadedStorage::materialize(bool first, const View& view, bool accept_modified, bool* shared,
+                                         int64_t* fresh_bytes) {
   *shared = false;
   *fresh_bytes = 0;
   c10::Storage out;
@@ -263,10 +250,11 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
   if (on_device_) {
     // Kept on the device when its batch found the pool full: the same copy, for every unpack
     // (retain_graph, double backward); it has no host bytes to reload from.
+    at::Tensor t = over_locked(on_device_, view, accept_modified, /*fresh=*/false);
     if (first) --pending_;
     *shared = true;
     record_consumer(on_device_, device_);
-    return on_device_;
+    return t;
   }
   for (int attempt = 0;; ++attempt) {
     std::shared_ptr<Event> request;
@@ -279,10 +267,11 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
         if (on_device_) {
           // This unpack's flush found the pool full: the batch kept its members on the device
           // (as above), and there are no host bytes to reload.
+          at::Tensor t = over_locked(on_device_, view, accept_modified, /*fresh=*/false);
           if (first) --pending_;
           *shared = true;
           record_consumer(on_device_, device_);
-          return on_device_;
+          return t;
         }
         need = !resident_locked();
       }
@@ -297,14 +286,14 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     // Asked for now: a reload started here runs on the demand stream, never behind queued
     // prefetches (Note [Stream ordering] rule 4).
     StreamPair streams(device_, side_stream_, /*to_host=*/false, /*demand=*/true);
+    at::Tensor tensor;
     if (static_cast<bool>(staged_.storage) && staged_.held) {
       // Kept from an earlier unpack for the saved tensors still to come.
+      tensor = over_locked(staged_.storage, view, accept_modified, /*fresh=*/false);
       streams.compute().wait(staged_.ready);
       *shared = true;
       out = staged_.storage;
       record_consumer(out, device_);  // rule 3: the consumer may be another stream
-      if (view && staged_.tensor.defined() && same_view(staged_.tensor, *view, offset_of(view->lo, view->dtype)))
-        *same = staged_.tensor;  // Note [Same view, same tensor]
     } else if (static_cast<bool>(staged_.storage)) {
       Staged st = std::move(staged_);
       staged_ = Staged{};
@@ -336,9 +325,10 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
     } else if (auto alive = reloaded_.lock()) {
       // Another view (or an earlier unpack) already brought these bytes back. The copy may
       // have been ordered on another stream: order this one after it too.
+      out = c10::Storage(std::move(alive));
+      tensor = over_locked(out, view, accept_modified, /*fresh=*/false);
       streams.compute().wait(reloaded_ready_);
       *shared = true;
-      out = c10::Storage(std::move(alive));
       record_consumer(out, device_);  // rule 3
     } else if (batch_) {
       // A concurrent unpack took the batch's reload of this member and already let it go.
@@ -366,27 +356,35 @@ c10::Storage OffloadedStorage::materialize(bool first, bool* shared, int64_t* fr
       *fresh_bytes = static_cast<int64_t>(pad_ + nbytes_);
       out = std::move(storage);
     }
+    if (!tensor.defined()) tensor = over_locked(out, view, false, /*fresh=*/true);
     if (first) --pending_;
     if (pending_ > 0 && !static_cast<bool>(staged_.storage)) {
       // Other saved tensors of this storage are still to unpack: keep the bytes for them.
       staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
-      if (view) {  // Note [Same view, same tensor]
-        staged_.tensor = tensor_over(out, view->dtype, view->sizes, view->strides, offset_of(view->lo, view->dtype));
-        *same = staged_.tensor;
-      }
     } else if (pending_ <= 0 && staged_.held) {
       drop_staged_locked();
     }
     prefetcher = prefetcher_;
     seq = seq_;
-    break;
+    lock.unlock();
+    if (prefetcher) {
+      if (consumed) prefetcher->note_unpack(waited);
+      prefetcher->after_unpack(seq, device_);
+    }
+    return tensor;
   }
-  lock.unlock();
-  if (prefetcher) {
-    if (consumed) prefetcher->note_unpack(waited);
-    prefetcher->after_unpack(seq, device_);
-  }
-  return out;
+}
+
+at::Tensor OffloadedStorage::over_locked(const c10::Storage& storage, const View& view, bool accept_modified,
+                                         bool fresh) {
+  // Note [One version per device copy]: a shared copy is checked before the unpack takes it.
+  if (!fresh && version_.started()) version_.check(accept_modified, view.dtype, view.sizes, device_);
+  at::Tensor t = tensor_over(storage, view.dtype, view.sizes, view.strides, offset_of(view.lo, view.dtype));
+  if (fresh || !version_.started())
+    version_.start(t);
+  else
+    version_.share(t);
+  return t;
 }
 
 }  // namespace ckpt_offload

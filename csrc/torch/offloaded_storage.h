@@ -15,6 +15,7 @@
 #include "../core/spill.h"
 #include "counters.h"
 #include "device_bytes.h"
+#include "device_memory.h"
 #include "prefetcher.h"
 
 namespace ckpt_offload {
@@ -73,9 +74,6 @@ class OffloadedStorage : public Reloadable {
     // Counts the bytes in the memory timeline while staged_ owns them (not when `held`: the
     // saved tensor that unpacked the reload counts them).
     DeviceBytesHeld counted;
-    // With `held`: the tensor the unpack that reloaded made over `storage`, for the saved
-    // tensors still to come that view it the same way (Note [Same view, same tensor]).
-    at::Tensor tensor;
   };
   // How a saved tensor views this storage: what its unpack makes a tensor of. `lo`: its first
   // byte in the original storage (its element offset in a reload is (lo - base()) / itemsize).
@@ -85,15 +83,14 @@ class OffloadedStorage : public Reloadable {
     int64_t lo;
   };
 
-  // A device storage holding the bytes again. While one reloaded storage is alive, later
-  // unpacks (other views, retain_graph, double backward) share it instead of copying again.
-  // `*fresh_bytes`: device bytes this call brought back (0 when shared).
-  // `first`: the first unpack of one of the saved tensors that view this storage.
-  // With `view`: `*same` gets the tensor an earlier unpack made for the same view while the
-  // reload is held for the saved tensors still to come, and a reload held for them keeps the
-  // tensor this unpack gets (the caller returns `*same` when it is set).
-  c10::Storage materialize(bool first, bool* shared, int64_t* fresh_bytes, const View* view = nullptr,
-                           at::Tensor* same = nullptr);
+  // A tensor over a device storage holding the bytes again, viewing them as `view` does. While
+  // one reloaded storage is alive, later unpacks (other views, retain_graph, double backward)
+  // share it instead of copying again, and every tensor made over it shares one version counter,
+  // checked at each shared unpack (Note [One version per device copy]: DeviceCopyModified, raised
+  // before anything changes, unless `accept_modified`).
+  // `first`: the first unpack of one of the saved tensors that view this storage. `*shared`: the
+  // device storage was shared; `*fresh_bytes`: device bytes this call brought back (0 when shared).
+  at::Tensor materialize(bool first, const View& view, bool accept_modified, bool* shared, int64_t* fresh_bytes);
   // A saved tensor that views this storage was made / died before it was ever unpacked.
   void link();
   void unlink();
@@ -146,6 +143,10 @@ class OffloadedStorage : public Reloadable {
  private:
   // The `_locked` helpers assume mu_ is held by the caller (Note [Lock order], packer.h).
   bool resident_locked();
+  // A tensor over `storage` (this copy's device copy) as `view` sees it: the copy's version
+  // counter starts with it when `fresh` (or none has yet), else it is checked and shared
+  // (Note [One version per device copy]).
+  at::Tensor over_locked(const c10::Storage& storage, const View& view, bool accept_modified, bool fresh);
   bool stage_locked(Staged staged);
   void drop_staged_locked();
 
@@ -175,6 +176,9 @@ class OffloadedStorage : public Reloadable {
   std::shared_ptr<PackerCounters> counters_;
   std::mutex mu_;
   c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
+  // The version counter of the device copy (reloaded_, a held reload, on_device_) that unpacks
+  // share (Note [One version per device copy]).
+  DeviceCopyVersion version_;
   std::shared_ptr<Event> reloaded_ready_;
   Staged staged_;
   c10::Storage on_device_;  // see keep_on_device

@@ -907,7 +907,16 @@ at::Tensor Packer::unpack(py::handle obj) {
     torch::autograd::Engine::get_default_engine().queue_callback(
         [prefetcher = prefetcher_, pool = options_.pool] { end_of_backward(prefetcher, pool); });
   }
-  at::Tensor out = saved.unpack();
+  at::Tensor out;
+  try {
+    out = saved.unpack();
+  } catch (const DeviceCopyModified&) {
+    // Note [One version per device copy]: the device copy this unpack shares was written since
+    // it was made; only SAC's cache with allow_cache_entry_mutation takes it as it is now (Note
+    // [Selective checkpoint cache mutation]). Nothing changed before the raise: unpack again.
+    if (!sac_allows_mutation()) throw;
+    out = saved.unpack(/*accept_modified=*/true);
+  }
   counters_->note_device_peak();
   return out;
 }

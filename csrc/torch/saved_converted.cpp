@@ -49,17 +49,23 @@ void ConvertedCopy::unlink() {
   if (pending_ > 0 && --pending_ == 0) drop = std::move(held_);
 }
 
-c10::Storage ConvertedCopy::materialize(bool first, int64_t* offset, int64_t* fresh_bytes) {
+at::Tensor ConvertedCopy::materialize(bool first, c10::IntArrayRef sizes, c10::IntArrayRef strides,
+                                      bool accept_modified, int64_t* fresh_bytes) {
   const int64_t item = static_cast<int64_t>(c10::elementSize(dtype_));
   // The new storage keeps the original data pointer's alignment mod kReloadAlignment, as exact
   // reloads do (lo_ is the span's first byte in its original storage).
-  *offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
+  const int64_t offset = static_cast<int64_t>(static_cast<size_t>(lo_) % OffloadedStorage::kReloadAlignment) / item;
   *fresh_bytes = 0;
   c10::Storage drop;
   std::lock_guard<std::mutex> lock(mu_);
   c10::Storage st;
+  at::Tensor out;
   if (auto alive = reloaded_.lock()) {
     st = c10::Storage(std::move(alive));
+    // Checked before anything changes (Note [One version per device copy]).
+    version_.check(accept_modified, dtype_, sizes, device_);
+    out = tensor_over(st, dtype_, sizes, strides, offset);
+    version_.share(out);
     if (!device_.is_cpu()) {
       // Converted back on the stream current at that unpack: order this one's after it too,
       // and keep the allocator from reusing the storage before this stream is done (Note
@@ -72,16 +78,18 @@ c10::Storage ConvertedCopy::materialize(bool first, int64_t* offset, int64_t* fr
     at::Tensor narrow = stored_.unpack();  // ready on the current stream; refuses under graph capture
     DeviceScope scope(device_);
     const CurrentStream cur = CurrentStream::of(device_);
-    const int64_t bytes = (*offset + elems_) * item;
+    const int64_t bytes = (offset + elems_) * item;
     // The full-width tensor is what backward keeps: allocated inside a profiler range of its own,
     // so that torch.profiler's memory events tell it from backward's temporaries (the planner's
     // measured peak counts allocations made in ckpt_offload's reload ranges).
     CopyRange range(copy_ranges::kReloadConvert, device_);
     st = device_storage(device_, static_cast<size_t>(bytes));
-    store_up(source_, static_cast<char*>(st.mutable_data()) + *offset * item, elems_, format_, narrow, cur);
+    store_up(source_, static_cast<char*>(st.mutable_data()) + offset * item, elems_, format_, narrow, cur);
     if (!device_.is_cpu()) ready_ = StreamPair(cur, false, false).compute().record();
     reloaded_ = st.getWeakStorageImpl();
     *fresh_bytes = bytes;
+    out = tensor_over(st, dtype_, sizes, strides, offset);
+    version_.start(out);
   }
   if (first && pending_ > 0) --pending_;
   // Kept for the saved tensors over this copy that have not unpacked yet (the attention
@@ -91,19 +99,19 @@ c10::Storage ConvertedCopy::materialize(bool first, int64_t* offset, int64_t* fr
     held_ = st;
   else
     drop = std::move(held_);
-  return st;
+  return out;
 }
 
-at::Tensor SavedTensor::unpack_converted(Converted& c) {
-  int64_t offset = 0, fresh = 0;
-  c10::Storage st = c.copy->materialize(!unpacked_, &offset, &fresh);
+at::Tensor SavedTensor::unpack_converted(Converted& c, bool accept_modified) {
+  int64_t fresh = 0;
+  at::Tensor out = c.copy->materialize(!unpacked_, sizes_, strides_, accept_modified, &fresh);
   // A fresh reload is counted by the staging tensor's own unpack.
   if (!fresh) counters_->tensors_reload_shared++;
   if (!unpacked_) {
     unpacked_ = true;
     if (fresh) device_held_.set(device_held_.bytes() + fresh);
   }
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, offset);
+  return out;
 }
 
 }  // namespace ckpt_offload

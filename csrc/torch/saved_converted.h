@@ -28,10 +28,13 @@ class ConvertedCopy {
   // A saved tensor over this copy was made / unpacked for the first time or died before that.
   void link();
   void unlink();
-  // The full-width storage (shared while one is alive, or kept for the saved tensors that have
-  // not unpacked yet) and the element offset of the span's first element in it. `*fresh_bytes`:
+  // A tensor with `sizes` and `strides` over the full-width storage (shared while one is alive,
+  // or kept for the saved tensors that have not unpacked yet), starting at the span's first
+  // element. Tensors over one storage share its version counter, checked when it is shared (Note
+  // [One version per device copy]: DeviceCopyModified unless `accept_modified`). `*fresh_bytes`:
   // device bytes this call converted back (0 when shared). `first`: the caller's first unpack.
-  c10::Storage materialize(bool first, int64_t* offset, int64_t* fresh_bytes);
+  at::Tensor materialize(bool first, c10::IntArrayRef sizes, c10::IntArrayRef strides, bool accept_modified,
+                         int64_t* fresh_bytes);
   // The exact host copy of the staging bytes.
   const std::shared_ptr<OffloadedStorage>& staged() const { return *stored_.storage(); }
   int64_t stored_nbytes() const { return stored_.nbytes(); }
@@ -49,6 +52,7 @@ class ConvertedCopy {
   c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
   c10::Storage held_;  // the reload, kept while pending_ > 0
   std::shared_ptr<Event> ready_;  // the conversion back of reloaded_ (on a device)
+  DeviceCopyVersion version_;     // of reloaded_ (Note [One version per device copy])
 };
 
 // t (of kind s) converted to format f into a staging tensor, which copy_to_host copies: the

@@ -62,7 +62,7 @@ std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::s
   return storage;
 }
 
-at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
+at::Tensor SavedTensor::unpack_offloaded(Offloaded& o, bool accept_modified) {
   if (current_stream_capturing(device_))
     // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,
     // replayed later against host memory that may hold other bytes by then.
@@ -77,8 +77,7 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
   bool shared = false;
   int64_t fresh = 0;
   const OffloadedStorage::View view{dtype_, sizes_, strides_, lo_};
-  at::Tensor same;
-  c10::Storage st = o.storage->materialize(!unpacked_, &shared, &fresh, &view, &same);
+  at::Tensor out = o.storage->materialize(!unpacked_, view, accept_modified, &shared, &fresh);
   unpacked_ = true;
   if (shared) {
     counters_->tensors_reload_shared++;
@@ -92,8 +91,7 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o) {
     device_held_.set(device_held_.bytes() + fresh);
   }
   sample_memory(o.storage->pool(), device_);
-  if (same.defined()) return same;  // Note [Same view, same tensor]
-  return tensor_over(std::move(st), dtype_, sizes_, strides_, o.storage->offset_of(lo_, dtype_));
+  return out;
 }
 
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,

@@ -108,12 +108,12 @@ int64_t SavedTensor::stored_nbytes() const {
   return nbytes_;
 }
 
-at::Tensor SavedTensor::unpack() {
+at::Tensor SavedTensor::unpack(bool accept_modified) {
   check_version();
   switch (bytes_.index()) {
     case 0: return std::get<Kept>(bytes_).alias;
-    case 1: return unpack_offloaded(std::get<Offloaded>(bytes_));
-    default: return unpack_converted(std::get<Converted>(bytes_));
+    case 1: return unpack_offloaded(std::get<Offloaded>(bytes_), accept_modified);
+    default: return unpack_converted(std::get<Converted>(bytes_), accept_modified);
   }
 }
 

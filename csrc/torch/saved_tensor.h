@@ -78,8 +78,9 @@ class SavedTensor {
   SavedTensor(const SavedTensor&) = delete;
   ~SavedTensor();
 
-  // The tensor again (raises if it was modified in place since pack), by its kind.
-  at::Tensor unpack();
+  // The tensor again (raises if it was modified in place since pack, or if the device copy it
+  // shares with other unpacks was: DeviceCopyModified, unless `accept_modified`), by its kind.
+  at::Tensor unpack(bool accept_modified = false);
   void check_version() const;
   SavedVersion& version() { return version_; }
   bool offloaded() const { return !std::holds_alternative<Kept>(bytes_); }
@@ -102,8 +103,8 @@ class SavedTensor {
   // t's dtype, device and version; with `layout`, its sizes, strides, first byte and extent
   // (a Kept one rebuilds nothing: its alias has them).
   SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes);
-  at::Tensor unpack_offloaded(Offloaded& o);  // saved_offloaded.cpp
-  at::Tensor unpack_converted(Converted& c);  // saved_converted.cpp
+  at::Tensor unpack_offloaded(Offloaded& o, bool accept_modified);  // saved_offloaded.cpp
+  at::Tensor unpack_converted(Converted& c, bool accept_modified);  // saved_converted.cpp
 
   Bytes bytes_;
   SavedVersion version_;
