@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload._args import check_int, closest
 from ckpt_offload._stats import StatsCollector
-from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason
+from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, warn_at_user_line
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options, check_offloads_something, pool_free_key
 
@@ -38,10 +38,77 @@ TORCH_KEYWORDS = ("preserve_rng_state",) + tuple(
     for name in ("context_fn", "determinism_check", "debug", "early_stop", "respect_saved_tensors_hooks")
     if name in _CHECKPOINT_PARAMETERS
 )
-# Selective checkpointing (a context_fn policy) keeps the tensors its policy saves outside
-# autograd's saved tensors; torch 2.14 routes them through the active saved-tensor hooks (ours)
-# only with respect_saved_tensors_hooks=True, and warns on every call when it is left unset.
+# Note [Selective checkpoint under our hooks]
+# torch's selective checkpoint (a context_fn made by create_selective_checkpoint_contexts) keeps
+# the tensors its policy saves in a cache of its own, outside autograd's saved tensors. torch 2.14
+# routes them through the active saved-tensor hooks only with respect_saved_tensors_hooks=True;
+# left unset, it warns (FutureWarning) at every checkpoint where a hook is active -- our own
+# offload context, or a `with co.offload():` around a checkpoint without offload -- and keeps
+# them on the device; the next torch makes the unset value an error and True its default. Every
+# non-reentrant route here passes True unless the caller passed the keyword: the policy's saved
+# tensors reach whatever hooks are active (with offload: the pool), as they will in torch's
+# default. In eager mode torch reads CheckpointPolicy.MUST_CPU_OFFLOAD / PREFER_CPU_OFFLOAD as
+# recompute; where the user asked this checkpoint to offload (offload=...), its policy's offload
+# decisions are read as save instead (_OffloadAsSave), so that with True those outputs go through
+# our hooks to the pool, as co.selective_offload_context keeps them. Where they cannot reach the
+# pool (the caller's respect_saved_tensors_hooks=False, a torch without the keyword) torch
+# recomputes them, and we warn once at the user's line.
 _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in _CHECKPOINT_PARAMETERS
+_CachingMode = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
+_Policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
+# Offload decision -> the save decision of the same strength.
+_AS_SAVE = {} if _Policy is None or not hasattr(_Policy, "MUST_CPU_OFFLOAD") else {
+    _Policy.MUST_CPU_OFFLOAD: _Policy.MUST_SAVE, _Policy.PREFER_CPU_OFFLOAD: _Policy.PREFER_SAVE}
+
+
+def _respecting_hooks(torch_kwargs: dict) -> dict:
+    """``torch_kwargs`` with ``respect_saved_tensors_hooks=True`` where a ``context_fn`` is given
+    and the caller did not choose (Note [Selective checkpoint under our hooks])."""
+    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
+        return {**torch_kwargs, "respect_saved_tensors_hooks": True}
+    return torch_kwargs
+
+
+class _OffloadAsSave:
+    """A torch selective-checkpoint policy whose offload decisions are read as save (kept through
+    our hooks, in the pool), or, where ``to_pool`` is False, left to torch (recomputed) with one
+    warning. Note [Selective checkpoint under our hooks]."""
+
+    __slots__ = ("policy_fn", "to_pool")
+
+    def __init__(self, policy_fn, to_pool: bool):
+        self.policy_fn = policy_fn
+        self.to_pool = to_pool
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        decision = self.policy_fn(ctx, op, *args, **kwargs)
+        if decision.__class__ is _Policy and decision in _AS_SAVE:
+            if self.to_pool:
+                return _AS_SAVE[decision]
+            warn_at_user_line(lambda: (
+                f"co.checkpoint(offload=...): the context_fn's policy returned CheckpointPolicy.{decision.name} for "
+                f"{op}, but with respect_saved_tensors_hooks=False (or a torch without it) the tensors torch's "
+                "selective checkpoint keeps bypass the pool, so torch recomputes that output in backward (its "
+                "eager meaning of the offload policies). Leave respect_saved_tensors_hooks unset to keep it in "
+                "the pool, or use co.selective_offload_context(policy) as the context_fn."),
+                key="sac-offload-recomputed")
+        return decision
+
+
+def _offload_honoured(context_fn, torch_kwargs: dict):
+    """``context_fn`` whose torch selective-checkpoint contexts read the policy's offload decisions
+    as save (Note [Selective checkpoint under our hooks]); other context_fns come back as given."""
+    if _CachingMode is None or not _AS_SAVE:
+        return context_fn
+    to_pool = _HAS_RESPECT_HOOKS and torch_kwargs.get("respect_saved_tensors_hooks") is True
+
+    def contexts():
+        forward_context, recompute_context = context_fn()
+        if isinstance(forward_context, _CachingMode) and not torch.compiler.is_compiling():
+            forward_context.policy_fn = _OffloadAsSave(forward_context.policy_fn, to_pool)
+        return forward_context, recompute_context
+
+    return contexts
 
 
 def check_checkpoint_keywords(kwargs, route: str, own=()) -> None:
@@ -179,6 +246,10 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
     wait in the host pool -- also those inside ``kwargs`` and containers."""
     if use_reentrant:
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=True, **torch_kwargs, **kwargs)
+    if "context_fn" in torch_kwargs:  # Note [Selective checkpoint under our hooks]
+        torch_kwargs = _respecting_hooks(torch_kwargs)
+        if options is not None:
+            torch_kwargs = {**torch_kwargs, "context_fn": _offload_honoured(torch_kwargs["context_fn"], torch_kwargs)}
     if options is None or hooks_disabled_reason() is not None:
         # Without offload (or inside torch.func.grad / vjp / jacrev / hessian, where torch's
         # checkpoint itself refuses, with its own clear error; entering our context first would
@@ -187,10 +258,6 @@ def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_k
         run, tensors = _as_positional(function, args, kwargs)
         return torch_checkpoint.checkpoint(run, *tensors, use_reentrant=False, **torch_kwargs)
     graph_break_if_compiling()  # fullgraph=True: say what works (the offload context is C++)
-    if _HAS_RESPECT_HOOKS and "context_fn" in torch_kwargs and "respect_saved_tensors_hooks" not in torch_kwargs:
-        # The tensors a selective-checkpoint policy saves go to the pool too (and torch does
-        # not warn that our hooks are in scope).
-        torch_kwargs = {**torch_kwargs, "respect_saved_tensors_hooks": True}
     ctx = context_for(options, owner=collector)
     # Called right after this checkpoint packed its inputs (forward), or unpacked them for the
     # recompute (backward): Note [Handle device peak].
@@ -218,9 +285,12 @@ def checkpoint(function: Callable, *args: Any, offload=False, use_reentrant: boo
     and honours ``preserve_rng_state``, ``context_fn``, ``determinism_check``, ``debug`` and
     ``early_stop`` (where the installed torch has them); every other keyword goes to
     ``function``. Gradients equal those without checkpointing, dropout included (the RNG state
-    is restored for the recompute). With ``offload`` and a selective-checkpoint ``context_fn``,
-    the tensors its policy saves go to the host pool too: ``respect_saved_tensors_hooks=True``
-    is passed where torch has it, unless you pass that keyword yourself.
+    is restored for the recompute). With a selective-checkpoint ``context_fn``,
+    ``respect_saved_tensors_hooks=True`` is passed where torch has it, unless you pass that
+    keyword yourself: the tensors its policy saves go through the active saved-tensor hooks (with
+    ``offload``, or inside ``co.offload()``: to the host pool). With ``offload``, the outputs
+    the policy marks ``MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` wait in the pool too (torch's
+    eager contexts would recompute them).
 
     Args:
         function: the callable to checkpoint (a module, or a function of tensors).

@@ -448,29 +448,69 @@ class HostPool:
         )
 
 
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot: with the pid, a name no other process
+    has), or None when it does not exist (or /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]  # field 22, after the name in parentheses
+    except (OSError, IndexError):
+        return None
+
+
+_markers: list = []  # (path, our content) of the markers this process made: removed at its exit
+
+
+def _remove_markers() -> None:
+    for path, ours in _markers:
+        try:
+            with open(path) as f:
+                if f.read() != ours:
+                    continue  # a later launch's now
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def _first_on_node(what: str) -> bool:
     """True in exactly one of the local ranks of this launch that call it with ``what``: the
-    first to create a marker file in the temporary directory, named for the launch -- the ranks'
-    common parent process (torchrun's agent, a spawner), its start time, and MASTER_PORT (a
-    parent that launches ranks again with the same port, as no launcher does, would find the
-    marker and stay silent). True where that cannot be decided (better said by every rank than
-    by none)."""
+    first to claim a marker file in the temporary directory named for the ranks' common parent
+    process (torchrun's agent, a spawner), its start time, and MASTER_PORT. The marker holds the
+    claiming rank's pid and start time; a marker whose rank has exited is a previous launch's (the
+    same parent launching again with the same port, as ``mp.spawn`` run twice with a fixed port
+    does, or a launch that was killed) and is claimed anew, under a lock, so that each launch says
+    it once. The rank that claimed it removes it when it exits. True where that cannot be decided
+    (better said by every rank than by none)."""
+    import atexit
     import tempfile
 
     ppid = os.getppid()
-    try:
-        with open(f"/proc/{ppid}/stat") as f:
-            started = f.read().rsplit(")", 1)[1].split()[19]  # field 22, after the name in parentheses
-    except (OSError, IndexError):
+    parent_started, me_started = _started(ppid), _started(os.getpid())
+    if parent_started is None or me_started is None:
         return True
-    name = f"ckpt_offload-{what}-{ppid}-{started}-{os.environ.get('MASTER_PORT', '')}"
+    import fcntl  # after /proc answered: Linux
+    name = f"ckpt_offload-{what}-{ppid}-{parent_started}-{os.environ.get('MASTER_PORT', '')}"
+    path = os.path.join(tempfile.gettempdir(), name)
+    ours = f"{os.getpid()} {me_started}"
     try:
-        fd = os.open(os.path.join(tempfile.gettempdir(), name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     except OSError:
         return True
-    os.close(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd closes (or the process dies)
+        held = os.read(fd, 64).decode(errors="replace").split()
+        if len(held) == 2 and held[0].isdigit() and _started(int(held[0])) == held[1]:
+            return False  # claimed by a rank of this launch that is still running
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.ftruncate(fd, 0)
+        os.write(fd, ours.encode())
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    if not _markers:
+        atexit.register(_remove_markers)
+    _markers.append((path, ours))
     return True
 
 

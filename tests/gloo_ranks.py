@@ -4,7 +4,11 @@ Shared by the multi-process tests (tests/integrations/test_accelerate.py, tests/
 rank is ``python WORKER OUT_DIR [ARGS...]`` with the environment that both
 ``torch.distributed.init_process_group`` (``env://``) and accelerate's ``PartialState`` read:
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a
-free ``MASTER_PORT``. Nothing listens beyond loopback. :func:`wait_ranks` bounds the whole run
+``MASTER_PORT`` on which the launcher itself already serves the ranks' rendezvous store, as torchrun's
+agent does (``TORCHELASTIC_USE_AGENT_STORE=True``: every rank connects as a client). The port is
+bound from the moment the OS picks it: a port picked free, closed, and bound again by rank 0 could
+be taken in between by another process (other test workers launch ranks too), and rank 0 then
+exited with "address already in use". Nothing listens beyond loopback. :func:`wait_ranks` bounds the whole run
 by a timeout, so a hang (a collective one rank never joins) fails the test instead of stalling CI,
 and puts every rank's log tail in the failure message (its last line on the message's first line,
 which is all a one-line test summary keeps).
@@ -18,7 +22,6 @@ check what it checks on a machine without one.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,24 +38,42 @@ def gloo_available() -> bool:
     return dist.is_available() and dist.is_gloo_available()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_store(world_size: int):
+    """A TCPStore server on a loopback port the OS picks (port 0) and that it holds from then on:
+    the ranks' rendezvous, served by the launcher (torchrun's agent store). ``store.port`` is the
+    ``MASTER_PORT`` to give them."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(seconds=300))
+
+
+class Launch(list):
+    """The ranks' ``(process, log)`` pairs; holds the rendezvous store until it is dropped."""
+
+    store = None
 
 
 def launch_ranks(worker: Path, out_dir: Path, args=(), world_size: int = 2, gpu_visible: bool = False):
     """Starts one plain Python process per rank running ``worker OUT_DIR *args``; loopback only.
-    ``gpu_visible=False`` hides every GPU from the ranks (``CUDA_VISIBLE_DEVICES=""``)."""
+    ``gpu_visible=False`` hides every GPU from the ranks (``CUDA_VISIBLE_DEVICES=""``). Keep the
+    result until the ranks are done (:func:`wait_ranks`): it holds their rendezvous store."""
     repo_root = str(Path(co.__file__).resolve().parent.parent)  # the ckpt_offload this test imported
-    port = free_port()
-    procs = []
+    procs = Launch()
+    procs.store = rendezvous_store(world_size)
+    port = procs.store.port
     for rank in range(world_size):
         env = dict(os.environ)
         env.pop("ACCELERATE_USE_CPU", None)
         env.update(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            # Every rank a client of the store served above at MASTER_ADDR:MASTER_PORT (rank 0 does
+            # not bind the port again), as under torchrun; the attempt is what torchrun numbers.
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT="0",
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             LOCAL_RANK=str(rank),
@@ -98,6 +119,8 @@ def wait_ranks(procs, out_dir: Path, timeout_s: float) -> None:
                 proc.kill()
                 proc.wait()
             log.close()
+        if isinstance(procs, Launch):
+            procs.store = None  # the port goes back to the OS
     if failed:
         logs = "\n".join(
             f"--- rank {r} ---\n" + (out_dir / f"rank{r}.log").read_text(errors="replace")[-4000:]

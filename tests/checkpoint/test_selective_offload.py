@@ -7,6 +7,7 @@ memory claim is measured independently, from torch.profiler's memory events."""
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -266,3 +267,109 @@ def test_offload_options_are_checked():
         co.selective_offload_context(offload_matmuls, False)
     with pytest.raises(TypeError, match="allow_cache_entry_mutation must be True or False"):
         co.selective_offload_context(offload_matmuls, {"devices": ["cpu"]}, allow_cache_entry_mutation="yes")
+
+
+# --- torch's own selective checkpoint contexts through co.checkpoint and co.apply ---------------
+
+RESPECTS_HOOKS = pytest.mark.skipif(
+    "respect_saved_tensors_hooks" not in co.checkpointing.TORCH_KEYWORDS,
+    reason="torch without respect_saved_tensors_hooks (its selective checkpoint's cache bypasses saved-tensor hooks)")
+
+
+def save_matmuls(ctx, op, *args, **kwargs):
+    return P.MUST_SAVE if op in MM else P.PREFER_RECOMPUTE
+
+
+def run_blocks(model, x, **checkpoint_kwargs):
+    """``model``'s blocks each through ``co.checkpoint(..., **checkpoint_kwargs)``, and its loss."""
+    for b in model.blocks:
+        x = co.checkpoint(b, x, **checkpoint_kwargs)
+    return x.square().mean()
+
+
+@RESPECTS_HOOKS
+@pytest.mark.parametrize("route", ["apply", "checkpoint"])
+def test_torch_sac_inside_co_offload_sends_what_the_policy_saves_to_the_pool(route, stream, pool):
+    # co.apply / co.checkpoint with torch's selective checkpoint and no offload of their own,
+    # inside the user's co.offload: torch 2.14 warns at every checkpoint unless
+    # respect_saved_tensors_hooks is passed, and without True the outputs the policy saves
+    # bypass the user's offload context (they stay on the device).
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(8, 32)
+    expected = grads_after(model, x)  # no checkpoint, no ckpt_offload
+    context_fn = functools.partial(tc.create_selective_checkpoint_contexts, save_matmuls)
+    wrapped = copy.deepcopy(model)
+    if route == "apply":
+        co.apply(wrapped, context_fn=context_fn)
+        forward = wrapped
+    else:
+        forward = functools.partial(run_blocks, wrapped, context_fn=context_fn)
+    wrapped.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(3)
+        with co.offload(**cpu(pool, stream=stream)):
+            loss = forward(x)
+        held = pool.stats()["bytes_requested"]
+        loss.backward()
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+    assert_bit_identical(expected, grads_of(wrapped))
+    # x and both Linear outputs of every block (8x64 and 8x32 float32), each storage once: a
+    # block's last output is also the next block's input (the loss's, for the last one).
+    assert held == x.nbytes + len(model.blocks) * (8 * 64 + 8 * 32) * 4
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+@RESPECTS_HOOKS
+@pytest.mark.parametrize("route", ["apply", "checkpoint"])
+@pytest.mark.parametrize("policy", [offload_matmuls, prefer_offload_matmuls])
+def test_co_checkpoint_with_offload_honours_torch_sacs_offload_policy(route, policy, stream, pool):
+    # torch's own contexts read MUST_CPU_OFFLOAD / PREFER_CPU_OFFLOAD as recompute in eager mode;
+    # asked to offload, co.checkpoint keeps those outputs in the pool, as
+    # co.selective_offload_context does.
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(8, 32)
+    expected = grads_after(model, x, context_fn=torch_sac(policy))
+    context_fn = functools.partial(tc.create_selective_checkpoint_contexts, policy)
+    wrapped = copy.deepcopy(model)
+    if route == "apply":
+        co.apply(wrapped, offload=cpu(pool, stream=stream), context_fn=context_fn)
+        forward = wrapped
+    else:
+        forward = functools.partial(run_blocks, wrapped, offload=cpu(pool, stream=stream), context_fn=context_fn)
+    wrapped.zero_grad(set_to_none=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(3)
+        loss = forward(x)
+        held = pool.stats()["bytes_requested"]
+        loss.backward()
+    assert_bit_identical(expected, grads_of(wrapped))
+    # Every block's input and both of its Linear outputs (8x64 and 8x32 float32), each storage
+    # once: a block's last output is the next block's input.
+    assert held == x.nbytes + len(model.blocks) * (8 * 64 + 8 * 32) * 4
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+@RESPECTS_HOOKS
+def test_torch_sacs_offload_policy_without_hooks_warns_once_that_it_recomputes(pool):
+    # respect_saved_tensors_hooks=False keeps torch's cache away from the pool: the offload
+    # outputs are recomputed (torch's eager meaning), and the user hears it once.
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(8, 32)
+    expected = grads_after(model, x, context_fn=torch_sac(offload_matmuls))
+    context_fn = functools.partial(tc.create_selective_checkpoint_contexts, offload_matmuls)
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(3)
+        loss = run_blocks(model, x, offload=cpu(pool), context_fn=context_fn, respect_saved_tensors_hooks=False)
+        held = pool.stats()["bytes_requested"]
+        loss.backward()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "CheckpointPolicy.MUST_CPU_OFFLOAD" in messages[0], messages
+    assert "respect_saved_tensors_hooks=False" in messages[0] and "co.selective_offload_context" in messages[0]
+    assert caught[0].filename == __file__
+    assert_bit_identical(expected, grads_of(model))
+    assert held == x.nbytes + (len(model.blocks) - 1) * 8 * 32 * 4  # the blocks' inputs only
+    assert pool.stats()["bytes_in_use"] == 0

@@ -232,3 +232,25 @@ def test_trl_sft_trainer_two_processes_matches_without_ckpt_offload(results):
         assert_same_params(res["plain"], res["got"], f"SFTTrainer rank {r}")
         assert res["pool"]["num_allocs"] > 0 and res["pool"]["bytes_in_use"] == 0, res["pool"]
     assert_same_params(per_rank[0]["got"], per_rank[1]["got"], "SFTTrainer: rank 0 vs rank 1")
+
+
+@pytest.mark.skipif(not gloo_available(), reason="torch.distributed with gloo is not available")
+def test_the_ranks_port_is_held_from_the_moment_it_is_picked(tmp_path):
+    # A port picked free and closed, then bound again by rank 0 when it starts, can be taken in
+    # between by any other process (other test workers launch ranks too): the LocalSGD launch once
+    # ended "rank 0 exited with 1". The launcher serves the rendezvous store on the port it picks.
+    import socket
+    import time
+
+    worker = tmp_path / "port_worker.py"
+    worker.write_text("import os, sys\n"
+                      "open(os.path.join(sys.argv[1], 'port.tmp'), 'w').write(os.environ['MASTER_PORT'])\n"
+                      "os.replace(os.path.join(sys.argv[1], 'port.tmp'), os.path.join(sys.argv[1], 'port'))\n")
+    procs = launch_ranks(worker, tmp_path, world_size=1)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "port").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = int((tmp_path / "port").read_text())
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
+        s.bind(("127.0.0.1", port))  # taken already: nobody else can have it before the ranks connect
+    wait_ranks(procs, tmp_path, 60)

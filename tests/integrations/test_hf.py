@@ -256,6 +256,83 @@ def test_reentrant_without_offload_matches():
     assert_bit_identical(base, grads_of(model))
 
 
+# --- a layer that writes an input Hugging Face passes by keyword ------------------------------
+
+
+class _WriterConfig(transformers.PretrainedConfig):
+    model_type = "ckpt_offload_keyword_writer"
+
+
+class _WriterLayer(transformers.modeling_layers.GradientCheckpointingLayer):
+    """Gets a tensor by keyword (as Hugging Face's layers get position_embeddings and masks); with
+    ``write``, scales it in place first (valid without a checkpoint: nothing has saved it yet)."""
+
+    def __init__(self, write: bool):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, dtype=torch.float64)
+        self.write = write
+
+    def forward(self, hidden_states, *, scale):
+        if self.write:
+            scale.mul_(0.75)
+        return torch.tanh(self.lin(hidden_states)) * scale
+
+
+class _WriterModel(transformers.PreTrainedModel):
+    config_class = _WriterConfig
+    supports_gradient_checkpointing = True
+    _input_embed_layer = "embed"  # transformers' enable warns for a model without input embeddings
+
+    def __init__(self, config, write=True):
+        super().__init__(config)
+        self.embed = torch.nn.Identity()
+        self.layers = torch.nn.ModuleList(_WriterLayer(write) for _ in range(3))
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass  # torch's own initialisation, from the seed
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h, scale=h * 0.5 + 1.0)  # HF's wrapper binds it in a functools.partial
+        return h.square().sum()
+
+
+def _writer(write):
+    torch.manual_seed(0)
+    return _WriterModel(_WriterConfig(), write=write).train()
+
+
+def _writer_grads(model):
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model(x).backward()
+    return {**grads_of(model), "x": x.grad}
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
+def test_a_layer_writing_its_keyword_input_in_place_raises_torchs_error(offload, pool):
+    # Hugging Face hands the layer's keyword arguments to the checkpoint function inside a
+    # functools.partial; without offload they stayed there, out of torch's checkpoint's saved
+    # inputs, and the recompute read the written value: wrong gradients, silently.
+    model = _writer(write=True)
+    _writer_grads(model)  # valid without a checkpoint
+    co.hf.enable(model, offload=cpu_offload(pool) if offload else False)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _writer_grads(model)
+    co.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
+def test_keyword_inputs_of_a_layer_keep_exact_gradients(offload, pool):
+    model = _writer(write=False)
+    ref = _writer_grads(model)
+    co.hf.enable(model, offload=cpu_offload(pool) if offload else False)
+    assert_bit_identical(ref, _writer_grads(model))
+
+
 # --- Trainer ------------------------------------------------------------------------------
 
 

@@ -184,3 +184,47 @@ def test_auto_share_of_a_single_rank_always_says_so(monkeypatch):
         pool = co.HostPool(max_bytes="auto", node_max_bytes=65536, pinned=False, segment_bytes=65536)
         with pytest.warns(UserWarning, match=r"max_bytes='auto'.*LOCAL_WORLD_SIZE=1"):
             _train(pool)
+
+
+# One local rank (of two: LOCAL_WORLD_SIZE=2) of a launch: reaches its share of the node and prints
+# the warnings it gave. (That only one rank of a launch says it: the four-rank test above.)
+_LAUNCHED_RANK = r"""
+import json, warnings
+import torch
+import ckpt_offload as co
+
+co._C.testing.set_cpu_copy_delay_us(0)
+torch.set_num_threads(1)
+pool = co.HostPool(max_bytes="auto", node_max_bytes=2 * 65536, pinned=False, segment_bytes=65536)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with co.offload(devices=["cpu"], min_bytes=0, pool=pool):
+        loss = model(torch.randn(512, 64)).square().mean()  # 128 KiB per saved activation: over the share
+    loss.backward()
+print(json.dumps([str(w.message) for w in caught if "max_bytes='auto'" in str(w.message)]))
+"""
+
+
+def test_each_launch_from_one_parent_and_port_warns_and_leaves_no_marker():
+    """Two launches from this process with the same MASTER_PORT (mp.spawn run twice with a fixed
+    port): the second one's rank reaching its share warns too (the first launch's marker named the
+    same parent and port), and no marker is left in the temporary directory afterwards."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    port = f"test-{uuid.uuid4().hex}"
+    env = dict(os.environ, LOCAL_WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(Path(co.__file__).resolve().parent.parent),
+                                                       os.environ.get("PYTHONPATH")) if p))
+    for launch in range(2):
+        rank = subprocess.run([sys.executable, "-c", _LAUNCHED_RANK], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert rank.returncode == 0, f"launch {launch}:\n{rank.stderr[-3000:]}"
+        said = json.loads(rank.stdout.strip().splitlines()[-1])
+        assert len(said) == 1 and "LOCAL_WORLD_SIZE=2" in said[0], f"launch {launch}: {said}"
+    left = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("ckpt_offload-") and n.endswith(port)]
+    assert left == [], left

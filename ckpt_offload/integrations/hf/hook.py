@@ -105,10 +105,13 @@ class HFCheckpointFunction:
             if name in kwargs:
                 torch_kwargs[name] = kwargs.pop(name)
         use_reentrant = check_reentrant(kwargs.pop("use_reentrant", self.use_reentrant), self.options)
-        if self.options is not None:
-            # The partial's keywords (position_embeddings, attention_mask, position_ids) become
-            # inputs of the checkpoint, where they are offloaded; left in the partial they would
-            # stay on the device until backward.
+        if not use_reentrant:
+            # The partial's keywords (position_embeddings, attention_mask, position_ids, or the
+            # hidden states where a model passes them by keyword) become inputs of the checkpoint:
+            # torch's checkpoint then saves and version-checks them (a layer that writes one in
+            # place raises torch's in-place error instead of recomputing from the written value),
+            # and with offload they wait in the pool. Left in the partial they would stay on the
+            # device until backward, unchecked. torch's reentrant checkpoint takes no keywords.
             pargs, pkw = (), {}
             compiled = function if isinstance(function, CompiledCall) else None
             function = compiled.fn if compiled is not None else function
