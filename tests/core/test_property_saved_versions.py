@@ -283,7 +283,7 @@ def _policies(c: SacCase):
 
 
 @settings(max_examples=hypothesis_examples(150), deadline=None)
-@given(c=sac_cases(), route=st.sampled_from(("selective_offload_context", "co.checkpoint")))
+@given(c=sac_cases(), route=st.sampled_from(("selective_offload_context", "co.checkpoint", "inside co.offload")))
 def test_selective_checkpoint_over_views_matches_torchs(c, route, pool):
     start = pool.stats()["bytes_in_use"]
     offload_policy, save_policy = _policies(c)
@@ -299,6 +299,9 @@ def test_selective_checkpoint_over_views_matches_torchs(c, route, pool):
             out = checkpoint(fn, x, w, use_reentrant=False, context_fn=torch_ctx)
         elif route == "co.checkpoint":
             out = co.checkpoint(fn, x, w, offload=opts, context_fn=torch_ctx)
+        elif route == "inside co.offload":  # what the policy saves goes through the user's offload context
+            with co.offload(**opts):
+                out = co.checkpoint(fn, x, w, context_fn=torch_ctx)
         else:
             out = checkpoint(fn, x, w, use_reentrant=False,
                              context_fn=co.selective_offload_context(offload_policy, offload=opts))
