@@ -299,8 +299,8 @@ def test_a_crash_gets_a_native_backtrace_after_every_test(tmp_path):
 
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.sh")
-STEPS = ["build", "build_info", "diagnose", "gpu_tests", "cpu_tests", "bandwidth", "disk_tier", "hot_path",
-         "overlap", "long_context", "planner", "demo"]
+STEPS = ["build", "build_info", "diagnose", "long_context", "gpu_tests", "cpu_tests", "store_dtype", "planner",
+         "overlap", "disk_tier", "bandwidth", "hot_path", "demo"]
 
 
 def test_suite_steps_are_listed_and_an_unknown_step_is_a_usage_error(tmp_path):
@@ -313,8 +313,30 @@ def test_suite_steps_are_listed_and_an_unknown_step_is_a_usage_error(tmp_path):
         p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), *args], check=False, capture_output=True, text=True,
                            timeout=30)
         assert p.returncode == 2, args
-        assert "valid steps: build, build_info, diagnose, gpu_tests" in p.stderr, p.stderr
+        assert "valid steps: build, build_info, diagnose, long_context, gpu_tests" in p.stderr, p.stderr
         assert not (tmp_path / "out").exists()
     p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), "--only", "build,gpu_test"], check=False,
                        capture_output=True, text=True, timeout=30)
     assert "unknown step 'gpu_test' in --only" in p.stderr
+
+
+def suite_list(*args, env=None):
+    p = subprocess.run(["bash", SUITE, "--list", *args], check=False, capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "DIAGNOSE": "0", "STORE_DTYPE": "0", **(env or {})})
+    return p.returncode, p.stdout.split(), p.stderr
+
+
+def test_a_lease_runs_the_headline_first_and_the_rest_second():
+    # The default is what a GPU lease runs first: the build, the long-context headline, then every GPU test with the
+    # time left; no CPU suite (CI runs it). The second command's preset is the other benchmarks, most wanted first.
+    assert suite_list() == (0, ["build", "build_info", "long_context", "gpu_tests"], "")
+    assert suite_list("--preset", "rest")[1] == ["build", "build_info", "store_dtype", "planner", "overlap",
+                                                 "disk_tier", "bandwidth", "hot_path", "demo"]
+    rc, every, _ = suite_list("--preset", "all")
+    assert rc == 0 and every == [s for s in STEPS if s not in ("diagnose", "store_dtype")]
+    assert suite_list("--preset", "all", env={"DIAGNOSE": "1", "STORE_DTYPE": "1"})[1] == STEPS
+    # --only picks steps whatever the preset, in the suite's order; --skip leaves steps out of the preset.
+    assert suite_list("--only", "gpu_tests,build")[1] == ["build", "gpu_tests"]
+    assert suite_list("--skip", "gpu_tests")[1] == ["build", "build_info", "long_context"]
+    rc, _, err = suite_list("--preset", "everything")
+    assert rc == 2 and "unknown preset 'everything'; valid presets: headline, rest, all" in err
