@@ -168,7 +168,11 @@ class OffloadCheckpointCallback(TrainerCallback):
         # route=None: the offload options were checked at the callback's construction, the user's line.
         # offload_decided: the callback resolved offload itself (its own argument first, then
         # TrainingArguments' entry): Trainer's later enable call must not turn on what it turned off.
-        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True)
+        # pause_on_disable: Trainer subclasses (TRL's GRPO and DPO trainers) turn checkpointing off and
+        # on around their no-grad passes; the handle must outlive that (Note [Disable pauses a
+        # callback's handle] in hook.py).
+        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True,
+                              pause_on_disable=True)
         self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
