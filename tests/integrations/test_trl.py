@@ -162,7 +162,7 @@ def params(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("kind, how", [("grpo", "checkpoint"), ("grpo", "offload"), ("dpo", "checkpoint"), ("dpo", "offload")])
+@pytest.mark.parametrize("kind, how", [(k, h) for k in RUNS for h in CALLBACKS])
 def test_rl_trainer_matches_without_ckpt_offload_and_offloads_only_training(tmp_path, plain, kind, how):
     ref_trainer, ref_watch, _ = plain(kind)
     trainer, watch, (cb,) = RUNS[kind](tmp_path, how, CALLBACKS[how])
