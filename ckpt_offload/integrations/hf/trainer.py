@@ -100,7 +100,9 @@ class OffloadCheckpointCallback(TrainerCallback):
     (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
     as everywhere in ckpt_offload).
     The handle is
-    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
+    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it. The
+    model's own disable method only pauses the handle and its next enable call resumes it (TRL's
+    trainers call them around generation and reference passes); ``callback.handle.remove()`` ends it.
 
     Example::
 
