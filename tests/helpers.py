@@ -10,7 +10,7 @@
 * Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
   its subfolders) and ``REPO_ROOT`` (the checkout: benchmarks/, docs/, scripts/).
 * Hugging Face: tiny models (``gpt2``, ``llama``, ``bert``; no download), ``batch``, ``loss_of``,
-  ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``. transformers is
+  ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``, ``word_tokenizer``. transformers is
   imported inside the functions: the modules that use them skip without it.
 
 Fixtures and the assertions every test uses (``pool``, ``stream``, ``device``, ``cpu_offload``,
@@ -204,6 +204,17 @@ def loss_of(model, seed=5):
     # reference must too: with a cache GPT-2 takes another attention path, rounding differently.
     extra = {"use_cache": False} if "use_cache" in inspect.signature(type(model).forward).parameters else {}
     return model(**batch(), **extra).loss
+
+
+def word_tokenizer(vocab=VOCAB):
+    """A word-level tokenizer built here, nothing downloaded (TRL's trainers want a processing class):
+    the words ``w0`` .. ``w{vocab-1}`` are the ids 0 .. vocab-1; ``w0`` is end of sequence and padding."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w1"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="w0", pad_token="w0", unk_token="w1")
 
 
 def hf_cpu_options(pool):

@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import ckpt_offload as co
 from ckpt_offload.demo.model import TinyTransformer, lm_loss
@@ -320,6 +321,201 @@ def dtensor_details_scenario():
     return out
 
 
+# --- sequence parallel: Ulysses all-to-all, torch's context parallel -------------------------
+
+SP = dict(vocab=64, dim=32, heads=4, layers=2, seq=16, batch=2)
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 of a ``[world, ...]`` tensor: chunk j goes to rank j, and
+    chunk j of the result came from rank j. With equal chunks the exchange is its own inverse, so
+    backward sends the gradient back the same way. (gloo has all_to_all_single on CPU tensors.)"""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        dist.all_to_all_single(out, x.contiguous())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return AllToAll.apply(grad)
+
+
+def seq_to_heads(x, world):
+    """Ulysses' first all-to-all: ``[B, S/P, H, hd]`` (this rank's tokens, every head) to
+    ``[B, S, H/P, hd]`` (every token, this rank's heads)."""
+    b, s, h, d = x.shape
+    x = AllToAll.apply(x.reshape(b, s, world, h // world, d).permute(2, 0, 1, 3, 4))  # [P, B, S/P, H/P, hd]
+    return x.permute(1, 0, 2, 3, 4).reshape(b, world * s, h // world, d)
+
+
+def heads_to_seq(x, world):
+    """Ulysses' second all-to-all, the inverse of :func:`seq_to_heads`."""
+    b, s, h, d = x.shape
+    x = AllToAll.apply(x.reshape(b, world, s // world, h, d).permute(1, 0, 2, 3, 4))  # [P, B, S/P, H/P, hd]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, s // world, world * h, d)
+
+
+def sdpa(q, k, v, causal):
+    """Attention on ``[B, S, H, hd]`` tensors."""
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal).transpose(1, 2)
+
+
+def ulysses_attention(q, k, v, causal=True):
+    """DeepSpeed Ulysses: each rank holds a slice of the sequence; an all-to-all gives it the whole
+    sequence for H/P heads, attention runs on those, and a second all-to-all gives the sequence back."""
+    world = dist.get_world_size()
+    q, k, v = (seq_to_heads(t, world) for t in (q, k, v))
+    return heads_to_seq(sdpa(q, k, v, causal), world)
+
+
+class SPBlock(nn.Module):
+    def __init__(self, attention, dropout):
+        super().__init__()
+        dim = SP["dim"]
+        self.attention = attention
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, SP["heads"], dim // SP["heads"]).unbind(2)
+        x = x + self.drop(self.proj(self.attention(q, k, v).reshape(b, s, dim)))
+        return x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
+
+
+class SPModel(nn.Module):
+    """A tiny causal LM whose forward sees this rank's slice of the sequence (tokens and their
+    global positions); ``attention(q, k, v)`` is the sequence-parallel part."""
+
+    def __init__(self, attention, dropout=0.1):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = nn.Embedding(SP["vocab"], SP["dim"]), nn.Embedding(SP["seq"], SP["dim"])
+        self.blocks = nn.ModuleList(SPBlock(attention, dropout) for _ in range(SP["layers"]))
+        self.norm, self.head = nn.LayerNorm(SP["dim"]), nn.Linear(SP["dim"], SP["vocab"])
+
+    def forward(self, tokens, positions):
+        x = self.emb(tokens) + self.pos(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def sp_batches(steps=2):
+    """(inputs, labels, positions) per step, whole sequences: the same on every rank, which trains
+    on its slice of them."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(steps):
+        t = torch.randint(0, SP["vocab"], (SP["batch"], SP["seq"] + 1), generator=g)
+        out.append((t[:, :-1], t[:, 1:], torch.arange(SP["seq"]).expand(SP["batch"], -1)))
+    return out
+
+
+def sp_loss(model, inputs, labels, positions):
+    """This rank's tokens' share of the mean cross-entropy over every token of the batch."""
+    logits = model(inputs, positions)
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (SP["batch"] * SP["seq"])
+
+
+def reduce_grads(model):
+    """The ranks hold the same parameters and each has its tokens' share of the gradient: sum them
+    (what DDP or FSDP over the sequence-parallel group does)."""
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def ulysses_step(model, batch, ctx):
+    """One forward and backward on this rank's contiguous slice of the sequence."""
+    world = dist.get_world_size()
+    with ctx:
+        loss = sp_loss(model, *(t.chunk(world, dim=1)[rank()].contiguous() for t in batch))
+    loss.backward()
+    reduce_grads(model)
+
+
+def context_parallel_step(backend):
+    """One forward and backward under torch's ``context_parallel``: it shards the buffers (inputs,
+    labels, positions; load-balanced, so a rank's slice need not be contiguous) along the sequence
+    in place and patches ``scaled_dot_product_attention`` to run on DTensors sharded on it.
+    Backward runs inside the context too, with or without ckpt_offload: on exit the context
+    writes the whole buffers back into them in place, which the embedding saved for backward
+    (autograd's version check fails outside), and a checkpointed block's recompute must call the
+    patched attention again. ``backend``: an ``SDPBackend`` name, or None for torch's choice."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def step(model, batch, ctx):
+        buffers = [t.clone() for t in batch]
+        kernel = sdpa_kernel(getattr(SDPBackend, backend)) if backend else contextlib.nullcontext()
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]), kernel:
+            with ctx:
+                loss = sp_loss(model, *buffers)
+            loss.backward()
+        reduce_grads(model)
+
+    return step
+
+
+def train_sp(attention, step, how, pool, dropout=0.1):
+    """Returns the final parameters, the co.offload context and co.apply handle (if any), and the
+    pool's bytes in use after each step's backward."""
+    model = SPModel(attention, dropout)
+    opts = cpu_options(pool)
+    handle = co.apply(model, offload=opts) if how == "apply" else None
+    ctx = co.offload(**opts) if how == "offload" else None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(1234)  # the same dropout masks in both runs
+    after_backward = []
+    for batch in sp_batches():
+        step(model, batch, ctx if ctx is not None else contextlib.nullcontext())
+        co.synchronize()
+        after_backward.append(pool.stats()["bytes_in_use"])
+        opt.step()
+        opt.zero_grad()
+    return full_params(model), ctx, handle, after_backward
+
+
+def sp_scenario(kind, how, causal=True, backend=None):
+    """Sequence parallel (``kind`` "ulysses" or "context_parallel") trained with ckpt_offload
+    (``how``) and without. A context-parallel configuration torch itself cannot run on CPU is
+    reported as unsupported, with torch's error."""
+    attention = ulysses_attention if kind == "ulysses" else (lambda q, k, v: sdpa(q, k, v, causal))
+    step = ulysses_step if kind == "ulysses" else context_parallel_step(backend)
+    try:
+        plain, _, _, _ = train_sp(attention, step, None, co.HostPool(pinned=False))
+    except NotImplementedError as e:
+        if kind == "ulysses":
+            raise
+        return {"unsupported": f"torch {torch.__version__}'s context_parallel, {backend or 'default'} attention on "
+                               f"CPU (is_causal={causal}), fails without ckpt_offload: {e}"}
+    pool = co.HostPool(pinned=False)
+    got, ctx, handle, after_backward = train_sp(attention, step, how, pool)
+    initial = SPModel(attention).state_dict()
+    extra = {"bytes_after_backward": after_backward,
+             "trained": any(not torch.equal(initial[n], p) for n, p in got.items())}
+    if handle is not None:
+        extra["apply_stats"] = handle.stats()  # the checkpoints' own offload contexts
+    # Dropout off, one step: the sequence-parallel gradient equals the gradient of the whole
+    # sequence in one process (up to rounding) -- the exchanges and the sum compute the same thing.
+    batch = sp_batches(1)[0]
+    sharded = SPModel(attention, dropout=0.0)
+    step(sharded, batch, contextlib.nullcontext())
+    whole = SPModel(lambda q, k, v: sdpa(q, k, v, causal), dropout=0.0)
+    sp_loss(whole, *batch).backward()
+    extra["max_diff_to_unsharded"] = max((a.grad - b.grad).abs().max().item()
+                                         for a, b in zip(sharded.parameters(), whole.parameters()))
+    return result(plain, got, pool, ctx, handle, **extra)
+
+
 # --- Accelerate with its FSDP2 plugin ---------------------------------------------------------
 
 
@@ -471,6 +667,11 @@ SCENARIOS = {
     "fsdp2_tp_offload": lambda out: tp_scenario("offload", fsdp=True),
     "fsdp2_tp_apply": lambda out: tp_scenario("apply", fsdp=True),
     "dtensor_details": lambda out: dtensor_details_scenario(),
+    "sp_ulysses_apply": lambda out: sp_scenario("ulysses", "apply"),
+    "sp_ulysses_offload": lambda out: sp_scenario("ulysses", "offload"),
+    "sp_cp_math_apply": lambda out: sp_scenario("context_parallel", "apply", causal=False, backend="MATH"),
+    "sp_cp_math_offload": lambda out: sp_scenario("context_parallel", "offload", causal=False, backend="MATH"),
+    "sp_cp_causal_apply": lambda out: sp_scenario("context_parallel", "apply", causal=True),
     "accelerate_fsdp2": lambda out: accelerate_fsdp2_scenario(),
     "hf_trainer": hf_trainer_scenario,
     "trl_sft": trl_sft_scenario,

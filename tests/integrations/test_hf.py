@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_bit_identical, grads_of  # noqa: E402
-from helpers import B, T, TokenDataset, bert, gpt2, llama, loss_of, train  # noqa: E402
+from helpers import B, T, TokenDataset, batch, bert, gpt2, llama, loss_of, train  # noqa: E402
 from helpers import hf_cpu_options as cpu_offload  # noqa: E402
 
 
@@ -469,6 +469,39 @@ def test_hf_disable_method_removes_the_handle_and_enable_works_again():
     again = co.hf.enable(model, offload={"devices": ["cpu"]})
     assert not again.removed
     again.remove()
+
+
+def test_model_disable_pauses_the_callbacks_handle_and_enable_resumes_it(tmp_path):
+    # TRL's trainers call the model's disable and enable methods around every no-grad pass
+    # (generation, reference log-probabilities): the callback's handle must outlive the pair, or
+    # the enable call puts Hugging Face's function back for the rest of training.
+    model, pool = gpt2(), co.HostPool(pinned=False)
+    cb = co.hf.OffloadCheckpointCallback(offload=cpu_offload(pool))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[cb])
+    handle = cb.handle
+    names = [n for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(model, f"{n}_disable")]
+    for name in names:  # both names: TRL 1.16 calls the deprecated one
+        getattr(model, f"{name}_disable")()
+        assert not handle.removed and model._ckpt_offload_handle is handle
+        assert not model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") \
+            else not model.is_gradient_checkpointing
+        allocs = pool.stats()["num_allocs"]
+        with torch.no_grad():
+            model(**batch())  # runs the layers as they are: nothing checkpointed, nothing offloaded
+        assert handle.function.calls == 0 and pool.stats()["num_allocs"] == allocs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            getattr(model, f"{name}_enable")()
+        assert handle.names == [f"transformer.h.{i}" for i in range(4)]
+        loss_of(model).backward()
+        assert handle.function.calls == 4 and handle.stats()["tensors_offloaded"] > 0
+        handle.function.calls = 0
+        co.synchronize()
+        assert pool.stats()["bytes_in_use"] == 0
+    handle.remove()  # still ends it
+    assert "_ckpt_offload_handle" not in model.__dict__
+    assert not any(n in model.__dict__ for n in ("activation_checkpointing_disable", "gradient_checkpointing_disable"))
 
 
 def test_offload_callback_offloads_without_recompute_and_matches(tmp_path, baseline):

@@ -146,17 +146,33 @@ class _KeepOurs:
         self.handle.reinstall()
 
 
-class _RemoveOnDisable:
+class _OnDisable:
     """Set on the model instance over its disable methods while a handle is active: Hugging
-    Face's own disable removes the handle too (``handle.removed``), then runs as usual."""
+    Face's own disable removes the handle too (``handle.removed``), then runs as usual -- or,
+    for a Trainer callback's handle, pauses it (Note [Disable pauses a callback's handle])."""
 
     def __init__(self, handle: "HFCheckpointHandle", name: str):
         self.handle = handle
         self.name = name
 
     def __call__(self, *args, **kwargs):
+        if self.handle._pause_on_disable:
+            return self.handle._pause(self.name, args, kwargs)
         self.handle.remove()  # unwraps this method too
         return getattr(self.handle._model, self.name)(*args, **kwargs)
+
+
+# Note [Disable pauses a callback's handle]
+# Trainer subclasses turn checkpointing off around their no-grad passes with the model's own
+# methods and back on after: TRL's GRPOTrainer around generation and the old/reference
+# log-probabilities (trl.models.utils.unwrap_model_for_generation, disable_gradient_checkpointing),
+# its DPOTrainer around the reference forward, each step. Hugging Face's disable removes a
+# co.hf.enable handle, so the enable call that follows would put Hugging Face's function back and
+# the rest of training would silently run without ckpt_offload. A handle a Trainer callback made
+# belongs to the training run, so the disable only pauses it: Hugging Face's own disable runs
+# (every layer's flag off: generation uses its KV cache and nothing is checkpointed or offloaded),
+# the handle and its method wrappers stay, and the next enable call goes through _KeepOurs, which
+# re-installs ckpt_offload's function with the handle's settings. handle.remove() still ends it.
 
 
 class HFCheckpointHandle(CheckpointHandle):
@@ -186,6 +202,8 @@ class HFCheckpointHandle(CheckpointHandle):
         self.enable_method = next(n for n in _ENABLE_NAMES if hasattr(model, n))
         self._saved_state = None  # per-module flags/functions before enable, restored by remove()
         self._input_grads_added = False
+        # True for a Trainer callback's handle: Note [Disable pauses a callback's handle].
+        self._pause_on_disable = False
 
     @property
     def kinds(self) -> list:
@@ -328,6 +346,18 @@ class HFCheckpointHandle(CheckpointHandle):
                 stacklevel=3,
             )
 
+    def _pause(self, name: str, args, kwargs):
+        """The model's disable method ``name``, run with this handle kept: Note [Disable pauses a
+        callback's handle]. Its wrappers are set aside meanwhile (Hugging Face's disable calls the
+        deprecated name when it finds an instance attribute there)."""
+        model = self._model
+        wrappers = {n: model.__dict__.pop(n) for n in _ENABLE_NAMES + _DISABLE_NAMES
+                    if isinstance(model.__dict__.get(n), (_KeepOurs, _OnDisable))}
+        try:
+            return getattr(model, name)(*args, **kwargs)
+        finally:
+            model.__dict__.update(wrappers)
+
     # -- removing -----------------------------------------------------------------------------
 
     def remove(self) -> None:
@@ -340,7 +370,7 @@ class HFCheckpointHandle(CheckpointHandle):
     def _restore(self) -> None:
         model = self._model
         for n in _ENABLE_NAMES + _DISABLE_NAMES:
-            if isinstance(model.__dict__.get(n), (_KeepOurs, _RemoveOnDisable)):
+            if isinstance(model.__dict__.get(n), (_KeepOurs, _OnDisable)):
                 del model.__dict__[n]
         for m, state in self._saved_state:
             for key, value in state.items():
@@ -451,12 +481,19 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
 
 
 def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: dict | None = None, *,
-            route: str | None = "co.hf.enable(offload=...)", offload_decided: bool | None = None) -> HFCheckpointHandle:
+            route: str | None = "co.hf.enable(offload=...)", offload_decided: bool | None = None,
+            pause_on_disable: bool = False) -> HFCheckpointHandle:
     """:func:`enable` with the checkpoint keywords as one dict, for callers that resolved the
     settings themselves (the Trainer callbacks). ``route``: the name the offloads-nothing warning
     gives (None: the caller checked that at the user's own line already); ``offload_decided``:
     whether a later enable call's ``offload`` entry is ignored (default: when ``offload`` is on,
-    as :func:`enable` does)."""
+    as :func:`enable` does); ``pause_on_disable``: the model's disable method pauses the handle
+    instead of removing it (Note [Disable pauses a callback's handle]).
+
+    Example::
+
+        handle = install(model, 2, {"devices": ["cpu"]}, {}, route=None, pause_on_disable=True)
+    """
     checkpoint_kwargs = dict(checkpoint_kwargs or {})
     if not isinstance(model, torch.nn.Module) or not any(hasattr(model, n) for n in _ENABLE_NAMES):
         raise TypeError(
@@ -489,6 +526,7 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
     handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs,
                                 offload_given=options is not None if offload_decided is None else offload_decided)
     handle._saved_state = _snapshot(model)
+    handle._pause_on_disable = pause_on_disable
     try:
         handle.reinstall()
     except BaseException:
@@ -499,7 +537,7 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
             model.__dict__[n] = _KeepOurs(handle, n)
     for n in _DISABLE_NAMES:
         if hasattr(model, n):
-            model.__dict__[n] = _RemoveOnDisable(handle, n)
+            model.__dict__[n] = _OnDisable(handle, n)
     model.__dict__[HANDLE_ATTR] = handle
     return handle
 

@@ -100,7 +100,9 @@ class OffloadCheckpointCallback(TrainerCallback):
     (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
     as everywhere in ckpt_offload).
     The handle is
-    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
+    ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it. The
+    model's own disable method only pauses the handle and its next enable call resumes it (TRL's
+    trainers call them around generation and reference passes); ``callback.handle.remove()`` ends it.
 
     Example::
 
@@ -168,7 +170,11 @@ class OffloadCheckpointCallback(TrainerCallback):
         # route=None: the offload options were checked at the callback's construction, the user's line.
         # offload_decided: the callback resolved offload itself (its own argument first, then
         # TrainingArguments' entry): Trainer's later enable call must not turn on what it turned off.
-        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True)
+        # pause_on_disable: Trainer subclasses (TRL's GRPO and DPO trainers) turn checkpointing off and
+        # on around their no-grad passes; the handle must outlive that (Note [Disable pauses a
+        # callback's handle] in hook.py).
+        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True,
+                              pause_on_disable=True)
         self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
