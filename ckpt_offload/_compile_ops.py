@@ -18,6 +18,7 @@ and hands the gradient to ``x``; it never reads ``x``).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import weakref
@@ -78,29 +79,40 @@ def _pool(key: int):
     return pool
 
 
-@torch.library.custom_op("ckpt_offload::to_host", mutates_args=(), device_types=("cpu", "cuda"))
+# Note [Span copies in a compiled graph] (csrc/torch/compile_ops.cpp): both ops keep the strides
+# of their input, so a compiler must hand them their inputs with exactly the strides traced (an
+# expanded input expanded, not made dense): torch 2.14's default for custom ops, asked for by
+# name where this torch has the tag.
+_EXACT_STRIDES = {}
+if "tags" in inspect.signature(torch.library.custom_op).parameters and hasattr(torch.Tag, "needs_exact_strides"):
+    _EXACT_STRIDES = {"tags": (torch.Tag.needs_exact_strides,)}
+
+
+@torch.library.custom_op("ckpt_offload::to_host", mutates_args=(), device_types=("cpu", "cuda"), **_EXACT_STRIDES)
 def to_host(x: torch.Tensor, pool: int, side_stream: bool) -> torch.Tensor:
-    """A contiguous CPU copy of ``x`` in a block of the pool numbered ``pool`` (:func:`pool_key`);
-    the block goes back to the pool when the copy dies. On a GPU the copy is asynchronous (on the
-    side stream with ``side_stream``): read it through :func:`to_device`."""
+    """A CPU copy of ``x`` in a block of the pool numbered ``pool`` (:func:`pool_key`), with
+    ``x``'s sizes and strides over the span of storage ``x`` reaches: an expanded (broadcast)
+    tensor takes its source's bytes, as in the eager route. The block goes back to the pool when
+    the copy dies. On a GPU the copy is asynchronous (on the side stream with ``side_stream``):
+    read it through :func:`to_device`."""
     return _C.compile_to_host(x, _pool(pool)._impl, side_stream)
 
 
 @to_host.register_fake
 def _(x, pool, side_stream):
-    return x.new_empty(x.shape, device="cpu")
+    return x.new_empty_strided(x.shape, x.stride(), device="cpu")
 
 
-@torch.library.custom_op("ckpt_offload::to_device", mutates_args=(), device_types=("cpu", "cuda"))
+@torch.library.custom_op("ckpt_offload::to_device", mutates_args=(), device_types=("cpu", "cuda"), **_EXACT_STRIDES)
 def to_device(host: torch.Tensor, device: torch.device, side_stream: bool) -> torch.Tensor:
-    """``host`` (a :func:`to_host` copy) on ``device`` again, in stream order: the copy waits for
-    the offload's, and the current stream waits for the copy."""
+    """``host`` (a :func:`to_host` copy) on ``device`` again, with its sizes and strides, in
+    stream order: the copy waits for the offload's, and the current stream waits for the copy."""
     return _C.compile_to_device(host, str(device), side_stream)
 
 
 @to_device.register_fake
 def _(host, device, side_stream):
-    return host.new_empty(host.shape, device=device)
+    return host.new_empty_strided(host.shape, host.stride(), device=device)
 
 
 class _Attach(torch.autograd.Function):

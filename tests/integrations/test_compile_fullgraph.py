@@ -176,6 +176,88 @@ def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
     assert peaks[True] < 0.5 * without, (peaks, without)
 
 
+class AddBias(torch.nn.Module):
+    """A block that takes the broadcast tensor as its second input."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x, bias):
+        return self.b(torch.nn.functional.gelu(self.a(x).unsqueeze(1) + bias)).mean(1)
+
+
+class BroadcastModel(torch.nn.Module):
+    """Four blocks, each given one broadcast tensor: tanh(p) expanded over the batch (stride 0),
+    64 times the bytes of its source."""
+
+    def __init__(self, n=4, dim=32, t=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(AddBias(dim) for _ in range(n))
+        self.p = torch.nn.Parameter(torch.randn(1, t, dim))
+
+    def forward(self, x):
+        bias = torch.tanh(self.p).expand(x.shape[0], -1, -1)
+        for block in self.blocks:
+            x = block(x, bias)
+        return x
+
+
+def test_fullgraph_stores_a_broadcast_input_at_its_source_size(pool):
+    """An expanded (broadcast) input of every block is stored at its source's size, as the eager
+    route stores it (Note [Span copies in a compiled graph]): the pool's peak and the forward's
+    device peak (profiler memory events) are eager co.apply's, and the gradients those of the model
+    compiled without ckpt_offload."""
+    x = torch.randn(64, 32)
+    source_bytes, dense_bytes = 8 * 32 * 4, 64 * 8 * 32 * 4
+    pool_peak, forward_peaks, got = {}, {}, {}
+    for compiled in (False, True):
+        model = BroadcastModel()
+        co.apply(model, offload={**OPTS, "pool": pool, "stream": "compute"})
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        fn(x).sum().backward()  # warm-up (compiles)
+        model.zero_grad(set_to_none=True)
+        pool.reset_peak()
+        loss = fn(x).sum()
+        pool_peak[compiled] = pool.stats()["peak_bytes_in_use"]
+        loss.backward()
+        got[compiled] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        forward_peaks[compiled] = forward_peak(lambda fn=fn: fn(x).sum())
+        assert pool.stats()["bytes_in_use"] == 0
+    inputs = 4 * 64 * 32 * 4  # the four blocks' x
+    # Eager stores the broadcast tensor once, at its source's size (+ each block's 512-byte alignment).
+    assert pool_peak[False] <= inputs + source_bytes + 5 * 512 < inputs + dense_bytes, pool_peak
+    assert pool_peak[True] <= pool_peak[False], pool_peak
+    assert forward_peaks[True] <= 1.05 * forward_peaks[False], forward_peaks
+    plain = BroadcastModel()
+    plain_grads = grads(torch.compile(plain, backend="aot_eager"), lambda m: m(x).sum())
+    assert_bit_identical(plain_grads, got[True])
+    assert_bit_identical(got[False], got[True])
+
+
+def test_the_ops_keep_sizes_and_strides_and_copy_the_span(pool):
+    """to_host / to_device of an expanded and a transposed tensor: the same sizes, strides and
+    values, a pool block of the span's bytes (not the expanded size), and fake kernels that say so."""
+    from ckpt_offload._compile_ops import pool_key
+
+    key = pool_key(pool)
+    source = torch.randn(1, 8, 32)
+    for x in (source.expand(64, 8, 32), torch.randn(32, 16).t(), torch.randn(4, 8)[:, ::2]):
+        torch.library.opcheck(torch.ops.ckpt_offload.to_host.default, (x, key, False))
+        host = torch.ops.ckpt_offload.to_host(x, key, False)
+        assert (host.shape, host.stride()) == (x.shape, x.stride()), (host.stride(), x.stride())
+        span = host.untyped_storage().nbytes()
+        assert span == (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))) * x.element_size()
+        assert pool.stats()["bytes_requested"] == span, pool.stats()
+        torch.library.opcheck(torch.ops.ckpt_offload.to_device.default, (host, torch.device("cpu"), False))
+        back = torch.ops.ckpt_offload.to_device(host, torch.device("cpu"), False)
+        assert (back.shape, back.stride()) == (x.shape, x.stride()) and torch.equal(back, x)
+        assert back.untyped_storage().nbytes() == span
+        del host
+        assert pool.stats()["bytes_in_use"] == 0
+
+
 @pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12), strict=True,
                    reason="torch 2.11's partitioner puts 3 of the 4 reloads in the forward graph (docs/scale_out.md)")
 def test_backward_reloads_block_by_block(pool):
@@ -271,6 +353,33 @@ def test_cuda_ops_copy_through_the_pool_in_stream_order():
     again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
     assert torch.equal(first, expected) and torch.equal(again, expected)
     assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
+    del host, first, again
+    torch.cuda.synchronize()
+    co.synchronize()
+    pool.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ops_copy_the_span_of_a_broadcast_tensor():
+    """On a GPU too (the forward's reload from the clone, the backward's from the block): an
+    expanded tensor takes its source's bytes and comes back with its sizes and strides."""
+    from ckpt_offload._compile_ops import pool_key
+
+    pool = co.HostPool()
+    key = pool_key(pool)
+    source = torch.randn(1, 8, 1024, device="cuda")
+    x = source.expand(64, 8, 1024)
+    host = torch.ops.ckpt_offload.to_host(x, key, True)
+    assert (host.shape, host.stride()) == (x.shape, x.stride())
+    assert pool.stats()["bytes_requested"] == source.numel() * source.element_size(), pool.stats()
+    first = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the forward's: from the clone
+    again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
+    for back in (first, again):
+        assert (back.shape, back.stride()) == (x.shape, x.stride())
+        assert back.untyped_storage().nbytes() == source.numel() * source.element_size()
+        assert torch.equal(back, x)
     del host, first, again
     torch.cuda.synchronize()
     co.synchronize()
