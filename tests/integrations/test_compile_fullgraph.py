@@ -8,16 +8,19 @@ back by ``ckpt_offload::to_device`` as the checkpointed region starts (so the re
 backward starts there too). The tests check, for the demo model, GPT-2 and Llama from tiny
 configs: one graph and no graph break, gradients bit-identical to the same model compiled without
 ckpt_offload (``aot_eager``), the pool back to 0 bytes, the ops' fake kernels (``opcheck``), the
-forward's device peak (torch.profiler memory events), and once, inductor.
+forward's device peak (torch.profiler memory events), and once, inductor. Also: a broadcast input
+stored at its source's size (the pool's peak and the forward's, against eager co.apply), torch's
+checkpoint keywords traced, and those that cannot be traced named in the error.
 """
 
+import functools
 import itertools
 import math
 import os
 
 import pytest
 import torch
-from compile_models import MODELS, CountingBackend, forward_peak, grads, mlp_blocks, reference
+from compile_models import MODELS, CountingBackend, forward_peak, grads, mlp_blocks, reference, wrap
 from conftest import assert_bit_identical
 
 import ckpt_offload as co
@@ -29,18 +32,6 @@ OPTS = {"devices": ["cpu"], "min_bytes": 0}
 
 
 pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
-
-
-def wrap(route, model, loss_fn, pool):
-    opts = {**OPTS, "pool": pool}
-    if route == "co.apply":
-        return co.apply(model, offload=opts)
-    if route == "co.hf.enable":
-        return co.hf.enable(model, offload=opts)
-    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
-                   kinds=("recompute_offload",), segments=False, offload=opts)
-    model.zero_grad(set_to_none=True)
-    return plan.apply()
 
 
 def build(name):
@@ -116,6 +107,73 @@ def test_default_mode_is_unchanged(pool):
     assert backend.graphs >= 1 and not backend.ops, (backend.graphs, backend.ops)
     assert handle.stats()["tensors_offloaded"] > 0
     assert pool.stats()["bytes_in_use"] == 0
+
+
+def _policy_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+
+
+TRACED_KEYWORDS = {
+    "determinism_check": {"determinism_check": "none"},
+    "early_stop": {"early_stop": False},
+    "debug_preserve_rng_state": {"debug": False, "preserve_rng_state": False},
+}
+
+
+@pytest.mark.parametrize("keywords", list(TRACED_KEYWORDS.values()), ids=list(TRACED_KEYWORDS))
+def test_torch_checkpoint_keywords_trace_with_bit_identical_gradients(pool, keywords):
+    """The keywords torch's own checkpoint compiles with fullgraph=True compile through co.apply
+    too (Note [Keywords under fullgraph=True]): one graph, each block's input offloaded in it, the
+    gradients those of the model compiled without ckpt_offload."""
+    expected = reference("sequential")
+    model, loss_fn, blocks = build("sequential")
+    wrap("co.apply", model, loss_fn, pool, **keywords)
+    backend = CountingBackend()
+    got = grads(torch.compile(model, backend=backend, fullgraph=True), loss_fn)
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.ops.count("ckpt_offload.to_host") == len(blocks), backend.ops
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] >= len(blocks), pool.stats()
+    assert_bit_identical(expected, got)
+
+
+def test_selective_checkpoint_without_offload_traces(pool):
+    """co.apply(model, context_fn=...) without offload is torch's selective checkpoint, which
+    compiles with fullgraph=True: so does co.apply's."""
+    expected = reference("sequential")
+    model, loss_fn, _ = build("sequential")
+    co.apply(model, context_fn=_policy_context())
+    backend = CountingBackend()
+    got = grads(torch.compile(model, backend=backend, fullgraph=True), loss_fn)
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert_bit_identical(expected, got)
+
+
+BF16 = "offload={'store_dtype': torch.bfloat16}"
+UNTRACED = {  # (model, route, keywords, what the message names); context_fn None: a policy's
+    "store_dtype": ("sequential", "co.apply", {"store_dtype": torch.bfloat16}, BF16),
+    "debug": ("sequential", "co.apply", {"debug": True}, "debug=True"),
+    "context_fn_with_offload": ("sequential", "co.apply", {"context_fn": None}, "context_fn= (a selective-checkpoint"),
+    "hf_store_dtype": ("gpt2", "co.hf.enable", {"store_dtype": torch.bfloat16}, BF16),
+}
+
+
+@pytest.mark.parametrize("name,route,keywords,named", list(UNTRACED.values()), ids=list(UNTRACED))
+def test_a_keyword_that_cannot_be_traced_is_named(pool, name, route, keywords, named):
+    """A keyword whose checkpoint cannot be traced faithfully raises under fullgraph=True with a
+    message naming that keyword and what to do -- not the message that lists co.apply(model,
+    offload=...) as what compiles, which is what the user wrote."""
+    if keywords.get("context_fn", 0) is None:
+        keywords = {"context_fn": _policy_context()}
+    model, loss_fn, _ = build(name)
+    wrap(route, model, loss_fn, pool, **keywords)
+    with pytest.raises(Exception, match=r"fullgraph=True") as info:
+        loss_fn(torch.compile(model, backend="aot_eager", fullgraph=True))
+    message = str(info.value)
+    assert f"cannot trace {named}" in message, message
+    assert "compile without fullgraph" in message, message
+    assert "What compiles with fullgraph=True" not in message, message
 
 
 def test_the_ops_have_fake_kernels(pool):
