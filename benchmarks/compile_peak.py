@@ -25,7 +25,8 @@ Arms (``eager`` and ``compiled`` = ``torch.compile(model, backend=--backend)`` o
 With ckpt_offload's wrappers, ``torch.compile`` skips the wrapper and compiles each block's own
 forward as a graph of its own (the wrapper runs it inside the block's offload context or
 checkpoint), so the compiled arms of ``co.apply`` and ``plan offload`` keep the saving: their peaks
-sit next to the eager ones. Gradients of every arm are compared with the same (eager or compiled)
+sit within one block's saved activations of the eager ones (a compiled block hands what it saves to
+the checkpoint or the hooks when its graph ends). Gradients of every arm are compared with the same (eager or compiled)
 model without ckpt_offload: the run fails if they are not bit-identical (``aot_eager``) or close
 (inductor).
 

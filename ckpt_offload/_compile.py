@@ -16,7 +16,8 @@ whole block eagerly -- the user asked for compiled code and silently got none. S
   ``torch.compile`` callback that is active, turns it off for its own work (contexts, torch's
   checkpoint) and turns it back on around the block's own forward only (:class:`CompiledCall`):
   Dynamo compiles that forward as a graph of its own, once for blocks of one class, and the
-  recompute of a checkpoint in backward runs the same compiled graph again.
+  recompute of a checkpoint in backward runs the same compiled graph again. The frame Dynamo
+  starts on there is one of ours, not the forward's own (Note [A compiled region of its own]).
 
 Nothing here imports ``torch._dynamo`` (seconds of start-up): the frame-only skip and the
 callback are functions of torch's C extension, loaded with torch itself.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
+import weakref
 
 import torch
 
@@ -104,12 +107,57 @@ class CompiledCall:
     def __call__(self, *args, **kwargs):
         # A block's own region, compiled inside its own context: Note [Compiled regions inside co.offload].
         _local.blocks = getattr(_local, "blocks", 0) + 1
+        region = region_for(self.fn)
         prior = _set_callback(self.callback)
         try:
-            return self.fn(*args, **kwargs)
+            return region(self.fn, args, kwargs)
         finally:
             _set_callback(prior)
             _local.blocks -= 1
+
+
+# Note [A compiled region of its own]
+# With the torch.compile callback on, Dynamo compiles the first frame that runs, unless its file
+# is one Dynamo never starts on: torch's own, torch/nn/modules/* included (it inlines them when
+# it traces a caller, but skips them as the first frame). Started on the block's forward itself,
+# a block whose forward is torch's -- an nn.Sequential of layers, nn.TransformerEncoderLayer --
+# had every frame skipped (its forward, then each layer's), and compiled nothing, silently. So
+# CompiledCall starts Dynamo on a function of this file, which calls the forward: Dynamo compiles
+# that frame and inlines the forward into its graph, whatever file it is in. Dynamo keeps its
+# compiled graphs per code object, so each block class (and forward function) gets a copy of
+# its own of that function, with its own code object: blocks of one class share one entry, and
+# many block classes do not crowd one code object past Dynamo's recompile limit.
+
+
+def _region(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+# Block class (None: a forward that is not a bound method) -> forward's code -> its region. Weak
+# in the class: a class defined and dropped (a test's) takes its regions with it.
+_regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_unbound_regions: dict = {}
+_regions_lock = threading.Lock()
+
+
+def region_for(fn):
+    """The function :class:`CompiledCall` runs ``fn`` through: one of its own per block class and
+    forward (Note [A compiled region of its own]). Called as ``region(fn, args, kwargs)``."""
+    owner = getattr(fn, "__self__", None)
+    func = getattr(fn, "__func__", fn)
+    code = getattr(func, "__code__", None)
+    key = code if code is not None else type(func)
+    with _regions_lock:
+        table = _unbound_regions if owner is None else _regions.setdefault(type(owner), {})
+        region = table.get(key)
+        if region is None:
+            name = getattr(func, "__qualname__", type(func).__qualname__)
+            if owner is not None:
+                name = f"{type(owner).__qualname__}.{name.rpartition('.')[2]}"
+            label = f"ckpt_offload_region_of_{name}"
+            code = _region.__code__.replace(co_name=label, co_qualname=label)
+            region = table[key] = types.FunctionType(code, _region.__globals__, label)
+    return region
 
 
 def compiled_forward(forward, callback):

@@ -18,6 +18,7 @@ and hands the gradient to ``x``; it never reads ``x``).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import weakref
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_offload._runtime import _C
 
-__all__ = ["pool_key", "prepare", "to_device", "to_host", "traced_checkpoint", "traced_reason"]
+__all__ = ["pool_key", "prepare", "to_device", "to_host", "traced_checkpoint", "untraced_reason"]
 
 # The ops name their pool by a number (an op's arguments are tensors and plain values): each pool
 # gets one the first time a compiled graph offloads into it. The graph holds the number, not the
@@ -78,29 +79,40 @@ def _pool(key: int):
     return pool
 
 
-@torch.library.custom_op("ckpt_offload::to_host", mutates_args=(), device_types=("cpu", "cuda"))
+# Note [Span copies in a compiled graph] (csrc/torch/compile_ops.cpp): both ops keep the strides
+# of their input, so a compiler must hand them their inputs with exactly the strides traced (an
+# expanded input expanded, not made dense): torch 2.14's default for custom ops, asked for by
+# name where this torch has the tag.
+_EXACT_STRIDES = {}
+if "tags" in inspect.signature(torch.library.custom_op).parameters and hasattr(torch.Tag, "needs_exact_strides"):
+    _EXACT_STRIDES = {"tags": (torch.Tag.needs_exact_strides,)}
+
+
+@torch.library.custom_op("ckpt_offload::to_host", mutates_args=(), device_types=("cpu", "cuda"), **_EXACT_STRIDES)
 def to_host(x: torch.Tensor, pool: int, side_stream: bool) -> torch.Tensor:
-    """A contiguous CPU copy of ``x`` in a block of the pool numbered ``pool`` (:func:`pool_key`);
-    the block goes back to the pool when the copy dies. On a GPU the copy is asynchronous (on the
-    side stream with ``side_stream``): read it through :func:`to_device`."""
+    """A CPU copy of ``x`` in a block of the pool numbered ``pool`` (:func:`pool_key`), with
+    ``x``'s sizes and strides over the span of storage ``x`` reaches: an expanded (broadcast)
+    tensor takes its source's bytes, as in the eager route. The block goes back to the pool when
+    the copy dies. On a GPU the copy is asynchronous (on the side stream with ``side_stream``):
+    read it through :func:`to_device`."""
     return _C.compile_to_host(x, _pool(pool)._impl, side_stream)
 
 
 @to_host.register_fake
 def _(x, pool, side_stream):
-    return x.new_empty(x.shape, device="cpu")
+    return x.new_empty_strided(x.shape, x.stride(), device="cpu")
 
 
-@torch.library.custom_op("ckpt_offload::to_device", mutates_args=(), device_types=("cpu", "cuda"))
+@torch.library.custom_op("ckpt_offload::to_device", mutates_args=(), device_types=("cpu", "cuda"), **_EXACT_STRIDES)
 def to_device(host: torch.Tensor, device: torch.device, side_stream: bool) -> torch.Tensor:
-    """``host`` (a :func:`to_host` copy) on ``device`` again, in stream order: the copy waits for
-    the offload's, and the current stream waits for the copy."""
+    """``host`` (a :func:`to_host` copy) on ``device`` again, with its sizes and strides, in
+    stream order: the copy waits for the offload's, and the current stream waits for the copy."""
     return _C.compile_to_device(host, str(device), side_stream)
 
 
 @to_device.register_fake
 def _(host, device, side_stream):
-    return host.new_empty(host.shape, device=device)
+    return host.new_empty_strided(host.shape, host.stride(), device=device)
 
 
 class _Attach(torch.autograd.Function):
@@ -124,21 +136,60 @@ def _offloads(t: torch.Tensor, options) -> bool:
     return t.numel() * t.element_size() >= options.min_bytes
 
 
-# What the traced path does not do (the route that works instead is in FULLGRAPH_MESSAGE).
-_TORCH_KEYWORDS_TRACED = frozenset({"preserve_rng_state"})
+# Note [Keywords under fullgraph=True]
+# torch's checkpoint keywords go to the traced checkpoint as they are, where torch's own checkpoint
+# compiles them with fullgraph=True: preserve_rng_state, determinism_check, early_stop, debug=False,
+# and context_fn (a selective-checkpoint policy) without offload. The rest cannot be traced
+# faithfully, and a checkpoint given one raises under fullgraph=True with a message naming that
+# keyword, why, and what to do (untraced_reason) -- never the general "what compiles" message,
+# which would tell the user that what they wrote compiles:
+# - debug=True: torch's checkpoint itself refuses it in a compiled graph;
+# - context_fn with offload: the tensors the policy saves would stay on the device in the graph,
+#   where the eager route offloads them too;
+# - store_dtype: the traced region computes the forward from the reloaded input (Note [Offload
+#   inside a compiled graph]), so a lossy copy would change the forward itself, where the eager
+#   route rounds only what the recompute reads;
+# - use_reentrant=True: torch's reentrant checkpoint has no traced form.
+_TORCH_KEYWORDS_TRACED = frozenset({"preserve_rng_state", "determinism_check", "early_stop", "debug"})
+_SELECTIVE_KEYWORDS = frozenset({"context_fn", "respect_saved_tensors_hooks"})
+
+_UNTRACED = "ckpt_offload's checkpoint under torch.compile(fullgraph=True) cannot trace {what}: {why}. {fix}"
+_ELSEWHERE = ("or compile without fullgraph (the default): each block is then compiled as a graph of its own, "
+              "run inside its checkpoint, where {what} applies.")
 
 
-def traced_reason(options, use_reentrant: bool, torch_kwargs: dict) -> str | None:
-    """Why a checkpoint with these settings cannot take :func:`traced_checkpoint`, or None."""
+def untraced_reason(options, use_reentrant: bool, torch_kwargs: dict) -> str | None:
+    """Why a checkpoint with these settings cannot take :func:`traced_checkpoint` -- the keyword,
+    why, and what to do (Note [Keywords under fullgraph=True]) -- or None when it can."""
     if use_reentrant:
-        return "use_reentrant=True"
-    extra = sorted(set(torch_kwargs) - _TORCH_KEYWORDS_TRACED)
+        return _UNTRACED.format(what="use_reentrant=True", why="torch's reentrant checkpoint has no traced form",
+                                fix="Use use_reentrant=False (the default).")
+    if torch_kwargs.get("debug"):
+        return _UNTRACED.format(
+            what="debug=True", why="torch's own checkpoint refuses debug=True inside a compiled graph",
+            fix="Drop debug (or pass debug=False) under fullgraph=True, " + _ELSEWHERE.format(what="debug=True"))
+    extra = sorted(set(torch_kwargs) - _TORCH_KEYWORDS_TRACED - _SELECTIVE_KEYWORDS)
     if extra:
-        return f"checkpoint keyword(s) {extra}"
+        return _UNTRACED.format(what=f"the checkpoint keyword(s) {extra}", why="ckpt_offload does not trace them",
+                                fix="Drop them under fullgraph=True, " + _ELSEWHERE.format(what="they"))
+    if options is not None and "context_fn" in torch_kwargs:
+        return _UNTRACED.format(
+            what="context_fn= (a selective-checkpoint policy) together with offload=",
+            why="in a compiled graph the tensors the policy saves would stay on the device, where ckpt_offload "
+                "puts them in the pool",
+            fix="Drop offload= (torch's selective checkpoint alone traces), "
+                + _ELSEWHERE.format(what="the policy's saved tensors are offloaded, as"))
     if options is not None and options.store_dtype is not None:
-        return f"store_dtype={options.store_dtype}"
+        return _UNTRACED.format(
+            what=f"offload={{'store_dtype': {options.store_dtype}}}",
+            why="a traced checkpoint computes the block's forward from its reloaded input, so a lossy copy would "
+                "change the forward itself, where store_dtype rounds only what the recompute in backward reads",
+            fix="Drop store_dtype under fullgraph=True (the inputs are then stored exactly), "
+                + _ELSEWHERE.format(what="store_dtype"))
     if options is not None and _traced_key(options) is None:
-        return "a pool not numbered for compiled graphs"
+        return _UNTRACED.format(what="this checkpoint's pool", why="it was not numbered for compiled graphs when "
+                                "the blocks were wrapped (in another process?)",
+                                fix="Wrap the blocks again in this process (handle.remove(), then co.apply).")
     return None
 
 

@@ -105,15 +105,15 @@ FULLGRAPH_MESSAGE = (
 )
 
 
-def graph_break_if_compiling() -> None:
+def graph_break_if_compiling(message: str = FULLGRAPH_MESSAGE) -> None:
     """Where Dynamo traces ckpt_offload's Python code, break the graph here with a message that
-    says what works: under fullgraph=True that message is the error, instead of Dynamo's about
-    the pybind11 function it would reach next; without fullgraph the graph breaks as it would
-    anyway, and ckpt_offload runs eagerly. Eager callers pay one ``is_compiling()`` call."""
+    says what works (``message``): under fullgraph=True that message is the error, instead of
+    Dynamo's about the pybind11 function it would reach next; without fullgraph the graph breaks
+    as it would anyway, and ckpt_offload runs eagerly. Eager callers pay one ``is_compiling()`` call."""
     if torch.compiler.is_compiling():
         graph_break = getattr(getattr(torch, "_dynamo", None), "graph_break", None)
         if graph_break is not None:
-            graph_break(msg=FULLGRAPH_MESSAGE)
+            graph_break(msg=message)
 
 
 # Looked up once: every co.offload entry asks.

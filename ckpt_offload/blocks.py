@@ -48,10 +48,10 @@ from ckpt_offload._compile import (
 )
 from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
-from ckpt_offload._compile_ops import traced_checkpoint, traced_reason
+from ckpt_offload._compile_ops import traced_checkpoint, untraced_reason
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._units import Unit, choice_names
-from ckpt_offload._warn import FULLGRAPH_MESSAGE, logger, warn_at_user_line
+from ckpt_offload._warn import FULLGRAPH_MESSAGE, graph_break_if_compiling, logger, warn_at_user_line
 from ckpt_offload.checkpointing import (
     TORCH_KEYWORDS,
     check_checkpoint_keywords,
@@ -205,11 +205,17 @@ class _Checkpoint:
     def traced(self):
         """The run Dynamo traces into a fullgraph=True graph (Note [Wrappers under fullgraph=True]),
         or None where this checkpoint has none (then it is the graph break, an error there)."""
-        if self.selective or self.selective_offload is not None:
-            return None
-        if traced_reason(self.options, self.use_reentrant, self.torch_kwargs) is not None:
+        if self.selective or self.selective_offload is not None or self.untraced() is not None:
             return None
         return self._traced
+
+    def untraced(self) -> str | None:
+        """Which of this checkpoint's keywords keeps it from being traced, why, and what to do
+        (Note [Keywords under fullgraph=True]); None when it traces, or is a plan's selective kind
+        (FULLGRAPH_MESSAGE covers those)."""
+        if self.selective or self.selective_offload is not None:
+            return None
+        return untraced_reason(self.options, self.use_reentrant, self.torch_kwargs)
 
     def _traced(self, forward, args, kwargs):
         # The recompute's profiler range is for the planner's eager measurement: not traced.
@@ -350,6 +356,10 @@ class BlockForward:
             run = traced() if traced is not None else None
             if run is not None:
                 return run(self.own_forward(), args, kwargs)
+            untraced = getattr(self.run, "untraced", None)
+            why = untraced() if untraced is not None else None
+            if why is not None:
+                graph_break_if_compiling(why)  # fullgraph=True: the error, naming the keyword
         return self._call(*args, **kwargs)
 
     @skipped_by_dynamo(FULLGRAPH_MESSAGE)

@@ -48,7 +48,41 @@ def llama(part="block"):
     return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in blocks] if part == "mlp" else blocks
 
 
-MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama}
+def sequential(part="block"):
+    """Blocks that are torch's own modules: an nn.Sequential of nn.Sequential(Linear, GELU, Linear)
+    (their forward is in torch/nn, a file Dynamo never starts compiling on). `part="mlp"`: each
+    block's first Linear."""
+    model = mlp_blocks(4, 16)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    blocks = list(model)
+    return model, (lambda m: m(x).sum()), [b[0] for b in blocks] if part == "mlp" else blocks
+
+
+MODELS = {"demo": demo, "gpt2": gpt2, "llama": llama, "sequential": sequential}
+
+
+def wrap(route, model, loss_fn, pool, **kwargs):
+    """Wraps ``model``'s blocks by ``route`` ("co.apply", "co.apply segments", "co.hf.enable",
+    "plan offload", "plan recompute_offload"), offloading into ``pool``; returns the handle.
+    ``kwargs`` go to co.apply (checkpoint keywords) or into the offload options (``store_dtype``)."""
+    import math
+
+    import ckpt_offload as co
+
+    opts = {"devices": ["cpu"], "min_bytes": 0, "pool": pool}
+    if "store_dtype" in kwargs:
+        opts["store_dtype"] = kwargs.pop("store_dtype")
+    if route == "co.apply":
+        return co.apply(model, offload=opts, **kwargs)
+    if route == "co.apply segments":
+        return co.apply(model, offload=opts, segments=1)  # one checkpoint around all the blocks
+    if route == "co.hf.enable":
+        return co.hf.enable(model, offload=opts, **kwargs)
+    kinds = {"plan offload": ("offload",), "plan recompute_offload": ("recompute_offload",)}[route]
+    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf, kinds=kinds,
+                   segments=False, offload=opts)
+    model.zero_grad(set_to_none=True)
+    return plan.apply()
 
 
 def grads(model, loss_fn):
@@ -88,9 +122,23 @@ def mlp_blocks(n=6, dim=128):
                                                      torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
 
 
+class EagerProbe:
+    """Counts the calls of the probed modules that run eagerly: under compile the hook is traced
+    into the graph and its branch folds away, so a compiled call counts nothing."""
+
+    def __init__(self, modules):
+        self.calls = 0
+        for m in modules:
+            m.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        if not torch.compiler.is_compiling():
+            self.calls += 1
+
+
 class CountingBackend:
     """An aot_eager backend that counts the graphs it compiles, the ckpt_offload ops in them, and
-    how often the compiled graphs run."""
+    how often the compiled graphs run (forward graphs: a recompute in backward is a forward run)."""
 
     def __init__(self):
         from torch._dynamo.backends.debugging import aot_eager

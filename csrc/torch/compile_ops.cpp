@@ -19,6 +19,15 @@
 //    or wrote it has finished (rule 5, the HostBuffer's events).
 // CPU tensors copy inline on the compute "stream": the values are in the block when to_host
 // returns.
+//
+// Note [Span copies in a compiled graph]
+// The ops copy what the eager route copies: the span of storage the tensor reaches from its
+// first element (extent_elements, tensor_layout.h). to_host's CPU tensor and to_device's device
+// tensor both have the source's sizes and strides over a storage of exactly that span (offset
+// 0), so a broadcast input (expand: stride 0) takes its source's bytes in the pool and on the
+// device again, not its expanded size, and a transposed input comes back transposed, as the
+// block saw it. The fake kernels (ckpt_offload/_compile_ops.py) say the same strides, which is
+// what the compiled graph is planned with.
 #include "compile_ops.h"
 
 #include <c10/core/Storage.h>
@@ -49,13 +58,27 @@ void delete_host_copy(void* ctx) {
   delete static_cast<HostCopy*>(ctx);
 }
 
+size_t span_bytes(const at::Tensor& t) {
+  return static_cast<size_t>(extent_elements(t)) * t.element_size();
+}
+
+// The HostCopy behind `t` when `t` reaches exactly its block from the block's start (what
+// to_host returned, or a view of it with the same span), else nullptr.
 HostCopy* host_copy_of(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return nullptr;
   auto* ctx = t.storage().data_ptr().cast_context<HostCopy>(&delete_host_copy);
-  if (!ctx || t.storage_offset() != 0 || !t.is_contiguous() ||
-      t.nbytes() != ctx->buffer->nbytes() || t.data_ptr() != ctx->buffer->data())
+  if (!ctx || t.storage_offset() != 0 || span_bytes(t) != ctx->buffer->nbytes() ||
+      t.data_ptr() != ctx->buffer->data())
     return nullptr;
   return ctx;
+}
+
+// A tensor on `options`' device with `like`'s sizes and strides over a storage of exactly its
+// span, offset 0 (Note [Span copies in a compiled graph]); `span` is that storage as one dimension.
+at::Tensor empty_like_span(const at::Tensor& like, const at::TensorOptions& options, at::Tensor* span) {
+  at::Tensor out = at::empty_strided(like.sizes(), like.strides(), options);
+  if (span) *span = out.as_strided({extent_elements(out)}, {1}, 0);
+  return out;
 }
 
 void check_source(const at::Tensor& x, const char* op) {
@@ -74,12 +97,15 @@ at::Tensor compile_to_host(const at::Tensor& x, const std::shared_ptr<HostPool>&
   check_source(x, "ckpt_offload::to_host");
   if (!pool) throw std::invalid_argument("ckpt_offload::to_host: no pool");
   const at::TensorOptions host_options = x.options().device(at::kCPU);
-  if (x.numel() == 0) return at::empty(x.sizes(), host_options);
+  if (x.numel() == 0) return at::empty_strided(x.sizes(), x.strides(), host_options);
+  if (without_data(x)) throw std::invalid_argument("ckpt_offload::to_host: tensor has no data to copy");
   const c10::Device device = x.device();
   DeviceScope scope(device);
-  // A CUDA source: a clone of our own (Note [Offload inside a compiled graph]); a CPU one is
+  // The span the tensor reaches, as one dimension (Note [Span copies in a compiled graph]). A
+  // CUDA source: a clone of our own (Note [Offload inside a compiled graph]); a CPU one is
   // copied inline below, before this returns.
-  at::Tensor source = device.is_cuda() ? x.clone(at::MemoryFormat::Contiguous) : x.contiguous();
+  const at::Tensor span = x.as_strided({extent_elements(x)}, {1});
+  at::Tensor source = device.is_cuda() ? span.clone() : span;
   const size_t bytes = source.nbytes();
   const bool side = side_stream && device.is_cuda();
   StreamPair streams(device, side, /*to_host=*/true);
@@ -93,7 +119,7 @@ at::Tensor compile_to_host(const at::Tensor& x, const std::shared_ptr<HostPool>&
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,
                        /*resizable=*/false);
   at::Tensor out = at::empty({0}, host_options);
-  out.set_(storage, 0, source.sizes(), source.strides());
+  out.set_(storage, 0, x.sizes(), x.strides());
   return out;
 }
 
@@ -104,23 +130,32 @@ at::Tensor compile_to_device(const at::Tensor& host, const std::string& device_n
                                 (host.defined() ? host.device().str() : std::string("(undefined)")));
   if (!device.is_cpu() && !device.is_cuda())
     throw std::invalid_argument("ckpt_offload::to_device: device must be 'cpu' or 'cuda', got " + device.str());
+  const at::TensorOptions options = host.options().device(device);
+  DeviceScope scope(device);
+  at::Tensor span;
   HostCopy* ctx = host_copy_of(host);
-  if (!ctx) return host.to(device, /*non_blocking=*/false, /*copy=*/true);
+  if (!ctx || host.numel() == 0) {
+    // Not a to_host copy: an ordinary one, of the span, with host's sizes and strides all the same.
+    at::Tensor out = empty_like_span(host, options, &span);
+    if (host.numel() != 0) span.copy_(host.as_strided({extent_elements(host)}, {1}));
+    return out;
+  }
   at::Tensor snapshot;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
     snapshot = std::move(ctx->snapshot);
     ctx->snapshot = at::Tensor();
   }
-  DeviceScope scope(device);
   if (snapshot.defined() && snapshot.device() == device) {
     // The forward's own reload: the clone is still on the device (stream order: same stream).
-    return snapshot.clone(at::MemoryFormat::Contiguous);
+    at::Tensor out = empty_like_span(host, options, &span);
+    span.copy_(snapshot);
+    return out;
   }
   const bool side = side_stream && device.is_cuda();
   StreamPair streams(device, side, /*to_host=*/false, /*demand=*/true);
   CopyRange range(copy_ranges::kReload, device);
-  at::Tensor out = at::empty(host.sizes(), host.options().device(device));
+  at::Tensor out = empty_like_span(host, options, nullptr);
   CopyTag tag{0, device_index(device), false, 1};
   engine().reload(*ctx->buffer, out.data_ptr(), streams.compute(), streams.copy(), /*consumer_waits=*/true, tag);
   return out;

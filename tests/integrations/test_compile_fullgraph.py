@@ -8,16 +8,19 @@ back by ``ckpt_offload::to_device`` as the checkpointed region starts (so the re
 backward starts there too). The tests check, for the demo model, GPT-2 and Llama from tiny
 configs: one graph and no graph break, gradients bit-identical to the same model compiled without
 ckpt_offload (``aot_eager``), the pool back to 0 bytes, the ops' fake kernels (``opcheck``), the
-forward's device peak (torch.profiler memory events), and once, inductor.
+forward's device peak (torch.profiler memory events), and once, inductor. Also: a broadcast input
+stored at its source's size (the pool's peak and the forward's, against eager co.apply), torch's
+checkpoint keywords traced, and those that cannot be traced named in the error.
 """
 
+import functools
 import itertools
 import math
 import os
 
 import pytest
 import torch
-from compile_models import MODELS, CountingBackend, forward_peak, grads, mlp_blocks, reference
+from compile_models import MODELS, CountingBackend, forward_peak, grads, mlp_blocks, reference, wrap
 from conftest import assert_bit_identical
 
 import ckpt_offload as co
@@ -29,18 +32,6 @@ OPTS = {"devices": ["cpu"], "min_bytes": 0}
 
 
 pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
-
-
-def wrap(route, model, loss_fn, pool):
-    opts = {**OPTS, "pool": pool}
-    if route == "co.apply":
-        return co.apply(model, offload=opts)
-    if route == "co.hf.enable":
-        return co.hf.enable(model, offload=opts)
-    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
-                   kinds=("recompute_offload",), segments=False, offload=opts)
-    model.zero_grad(set_to_none=True)
-    return plan.apply()
 
 
 def build(name):
@@ -118,6 +109,73 @@ def test_default_mode_is_unchanged(pool):
     assert pool.stats()["bytes_in_use"] == 0
 
 
+def _policy_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.mm.default])
+
+
+TRACED_KEYWORDS = {
+    "determinism_check": {"determinism_check": "none"},
+    "early_stop": {"early_stop": False},
+    "debug_preserve_rng_state": {"debug": False, "preserve_rng_state": False},
+}
+
+
+@pytest.mark.parametrize("keywords", list(TRACED_KEYWORDS.values()), ids=list(TRACED_KEYWORDS))
+def test_torch_checkpoint_keywords_trace_with_bit_identical_gradients(pool, keywords):
+    """The keywords torch's own checkpoint compiles with fullgraph=True compile through co.apply
+    too (Note [Keywords under fullgraph=True]): one graph, each block's input offloaded in it, the
+    gradients those of the model compiled without ckpt_offload."""
+    expected = reference("sequential")
+    model, loss_fn, blocks = build("sequential")
+    wrap("co.apply", model, loss_fn, pool, **keywords)
+    backend = CountingBackend()
+    got = grads(torch.compile(model, backend=backend, fullgraph=True), loss_fn)
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.ops.count("ckpt_offload.to_host") == len(blocks), backend.ops
+    assert pool.stats()["bytes_in_use"] == 0 and pool.stats()["num_allocs"] >= len(blocks), pool.stats()
+    assert_bit_identical(expected, got)
+
+
+def test_selective_checkpoint_without_offload_traces(pool):
+    """co.apply(model, context_fn=...) without offload is torch's selective checkpoint, which
+    compiles with fullgraph=True: so does co.apply's."""
+    expected = reference("sequential")
+    model, loss_fn, _ = build("sequential")
+    co.apply(model, context_fn=_policy_context())
+    backend = CountingBackend()
+    got = grads(torch.compile(model, backend=backend, fullgraph=True), loss_fn)
+    assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert_bit_identical(expected, got)
+
+
+BF16 = "offload={'store_dtype': torch.bfloat16}"
+UNTRACED = {  # (model, route, keywords, what the message names); context_fn None: a policy's
+    "store_dtype": ("sequential", "co.apply", {"store_dtype": torch.bfloat16}, BF16),
+    "debug": ("sequential", "co.apply", {"debug": True}, "debug=True"),
+    "context_fn_with_offload": ("sequential", "co.apply", {"context_fn": None}, "context_fn= (a selective-checkpoint"),
+    "hf_store_dtype": ("gpt2", "co.hf.enable", {"store_dtype": torch.bfloat16}, BF16),
+}
+
+
+@pytest.mark.parametrize("name,route,keywords,named", list(UNTRACED.values()), ids=list(UNTRACED))
+def test_a_keyword_that_cannot_be_traced_is_named(pool, name, route, keywords, named):
+    """A keyword whose checkpoint cannot be traced faithfully raises under fullgraph=True with a
+    message naming that keyword and what to do -- not the message that lists co.apply(model,
+    offload=...) as what compiles, which is what the user wrote."""
+    if keywords.get("context_fn", 0) is None:
+        keywords = {"context_fn": _policy_context()}
+    model, loss_fn, _ = build(name)
+    wrap(route, model, loss_fn, pool, **keywords)
+    with pytest.raises(Exception, match=r"fullgraph=True") as info:
+        loss_fn(torch.compile(model, backend="aot_eager", fullgraph=True))
+    message = str(info.value)
+    assert f"cannot trace {named}" in message, message
+    assert "compile without fullgraph" in message, message
+    assert "What compiles with fullgraph=True" not in message, message
+
+
 def test_the_ops_have_fake_kernels(pool):
     from ckpt_offload._compile_ops import pool_key
 
@@ -174,6 +232,88 @@ def test_fullgraph_forward_peak_is_eager_offloaded_peak(pool):
     without = forward_peak(lambda: plain(x).sum())
     assert peaks[True] <= 1.05 * peaks[False], peaks
     assert peaks[True] < 0.5 * without, (peaks, without)
+
+
+class AddBias(torch.nn.Module):
+    """A block that takes the broadcast tensor as its second input."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x, bias):
+        return self.b(torch.nn.functional.gelu(self.a(x).unsqueeze(1) + bias)).mean(1)
+
+
+class BroadcastModel(torch.nn.Module):
+    """Four blocks, each given one broadcast tensor: tanh(p) expanded over the batch (stride 0),
+    64 times the bytes of its source."""
+
+    def __init__(self, n=4, dim=32, t=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(AddBias(dim) for _ in range(n))
+        self.p = torch.nn.Parameter(torch.randn(1, t, dim))
+
+    def forward(self, x):
+        bias = torch.tanh(self.p).expand(x.shape[0], -1, -1)
+        for block in self.blocks:
+            x = block(x, bias)
+        return x
+
+
+def test_fullgraph_stores_a_broadcast_input_at_its_source_size(pool):
+    """An expanded (broadcast) input of every block is stored at its source's size, as the eager
+    route stores it (Note [Span copies in a compiled graph]): the pool's peak and the forward's
+    device peak (profiler memory events) are eager co.apply's, and the gradients those of the model
+    compiled without ckpt_offload."""
+    x = torch.randn(64, 32)
+    source_bytes, dense_bytes = 8 * 32 * 4, 64 * 8 * 32 * 4
+    pool_peak, forward_peaks, got = {}, {}, {}
+    for compiled in (False, True):
+        model = BroadcastModel()
+        co.apply(model, offload={**OPTS, "pool": pool, "stream": "compute"})
+        fn = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        fn(x).sum().backward()  # warm-up (compiles)
+        model.zero_grad(set_to_none=True)
+        pool.reset_peak()
+        loss = fn(x).sum()
+        pool_peak[compiled] = pool.stats()["peak_bytes_in_use"]
+        loss.backward()
+        got[compiled] = {k: p.grad.clone() for k, p in model.named_parameters()}
+        forward_peaks[compiled] = forward_peak(lambda fn=fn: fn(x).sum())
+        assert pool.stats()["bytes_in_use"] == 0
+    inputs = 4 * 64 * 32 * 4  # the four blocks' x
+    # Eager stores the broadcast tensor once, at its source's size (+ each block's 512-byte alignment).
+    assert pool_peak[False] <= inputs + source_bytes + 5 * 512 < inputs + dense_bytes, pool_peak
+    assert pool_peak[True] <= pool_peak[False], pool_peak
+    assert forward_peaks[True] <= 1.05 * forward_peaks[False], forward_peaks
+    plain = BroadcastModel()
+    plain_grads = grads(torch.compile(plain, backend="aot_eager"), lambda m: m(x).sum())
+    assert_bit_identical(plain_grads, got[True])
+    assert_bit_identical(got[False], got[True])
+
+
+def test_the_ops_keep_sizes_and_strides_and_copy_the_span(pool):
+    """to_host / to_device of an expanded and a transposed tensor: the same sizes, strides and
+    values, a pool block of the span's bytes (not the expanded size), and fake kernels that say so."""
+    from ckpt_offload._compile_ops import pool_key
+
+    key = pool_key(pool)
+    source = torch.randn(1, 8, 32)
+    for x in (source.expand(64, 8, 32), torch.randn(32, 16).t(), torch.randn(4, 8)[:, ::2]):
+        torch.library.opcheck(torch.ops.ckpt_offload.to_host.default, (x, key, False))
+        host = torch.ops.ckpt_offload.to_host(x, key, False)
+        assert (host.shape, host.stride()) == (x.shape, x.stride()), (host.stride(), x.stride())
+        span = host.untyped_storage().nbytes()
+        assert span == (1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))) * x.element_size()
+        assert pool.stats()["bytes_requested"] == span, pool.stats()
+        torch.library.opcheck(torch.ops.ckpt_offload.to_device.default, (host, torch.device("cpu"), False))
+        back = torch.ops.ckpt_offload.to_device(host, torch.device("cpu"), False)
+        assert (back.shape, back.stride()) == (x.shape, x.stride()) and torch.equal(back, x)
+        assert back.untyped_storage().nbytes() == span
+        del host
+        assert pool.stats()["bytes_in_use"] == 0
 
 
 @pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12), strict=True,
@@ -271,6 +411,33 @@ def test_cuda_ops_copy_through_the_pool_in_stream_order():
     again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
     assert torch.equal(first, expected) and torch.equal(again, expected)
     assert co._runtime._C.compile_pool_backed(host) and host.device.type == "cpu"
+    del host, first, again
+    torch.cuda.synchronize()
+    co.synchronize()
+    pool.synchronize()
+    assert pool.stats()["bytes_in_use"] == 0, pool.stats()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_ops_copy_the_span_of_a_broadcast_tensor():
+    """On a GPU too (the forward's reload from the clone, the backward's from the block): an
+    expanded tensor takes its source's bytes and comes back with its sizes and strides."""
+    from ckpt_offload._compile_ops import pool_key
+
+    pool = co.HostPool()
+    key = pool_key(pool)
+    source = torch.randn(1, 8, 1024, device="cuda")
+    x = source.expand(64, 8, 1024)
+    host = torch.ops.ckpt_offload.to_host(x, key, True)
+    assert (host.shape, host.stride()) == (x.shape, x.stride())
+    assert pool.stats()["bytes_requested"] == source.numel() * source.element_size(), pool.stats()
+    first = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the forward's: from the clone
+    again = torch.ops.ckpt_offload.to_device(host, torch.device("cuda"), True)  # the backward's: from the block
+    for back in (first, again):
+        assert (back.shape, back.stride()) == (x.shape, x.stride())
+        assert back.untyped_storage().nbytes() == source.numel() * source.element_size()
+        assert torch.equal(back, x)
     del host, first, again
     torch.cuda.synchronize()
     co.synchronize()

@@ -33,9 +33,9 @@ from ckpt_offload._compile import (
 )
 from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
-from ckpt_offload._compile_ops import traced_checkpoint, traced_reason
+from ckpt_offload._compile_ops import traced_checkpoint, untraced_reason
 from ckpt_offload._stats import StatsCollector
-from ckpt_offload._warn import FULLGRAPH_MESSAGE, warn
+from ckpt_offload._warn import FULLGRAPH_MESSAGE, graph_break_if_compiling, warn
 from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
@@ -79,7 +79,10 @@ class HFCheckpointFunction:
                 if name in kwargs:
                     torch_kwargs[name] = kwargs.pop(name)
             use_reentrant = kwargs.pop("use_reentrant", self.use_reentrant)
-            if traced_reason(self.options, use_reentrant, torch_kwargs) is None:
+            why = untraced_reason(self.options, use_reentrant, torch_kwargs)
+            if why is not None:
+                graph_break_if_compiling(why)  # fullgraph=True: the error, naming the keyword
+            else:
                 pargs, pkw = (), {}
                 # One level (transformers' partial(super().__call__, **kwargs)); an inner partial
                 # is traced as it is. Dynamo in torch 2.11 cannot tell whether a bound super()
