@@ -28,6 +28,12 @@ Also measured:
   bandwidth, per direction and stream mode. The larger of the two side-stream knees is the suggestion for
   ``co.offload``'s ``min_bytes`` default (below it, a copy pays mostly fixed cost).
 
+``--numa-node N`` places the pool's segments on NUMA node N (``auto``, the default: the GPU's
+node on a host with several nodes; ``none``: no placement), so that two runs on a two-node
+GPU machine, ``--numa-node <the GPU's node>`` and ``--numa-node <the other>``, measure local
+against remote host memory. The report names the pool's node, the GPU's node and where the
+pool's bytes were (``numa``); ``raw`` uses torch's own pinned memory, placed as torch places it.
+
 Without a GPU (or with ``--device cpu``) the same sweep runs on CPU tensors (pageable pool,
 CPU copy "streams", plain ``dst.copy_(x)`` into preallocated destinations as raw), at small
 sizes only. Those
@@ -38,6 +44,7 @@ Usage::
     python3 benchmarks/bandwidth.py                    # full sweep, prints tables
     python3 benchmarks/bandwidth.py --quick            # a few sizes, fewer repeats (~seconds)
     python3 benchmarks/bandwidth.py --out results/     # also writes bandwidth.json and bandwidth.md
+    python3 benchmarks/bandwidth.py --numa-node 1      # the pool's memory on NUMA node 1
 
 Benchmarks measure, they don't assert: this script exits 0 unless something crashed or a
 round trip came back with wrong values (checked once per size, outside the timed region).
@@ -110,6 +117,37 @@ def fmt_size(n: int) -> str:
     if n >= KiB:
         return f"{n / KiB:.1f} KiB"
     return f"{n} B"
+
+
+def parse_numa_node(text: str):
+    """'auto' | 'none' | a node number -> what co.HostPool(numa_node=...) takes."""
+    t = text.strip().lower()
+    if t in ("auto", "none"):
+        return None if t == "none" else "auto"
+    try:
+        node = int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a NUMA node: {text!r} (use auto, none or a node number)") from None
+    if node < 0:
+        raise argparse.ArgumentTypeError(f"a NUMA node is >= 0: {text!r}")
+    return node
+
+
+def numa_report(pool: "co.HostPool", device: torch.device) -> dict:
+    """Where the pool's memory is and which node the GPU sits on (None without one)."""
+    from ckpt_offload import _numa
+
+    gpu_node = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        try:
+            address = _numa.pci_address(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+        except AttributeError:
+            address = None
+        gpu_node = _numa.pci_device_node(address) if address else None
+    s = pool.stats()
+    return {**pool.numa, "bytes_by_node": s["bytes_by_node"], "gpu_numa_node": gpu_node,
+            "memory_nodes": _numa.memory_nodes()}
 
 
 def size_sweep(lo: int, hi: int) -> list[int]:
@@ -353,6 +391,12 @@ def markdown(report: dict) -> str:
                  "`torch.cuda.synchronize()`, per-call costs included. ratio = pool / raw (>1: pool faster).")
     lines.append("")
     lines.append(f"raw = {report['raw_definition']}")
+    numa = report["numa"]
+    lines.append("")
+    lines.append(
+        f"Pool NUMA node: {numa['numa_node']} ({numa['reason']}); the pool's bytes by node at the end: "
+        f"{numa['bytes_by_node']}; the GPU's node: {numa['gpu_numa_node']}; nodes with memory: {numa['memory_nodes']}."
+    )
     for direction in DIRECTIONS:
         lines.append("")
         name = "D2H (device -> host, offload)" if direction == "d2h" else "H2D (host -> device, reload)"
@@ -394,6 +438,11 @@ def markdown(report: dict) -> str:
         + (" (CPU numbers: do not use this to choose the GPU default.)" if report["mode"] == "cpu" else "")
     )
     ov = report["overhead"]
+    if ov is None:
+        lines.append("")
+        lines.append(f"All round trips verified: {report['verified']}.")
+        lines.append("")
+        return "\n".join(lines)
     lines.append("")
     lines.append(f"## Fixed costs (tiny tensor, {ov['tiny_bytes']} bytes)")
     lines.append("")
@@ -442,6 +491,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-bytes", type=parse_size, default=None,
                     help="bytes a sample moves at least (default 64M on GPU, 16M on CPU; --quick: a quarter)")
     ap.add_argument("--max-calls", type=int, default=256, help="most calls in one sample (default 256)")
+    ap.add_argument("--numa-node", type=parse_numa_node, default="auto",
+                    help="NUMA node of the pool's memory: auto (default: the GPU's node where the host has "
+                         "several), none, or a node number (run once per node to compare local and remote)")
+    ap.add_argument("--skip-overhead", action="store_true", help="skip the fixed-cost measurements")
     args = ap.parse_args(argv)
 
     gpu_ok = torch.cuda.is_available() and co.build_info()["gpu_available"]
@@ -482,11 +535,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
 
     bench = Bench(device)
-    pool = co.HostPool()  # pinned on a GPU, pageable otherwise
+    pool = co.HostPool(numa_node=args.numa_node)  # pinned on a GPU, pageable otherwise
     if mode == "cpu":
         print("\n*** " + CPU_WARNING + " ***\n", flush=True)
     else:
         print(f"bandwidth.py: GPU {torch.cuda.get_device_name(device)}, pool backend {pool.backend}", flush=True)
+    print(f"bandwidth.py: pool NUMA node {pool.numa['numa_node']} ({pool.numa['reason']})", flush=True)
 
     results, verified = [], True
     t_start = time.perf_counter()
@@ -496,7 +550,7 @@ def main(argv=None) -> int:
         results += rows
         brief = "  ".join(f"{r['direction']}/{r['method']} {r['gbps']:.2f}" for r in rows)
         print(f"  {fmt_size(size):>8}: {brief} GB/s{'' if ok else '  ROUND TRIP WRONG'}", flush=True)
-    overhead = measure_overhead(bench, pool, args)
+    overhead = None if args.skip_overhead else measure_overhead(bench, pool, args)
 
     knees = {f"{d}/{m}": knee(results, d, m) for d in DIRECTIONS for m in METHODS}
     side_knees = [knees[f"{d}/pool_side"]["knee_bytes"] for d in DIRECTIONS if knees.get(f"{d}/pool_side")]
@@ -517,6 +571,7 @@ def main(argv=None) -> int:
         "build_info": info,
         "pool_backend": pool.backend,
         "pool_stats_end": pool.stats(),
+        "numa": numa_report(pool, device),
         "host": {"hostname": socket.gethostname(), "platform": platform.platform(), "cpu_count": os.cpu_count()},
         "args": {k: v for k, v in vars(args).items()},
         "sizes": sizes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
+from ckpt_offload import _host_memory, _numa
 from ckpt_offload._args import check_bytes, check_choice, check_native_int, check_optional_bool, suggest_keywords
 from ckpt_offload._runtime import _C, gpu_usable
 from ckpt_offload._warn import warn_at_user_line
@@ -47,22 +48,10 @@ def _check_cap(name: str, value, minimum: int, unlimited: str):
     return value
 
 
-#: With ``max_bytes="auto"`` and no ``node_max_bytes``: the fraction of the host's available
-#: memory (``MemAvailable`` when the pool is made) that the local ranks' pools share.
+#: With ``max_bytes="auto"`` and no ``node_max_bytes``: the fraction of the memory available to
+#: the process when the pool is made (``MemAvailable``, or less inside a container's memory
+#: cgroup: Note [Container memory] in _host_memory.py) that the local ranks' pools share.
 DEFAULT_HOST_FRACTION = 0.5
-
-
-def _available_host_bytes() -> int:
-    """The host memory available to new allocations without swapping: ``MemAvailable`` of
-    /proc/meminfo, or free physical pages where there is no /proc."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _local_world_size(value) -> int:
@@ -84,14 +73,29 @@ def _local_world_size(value) -> int:
 
 
 def _node_share(node_max_bytes, host_fraction, local_world_size) -> dict:
-    """Note [Host shared by local ranks]: this rank's cap under ``max_bytes="auto"``."""
+    """Note [Host shared by local ranks]: this rank's cap under ``max_bytes="auto"``, within
+    what the host and the container leave (Note [Container memory] in _host_memory.py)."""
     ranks = _local_world_size(local_world_size)
+    mem = _host_memory.available()
+    cg = mem["cgroup"]
     if node_max_bytes is not None:
-        node, source = node_max_bytes, f"node_max_bytes={node_max_bytes}"
+        node, bounded_by = node_max_bytes, "node_max_bytes"
+        source = f"node_max_bytes={node_max_bytes}"
+        if cg is not None and node_max_bytes > cg["headroom"]:
+            # Past the cgroup's limit the kernel kills the process: the budget stops there.
+            node, bounded_by = cg["headroom"], _host_memory.describe(cg)
+            source = f"node_max_bytes={node_max_bytes} lowered to what {bounded_by} leaves"
+            warn_at_user_line(
+                f"co.HostPool(max_bytes='auto'): node_max_bytes={node_max_bytes} is more than this container's "
+                f"memory cgroup leaves: {bounded_by} limit {cg['limit']} bytes, {cg['usage']} in use of which "
+                f"{cg['reclaimable']} reclaimable page cache, so {cg['headroom']} bytes; the node's budget is "
+                f"{cg['headroom']} bytes instead (a pool past the limit would get the process killed). Lower "
+                "node_max_bytes, or raise the container's memory limit.",
+                key=None,
+            )
     else:
-        available = _available_host_bytes()
-        node = int(available * host_fraction)
-        source = f"host_fraction={host_fraction} of the {available} bytes available"
+        node, bounded_by = int(mem["available_bytes"] * host_fraction), mem["bounded_by"]
+        source = f"host_fraction={host_fraction} of the {mem['available_bytes']} bytes available ({bounded_by})"
     # Whole pages (a pool's segments are), rounded down: the local ranks' caps sum to at most
     # the node's budget.
     share = node // ranks // MIN_MAX_BYTES * MIN_MAX_BYTES
@@ -99,10 +103,11 @@ def _node_share(node_max_bytes, host_fraction, local_world_size) -> dict:
         raise ValueError(
             f"max_bytes='auto': the node's {node} bytes ({source}) divided between LOCAL_WORLD_SIZE={ranks} local "
             f"ranks leave {share} bytes per rank, under the minimum of {MIN_MAX_BYTES}; raise node_max_bytes "
-            "(or host_fraction)"
+            "(or host_fraction)" + (" or the container's memory limit" if bounded_by.startswith("cgroup") else "")
         )
     return {"max_bytes": share, "node_max_bytes": node, "local_world_size": ranks,
-            "host_fraction": None if node_max_bytes is not None else host_fraction}
+            "host_fraction": None if node_max_bytes is not None else host_fraction,
+            "bounded_by": bounded_by, "available_bytes": mem["available_bytes"], "cgroup": cg}
 
 
 def pinned_available() -> bool:
@@ -126,12 +131,17 @@ class HostPool:
             of the node, ``node_max_bytes`` (or ``host_fraction`` of the host's available memory)
             divided between the ``LOCAL_WORLD_SIZE`` local ranks, rounded down to a page; the
             first local rank to reach its share says so once (with ``spill_dir`` the excess goes
-            to disk). See :attr:`share`.
+            to disk). Inside a container the budget never exceeds what its memory cgroup leaves
+            (limit less usage, page cache counted as free): at its cap the pool keeps or spills,
+            it never grows the process past the limit. See :attr:`share`.
         node_max_bytes: with ``max_bytes="auto"``, the host memory all local ranks' pools may
             reserve together. Spill staging memory (``spill_staging_bytes`` per rank) is outside it.
+            More than the container's memory cgroup leaves is lowered to that, with a warning
+            naming both.
         host_fraction: with ``max_bytes="auto"`` and no ``node_max_bytes``, the fraction of the
-            host's available memory (``MemAvailable`` when the pool is made) the local ranks
-            share; default 0.5 (``ckpt_offload.pool.DEFAULT_HOST_FRACTION``).
+            memory available when the pool is made that the local ranks share: ``MemAvailable``,
+            or the memory cgroup's headroom where that is smaller; default 0.5
+            (``ckpt_offload.pool.DEFAULT_HOST_FRACTION``).
         local_world_size: with ``max_bytes="auto"``, the number of ranks sharing this host;
             default: the ``LOCAL_WORLD_SIZE`` environment variable (torchrun sets it), else 1.
         pinned: ``True`` for page-locked memory (``cudaHostAlloc``; needs a GPU), ``False`` for
@@ -157,6 +167,12 @@ class HostPool:
         spill_io_threads: threads doing the disk reads and writes (default 2).
         spill_staging_bytes: host memory (outside ``max_bytes``) the writes in flight may hold
             before an offload waits for the disk (default 64 MiB).
+        numa_node: the NUMA node the pool's segments are placed on: ``"auto"`` (default) the
+            current GPU's node (from sysfs) on a host with several nodes, else none; an int, that
+            node; None, none (pages go where they are first touched). A bound segment is mapped,
+            given the node's policy, faulted in and (pinned backends) registered with
+            ``cudaHostRegister``; ``stats()["bytes_by_node"]`` says where its pages are.
+            See :attr:`numa`.
 
     Every byte count here (``max_bytes``, ``segment_bytes``, the ``spill_*_bytes``, and
     :meth:`set_max_bytes` / :meth:`reserve`) is an int or a size string such as ``"8GiB"`` or
@@ -170,6 +186,9 @@ class HostPool:
             loss = model(x).sum()
         loss.backward()
         print(pool.stats()["peak_bytes_in_use"])
+
+        # segments on NUMA node 0 (default "auto": the GPU's node)
+        pool = co.HostPool(numa_node=0)
 
         # 8 ranks on a node (torchrun sets LOCAL_WORLD_SIZE): 256 GiB of host memory between them,
         # 32 GiB each, and what does not fit goes to the local disk
@@ -201,6 +220,7 @@ class HostPool:
         node_max_bytes: int | str | None = None,
         host_fraction: float | None = None,
         local_world_size: int | None = None,
+        numa_node: int | str | None = "auto",
     ):
         # Note [Host shared by local ranks]
         self._share = None
@@ -259,10 +279,15 @@ class HostPool:
             if pinned is None:
                 pinned = pinned_available()
             backend = "pinned" if pinned else "pageable"
+        # Note [NUMA-local segments] (csrc/core/numa.h); the core refuses a node this process
+        # may not use, naming the allowed ones.
+        node, self._numa_reason = _numa.resolve(numa_node)
+        self._numa_node = -1 if node is None else node
         self._impl = _C.HostPool(
             backend=backend,
             max_bytes=max_bytes or 0,
             segment_bytes=segment_bytes if segment_bytes is not None else _C.DEFAULT_SEGMENT_BYTES,
+            numa_node=self._numa_node,
         )
         self._fallback_possible = backend != "pageable"
         self._warned_share = False
@@ -278,7 +303,8 @@ class HostPool:
             # Staging blocks carry offloads the cap refused to disk, and read-backs the pool has
             # no room for: the same backend (pinned copies stay asynchronous), no cap of its own
             # (the throttle bounds it), small segments.
-            self._staging = _C.HostPool(backend=backend, max_bytes=0, segment_bytes=16 << 20)
+            self._staging = _C.HostPool(backend=backend, max_bytes=0, segment_bytes=16 << 20,
+                                        numa_node=self._numa_node)
             # The pool spills while this object lives (contexts hold it); blocks already on disk
             # keep what they need to come back.
             self._spill = _C.attach_spill(
@@ -288,9 +314,32 @@ class HostPool:
     @property
     def share(self) -> dict | None:
         """With ``max_bytes="auto"``: how the cap was sized, ``{"max_bytes", "node_max_bytes",
-        "local_world_size", "host_fraction"}`` (``host_fraction`` None when ``node_max_bytes``
-        was given); None otherwise."""
+        "local_world_size", "host_fraction", "bounded_by", "available_bytes", "cgroup"}``;
+        None otherwise. ``host_fraction`` is None when ``node_max_bytes`` was given;
+        ``bounded_by`` names what set the node's budget: ``"node_max_bytes"``,
+        ``"MemAvailable"`` or the container's limit (``"cgroup v2 /sys/fs/cgroup/.../memory.max"``);
+        ``available_bytes`` is the smaller of ``MemAvailable`` and the cgroup's headroom when
+        the pool was made; ``cgroup`` the tightest memory cgroup (``{"version", "path", "limit",
+        "usage", "reclaimable", "headroom"}``) or None.
+
+        Example::
+
+            pool = co.HostPool(max_bytes="auto", pinned=False)
+            print(pool.share["bounded_by"])    # "MemAvailable" outside a container
+        """
         return dict(self._share) if self._share is not None else None
+
+    @property
+    def numa(self) -> dict:
+        """Where the pool places its segments: ``{"numa_node", "reason"}`` -- the node (None:
+        none) and why, e.g. ``"GPU 0 (0000:17:00.0) is on node 0"``, ``"no usable GPU"``.
+        ``stats()["bytes_by_node"]`` says where the bytes are.
+
+        Example::
+
+            print(co.HostPool(pinned=False).numa)   # {'numa_node': None, 'reason': 'no usable GPU'} on CPU
+        """
+        return {"numa_node": None if self._numa_node < 0 else self._numa_node, "reason": self._numa_reason}
 
     def pinned_fallback(self) -> dict | None:
         """For a pinned pool: ``{"segments", "bytes", "reason"}`` -- segments the driver refused
@@ -374,7 +423,10 @@ class HostPool:
         to make room at its cap, given back to the backend at the end of backward or by
         :meth:`empty_cache`, never in forward), ``peak_bytes_in_use``, ``peak_bytes_reserved``,
         ``max_bytes``, ``num_segments``, ``num_blocks_in_use``, ``num_allocs``, ``num_frees``,
-        ``num_backend_allocs``, ``num_backend_frees``, ``num_cap_hits``, ``backend``.
+        ``num_backend_allocs``, ``num_backend_frees``, ``num_cap_hits``, ``backend``,
+        ``numa_node`` (the node segments are placed on, None when unbound) and ``bytes_by_node``
+        (``{node: bytes}`` of the reserved segments' pages, measured when each was taken; None
+        when unbound).
 
         With ``spill_dir``, ``"disk"`` holds the disk tier's: ``bytes_in_use`` / ``bytes_reserved``
         (file space held by spilled blocks / preallocated), ``blocks_spilled``, ``bytes_written``,

@@ -1,5 +1,7 @@
 #include "cuda_stream.h"
 
+#include "numa.h"
+
 #include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
 #include <unistd.h>
@@ -261,7 +263,32 @@ CudaStream& side_stream(int device, SideStream which) {
   return *s;
 }
 
+namespace {
+
+// Note [NUMA-local segments]: memory placed on `node` (every page faulted in), then pinned.
+void* pinned_on_node(size_t bytes, int node) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t rounded = (bytes + page - 1) / page * page;
+  void* p = numa::map_on_node(rounded, node);
+  if (!p) return nullptr;
+  if (cudaHostRegister(p, rounded, cudaHostRegisterPortable) != cudaSuccess) {
+    cudaGetLastError();
+    numa::unmap(p, rounded);
+    return nullptr;
+  }
+  return p;
+}
+
+void release_pinned_on_node(void* ptr, size_t bytes) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  cudaHostUnregister(ptr);
+  numa::unmap(ptr, (bytes + page - 1) / page * page);
+}
+
+}  // namespace
+
 void* PinnedBackend::allocate(size_t bytes) {
+  if (numa_node_ >= 0) return pinned_on_node(bytes, numa_node_);
   void* p = nullptr;
   // Portable: the pool serves tensors of every device.
   cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
@@ -272,9 +299,13 @@ void* PinnedBackend::allocate(size_t bytes) {
   return p;
 }
 
-void PinnedBackend::release(void* ptr, size_t) { cudaFreeHost(ptr); }
+void PinnedBackend::release(void* ptr, size_t bytes) {
+  if (numa_node_ >= 0) release_pinned_on_node(ptr, bytes);
+  else cudaFreeHost(ptr);
+}
 
 void* RegisteredBackend::allocate(size_t bytes) {
+  if (numa_node_ >= 0) return pinned_on_node(bytes, numa_node_);
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const size_t rounded = (bytes + page - 1) / page * page;
   void* p = nullptr;
@@ -291,7 +322,11 @@ void* RegisteredBackend::allocate(size_t bytes) {
   return p;
 }
 
-void RegisteredBackend::release(void* ptr, size_t) {
+void RegisteredBackend::release(void* ptr, size_t bytes) {
+  if (numa_node_ >= 0) {
+    release_pinned_on_node(ptr, bytes);
+    return;
+  }
   cudaHostUnregister(ptr);
   std::free(ptr);
 }

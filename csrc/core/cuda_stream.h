@@ -46,20 +46,32 @@ CudaStream& side_stream(int device, SideStream which);
 // waits: packs on other threads (which look their side stream up) do not stall behind it.
 void synchronize_side_streams();
 
+// numa_node >= 0 (both backends): segments from numa::map_on_node, pinned with cudaHostRegister
+// (Note [NUMA-local segments] in numa.h: cudaHostAlloc places its pages itself).
 class PinnedBackend final : public Backend {
  public:
+  explicit PinnedBackend(int numa_node = -1) : numa_node_(numa_node) {}
   void* allocate(size_t bytes) override;
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return "pinned"; }
+  int numa_node() const override { return numa_node_; }
+
+ private:
+  int numa_node_;
 };
 
 // Page-aligned, pre-faulted host memory made pinned with cudaHostRegister: an alternative to
 // cudaHostAlloc for large segments (the segment size is rounded up to whole pages).
 class RegisteredBackend final : public Backend {
  public:
+  explicit RegisteredBackend(int numa_node = -1) : numa_node_(numa_node) {}
   void* allocate(size_t bytes) override;
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return "registered"; }
+  int numa_node() const override { return numa_node_; }
+
+ private:
+  int numa_node_;
 };
 
 // NVTX ranges (Nsight Systems); no-ops unless a tool is attached.

@@ -1,5 +1,6 @@
 #include "host_pool.h"
 
+#include "numa.h"
 #include "profiler.h"
 
 #include <algorithm>
@@ -24,12 +25,16 @@ struct HostPool::Block {
 };
 
 void* PageableBackend::allocate(size_t bytes) {
+  if (numa_node_ >= 0) return numa::map_on_node(bytes, numa_node_);  // Note [NUMA-local segments]
   void* p = nullptr;
   if (posix_memalign(&p, kSegmentAlignment, bytes) != 0) return nullptr;
   return p;
 }
 
-void PageableBackend::release(void* ptr, size_t) { std::free(ptr); }
+void PageableBackend::release(void* ptr, size_t bytes) {
+  if (numa_node_ >= 0) numa::unmap(ptr, bytes);
+  else std::free(ptr);
+}
 
 HostPool::HostPool(std::unique_ptr<Backend> backend, size_t max_bytes, size_t segment_bytes)
     : backend_(std::move(backend)),
@@ -200,7 +205,9 @@ bool HostPool::grow_locked(size_t bytes, size_t* segment_size) {
   size_t region = 0;
   while (region < segments_.size() && segments_[region].base) ++region;
   if (region == segments_.size()) segments_.emplace_back();
-  segments_[region] = Segment{static_cast<char*>(mem), seg};
+  segments_[region] = Segment{static_cast<char*>(mem), seg, {}};
+  // Where a bound backend's pages went (all present: it faults them in); they stay there.
+  if (backend_->numa_node() >= 0) segments_[region].placement = numa::placement(mem, seg);
   alloc_.add_region(static_cast<uint32_t>(region), seg);
   stats_.bytes_reserved += seg;
   stats_.peak_bytes_reserved = std::max(stats_.peak_bytes_reserved, stats_.bytes_reserved);
@@ -378,6 +385,19 @@ void HostPool::synchronize() {
   reclaim_locked(/*wait=*/false);
 }
 
+std::vector<std::pair<int, size_t>> HostPool::bytes_by_node() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<int, size_t>> out;
+  for (const Segment& s : segments_)
+    for (const auto& [node, bytes] : s.placement) {
+      auto it = out.begin();
+      while (it != out.end() && it->first < node) ++it;
+      if (it == out.end() || it->first != node) it = out.insert(it, {node, 0});
+      it->second += bytes;
+    }
+  return out;
+}
+
 PoolStats HostPool::stats() {
   std::lock_guard<std::mutex> lock(mu_);
   reclaim_locked(/*wait=*/false);
@@ -426,9 +446,15 @@ bool HostPool::check_invariants(std::string* why) {
   if (!alloc_.check_invariants(&alloc_why)) err += alloc_why;
   size_t reserved = 0, segments = 0;
   for (const Segment& s : segments_) {
-    if (!s.base) continue;
+    if (!s.base) {
+      if (!s.placement.empty()) err += "a free segment slot keeps a placement; ";
+      continue;
+    }
     reserved += s.size;
     ++segments;
+    size_t placed = 0;
+    for (const auto& np : s.placement) placed += np.second;
+    if (placed > s.size) err += "a segment's placement counts more than its size; ";
   }
   if (segments != alloc_.num_regions()) err += "segments and the allocator's regions differ; ";
   // Every live block is an allocated range of its segment, at its address, and no two share one.

@@ -26,6 +26,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "block_allocator.h"
@@ -48,13 +49,22 @@ class Backend {
   virtual void* allocate(size_t bytes) = 0;
   virtual void release(void* ptr, size_t bytes) = 0;
   virtual const char* name() const = 0;
+  // The NUMA node the segments are placed on (Note [NUMA-local segments] in numa.h), -1 when
+  // the backend places none; the pool then measures where each segment's pages are.
+  virtual int numa_node() const { return -1; }
 };
 
 class PageableBackend final : public Backend {
  public:
+  // numa_node >= 0: segments from numa::map_on_node (placed on that node, every page faulted in).
+  explicit PageableBackend(int numa_node = -1) : numa_node_(numa_node) {}
   void* allocate(size_t bytes) override;
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return "pageable"; }
+  int numa_node() const override { return numa_node_; }
+
+ private:
+  int numa_node_;
 };
 
 // HostPool::stats(), one row a stat (Note [Stats tables] in stats_table.h), in the order of the
@@ -78,7 +88,9 @@ class PageableBackend final : public Backend {
                                              /* creation */                                      \
   FIELD(uint64_t, num_backend_frees, Value)                                                      \
   FIELD(uint64_t, num_cap_hits, Value)     /* allocate() calls refused by the cap */             \
-  KEY(backend)                             /* Backend::name() */
+  KEY(backend)                             /* Backend::name() */                                 \
+  KEY(numa_node)                           /* Backend::numa_node(), None when -1 */              \
+  KEY(bytes_by_node)                       /* bytes_by_node() as {node: bytes}; None unbound */
 
 struct PoolStats {
   CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_POOL_STATS)
@@ -135,6 +147,10 @@ class HostPool {
   // block could fit under.
   static void check_max_bytes(size_t max_bytes);
   const char* backend_name() const { return backend_->name(); }
+  // For a pool whose backend places its segments on a NUMA node: the reserved bytes (segments
+  // not retired) by the node their pages are on, measured when each segment was taken
+  // (Note [NUMA-local segments]); ascending by node. Empty for an unbound pool.
+  std::vector<std::pair<int, size_t>> bytes_by_node();
   Backend& backend() const { return *backend_; }
   size_t segment_bytes() const { return segment_bytes_; }
 
@@ -148,6 +164,7 @@ class HostPool {
   struct Segment {
     char* base = nullptr;
     size_t size = 0;
+    std::vector<std::pair<int, size_t>> placement;  // (node, bytes): a NUMA-bound pool's only
   };
 
   Block* allocate_locked(size_t bytes);

@@ -85,6 +85,14 @@ CKPT_OFFLOAD_STATS_EXTRA(PoolStatsExtra, CKPT_OFFLOAD_POOL_STATS);
 py::dict pool_stats(HostPool& pool) {
   PoolStatsExtra extra;
   extra.backend = py::str(pool.backend_name());
+  // Note [NUMA-local segments]: where a bound pool's bytes are; None for an unbound pool.
+  const int node = pool.backend().numa_node();
+  if (node >= 0) {
+    extra.numa_node = py::int_(node);
+    py::dict by_node;
+    for (const auto& [n, bytes] : pool.bytes_by_node()) by_node[py::int_(n)] = bytes;
+    extra.bytes_by_node = by_node;
+  }
   return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_POOL_STATS, pool.stats(), extra);
 }
 
@@ -107,7 +115,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   install_capture_probe();  // Note [Graph capture]
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
-      .def(py::init(&make_pool), py::arg("backend"), py::arg("max_bytes"), py::arg("segment_bytes"))
+      .def(py::init(&make_pool), py::arg("backend"), py::arg("max_bytes"), py::arg("segment_bytes"),
+           py::arg("numa_node") = -1)
       .def("stats", &pool_stats)
       .def("bytes_in_use", &HostPool::bytes_in_use)
       .def("reset_peak", &HostPool::reset_peak)

@@ -43,9 +43,10 @@ void range_push(const char* name);
 void range_pop();
 // Waits for the device side streams (after the CPU ones have drained).
 void synchronize_streams();
-// The backend of a pool of pinned ("pinned" / "registered") memory; throws a message naming
-// the fix when this build or machine cannot have one.
-std::unique_ptr<Backend> pinned_backend(const std::string& backend_name);
+// The backend of a pool of pinned ("pinned" / "registered") memory, its segments placed on
+// `numa_node` when >= 0 (Note [NUMA-local segments]); throws a message naming the fix when this
+// build or machine cannot have one.
+std::unique_ptr<Backend> pinned_backend(const std::string& backend_name, int numa_node);
 
 // --- the profiler's device clocks (profiling.cpp) ---
 // Takes fresh GPU timing epochs when there is a GPU (co.profile()'s start).

@@ -26,13 +26,15 @@ std::string g_simulated_limit;
 
 class SimulatedRefusingBackend final : public Backend {
  public:
-  explicit SimulatedRefusingBackend(std::string name) : name_(std::move(name)) {}
+  SimulatedRefusingBackend(std::string name, int numa_node) : name_(std::move(name)), numa_node_(numa_node) {}
   void* allocate(size_t) override { return nullptr; }
   void release(void*, size_t) override {}
   const char* name() const override { return name_.c_str(); }
+  int numa_node() const override { return numa_node_; }
 
  private:
   std::string name_;
+  int numa_node_;
 };
 
 // stdio, not fstream: Note [No iostreams in the extension] (csrc/core/text.h).
@@ -95,7 +97,9 @@ std::string diagnose_pinned_refusal(size_t bytes) {
   return s;
 }
 
-FallbackBackend::FallbackBackend(std::unique_ptr<Backend> pinned) : pinned_(std::move(pinned)) {}
+// The pageable fallback goes on the pinned backend's node too (Note [NUMA-local segments]).
+FallbackBackend::FallbackBackend(std::unique_ptr<Backend> pinned)
+    : pinned_(std::move(pinned)), pageable_(pinned_->numa_node()) {}
 
 void* FallbackBackend::allocate(size_t bytes) {
   if (void* p = pinned_->allocate(bytes)) return p;
@@ -143,12 +147,12 @@ void simulate_pinned_refusal(const std::string& limit) {
   g_simulated_limit = limit;
 }
 
-std::unique_ptr<Backend> pinned_or_simulated_backend(const std::string& backend_name) {
+std::unique_ptr<Backend> pinned_or_simulated_backend(const std::string& backend_name, int numa_node) {
   {
     std::lock_guard<std::mutex> lock(g_sim_mu);
-    if (!g_simulated_limit.empty()) return std::make_unique<SimulatedRefusingBackend>(backend_name);
+    if (!g_simulated_limit.empty()) return std::make_unique<SimulatedRefusingBackend>(backend_name, numa_node);
   }
-  return device_runtime::pinned_backend(backend_name);
+  return device_runtime::pinned_backend(backend_name, numa_node);
 }
 
 }  // namespace ckpt_offload

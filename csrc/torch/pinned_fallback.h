@@ -24,6 +24,7 @@ class FallbackBackend final : public Backend {
   void* allocate(size_t bytes) override;
   void release(void* ptr, size_t bytes) override;
   const char* name() const override { return pinned_->name(); }
+  int numa_node() const override { return pinned_->numa_node(); }
   PinnedFallbackStats stats() const;
   // stats().segments without copying the reason: what every context exit asks.
   size_t segments() const;
@@ -45,7 +46,8 @@ std::string diagnose_pinned_refusal(size_t bytes);
 // every allocation as if `limit` ("vm.max_map_count" or "RLIMIT_MEMLOCK") were exhausted, on any
 // build; empty restores the real backend.
 void simulate_pinned_refusal(const std::string& limit);
-// The backend make_pool uses for "pinned" / "registered": the device's, or the simulated one.
-std::unique_ptr<Backend> pinned_or_simulated_backend(const std::string& backend_name);
+// The backend make_pool uses for "pinned" / "registered": the device's, or the simulated one
+// (on `numa_node` when >= 0).
+std::unique_ptr<Backend> pinned_or_simulated_backend(const std::string& backend_name, int numa_node);
 
 }  // namespace ckpt_offload

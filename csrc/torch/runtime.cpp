@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "../core/cpu_stream.h"
+#include "../core/numa.h"
 #include "../core/spill.h"
 #include "pinned_fallback.h"
 #include "device_runtime.h"
@@ -184,13 +185,17 @@ void set_failing_capture_probe(bool on) {
   }
 }
 
-std::shared_ptr<HostPool> make_pool(const std::string& backend_name, size_t max_bytes, size_t segment_bytes) {
+std::shared_ptr<HostPool> make_pool(const std::string& backend_name, size_t max_bytes, size_t segment_bytes,
+                                    int numa_node) {
+  // Note [NUMA-local segments]: a node this process may not use is refused here, not at the
+  // first segment.
+  if (numa_node >= 0) numa::check_node(numa_node);
   std::unique_ptr<Backend> backend;
   if (backend_name == "pageable") {
-    backend = std::make_unique<PageableBackend>();
+    backend = std::make_unique<PageableBackend>(numa_node);
   } else if (backend_name == "pinned" || backend_name == "registered") {
     // Note [Pinned fallback]: a refused pinned segment is taken as pageable memory.
-    backend = std::make_unique<FallbackBackend>(pinned_or_simulated_backend(backend_name));
+    backend = std::make_unique<FallbackBackend>(pinned_or_simulated_backend(backend_name, numa_node));
   } else {
     throw std::invalid_argument("ckpt_offload: backend must be 'pinned', 'registered' or 'pageable', got '" +
                                 backend_name + "'");

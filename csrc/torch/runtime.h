@@ -157,6 +157,7 @@ int cuda_device_count();
 std::string cuda_runtime_version();
 // A pool on the named backend: "pinned" (cudaHostAlloc), "registered" (cudaHostRegister on
 // page-aligned memory) or "pageable". Throws when pinned memory cannot be had.
-std::shared_ptr<HostPool> make_pool(const std::string& backend, size_t max_bytes, size_t segment_bytes);
+std::shared_ptr<HostPool> make_pool(const std::string& backend, size_t max_bytes, size_t segment_bytes,
+                                    int numa_node = -1);
 
 }  // namespace ckpt_offload

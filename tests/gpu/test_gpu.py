@@ -723,6 +723,30 @@ def test_roundtrip_pageable_pool_on_cuda(device):
         assert torch.equal(h.reload(), x)
 
 
+@pytest.mark.parametrize("backend", ["pinned", "registered"])
+def test_numa_placed_pinned_pool(device, backend):
+    """Note [NUMA-local segments]: a pinned pool placed on a node (the GPU's where the host has
+    several, else the first with memory) pins mapped memory with cudaHostRegister -- page-locked,
+    not the pageable fallback -- round-trips through it, and every reserved byte is on the node."""
+    from ckpt_offload import _numa
+
+    node = co.HostPool(pinned=False).numa["numa_node"]
+    if node is None:
+        nodes = _numa.memory_nodes()
+        if not nodes:
+            pytest.skip("this kernel shows no NUMA nodes")
+        node = nodes[0]
+    pool = co.HostPool(backend=backend, numa_node=node)
+    x = torch.randn(3 * MiB, device=device)[7:]
+    for stream in STREAMS:
+        h = co.offload_tensor(x, pool=pool, stream=stream)
+        assert torch.equal(h.reload(), x)
+    s = pool.stats()
+    assert s["numa_node"] == node and s["backend"] == backend
+    assert s["bytes_by_node"] == {node: s["bytes_reserved"]} and s["bytes_reserved"] >= x.nbytes
+    assert pool.pinned_fallback()["segments"] == 0
+
+
 @pytest.mark.parametrize("stream", STREAMS)
 def test_reload_twice_and_shared_reload(device, pool, stream):
     x = torch.randn(4 * MiB // 4, device=device)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ckpt_offload as co
+from ckpt_offload import _host_memory
 from ckpt_offload import pool as pool_module
 from gloo_ranks import gloo_available, launch_ranks, wait_ranks
 
@@ -37,14 +38,18 @@ def test_auto_divides_node_budget_between_local_ranks(monkeypatch):
     pool = co.HostPool(max_bytes="auto", node_max_bytes="1MiB", pinned=False)
     share = (1 << 20) // 3 // 4096 * 4096  # rounded down to whole pages: 3 shares fit in the budget
     assert pool.max_bytes == share
-    assert pool.share == {"max_bytes": share, "node_max_bytes": 1 << 20, "local_world_size": 3, "host_fraction": None}
+    assert {k: pool.share[k] for k in ("max_bytes", "node_max_bytes", "local_world_size", "host_fraction",
+                                       "bounded_by")} == {"max_bytes": share, "node_max_bytes": 1 << 20,
+                                                          "local_world_size": 3, "host_fraction": None,
+                                                          "bounded_by": "node_max_bytes"}
     # local_world_size= overrides the environment.
     assert co.HostPool(max_bytes="auto", node_max_bytes="1MiB", local_world_size=4, pinned=False).max_bytes == 1 << 18
 
 
 def test_auto_uses_a_fraction_of_available_memory(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(pool_module, "_available_host_bytes", lambda: 100 << 20)
+    monkeypatch.setattr(_host_memory, "available", lambda: {"available_bytes": 100 << 20, "bounded_by": "MemAvailable",
+                                                            "mem_available": 100 << 20, "cgroup": None})
     pool = co.HostPool(max_bytes="auto", pinned=False)
     assert pool.share["host_fraction"] == pool_module.DEFAULT_HOST_FRACTION == 0.5
     assert pool.max_bytes == (50 << 20) // 2
@@ -52,7 +57,7 @@ def test_auto_uses_a_fraction_of_available_memory(monkeypatch):
 
 
 def test_auto_reads_real_available_memory():
-    available = pool_module._available_host_bytes()
+    available = _host_memory.mem_available()
     assert available > 0
     with open("/proc/meminfo") as f:
         meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}

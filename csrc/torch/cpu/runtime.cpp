@@ -41,7 +41,7 @@ void range_pop() {}
 
 void synchronize_streams() {}
 
-std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
+std::unique_ptr<Backend> pinned_backend(const std::string& backend_name, int) {
   throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
                               "' (pinned memory) needs ckpt_offload built with CUDA; this build is CPU-only. Pass "
                               "pinned=False / backend='pageable', or reinstall with CKPT_OFFLOAD_CUDA=1 where nvcc and "

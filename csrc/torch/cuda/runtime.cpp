@@ -114,13 +114,13 @@ void synchronize_streams() {
   if (!cuda_unusable_after_fork()) cuda::synchronize_side_streams();  // Note [Fork]
 }
 
-std::unique_ptr<Backend> pinned_backend(const std::string& backend_name) {
+std::unique_ptr<Backend> pinned_backend(const std::string& backend_name, int numa_node) {
   if (cuda_device_count() == 0)
     throw std::invalid_argument("ckpt_offload: backend '" + backend_name +
                                 "' (pinned memory) needs a usable CUDA device, and none was found; pass "
                                 "pinned=False / backend='pageable' (or pinned=None to choose automatically)");
-  if (backend_name == "pinned") return std::make_unique<cuda::PinnedBackend>();
-  return std::make_unique<cuda::RegisteredBackend>();
+  if (backend_name == "pinned") return std::make_unique<cuda::PinnedBackend>(numa_node);
+  return std::make_unique<cuda::RegisteredBackend>(numa_node);
 }
 
 void start_timing_epochs() {
