@@ -197,6 +197,9 @@ class SelectiveOffload:
         # per-forward state (the dedup table, batches) is opened by the outermost forward and
         # closed when that forward ends.
         self._context = offload_context._from_options(options)
+        # The cache hands its entries out as the outputs of ops: each unpack must be a tensor of its
+        # own, never one another unpack made (Note [Same view, same tensor]).
+        self._context._packer.distinct_unpacks = True
         self._pack, self._unpack = self._context._packer.pack, self._context._packer.unpack
         self._lock = threading.Lock()
         self._depth = 0

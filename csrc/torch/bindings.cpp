@@ -231,6 +231,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats)
+      // Note [Same view, same tensor]: a selective checkpoint's cache sets it.
+      .def_property("distinct_unpacks", &Packer::distinct_unpacks, &Packer::set_distinct_unpacks)
       .def("exit_counts", &exit_counts)
       .def("reset_stats", &Packer::reset_stats);
 

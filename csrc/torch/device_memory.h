@@ -34,9 +34,8 @@ at::Tensor tensor_over(c10::Storage storage, c10::ScalarType dtype, c10::IntArra
 // version counter, and an unpack that shares the copy first checks that the counter has not moved
 // since the copy was made. A backward that wrote its saved tensor in place (a kernel reusing its
 // input as scratch) then makes the next unpack of those bytes raise autograd's error, as it does
-// without hooks, instead of handing that node the written bytes. Each unpack gets a tensor of its
-// own (two saved tensors never share one object: selective checkpointing returns them as the
-// outputs of different ops, which must be different tensors).
+// without hooks, instead of handing that node the written bytes. (An identical view may get the
+// very tensor another unpack made: Note [Same view, same tensor], offloaded_storage.cpp.)
 class DeviceCopyVersion {
  public:
   // `t`, the first tensor made over a new device copy: its counter becomes the copy's.

@@ -38,7 +38,22 @@ int first_locals_of(PyObject* code, int max_frames, PyObject** out, int max_out)
   return n;
 }
 
+bool running_code(PyObject* code) {
+  _PyInterpreterFrame* f = PyThreadState_GET()->cframe->current_frame;
+  while (f && _PyFrame_IsIncomplete(f)) f = f->previous;
+  return f && reinterpret_cast<PyObject*>(f->f_code) == code;
+}
+
 #else
+
+bool running_code(PyObject* code) {
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  if (!frame) return false;
+  PyCodeObject* c = PyFrame_GetCode(frame);  // new reference
+  const bool match = reinterpret_cast<PyObject*>(c) == code;
+  Py_DECREF(c);
+  return match;
+}
 
 int first_locals_of(PyObject* code, int max_frames, PyObject** out, int max_out) {
   int n = 0;

@@ -18,5 +18,8 @@ namespace ckpt_offload {
 // function whose first parameter is `self`, innermost first, into out[0..max_out), looking
 // `max_frames` frames deep at most; returns how many.
 int first_locals_of(PyObject* code, int max_frames, PyObject** out, int max_out);
+// True when this thread's innermost running Python frame runs `code` (read from the frame
+// records: no frame object made, so it costs a pointer compare on the Pythons above).
+bool running_code(PyObject* code);
 
 }  // namespace ckpt_offload

@@ -234,6 +234,23 @@ int64_t OffloadedStorage::start_prefetch() {
   return static_cast<int64_t>(nbytes_);
 }
 
+// Note [Same view, same tensor]
+// tanh saves its output and the next Linear saves the same tensor as its input: two saved
+// tensors of one copy, viewing it the same way. The reload is held for the second (Staged::held),
+// and so is the tensor the first unpack made over it: the second unpack hands back that same
+// tensor (after the version check of Note [One version per device copy], the tensor's own counter)
+// instead of making another tensor and Python object over the same bytes. Autograd does the same
+// without hooks, where every node that saved a tensor unpacks the tensor itself (and a node that
+// needs a grad_fn gets its own shallow copy from autograd, either way). Only an identical view
+// (dtype, sizes, strides, offset) shares; a tensor is never held past the last saved tensor of the
+// copy that is still to unpack, nor past the reload it views. Never for a tensor selective
+// checkpointing caches (View::share_object false: packed from torch's SAC cache, or by
+// co.selective_offload_context's packer): those are handed out as the outputs of different ops,
+// which must be different tensors ("the same as the input base tensor" in a view op otherwise).
+static bool same_view(const at::Tensor& t, const OffloadedStorage::View& v, int64_t offset) {
+  return t.scalar_type() == v.dtype && t.storage_offset() == offset && t.sizes() == v.sizes && t.strides() == v.strides;
+}
+
 at::Tensor OffloadedStorage::materialize(bool first, const View& view, bool accept_modified, bool* shared,
                                          int64_t* fresh_bytes) {
   *shared = false;
@@ -289,7 +306,13 @@ at::Tensor OffloadedStorage::materialize(bool first, const View& view, bool acce
     at::Tensor tensor;
     if (static_cast<bool>(staged_.storage) && staged_.held) {
       // Kept from an earlier unpack for the saved tensors still to come.
-      tensor = over_locked(staged_.storage, view, accept_modified, /*fresh=*/false);
+      if (view.share_object && staged_.tensor.defined() &&
+          same_view(staged_.tensor, view, offset_of(view.lo, view.dtype))) {
+        version_.check(accept_modified, view.dtype, view.sizes, device_);  // Note [Same view, same tensor]
+        tensor = staged_.tensor;
+      } else {
+        tensor = over_locked(staged_.storage, view, accept_modified, /*fresh=*/false);
+      }
       streams.compute().wait(staged_.ready);
       *shared = true;
       out = staged_.storage;
@@ -361,6 +384,7 @@ at::Tensor OffloadedStorage::materialize(bool first, const View& view, bool acce
     if (pending_ > 0 && !static_cast<bool>(staged_.storage)) {
       // Other saved tensors of this storage are still to unpack: keep the bytes for them.
       staged_ = Staged{out, reloaded_ready_, nullptr, false, true};
+      if (view.share_object) staged_.tensor = tensor;  // Note [Same view, same tensor]
     } else if (pending_ <= 0 && staged_.held) {
       drop_staged_locked();
     }

@@ -74,6 +74,9 @@ class OffloadedStorage : public Reloadable {
     // Counts the bytes in the memory timeline while staged_ owns them (not when `held`: the
     // saved tensor that unpacked the reload counts them).
     DeviceBytesHeld counted;
+    // With `held`: the tensor the unpack that reloaded made over `storage`, for the saved
+    // tensors still to come that view it the same way (Note [Same view, same tensor]).
+    at::Tensor tensor;
   };
   // How a saved tensor views this storage: what its unpack makes a tensor of. `lo`: its first
   // byte in the original storage (its element offset in a reload is (lo - base()) / itemsize).
@@ -81,6 +84,9 @@ class OffloadedStorage : public Reloadable {
     c10::ScalarType dtype;
     c10::IntArrayRef sizes, strides;
     int64_t lo;
+    // May get (and leave for the next) the tensor another unpack of the same view made (Note
+    // [Same view, same tensor]); false for a tensor selective checkpointing caches.
+    bool share_object;
   };
 
   // A tensor over a device storage holding the bytes again, viewing them as `view` does. While

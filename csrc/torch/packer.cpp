@@ -254,15 +254,11 @@ PyObject* sac_cache_wrap_code() {
   return code;
 }
 
-// True when this pack was called by SAC's cache (Note [Selective checkpoint cache mutation]).
+// True when this pack was called by SAC's cache (Note [Selective checkpoint cache mutation],
+// Note [Same view, same tensor]); a pointer compare per pack.
 bool sac_cache_pack() {
   PyObject* wrap = sac_cache_wrap_code();
-  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this pack hook
-  if (!wrap || !frame) return false;
-  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
-  const bool from_cache = reinterpret_cast<PyObject*>(code) == wrap;
-  Py_DECREF(code);
-  return from_cache;
+  return wrap && running_code(wrap);  // the frame that called this pack hook (Note [Reading the Python stack])
 }
 
 // Note [DTensor activations]
@@ -748,11 +744,11 @@ std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const
 }
 
 Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current,
-                             Placement* how, TieredRefusal* refused) {
+                             bool from_sac_cache, Placement* how, TieredRefusal* refused) {
   Placed p;
-  // Note [Selective checkpoint cache mutation]: a tensor SAC caches is copied now, on its own.
-  // Only asked when a copy could be late (side stream, batches): a cheap frame test.
-  if ((options_.side_stream || options_.batch_below > 0) && sac_cache_pack()) {
+  // Note [Selective checkpoint cache mutation]: a tensor SAC caches is copied now, on its own,
+  // when a copy could be late (side stream, batches).
+  if ((options_.side_stream || options_.batch_below > 0) && from_sac_cache) {
     p.storage = copy_to_host(t, options_.pool, /*side_stream=*/false, counters_, refused, &current, wide.lo, wide.hi);
     *how = Placement::Single;
     return p;
@@ -852,7 +848,10 @@ py::object Packer::pack(py::handle obj) {
                      static_cast<int64_t>(t.storage().nbytes()));
   Placement how = Placement::Single;
   TieredRefusal refused = TieredRefusal::None;
-  Placed placed = place(t, span, wide, *current, &how, &refused);
+  // A tensor torch's selective checkpoint caches (a cheap frame test) or this packer's owner does
+  // unpacks to a tensor of its own (Note [Same view, same tensor]).
+  const bool from_sac_cache = sac_cache_pack();
+  Placed placed = place(t, span, wide, *current, from_sac_cache, &how, &refused);
   if (!placed.storage && !placed.copy) return refuse(t, refused, span.bytes());
   const bool shared = how == Placement::Duplicate || how == Placement::Joined || how == Placement::SharedConverted;
   if (shared) {
@@ -873,6 +872,7 @@ py::object Packer::pack(py::handle obj) {
   if (placed.copy) return make_saved(t, std::move(placed.copy), counters_);
   std::shared_ptr<OffloadedStorage> storage = placed.prefetch ? placed.storage : nullptr;
   py::object out = make_saved(t, std::move(placed.storage), counters_);
+  if (from_sac_cache || distinct_unpacks_) reinterpret_cast<SavedObject*>(out.ptr())->saved.set_distinct();
   // After the link: the prefetcher reads the bytes a saved tensor still has to unpack.
   if (storage) storage->set_order(prefetcher_, prefetcher_->add(storage));
   return out;

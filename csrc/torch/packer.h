@@ -108,6 +108,10 @@ class Packer {
            counters_->tensors_deduplicated.load(std::memory_order_relaxed);
   }
   const PackerOptions& options() const { return options_; }
+  // Every tensor this packer saves unpacks to a tensor object of its own (a selective
+  // checkpoint's cache: Note [Same view, same tensor]).
+  bool distinct_unpacks() const { return distinct_unpacks_; }
+  void set_distinct_unpacks(bool on) { distinct_unpacks_ = on; }
   // What ends each backward that unpacked from this packer (an autograd final callback,
   // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
   // engine release finished copies' memory, and gives the pool's retired segments back (the
@@ -155,8 +159,9 @@ class Packer {
     std::shared_ptr<ConvertedCopy> copy;
     bool prefetch = false;
   };
-  Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current, Placement* how,
-               TieredRefusal* refused);
+  // `from_sac_cache`: pack was called by torch's selective checkpoint cache (sac_cache_pack).
+  Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current, bool from_sac_cache,
+               Placement* how, TieredRefusal* refused);
   // The exact copy of t's storage (same version) that holds `span`, or null; then `touched`
   // gets the copies whose cells `wide` shares.
   std::shared_ptr<OffloadedStorage> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
@@ -259,6 +264,7 @@ class Packer {
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
   std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued
   std::shared_ptr<StoreErrors> store_errors_ = std::make_shared<StoreErrors>();  // with measure_error
+  bool distinct_unpacks_ = false;  // see distinct_unpacks()
 
 };
 

@@ -76,7 +76,7 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o, bool accept_modified) {
   o.storage = OffloadedStorage::resolve(std::move(o.storage));
   bool shared = false;
   int64_t fresh = 0;
-  const OffloadedStorage::View view{dtype_, sizes_, strides_, lo_};
+  const OffloadedStorage::View view{dtype_, sizes_, strides_, lo_, /*share_object=*/!distinct_};
   at::Tensor out = o.storage->materialize(!unpacked_, view, accept_modified, &shared, &fresh);
   unpacked_ = true;
   if (shared) {

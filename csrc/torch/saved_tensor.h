@@ -98,6 +98,9 @@ class SavedTensor {
   int64_t stored_nbytes() const;
   const c10::Device& device() const { return device_; }
   int64_t nbytes() const { return nbytes_; }
+  // A tensor selective checkpointing caches: its unpack never gets (or leaves) the tensor object
+  // another unpack made (Note [Same view, same tensor]).
+  void set_distinct() { distinct_ = true; }
 
  private:
   // t's dtype, device and version; with `layout`, its sizes, strides, first byte and extent
@@ -119,6 +122,7 @@ class SavedTensor {
   std::shared_ptr<PackerCounters> counters_;
   DeviceBytesHeld device_held_;  // this tensor's device bytes in the memory timeline
   bool unpacked_ = false;
+  bool distinct_ = false;
 };
 
 // The Offloaded kind's copy (saved_offloaded.cpp). Copies bytes [from, to) of t's storage (-1:

@@ -1,8 +1,9 @@
 """A device copy that several unpacks share keeps autograd's version rule (Note [One version per device copy],
 csrc/torch/device_memory.h): every tensor made over it shares one version counter, checked at each shared unpack,
 so that a backward writing its saved tensor in place makes the next unpack of those bytes raise autograd's error, as
-it does without hooks; and each unpack gets a tensor of its own, which selective checkpointing needs (it returns them
-as the outputs of different ops). Each case is compared with the same program run without ckpt_offload."""
+it does without hooks; and a tensor selective checkpointing caches unpacks to a tensor of its own (it returns them as
+the outputs of different ops; Note [Same view, same tensor]). Each case is compared with the same program run without
+ckpt_offload."""
 
 import functools
 
