@@ -12,6 +12,7 @@ import torch
 
 from ckpt_offload._args import check_choice, suggest_keywords
 from ckpt_offload._compile import check_compiled_regions
+from ckpt_offload._option_docs import args_section
 from ckpt_offload._runtime import _C
 from ckpt_offload._warn import (
     _warn_lock,
@@ -30,7 +31,6 @@ from ckpt_offload.options import (
     POSITIONAL_KEYS,
     STREAM_MODES,
     OffloadOptions,
-    args_section,
     check_offloads_something,
     from_arguments,
     native_packer_options,

@@ -9,16 +9,15 @@ packer receives. Keyword arguments and ``offload={...}`` dicts are spellings of 
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import functools
-import itertools
-import re
-import textwrap
 
 import torch
 
+from ckpt_offload import _option_cache as cache
+from ckpt_offload._option_cache import call_key, made_before
 from ckpt_offload._args import check_bytes, check_choice, closest, device_types
+from ckpt_offload._option_docs import args_section, field_docs
 from ckpt_offload._runtime import _C, cuda_compiled, default_devices, usable_device_types
 from ckpt_offload._warn import warn_at_user_line
 from ckpt_offload.pool import HostPool
@@ -180,6 +179,7 @@ class OffloadOptions:
     Default `DEFAULT_MIN_BYTES` (256 KiB; how it was chosen: "Choosing `min_bytes`" in docs/api.md). This
     and the other byte counts (`prefetch_bytes`, `batch_below`, `batch_bytes`, `store_min_bytes`) take an
     int or a size string such as `"64KiB"` or `"1MiB"`."""
+    _: dataclasses.KW_ONLY  # the options after min_bytes are keyword-only (DEPRECATED_POSITIONAL_KEYS)
     stream: str = "side"
     """`"side"` (default): copies on a dedicated copy stream per device and direction, ordered after the
     compute stream by events, so copies overlap compute. `"compute"`: copies on the current stream
@@ -283,7 +283,7 @@ class OffloadOptions:
 
     def __getstate__(self) -> dict:
         # The caches stay behind: a string's hash differs from one process to the next.
-        return {k: v for k, v in self.__dict__.items() if k not in _CACHE_ATTRS}
+        return {k: v for k, v in self.__dict__.items() if k not in cache.CACHE_ATTRS}
 
     def replace(self, **changes) -> "OffloadOptions":
         """A copy with ``changes`` (checked like the original). Example: ``opts.replace(min_bytes=0)``."""
@@ -322,12 +322,31 @@ class OffloadOptions:
         return f"OffloadOptions({given})"
 
 
-_CACHE_ATTRS = ("_hash", "_pool_free_key", "_packer_options")  # OffloadOptions' caches (not fields, never pickled)
 
 #: The option names, in the order of :class:`OffloadOptions`' fields.
 OFFLOAD_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
-#: How many of them ``co.offload`` takes by position (the rest are keyword-only).
-POSITIONAL_KEYS = OFFLOAD_KEYS[:8]
+#: The options ``co.offload`` and ``OffloadOptions`` take by position: ``min_bytes``; the rest are
+#: keyword-only.
+POSITIONAL_KEYS = OFFLOAD_KEYS[:1]
+#: The options after ``min_bytes`` that were positional before 0.2 (in this order): still taken by
+#: position, with a DeprecationWarning, until 0.3.0.
+DEPRECATED_POSITIONAL_KEYS = OFFLOAD_KEYS[1:8]
+
+
+def _positional(route: str, args: tuple) -> dict:
+    """``args`` given by position to ``route`` as ``{option: value}``: ``min_bytes``, then (with a
+    DeprecationWarning that spells the call with keywords) the options that were positional before."""
+    named = POSITIONAL_KEYS + DEPRECATED_POSITIONAL_KEYS
+    if len(args) > len(named):
+        raise TypeError(f"{route} takes one positional option (min_bytes), got {len(args)}; pass the others by "
+                        f"keyword: {', '.join(OFFLOAD_KEYS[1:])}")
+    given = dict(zip(named, args))
+    if len(args) > len(POSITIONAL_KEYS):
+        spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
+        warn_at_user_line(
+            f"{route}: the options after min_bytes by position are deprecated and go in 0.3.0; pass them by "
+            f"keyword: {route.removesuffix('()')}({spelled})", key=f"{route}-positional", category=DeprecationWarning)
+    return given
 
 
 def _unknown_message(route: str, unknown) -> str:
@@ -344,7 +363,13 @@ def _init_naming_unknown_options(init):
         unknown = sorted(set(kwargs) - set(OFFLOAD_KEYS))
         if unknown:
             raise TypeError(_unknown_message("co.OffloadOptions", unknown))
-        init(self, *args, **kwargs)
+        if args:
+            given = _positional("co.OffloadOptions()", args)
+            twice = [k for k in given if k in kwargs]
+            if twice:
+                raise TypeError(f"co.OffloadOptions() got {twice[0]} both by position and by keyword")
+            kwargs = {**given, **kwargs}
+        init(self, **kwargs)
         _warn_if_without_effect(self)
 
     __init__.__wrapped__ = init  # inspect.signature shows the fields
@@ -355,75 +380,11 @@ def _init_naming_unknown_options(init):
 OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
 
 
-# Note [Fixed cost per call]
-# co.checkpoint, co.apply's blocks, co.hf and plans run once per block per step, in forward and
-# again in the recompute: whatever a call does before torch's checkpoint is paid that often. A
-# training loop that writes `with co.offload(...):` makes a context every step, and what the
-# construction leaves in the caches slows the step that follows it. Checking and normalizing
-# options costs about as much as torch's checkpoint itself adds on a small block, so what
-# depends only on the options is done once per distinct options:
-#  - offload=True is always the same defaults (one frozen instance, _default_options);
-#  - the options of a co.offload(...) call, and of an offload={...} dict written in a route's
-#    call, are made once per distinct arguments (_made_from_calls, keyed by _call_key: the
-#    names, values and their types, so 1 and True, or a list and a set, are never mistaken for
-#    each other). Only plain values (strings, numbers, dtypes, devices, lists of them) are
-#    cached, and the pool is left out: the cache holds the options without their pool, and a
-#    call that gives one gets a copy with it (_made_before), so that the cache never keeps a
-#    pool alive (the caller's to drop). Options that do nothing (those _warn_if_without_effect
-#    warns about) are made again at every call, so that every call site hears about them; bad
-#    ones raise at every call (they are never cached);
-#  - the key of the checkpoint routes' shared context (the options without their pool) is made
-#    once per options object (pool_free_key), and so are the options' hash (OffloadOptions.__hash__)
-#    and the native packer's options (native_packer_options, on the pool-free options); none is
-#    pickled (a string's hash differs from one process to the next);
-#  - a context reads its options through ctx.options (no copy of each into every context);
-#  - check_offloads_something remembers the devices arguments that select a device here;
-#  - inputs that are all tensors, by position, go to torch's checkpoint as they are (no pytree
-#    flatten, and no unflatten in forward and recompute: checkpointing._as_positional);
-#  - the route makes the compile check once (run_checkpoint) and enters and exits its context
-#    through offload._enter / _exit, which are __enter__ / __exit__ without theirs.
-# Every cache holds frozen values only, so no call can see another's changes.
-# benchmarks/call_overhead.py measures what a call costs against torch's checkpoint, and what
-# making a co.offload(...) context costs.
-
 
 @functools.cache
 def _default_options() -> "OffloadOptions":
     """``as_options(True)``: the defaults, one frozen instance (Note [Fixed cost per call])."""
     return OffloadOptions()
-
-
-# The values a cached call may give: plain values only, so that the cache keeps no object alive
-# (the pool is left out of it) and no value can change after it was read.
-_PLAIN_VALUES = (str, int, float, bool, type(None), torch.dtype, torch.device)
-_SCALARS = frozenset((str, int, float, bool, type(None)))
-
-
-def _frozen(value):
-    """A hashable stand-in for an option's value that tells types apart (1 from True, a list
-    from a set); TypeError for anything but plain values and lists, tuples and sets of them."""
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_frozen(v) for v in value))
-    if isinstance(value, (set, frozenset)):
-        return (type(value), frozenset(_frozen(v) for v in value))
-    if type(value) not in _PLAIN_VALUES:
-        raise TypeError(f"not cached: {type(value).__name__}")
-    return (type(value), value)
-
-
-def _fields(options: "OffloadOptions") -> dict:
-    """The fields of ``options`` as a new dict (their caches left out)."""
-    fields = dict(options.__dict__)
-    for name in _CACHE_ATTRS:
-        fields.pop(name, None)
-    return fields
-
-
-def _made_of(fields: dict) -> "OffloadOptions":
-    """Options whose ``__dict__`` is ``fields``, taken as checked already (no __post_init__)."""
-    made = object.__new__(OffloadOptions)
-    object.__setattr__(made, "__dict__", fields)  # frozen: its fields are written once, here
-    return made
 
 
 def pool_free_key(options: "OffloadOptions") -> "OffloadOptions":
@@ -433,9 +394,9 @@ def pool_free_key(options: "OffloadOptions") -> "OffloadOptions":
         return options
     key = options.__dict__.get("_pool_free_key")
     if key is None:
-        fields = _fields(options)
+        fields = cache.fields_of(options)
         fields["pool"] = None
-        key = _made_of(fields)
+        key = cache.made_of(OffloadOptions, fields)
         object.__setattr__(options, "_pool_free_key", key)  # frozen: a cache, not a field
     return key
 
@@ -451,89 +412,33 @@ def native_packer_options(options: "OffloadOptions"):
     return made
 
 
-# Options made from a call's arguments, without their pool: {_call_key: (options, their fields)}.
-_made_from_calls: dict = {}
-_MADE_FROM_CALLS_MAX = 256  # distinct calls remembered; cleared when full
-_POOL_INDEX = POSITIONAL_KEYS.index("pool")
-_POOL_SLOT = ("pool",)  # the pool's place in a key: it is put back on a hit
-
-
-def _call_key(args: tuple, kwargs: dict, in_any_order: bool = False):
-    """The cache key of options given as ``co.offload(*args, **kwargs)`` (or as a dict, in
-    ``kwargs``, with ``in_any_order``: its keys in name order), or None when a value cannot be
-    cached. Each item is (name, type, value) for a scalar, (name, type, the items' types, the
-    items) for a list or tuple of scalars, (name, _frozen(value)) otherwise (never one for
-    another: their lengths differ), so that 1 and True, or a list and a set, never match; the
-    positional ones first, with their count (an option given by position never matches one
-    given by name)."""
-    key = [len(args)]
-    append = key.append
-    try:
-        items = sorted(kwargs.items()) if in_any_order else kwargs.items()
-        if args:
-            items = [*zip(POSITIONAL_KEYS, args), *items]
-        for name, value in items:
-            kind = type(value)
-            if kind in _SCALARS:
-                append((name, kind, value))
-            elif name == "pool":
-                append(_POOL_SLOT)
-            elif (kind is list or kind is tuple) and all(type(v) in _SCALARS for v in value):
-                append((name, kind, tuple(map(type, value)), tuple(value)))
-            else:
-                append((name, _frozen(value)))
-    except TypeError:  # a value of another kind, or a dict key that is not a string
-        return None
-    return tuple(key)
-
-
-def _made_before(key, pool) -> "OffloadOptions | None":
-    """The options made for ``key`` earlier, with ``pool``; None when there are none (or the pool
-    is no pool: the call then makes its options, and raises)."""
-    made = _made_from_calls.get(key) if key is not None else None
-    if made is None:
-        return None
-    if pool is None:
-        return made[0]
-    if not isinstance(pool, HostPool):
-        return None
-    fields = made[1].copy()
-    fields["pool"] = pool
-    fields["_pool_free_key"] = made[0]
-    return _made_of(fields)
-
-
 def _remember(key, made: "OffloadOptions") -> None:
     """Caches ``made`` (without its pool) for ``key``, unless it warns (then it warns at every call site)."""
-    if key is None or _without_effect(made):
-        return
-    if len(_made_from_calls) >= _MADE_FROM_CALLS_MAX:
-        _made_from_calls.clear()
-    free = pool_free_key(made)
-    _made_from_calls[key] = (free, _fields(free))
+    if not _without_effect(made):
+        cache.remember(key, pool_free_key(made))
 
 
 def from_arguments(route: str, args: tuple, kwargs: dict) -> OffloadOptions:
-    """The options of a call such as ``co.offload(0, "side", devices=["cpu"])``: positional
-    arguments in field order (the first eight), keywords by name, or one :class:`OffloadOptions`."""
+    """The options of a call such as ``co.offload(0, devices=["cpu"])``: ``min_bytes`` by position
+    (the seven options after it too, deprecated: :func:`_positional`), the rest by keyword, or one
+    :class:`OffloadOptions`."""
     if len(args) == 1 and isinstance(args[0], OffloadOptions):
         if kwargs:
             return args[0].replace(**kwargs)
         return args[0]
-    key = _call_key(args, kwargs)
-    made = _made_before(key, args[_POOL_INDEX] if len(args) > _POOL_INDEX else kwargs.get("pool"))
+    # A call with deprecated positional options is never cached: each call site hears about them.
+    key = call_key(POSITIONAL_KEYS, args, kwargs) if len(args) <= len(POSITIONAL_KEYS) else None
+    made = made_before(key, kwargs.get("pool"), HostPool)
     if made is not None:
         return made
-    if len(args) > len(POSITIONAL_KEYS):
-        raise TypeError(f"{route} takes at most {len(POSITIONAL_KEYS)} positional options "
-                        f"({', '.join(POSITIONAL_KEYS)}), got {len(args)}; pass the others by keyword")
     unknown = sorted(set(kwargs) - set(OFFLOAD_KEYS))
     if unknown:
         raise TypeError(_unknown_message(route, unknown))
-    twice = [k for k in POSITIONAL_KEYS[:len(args)] if k in kwargs]
+    given = _positional(route, args)
+    twice = [k for k in given if k in kwargs]
     if twice:
         raise TypeError(f"{route} got {twice[0]} both by position and by keyword")
-    made = OffloadOptions(**dict(zip(POSITIONAL_KEYS, args)), **kwargs)
+    made = OffloadOptions(**given, **kwargs)
     _remember(key, made)
     return made
 
@@ -555,8 +460,8 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
     if isinstance(offload, OffloadOptions):
         return offload
     if isinstance(offload, dict):
-        key = _call_key((), offload, in_any_order=True)
-        made = _made_before(key, offload.get("pool"))
+        key = call_key(POSITIONAL_KEYS, (), offload, in_any_order=True)
+        made = made_before(key, offload.get("pool"), HostPool)
         if made is not None:
             return made
         unknown = sorted(set(offload) - set(OFFLOAD_KEYS), key=repr)
@@ -574,51 +479,14 @@ def as_options(offload, *, name: str = "offload") -> OffloadOptions | None:
     )
 
 
-# --- the options' descriptions ---------------------------------------------------------------------
-# Each option is described once, in the string under its field in OffloadOptions (markdown-style
-# `code`). co.offload's docstring, OffloadOptions' and the table in docs/api.md are made from them
-# (scripts/option_docs.py writes the table; tests/core/test_docs.py checks it is current).
+# --- the options' descriptions: the string under each field (ckpt_offload/_option_docs.py) -------------
 
 
 @functools.cache
 def option_docs() -> dict:
     """``{option: description}`` in field order: the string under each field of
-    :class:`OffloadOptions`, as one line. Empty where the source cannot be read (a frozen
-    install): the docstrings then say less, the options work the same."""
-    try:
-        with open(__file__, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError):  # pragma: no cover - no source
-        return {}
-    body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "OffloadOptions")
-    docs = {}
-    for node, after in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return {k: docs[k] for k in OFFLOAD_KEYS if k in docs}
-
-
-def _rst(text: str) -> str:
-    """A description's `code` as reStructuredText's ``code``."""
-    return re.sub(r"`([^`]+)`", r"``\1``", text)
-
-
-def args_section(docs: dict, indent: int = 8) -> str:
-    """``docs`` (``{name: description}``) as the entries of a docstring's ``Args:``, wrapped at
-    100 columns, continuation lines 4 deeper."""
-    lines = []
-    for name, text in docs.items():
-        lines += textwrap.wrap(f"{name}: {_rst(text)}", 100, initial_indent=" " * indent,
-                               subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
-    return "\n".join(lines)
-
-
-def markdown_table(docs: dict) -> str:
-    """``docs`` as the argument table of docs/api.md (a description holds no ``|``)."""
-    rows = ["| argument | meaning |", "| --- | --- |"]
-    rows += [f"| `{name}` | {text} |" for name, text in docs.items()]
-    return "\n".join(rows)
+    :class:`OffloadOptions`, as one line (empty where the source cannot be read)."""
+    return field_docs(__file__, "OffloadOptions", OFFLOAD_KEYS)
 
 
 if OffloadOptions.__doc__ and option_docs():  # None under python -OO

@@ -18,8 +18,8 @@ END = "<!-- end of the options table -->"
 
 
 def table() -> str:
+    from ckpt_offload._option_docs import markdown_table
     from ckpt_offload.offloading import argument_docs
-    from ckpt_offload.options import markdown_table
 
     return markdown_table(argument_docs())
 

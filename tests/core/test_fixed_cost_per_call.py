@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import torch.nn as nn
 
 import ckpt_offload as co
-from ckpt_offload import checkpointing, options as options_module
+from ckpt_offload import _option_cache, checkpointing, options as options_module
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something, pool_free_key
 from conftest import assert_bit_identical, hypothesis_examples
 from helpers import grads_of
@@ -65,7 +65,7 @@ def test_a_pool_given_in_a_dict_is_put_back_on_the_options_and_never_kept_by_the
     assert hash(a) == hash(OffloadOptions(devices=["cpu"], pool=pool))
     assert pool_free_key(a) is pool_free_key(b)  # both made from one cached entry
     assert as_options({"devices": ["cpu"], "pool": None}).pool is None
-    assert all(made.pool is None for made, _ in options_module._made_from_calls.values())
+    assert all(made.pool is None for made, _ in _option_cache.MADE_FROM_CALLS.values())
     # Dropped by its caller, the pool goes at once: nothing the cache holds refers to it.
     ref = weakref.ref(pool)
     del a, pool
@@ -82,12 +82,12 @@ def test_options_that_do_nothing_warn_at_every_call_site():
 
 
 def test_the_cache_is_bounded(monkeypatch):
-    monkeypatch.setattr(options_module, "_MADE_FROM_CALLS_MAX", 4)
-    monkeypatch.setattr(options_module, "_made_from_calls", {})
+    monkeypatch.setattr(_option_cache, "_MADE_FROM_CALLS_MAX", 4)
+    monkeypatch.setattr(_option_cache, "MADE_FROM_CALLS", {})
     for n in range(10):
         assert as_options({"min_bytes": n}).min_bytes == n
         assert co.offload(min_bytes=n, devices=["cpu"]).min_bytes == n
-    assert len(options_module._made_from_calls) <= 4
+    assert len(_option_cache.MADE_FROM_CALLS) <= 4
 
 
 def test_a_co_offload_call_makes_its_options_once_per_distinct_arguments(monkeypatch):
@@ -103,8 +103,11 @@ def test_a_co_offload_call_makes_its_options_once_per_distinct_arguments(monkeyp
     # The context reads its options through ctx.options; devices and pool are resolved.
     assert (again.min_bytes, again.stream, again.on_full, again.devices) == (1024, "compute", "keep", ("cpu",))
     assert again.pool is pool and co.offload(devices=["cpu"]).pool is co.default_pool()
-    # By position and by name are other entries; each is checked on its own.
-    assert co.offload(1024, "compute", ["cpu"], pool).options == want
+    # By position and by name are other entries; each is checked on its own (the options after
+    # min_bytes by position are deprecated, and such a call is never cached: it warns every time).
+    with pytest.warns(DeprecationWarning, match="after min_bytes by position are deprecated"):
+        assert co.offload(1024, "compute", ["cpu"], pool).options == want
+    assert co.offload(1024, stream="compute", devices=["cpu"], pool=pool).options == want
     with pytest.raises(TypeError, match="got min_bytes both by position and by keyword"):
         co.offload(1024, min_bytes=1024)
     # A pool that is no pool still raises on a cached entry.

@@ -5,6 +5,7 @@ whose handles put back exactly the forward a block had."""
 import ast
 import copy
 import dataclasses
+import warnings
 import importlib
 import inspect
 import io
@@ -251,8 +252,10 @@ def test_every_spelling_of_the_options_is_one_value():
     a = OffloadOptions(devices={"cpu"}, min_bytes="64KiB", batch_below="16KiB")
     b = as_options({"devices": ["cpu"], "min_bytes": 65536, "batch_below": 16384})
     c = co.offload(devices=("cpu",), min_bytes=64 * 1024, batch_below="16 KiB").options
-    d = co.offload(65536, "side", ["cpu"], batch_below=16384).options
-    assert a == b == c == d and hash(a) == hash(b)
+    d = co.offload(65536, stream="side", devices=["cpu"], batch_below=16384).options
+    with pytest.warns(DeprecationWarning, match="after min_bytes by position"):  # goes in 0.3.0
+        e = co.offload(65536, "side", ["cpu"], batch_below=16384).options
+    assert a == b == c == d == e and hash(a) == hash(b)
     assert a.min_bytes == 65536 and a.devices == ("cpu",)
     assert a.to_dict() == {"min_bytes": 65536, "devices": ("cpu",), "batch_below": 16384}
     assert as_options(a.to_dict()) == a and as_options(True) == OffloadOptions() and as_options(False) is None
@@ -271,15 +274,37 @@ def test_every_spelling_of_the_options_is_one_value():
     (lambda: OffloadOptions(pool="pool"), TypeError, "pool must be a ckpt_offload.HostPool"),
     (lambda: OffloadOptions(min_bytes="cpu"), TypeError, "names a device"),
     (lambda: co.offload(mni_bytes=0), TypeError, r"unknown co.offload option\(s\) 'mni_bytes' \(did you mean 'min_bytes'\?\)"),
-    (lambda: co.offload(0, "side", None, None, "keep", None, 0, 1 << 20, None), TypeError, "at most 8 positional"),
+    (lambda: co.offload(0, "side", None, None, "keep", None, 0, 1 << 20, None), TypeError,
+     r"takes one positional option \(min_bytes\), got 9; pass the others by keyword"),
     (lambda: co.offload(0, min_bytes=0), TypeError, "min_bytes both by position and by keyword"),
     (lambda: as_options({"strem": "side"}), TypeError, r"offload: unknown co.offload option\(s\) 'strem' \(did you mean 'stream'\?\)"),
     (lambda: as_options({"stream": "gpu"}, name="co.apply(offload=...)"), ValueError, r"co.apply\(offload=...\): stream must be"),
     (lambda: OffloadOptions().replace(bogus=1), TypeError, r"OffloadOptions.replace: unknown co.offload option"),
 ])
 def test_bad_options_name_the_option(call, error, message):
-    with pytest.raises(error, match=message):
-        call()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the 9-positional call warns before it raises
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_options_after_min_bytes_by_position_warn_with_the_call_spelled_by_keyword():
+    # Keyword-only from 0.2 (OffloadOptions' fields after min_bytes): still taken by position, with a
+    # DeprecationWarning at the user's line that spells the same call by keyword, until 0.3.0.
+    with pytest.warns(DeprecationWarning) as caught:
+        ctx = co.offload(0, "compute", ["cpu"])
+        opts = OffloadOptions(0, "compute")
+    assert ctx.options == OffloadOptions(min_bytes=0, stream="compute", devices=["cpu"])
+    assert opts == OffloadOptions(min_bytes=0, stream="compute")
+    said = [str(w.message) for w in caught]
+    assert "co.offload(min_bytes=0, stream='compute', devices=['cpu'])" in said[0] and "0.3.0" in said[0]
+    assert "co.OffloadOptions(min_bytes=0, stream='compute')" in said[1]
+    assert all(w.filename == __file__ for w in caught)
+    assert [p.name for p in inspect.signature(co.offload).parameters.values()
+            if p.kind is p.POSITIONAL_OR_KEYWORD] == ["min_bytes"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        co.offload(4096, devices=["cpu"])  # min_bytes alone by position: no warning
 
 
 def _chain_grads(route):
