@@ -655,7 +655,7 @@ class Tiled:
             return self._call(compiled_forward(self.function, callback), args, kwargs)
 
     def _resolve(self, args, kwargs):
-        """(x, its tiled dimension, the positions per tile, the tile list)."""
+        """``(x, its tiled dimension, its length there, positions per tile)``."""
         if not args or not isinstance(args[0], torch.Tensor):
             got = "no positional argument" if not args else type(args[0]).__name__
             raise TypeError(f"{self.name}: the first positional argument is the tensor to tile (e.g. hidden states "
@@ -1019,6 +1019,8 @@ def tiled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, til
                     split={1: 0}, reduce=None if reduction == "none" else "sum", out_dim=0,
                     params=_params_of(head), token_wise=True, measure_error=measure_error,
                     name="co.tiled_cross_entropy")
+    if _owner_module(head) is not None:
+        wrapper._found = []  # a module: its parameters are known (Note [Parameters a tiled function reads])
     out = wrapper(flat_h, flat_y)
     if reduction == "none":
         return out.reshape(labels.shape)

@@ -138,7 +138,7 @@ class Plan:
             stores in that narrower dtype (not bit-exact); empty for an exact plan.
         predicted_host_bytes: the host bytes the plan's offloads take (narrow bytes for the lossy
             blocks; what the offload contexts' ``stats()["bytes_stored"]`` count in a step).
-        tiles: the blocks whose MLP the plan tiles (``co.plan(..., tile=...)``; empty without it or
+        tiles: the blocks the plan tiles (``co.plan(..., tile=...)``; empty without it or
             when the budget fits without tiles); tile_info: why (Note [Fewest tiles] in
             ``planner/tiles.py``): ``untiled_minimum``, ``tiled_minimum``, ``extra_s``.
     """
@@ -254,7 +254,8 @@ class Plan:
         n = len(self._named_blocks)
         if not self.tiles:
             return f"tiles: none of {n} blocks: the budget fits without tiling"
-        return (f"tiles: {len(self.tiles)} of {n} blocks' MLPs tiled, the fewest that fit the budget (the smallest "
+        parts = "MLP and norms" if self.tile_options.norms else "MLP"
+        return (f"tiles: {len(self.tiles)} of {n} blocks tiled ({parts}), the fewest that fit the budget (the smallest "
                 f"peak without tiles: {_fmt(info.get('untiled_minimum') or 0)}; with these tiles the plan's: "
                 f"{_fmt(self.predicted_peak_bytes)}); the tiles add {info.get('extra_s', 0.0) * 1e3:.2f} ms of "
                 "compute (each tile's forward again in backward, measured)")
@@ -365,8 +366,9 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             so only ``"side"``).
         tile: ``None`` (default), or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
             positions per tile, a size string, a dict of its fields): tiling a block's MLP along the
-            sequence becomes a choice per block. The step is measured a second time with every
-            block's MLP tiled (what each block then saves, and the time the tiles add), and the plan
+            sequence becomes a choice per block (its MLP and, by default, its norms). The step is
+            measured a second time with every block tiled (what each block then saves, and the time
+            the tiles add), and the plan
             tiles the fewest blocks with which it fits the budget -- none when it fits without
             (:attr:`Plan.tiles`; :meth:`Plan.summary` says why).
 

@@ -1,10 +1,10 @@
 """The tile as a planner choice per block: ``co.plan(model, step, budget, tile=...)``.
 
-Tiling a block's MLP (``co.tile``, :mod:`ckpt_offload.tiling`) changes what the block saves for
-backward (the MLP keeps its input only, no intermediate) and how long its backward takes (each tile's
-forward runs again before its backward). Both are measured, not modelled: the step is measured a
-second time with every block's MLP tiled, which gives each block a tiled :class:`BlockCost` beside
-its untiled one. The solver then runs on a cost model in which some blocks are tiled.
+Tiling a block's MLP and norms (``co.tile``, :mod:`ckpt_offload.tiling`) changes what the block
+saves for backward (they keep their inputs only, no intermediate) and how long its backward takes
+(each tile's forward runs again before its backward). Both are measured, not modelled: the step is
+measured a second time with every block tiled, which gives each block a tiled :class:`BlockCost`
+beside its untiled one. The solver then runs on a cost model in which some blocks are tiled.
 
 Note [Fewest tiles]
 Tiling costs time (a tile's forward again in backward, a fixed cost per tile) and buys memory, so a
@@ -30,8 +30,8 @@ __all__ = ["measure_tiled_costs", "mixed_costs", "tile_order", "solve_with_tiles
 
 def measure_tiled_costs(step, model, named_blocks, options: TileOptions, device: str, bandwidth,
                         min_bytes: int) -> CostModel:
-    """The cost model of ``step`` with every block's MLP tiled as ``options`` say (installed for the
-    measurement only; the head is never fused here: ``step`` is the caller's)."""
+    """The cost model of ``step`` with every block's MLP (and norms) tiled as ``options`` say (installed
+    for the measurement only; the head is never fused here: ``step`` is the caller's)."""
     handle = tile_blocks(model, named_blocks, dataclasses.replace(options, head=False), "co.plan")
     try:
         return measure_costs(step, named_blocks, device=device, bandwidth=bandwidth, min_bytes=min_bytes)
@@ -84,8 +84,8 @@ def solve_with_tiles(untiled: CostModel, tiled: CostModel, budget: int, **solve_
     if isinstance(found, InfeasibleBudget):
         raise InfeasibleBudget(
             budget, found.minimum,
-            f"budget is below the smallest peak of saved activations any plan reaches here even with every block's "
-            f"MLP tiled, {found.minimum} bytes (without tiles: {untiled_min} bytes)") from None
+            f"budget is below the smallest peak of saved activations any plan reaches here even with every block "
+            f"tiled, {found.minimum} bytes (without tiles: {untiled_min} bytes)") from None
     lo, hi, chosen = 1, n, (n, found, cm)
     while lo < hi:  # the smallest k that fits: fits(n) holds, fits(0) does not
         mid = (lo + hi) // 2

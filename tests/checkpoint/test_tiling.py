@@ -445,11 +445,13 @@ def test_co_apply_tile_finds_the_demo_models_mlps():
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     handle = co.apply(model, offload=CPU, tile=16)
-    assert handle.tiles.names == ["blocks.0.mlp", "blocks.1.mlp"] and handle.tiles.kinds == ["mlp", "mlp"]
+    assert handle.tiles.names == ["blocks.0.mlp", "blocks.1.mlp", "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
+                                  "blocks.1.ln2"]
+    assert handle.tiles.kinds == ["mlp", "mlp", "norm", "norm", "norm", "norm"]
     lm_loss(model, batch).backward()
     for n, p in model.named_parameters():
         assert rel(p.grad, ref[n]) <= PARAM_RTOL, n
-    assert handle.tiles.stats()["tiles_recomputed"] == 2 * 4
+    assert handle.tiles.stats()["tiles_recomputed"] == 6 * 4
     handle.remove()
     assert all("forward" not in b.mlp.__dict__ for b in model.blocks)
 
