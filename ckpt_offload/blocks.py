@@ -885,8 +885,8 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         tile: ``None`` (default) or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
             positions per tile, a size string, a dict of its fields): every block's MLP found by
             structure (a child named ``mlp``/``feed_forward``/``ffn`` or whose class is named like an
-            MLP) runs as :func:`ckpt_offload.tiled` along the sequence, and a Hugging Face causal
-            LM's head is fused with its loss (docs/api.md, "Sequence-tiled recompute").
+            MLP) and its norms run as :func:`ckpt_offload.tiled` along the sequence, and a Hugging
+            Face causal LM's head is fused with its loss (docs/api.md, "Sequence-tiled recompute").
         **checkpoint_kwargs: ``use_reentrant``, ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``.
 

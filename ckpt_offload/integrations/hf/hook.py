@@ -423,8 +423,8 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
             checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
             ids Hugging Face passes by keyword -- wait in the host pool until backward.
         tile: ``None`` (default) or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
-            positions per tile, a size string, a dict of its fields): every decoder layer's MLP runs
-            as :func:`ckpt_offload.tiled` along the sequence and, for Llama, Mistral, Qwen2/3 and
+            positions per tile, a size string, a dict of its fields): every decoder layer's MLP and
+            norms run as :func:`ckpt_offload.tiled` along the sequence and, for Llama, Mistral, Qwen2/3 and
             GPT-2 causal LMs, a training forward with labels computes the head and its loss tiled,
             never the full logits (``logits`` then has 0 positions); ``handle.tiles`` says what.
         **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs

@@ -100,7 +100,7 @@ class OffloadCheckpointCallback(TrainerCallback):
     there (``use_reentrant``, ...) are used too, unless given here, and so is its ``offload`` key
     (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
     as everywhere in ckpt_offload). ``tile`` is :func:`~ckpt_offload.integrations.hf.enable`'s:
-    every layer's MLP, and the head with its loss, tiled along the sequence.
+    every layer's MLP and norms, and the head with its loss, tiled along the sequence.
     The handle is
     ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it.
 
