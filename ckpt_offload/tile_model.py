@@ -163,7 +163,7 @@ class TiledForward:
         return f"<ckpt_offload tiled forward of {type(self.module).__name__}: {self.tiled!r}>"
 
 
-def _install(module, name, kind, options: TileOptions, dim: int, token_wise, route: str):
+def _install(module, name, options: TileOptions, dim: int, token_wise, route: str):
     if _MARK in module.__dict__:
         raise RuntimeError(f"{route}: {name or type(module).__name__} is already tiled; call .remove() on the handle "
                            "that tiled it first")
@@ -290,7 +290,12 @@ def find_mlps(named_blocks) -> list:
 
 def find_norms(named_blocks) -> list:
     """``[(name, module), ...]``: the norms that are direct children of each block (LayerNorm,
-    RMSNorm and the like: a class named ``*Norm*`` without children, neither batch nor group norm)."""
+    RMSNorm and the like: a class named ``*Norm*`` without children, neither batch nor group norm).
+
+    Example::
+
+        find_norms([("blocks.0", model.blocks[0])])   # [("blocks.0.ln1", ...), ("blocks.0.ln2", ...)]
+    """
     out = []
     for bname, block in named_blocks:
         for attr, child in block.named_children():
@@ -302,7 +307,13 @@ def find_norms(named_blocks) -> list:
 def tile_blocks(model, named_blocks, options: TileOptions, route: str) -> TileHandle:
     """Tiles, in place, the MLPs (and with ``options.norms`` the norms) of ``named_blocks`` and,
     with ``options.head``, a Hugging Face causal LM's head and loss: what ``co.apply(..., tile=...)``
-    and ``co.hf.enable(..., tile=...)`` do. Raises when the blocks have no MLP to tile."""
+    and ``co.hf.enable(..., tile=...)`` do. Raises when the blocks have no MLP to tile.
+
+    Example::
+
+        handle = tile_blocks(model, select_blocks(model, None), TileOptions(tile=1024), "co.apply")
+        handle.remove()
+    """
     found = []
     if options.mlp:
         found += [(n, m, "mlp") for n, m in find_mlps(named_blocks)]
@@ -315,12 +326,13 @@ def tile_blocks(model, named_blocks, options: TileOptions, route: str) -> TileHa
         what = " or norm" if options.norms else ""
         block = type(named_blocks[0][1]).__name__ if named_blocks else "none"
         raise ValueError(
-            f"{route}(tile=...): found no MLP{what} in the blocks ({block}): a token-wise child named 'mlp' / 'feed_forward' / 'ffn' or whose class is named like an MLP. Tile "
-            "the module yourself with co.tile(block.<its MLP>, tile=...), or leave tile= out.")
+            f"{route}(tile=...): found no MLP{what} in the blocks ({block}): a token-wise child named 'mlp' / "
+            "'feed_forward' / 'ffn' or whose class is named like an MLP. Tile the module yourself with "
+            "co.tile(block.<its MLP>, tile=...), or leave tile= out.")
     modules, names, kinds, tiled = [], [], [], []
     try:
         for name, module, kind in found:
-            tiled.append(_install(module, name, kind, options, -2, None, route))
+            tiled.append(_install(module, name, options, -2, None, route))
             modules.append(module)
             names.append(name)
             kinds.append(kind)
@@ -419,7 +431,7 @@ def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: i
     installed, tiled = [], []
     try:
         for name, sub, kind in outer:
-            tiled.append(_install(sub, name, kind, options, dim, token_wise, "co.tile"))
+            tiled.append(_install(sub, name, options, dim, token_wise, "co.tile"))
             installed.append(sub)
     except BaseException:
         for m in installed:

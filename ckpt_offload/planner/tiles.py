@@ -31,7 +31,13 @@ __all__ = ["measure_tiled_costs", "mixed_costs", "tile_order", "solve_with_tiles
 def measure_tiled_costs(step, model, named_blocks, options: TileOptions, device: str, bandwidth,
                         min_bytes: int) -> CostModel:
     """The cost model of ``step`` with every block's MLP (and norms) tiled as ``options`` say (installed
-    for the measurement only; the head is never fused here: ``step`` is the caller's)."""
+    for the measurement only; the head is never fused here: ``step`` is the caller's).
+
+    Example::
+
+        tiled_costs = measure_tiled_costs(step, model, select_blocks(model, None), TileOptions(tile=16), "cpu",
+                                          None, 0)
+    """
     handle = tile_blocks(model, named_blocks, dataclasses.replace(options, head=False), "co.plan")
     try:
         return measure_costs(step, named_blocks, device=device, bandwidth=bandwidth, min_bytes=min_bytes)
@@ -40,7 +46,12 @@ def measure_tiled_costs(step, model, named_blocks, options: TileOptions, device:
 
 
 def mixed_costs(untiled: CostModel, tiled: CostModel, which) -> CostModel:
-    """``untiled`` with the blocks in ``which`` (indices) measured tiled (their calls too)."""
+    """``untiled`` with the blocks in ``which`` (indices) measured tiled (their calls too).
+
+    Example::
+
+        cm = mixed_costs(untiled_costs, tiled_costs, [3])    # block 3 tiled, the others not
+    """
     which = set(which)
     blocks = [t if i in which else u for i, (u, t) in enumerate(zip(untiled.blocks, tiled.blocks))]
     calls = untiled.call_blocks
@@ -51,7 +62,12 @@ def mixed_costs(untiled: CostModel, tiled: CostModel, which) -> CostModel:
 
 
 def tile_order(untiled: CostModel, tiled: CostModel) -> list:
-    """Block indices in the order Note [Fewest tiles] tiles them."""
+    """Block indices in the order Note [Fewest tiles] tiles them.
+
+    Example::
+
+        tile_order(untiled_costs, tiled_costs)    # [1, 2, 0]: block 1 saves most when tiled
+    """
     saving = [u.saved_bytes - t.saved_bytes for u, t in zip(untiled.blocks, tiled.blocks)]
     return sorted(range(len(saving)), key=lambda i: (-saving[i], -i))
 
@@ -64,7 +80,12 @@ def solve_with_tiles(untiled: CostModel, tiled: CostModel, budget: int, **solve_
     to a step: their forward and backward, tiled minus untiled).
 
     Raises :class:`InfeasibleBudget` when even every block tiled does not fit (its ``minimum`` the
-    smallest peak then)."""
+    smallest peak then).
+
+    Example::
+
+        best, tiled, cm, info = solve_with_tiles(untiled_costs, tiled_costs, 64 << 20, kinds=("keep", "recompute"))
+    """
     try:
         best = solve(untiled, budget, **solve_kwargs)
         return best, [], untiled, {"untiled_minimum": None, "tiled_minimum": None, "extra_s": 0.0}

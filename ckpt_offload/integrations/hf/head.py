@@ -43,7 +43,13 @@ _COMPILE_MESSAGE = (
 
 
 def fused_reason(model) -> str | None:
-    """Why the head of ``model`` cannot be fused with its loss (None: it can)."""
+    """Why the head of ``model`` cannot be fused with its loss (None: it can).
+
+    Example::
+
+        fused_reason(LlamaForCausalLM(LlamaConfig(...)))     # None
+        fused_reason(GemmaForCausalLM(GemmaConfig(...)))     # "its model_type 'gemma' is not one of ..."
+    """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in FUSED_TYPES:
         return f"its model_type {model_type!r} is not one of {FUSED_TYPES}"
@@ -64,7 +70,14 @@ def fused_reason(model) -> str | None:
 
 class FusedHeadForward:
     """The ``forward`` set on a Hugging Face causal LM by ``tile=`` (Note [Fused head of a Hugging
-    Face causal LM]). ``.tiled`` is the :class:`~ckpt_offload.Tiled` of its loss."""
+    Face causal LM]). ``.tiled`` is the :class:`~ckpt_offload.Tiled` of its loss.
+
+    Example::
+
+        handle = co.hf.enable(model, offload=True, tile=True)
+        out = model(input_ids=ids, labels=ids)      # out.logits: 0 positions; out.loss: tiled
+        print(model.forward.tiled.stats())
+    """
 
     def __init__(self, model, tiled: Tiled, original=None):
         self.model = model
@@ -148,7 +161,13 @@ class FusedHeadForward:
 
 def fuse_head(model, options, route: str):
     """``(undo, tiled)`` after installing :class:`FusedHeadForward` on ``model``; None when ``model``
-    is not a Hugging Face model, or (with a warning) a causal LM this cannot fuse."""
+    is not a Hugging Face model, or (with a warning) a causal LM this cannot fuse.
+
+    Example::
+
+        undo, tiled = fuse_head(model, TileOptions(head_tile=1024), "co.apply")
+        undo()
+    """
     if not isinstance(model, transformers.PreTrainedModel):
         return None
     return _fuse(model, options, route)
