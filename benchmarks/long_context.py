@@ -28,6 +28,13 @@ Arms (same weights, same tokens, one process):
 ``co_plan``                ``co.plan`` at a budget halfway between the predicted saved-activation
                            peaks of every layer checkpointed and every layer checkpointed with its
                            input offloaded
+``co_checkpoint_tile``     ``co.checkpoint`` per layer with each layer's MLP tiled along the
+                           sequence (``co.tile(layer.mlp, tile=...)``) and the head + loss through
+                           ``co.tiled_cross_entropy`` (tiles of ``--chunk`` tokens)
+``co_checkpoint_offload_`` the same with ``offload=True``: the recipe for the longest sequence
+``tile``
+``co_checkpoint_offload_`` and each layer's two RMSNorms tiled too
+``tile_norms``
 =========================  ======================================================================
 
 Timing: CUDA events around each step, gc disabled while timing, ``--rounds`` rounds of
@@ -44,6 +51,20 @@ so it is fitted from measured peaks at three lengths, the cap's length predicted
 the time budget allows, verified by one step under the cap (bounded: at most two tries per arm
 and cap).
 
+**Memory per token** (``--per-token``, and at tiny shapes inside ``--quick`` when ``--arms`` has the
+table's arms): on the CPU, a
+32-layer decoder with the 8B-class proportions at a scaled width (hidden 256, 32 query / 8
+key-value heads, SwiGLU 3.5x, bf16), the peak of torch-allocated memory of one step read from
+torch.profiler's memory events at three lengths: the slope between the two longest is the arm's
+bytes per token (the peak is the largest of several moments' lines, the steepest winning at long
+sequences; the residual of a line through all three says whether they crossed), in hidden widths
+``b / (hidden x bytes)``. From the widths, the 8B-class
+stack (hidden 4096, bf16) needs ``widths x 8 KiB`` per token; with its weights and gradients, the
+loss chunk and (tiled arms) one tile's working set as the fixed part, the longest sequence under
+40 / 80 / 141 GB, its ratio to ``checkpoint``'s (Hugging Face's gradient checkpointing), and the
+host bytes the offloaded arms need at that length against ``--host-gb``. Writes
+``long_context_per_token_cpu.json`` / ``.md``.
+
 The number of layers per length is the largest ``layers x seq`` product whose predicted run
 time (FLOPs at ``--est-tflops``) fits ``--budget-s``; the run prints the arithmetic. The whole
 run stops what would overrun ``--budget-s`` and says what it skipped.
@@ -52,6 +73,7 @@ Usage::
 
     python3 benchmarks/long_context.py --out results/            # the H200 GPU machine: ~170 s
     python3 benchmarks/long_context.py --quick --out /tmp/lc     # CPU, tiny shapes, CPU numbers
+    python3 benchmarks/long_context.py --per-token --out DIR     # CPU memory per token, 8B proportions
 
 ``--quick`` (or no usable GPU) runs tiny shapes on CPU tensors in a few seconds: every arm's
 code path (CUDA-only parts run their CPU equivalent or are skipped with the reason), labelled
@@ -93,13 +115,17 @@ from ckpt_offload.planner.simulator import singles  # noqa: E402
 GiB, MiB = 1 << 30, 1 << 20
 
 ARMS = ("none", "checkpoint", "checkpoint_aa", "hf_offload", "torchtune", "co_checkpoint",
-        "co_checkpoint_offload", "co_offload", "co_plan", "co_checkpoint_offload_fp8", "co_offload_fp8")
+        "co_checkpoint_offload", "co_offload", "co_plan", "co_checkpoint_offload_fp8", "co_offload_fp8",
+        "co_checkpoint_tile", "co_checkpoint_offload_tile", "co_checkpoint_offload_tile_norms")
 #: The run with the same computation and no copies (same implementation where there is one).
 BASELINE = {"none": None, "checkpoint": None, "checkpoint_aa": "checkpoint", "hf_offload": "checkpoint",
             "torchtune": "checkpoint", "co_checkpoint": "checkpoint", "co_checkpoint_offload": "co_checkpoint",
             "co_offload": "none", "co_plan": "checkpoint",
             # Low-precision storage against the same recipe stored exactly: what the narrower copies save.
-            "co_checkpoint_offload_fp8": "co_checkpoint_offload", "co_offload_fp8": "co_offload"}
+            "co_checkpoint_offload_fp8": "co_checkpoint_offload", "co_offload_fp8": "co_offload",
+            # Tiling against the same recipe without tiles: its extra time (target: <= 5% at >= 64K tokens).
+            "co_checkpoint_tile": "co_checkpoint", "co_checkpoint_offload_tile": "co_checkpoint_offload",
+            "co_checkpoint_offload_tile_norms": "co_checkpoint_offload_tile"}
 DESCRIPTIONS = {
     "none": "no checkpointing",
     "checkpoint": "torch.utils.checkpoint.checkpoint(use_reentrant=False) per layer",
@@ -112,7 +138,16 @@ DESCRIPTIONS = {
     "co_plan": "co.plan at a budget halfway between checkpoint's and checkpoint+offload's predicted peaks",
     "co_checkpoint_offload_fp8": "co.checkpoint(offload=...) per layer, inputs stored as float8_e4m3fn (lossy)",
     "co_offload_fp8": "with co.offload(store_dtype=float8_e4m3fn): around the plain layers (lossy)",
+    "co_checkpoint_tile": "co.checkpoint per layer, each layer's MLP tiled (co.tile), loss co.tiled_cross_entropy",
+    "co_checkpoint_offload_tile": "co.checkpoint(offload=True) per layer, MLP tiled, head + loss tiled",
+    "co_checkpoint_offload_tile_norms": "co.checkpoint(offload=True) per layer, MLP and RMSNorms tiled, loss tiled",
 }
+#: Arms that tile (co.tile / co.tiled_cross_entropy): parameter gradients are summed over tiles, so
+#: they are held to TILED_RTOL instead of bit-identity (docs/api.md, "Sequence-tiled recompute").
+TILED_ARMS = {"co_checkpoint_tile": {"offload": False, "norms": False},
+              "co_checkpoint_offload_tile": {"offload": True, "norms": False},
+              "co_checkpoint_offload_tile_norms": {"offload": True, "norms": True}}
+TILED_RTOL = {"cuda": 2e-2, "cpu": 1e-5}
 #: Arms that store activations in a narrower dtype (co.offload's store_dtype): not bit-exact by
 #: design, so their gradients are held to this relative error instead of GRAD_RTOL, and reported.
 LOSSY_ARMS = {"co_checkpoint_offload_fp8": torch.float8_e4m3fn, "co_offload_fp8": torch.float8_e4m3fn}
@@ -131,9 +166,9 @@ CPU_WARNING = ("CPU NUMBERS, NOT GPU NUMBERS: --quick / no usable CUDA device. T
 GPU_SHAPE = {"vocab": 32000, "dim": 4096, "heads": 32, "kv_heads": 8, "ffn_dim": 14336, "rope_theta": 500000.0}
 CPU_SHAPE = {"vocab": 256, "dim": 64, "heads": 4, "kv_heads": 2, "ffn_dim": 176, "rope_theta": 10000.0}
 GPU_DEFAULTS = {"seq_lens": [8192, 16384, 32768], "rounds": 4, "steps": 5, "chunk": 4096, "dtype": "bfloat16",
-                "budget_s": 170.0}
+                "budget_s": 170.0, "tile": 4096}
 CPU_QUICK = {"seq_lens": [64, 128], "rounds": 3, "steps": 2, "chunk": 32, "dtype": "float32", "budget_s": 60.0,
-             "layers": 3}
+             "layers": 3, "tile": 16}
 
 
 # --------------------------------------------------------------------------------------- model
@@ -218,15 +253,20 @@ class Skipped(Exception):
     """An arm that cannot run here; the message is the reason its row shows."""
 
 
-def _cpu_options(pool=None) -> dict:
-    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool if pool is not None else co.HostPool(pinned=False)}
+def _cpu_options(pool=None, stream: str = "side") -> dict:
+    """Offload options for CPU tensors. ``stream="compute"``: copies inline, so that a source is freed
+    when its copy is made, whatever else keeps the machine busy (the per-token table's peaks)."""
+    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool if pool is not None else co.HostPool(pinned=False),
+            "stream": stream}
 
 
 class Arm:
     """One arm at one length: a context around the layers, a per-layer checkpoint function,
-    ``enter``/``exit`` around each round (the plan installs itself), and where its bytes go."""
+    ``enter``/``exit`` around each round (the plan installs itself), where its bytes go, and the
+    head + loss it runs (``chunked_loss`` unless the arm tiles it)."""
 
-    def __init__(self, name, context=None, checkpoint_fn=None, pool=None, counter=None, enter=None, exit=None):
+    def __init__(self, name, context=None, checkpoint_fn=None, pool=None, counter=None, enter=None, exit=None,
+                 loss_fn=None):
         self.name = name
         self.context = context or contextlib.nullcontext
         self.checkpoint_fn = checkpoint_fn
@@ -234,10 +274,54 @@ class Arm:
         self.counter = counter    # hf_offload's SaveCounter
         self.enter = enter or (lambda: None)
         self.exit = exit or (lambda: None)
+        self.loss_fn = loss_fn or chunked_loss
         self.info: dict = {}
 
 
-def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_cache: dict) -> Arm:
+class NormHead(torch.nn.Module):
+    """The final norm and the LM head as one module: the head ``co.tiled_cross_entropy`` tiles
+    (a module, so its parameters are known without the first-call check)."""
+
+    def __init__(self, model: LlamaDecoder):
+        super().__init__()
+        self.norm, self.lm_head = model.norm, model.lm_head
+
+    def forward(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def tiled_loss(model: LlamaDecoder, h: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The mean next-token cross-entropy through ``co.tiled_cross_entropy``: tiles of ``chunk``
+    tokens, the logits of one tile at a time (the same as :func:`chunked_loss` keeps)."""
+    return co.tiled_cross_entropy(h, NormHead(model), targets, tile=chunk)
+
+
+def tiled_arm(name: str, model, on_gpu: bool, tile: int, cpu_stream: str = "side") -> Arm:
+    """An arm of TILED_ARMS: co.checkpoint per layer (offload or not), each layer's MLP (and
+    norms) tiled by ``co.tile`` while the arm is entered, the loss tiled."""
+    how = TILED_ARMS[name]
+    options = (True if on_gpu else _cpu_options(co.default_pool(), cpu_stream)) if how["offload"] else False
+    handles = []
+
+    def enter():
+        for layer in model.layers:
+            handles.append(co.tile(layer.mlp, tile=tile))
+            if how["norms"]:
+                handles.append(co.tile(layer.input_norm, tile=tile))
+                handles.append(co.tile(layer.post_attn_norm, tile=tile))
+
+    def exit_():
+        while handles:
+            handles.pop().remove()
+
+    arm = Arm(name, checkpoint_fn=functools.partial(co.checkpoint, offload=options), enter=enter, exit=exit_,
+              pool=co.default_pool() if how["offload"] else None, loss_fn=tiled_loss)
+    arm.info["tile"] = tile
+    return arm
+
+
+def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_cache: dict,
+              tile: int | None = None, cpu_stream: str = "side") -> Arm:
     on_gpu = device.type == "cuda"
     torch_ckpt = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
     if name == "none":
@@ -265,7 +349,7 @@ def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_c
         return Arm(name, checkpoint_fn=co.checkpoint)
     if name == "co_checkpoint_offload":
         # offload=True uses the default pool; no other arm uses it, so its counters are this arm's.
-        options = True if on_gpu else _cpu_options(co.default_pool())
+        options = True if on_gpu else _cpu_options(co.default_pool(), cpu_stream)
         return Arm(name, checkpoint_fn=functools.partial(co.checkpoint, offload=options), pool=co.default_pool())
     if name == "co_offload":
         pool = co.HostPool() if on_gpu else co.HostPool(pinned=False)
@@ -273,6 +357,8 @@ def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_c
         return Arm(name, context=lambda: co.offload(**options), pool=pool)
     if name == "co_plan":
         return plan_arm(model, tokens, chunk, device, plan_cache)
+    if name in TILED_ARMS:
+        return tiled_arm(name, model, on_gpu, tile or model.cfg.dim, cpu_stream)
     if name in LOSSY_ARMS:
         pool = co.HostPool() if on_gpu else co.HostPool(pinned=False)
         options = dict({"pool": pool} if on_gpu else _cpu_options(pool), store_dtype=LOSSY_ARMS[name])
@@ -355,11 +441,13 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure: dict | None = None) -> float:
+def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure: dict | None = None,
+             keep_grads: bool = False) -> float:
     """One forward + backward of ``arm``; returns its time in seconds (CUDA events on a GPU).
-    With ``measure``: fills resident-after-forward, bytes moved, the loss."""
+    With ``measure``: fills resident-after-forward, bytes moved, the loss. ``keep_grads``: the
+    gradients are zeroed in place, not freed, so the step allocates none (the per-token table)."""
     on_gpu = device.type == "cuda"
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=not keep_grads)
     if measure is not None:
         _sync(device)
         before = torch.cuda.memory_allocated(device) if on_gpu else None
@@ -375,7 +463,7 @@ def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure:
     t0 = time.perf_counter()
     with arm.context():
         h = hidden_states(model, tokens[:, :-1], arm.checkpoint_fn)
-    loss = chunked_loss(model, h, tokens[:, 1:], chunk)
+    loss = arm.loss_fn(model, h, tokens[:, 1:], chunk)
     del h
     if measure is not None:
         _sync(device)
@@ -577,7 +665,7 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
             row["status"] = f"skipped: --budget-s {args.budget_s:g} s reached"
             continue
         try:
-            arm = build_arm(name, model, tokens, args.chunk, device, plan_cache)
+            arm = build_arm(name, model, tokens, args.chunk, device, plan_cache, tile=args.tile)
         except Skipped as e:
             row["status"] = str(e)
             continue
@@ -615,7 +703,7 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
             (ref_grads, ref_device_bytes), ref_name = reference_grads(model, device), name
             row["grads"] = {"reference": name, "ok": True, "note": "this arm is the reference"}
         else:
-            arm_rtol = LOSSY_RTOL if name in LOSSY_ARMS else rtol
+            arm_rtol = LOSSY_RTOL if name in LOSSY_ARMS else TILED_RTOL[device.type] if name in TILED_ARMS else rtol
             g = compare_with_reference(model, ref_grads, arm_rtol)
             row["grads"] = dict(g or {"ok": None, "note": "no reference arm ran"}, reference=ref_name)
             if g is not None and not g["ok"]:
@@ -732,11 +820,11 @@ def predict_max_seq(fit: tuple[float, float], cap_bytes: int, multiple: int = 10
 
 
 MAX_SEQ_ARMS = ("none", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "co_checkpoint_offload",
-                "co_offload")
+                "co_offload", "co_checkpoint_offload_tile", "co_checkpoint_offload_tile_norms", "co_checkpoint_tile")
 #: Which verifications the time budget goes to first: the recipe this project recommends and the
 #: ones a user compares it with.
-VERIFY_ORDER = ("co_checkpoint_offload", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "none",
-                "co_offload")
+VERIFY_ORDER = ("co_checkpoint_offload_tile", "checkpoint", "co_checkpoint_offload", "hf_offload", "torchtune",
+                "co_checkpoint", "none", "co_offload", "co_checkpoint_offload_tile_norms", "co_checkpoint_tile")
 #: Offloaded bytes may take at most this share of the host's memory (pinned memory cannot swap).
 HOST_SHARE = 0.6
 
@@ -779,16 +867,20 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
         try:
             # one arm for every length: its pool's pinned segments are allocated once (pinning
             # tens of GB takes seconds)
-            arm = build_arm(name, model, None, args.chunk, device, {})
-            for s in lengths:
-                tokens = random_tokens(cfg.vocab, 1, s, seed=args.seed, device=device)
-                _cleanup(model, device)
-                measure: dict = {}
-                step_s[(name, s)] = run_step(model, tokens, arm, args.chunk, device, measure)
-                points.append((s, torch.cuda.max_memory_allocated(device)))
-                moved.append((s, measure.get("bytes_moved_d2h") or 0))
-                del tokens
-                model.zero_grad(set_to_none=True)
+            arm = build_arm(name, model, None, args.chunk, device, {}, tile=args.tile)
+            arm.enter()
+            try:
+                for s in lengths:
+                    tokens = random_tokens(cfg.vocab, 1, s, seed=args.seed, device=device)
+                    _cleanup(model, device)
+                    measure: dict = {}
+                    step_s[(name, s)] = run_step(model, tokens, arm, args.chunk, device, measure)
+                    points.append((s, torch.cuda.max_memory_allocated(device)))
+                    moved.append((s, measure.get("bytes_moved_d2h") or 0))
+                    del tokens
+                    model.zero_grad(set_to_none=True)
+            finally:
+                arm.exit()
             del arm
         except Skipped as e:
             row["status"] = str(e)
@@ -845,8 +937,12 @@ def _try_under_cap(model, name, seq, cap, total, args, device) -> bool:
     _cleanup(model, device)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
     try:
-        arm = build_arm(name, model, tokens, args.chunk, device, {})
-        run_step(model, tokens, arm, args.chunk, device)
+        arm = build_arm(name, model, tokens, args.chunk, device, {}, tile=args.tile)
+        arm.enter()
+        try:
+            run_step(model, tokens, arm, args.chunk, device)
+        finally:
+            arm.exit()
         return True
     except Exception as e:
         if not _is_oom(e):
@@ -856,6 +952,230 @@ def _try_under_cap(model, name, seq, cap, total, args, device) -> bool:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         del tokens
         _cleanup(model, device)
+
+
+# --------------------------------------------------------------------------------------- memory per token
+
+#: The arms of the memory-per-token table: Hugging Face's gradient checkpointing (torch's checkpoint
+#: per layer), ours with the inputs offloaded, and the tiled recipes.
+PER_TOKEN_ARMS = ("checkpoint", "co_checkpoint_offload", "co_checkpoint_tile", "co_checkpoint_offload_tile",
+                  "co_checkpoint_offload_tile_norms")
+#: The per-token model at the 8B-class proportions (32 query / 8 key-value heads, SwiGLU 3.5x the
+#: hidden size, a vocabulary 7.8x it, as 32000 is of 4096) at a hidden size a CPU steps in seconds.
+#: The lengths lie within one of the ranges torch's CPU flash attention splits queries the same in
+#: (192-767 tokens: blocks of 64; from 768: 256), whose buffers differ in size: across two ranges the
+#: peaks are not one line (measured: a step of ~1 MB between 512 and 768 tokens at hidden 64).
+#: Small tiles and loss chunks, so that the moments of the step whose peak does not grow with the
+#: sequence (one tile's working set, one chunk's logits) weigh little beside those that do.
+PER_TOKEN_FULL = {"layers": 32, "dim": 256, "seq_lens": [1024, 1536, 2048], "tile": 16, "chunk": 16,
+                  "dtype": "bfloat16"}
+PER_TOKEN_QUICK = {"layers": 2, "dim": 64, "seq_lens": [256, 512], "tile": 16, "chunk": 32, "dtype": "bfloat16"}
+#: The memory caps the table predicts the longest sequence under (GB: 1e9 bytes).
+PREDICT_CAPS_GB = (40.0, 80.0, 141.0)
+PREDICT_LAYERS = 32
+#: Loss bytes per token of one chunk on the GPU: bf16 logits, their float32 copy, its gradient and
+#: the bf16 gradient (an estimate of the loss chunk's working set).
+LOSS_BYTES_PER_LOGIT = 2 + 4 + 4 + 2
+
+
+def per_token_shape(dim: int) -> dict:
+    """GPU_SHAPE's proportions at hidden size ``dim`` (a multiple of 64)."""
+    scale = dim / GPU_SHAPE["dim"]
+    return {"vocab": max(64, round(GPU_SHAPE["vocab"] * scale / 64) * 64), "dim": dim, "heads": GPU_SHAPE["heads"],
+            "kv_heads": GPU_SHAPE["kv_heads"], "ffn_dim": round(GPU_SHAPE["ffn_dim"] * scale),
+            "rope_theta": GPU_SHAPE["rope_theta"]}
+
+
+def profiler_peak_bytes(step) -> int:
+    """The most bytes torch's CPU allocator held during ``step()`` above what it held when the step
+    began, from torch.profiler's memory events: a measure independent of ckpt_offload's counters
+    (the host pool allocates its own memory, so offloaded bytes are not counted; reloads are)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            totals = [e["args"]["Total Allocated"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    return max(totals) - totals[0] if totals else 0
+
+
+def per_token_settings(args) -> dict:
+    base = dict(PER_TOKEN_QUICK if args.quick and not args.per_token else PER_TOKEN_FULL)
+    for key, value in (("layers", args.per_token_layers), ("dim", args.per_token_dim),
+                       ("seq_lens", args.per_token_seq_lens), ("tile", args.per_token_tile),
+                       ("chunk", args.per_token_chunk)):
+        if value is not None:
+            base[key] = sorted(set(value)) if key == "seq_lens" else value
+    return base
+
+
+def per_token_table(args) -> dict:
+    """Peak bytes per token of each PER_TOKEN_ARMS arm, measured on the CPU (module docstring),
+    and what they predict for the 8B-class stack."""
+    st = per_token_settings(args)
+    shape = per_token_shape(st["dim"])
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[st["dtype"]]
+    elt = torch.empty((), dtype=dtype).element_size()
+    device = torch.device("cpu")
+    t0 = time.perf_counter()
+    points = {name: [] for name in PER_TOKEN_ARMS}
+    moved = {name: [] for name in PER_TOKEN_ARMS}
+    status = {}
+    for seq in st["seq_lens"]:
+        cfg = make_config(shape, st["layers"], seq)
+        model = LlamaDecoder(cfg, seed=args.seed, device=device, dtype=dtype).train()
+        tokens = random_tokens(cfg.vocab, 1, seq, seed=args.seed, device=device)
+        for name in PER_TOKEN_ARMS:
+            if status.get(name, "ok") != "ok":
+                continue
+            try:
+                # Copies inline (compute stream): a CPU copy thread behind a busy machine would hold
+                # its sources longer than a GPU's copy engine does. No prefetch then: a GPU's window
+                # holds one or two layer inputs more.
+                arm = build_arm(name, model, tokens, st["chunk"], device, {}, tile=st["tile"], cpu_stream="compute")
+                arm.enter()
+                try:
+                    measure: dict = {}
+                    # Warm-up (and bytes moved); the gradients exist from here on and are zeroed in
+                    # place: the peak is activations and temporaries, not the gradients' allocation.
+                    run_step(model, tokens, arm, st["chunk"], device, measure, keep_grads=True)
+                    peak = profiler_peak_bytes(
+                        lambda m=model, t=tokens, a=arm: run_step(m, t, a, st["chunk"], device, keep_grads=True))
+                finally:
+                    arm.exit()
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                status[name] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            status[name] = "ok"
+            points[name].append((seq, peak))
+            moved[name].append((seq, measure.get("bytes_moved_d2h") or 0))
+            print(f"long_context: per token: seq {seq} {name}: peak {peak:,} bytes, moved "
+                  f"{moved[name][-1][1]:,} bytes", flush=True)
+        del model, tokens
+        gc.collect()
+    width = st["dim"] * elt
+    arms = {}
+    for name in PER_TOKEN_ARMS:
+        if status.get(name) != "ok":
+            arms[name] = {"status": status.get(name, "not run")}
+            continue
+        # The peak is the largest of several moments' lines (a + b * seq); at longer sequences the
+        # steepest wins, so the slope between the two longest lengths is the bytes per token, and
+        # the least-squares fit's residual says whether the lines crossed within the lengths.
+        a, b_fit = fit_linear(points[name])
+        residual = max(abs(p - (a + b_fit * s)) / p for s, p in points[name])
+        (s0, p0), (s1, p1) = points[name][-2:]
+        b = (p1 - p0) / (s1 - s0)
+        host = fit_linear(moved[name])
+        arms[name] = {"status": "ok", "description": DESCRIPTIONS[name], "points": points[name],
+                      "bytes_moved_points": moved[name], "bytes_per_token": b, "fit_bytes_per_token": b_fit,
+                      "intercept_bytes": a, "fit_max_residual": residual, "widths_per_token": b / width,
+                      "host_bytes_per_token": host[1] if host else 0.0,
+                      "host_widths_per_token": (host[1] if host else 0.0) / width}
+    out = {"settings": st, "shape": shape, "elapsed_s": None, "arms": arms,
+           "method": (f"{st['layers']}-layer decoder at hidden {st['dim']} ({shape['heads']} query / "
+                      f"{shape['kv_heads']} KV heads, SwiGLU {shape['ffn_dim']}, vocabulary {shape['vocab']}), "
+                      f"{st['dtype']}, batch 1, on the CPU; peak of torch-allocated memory of one forward + backward "
+                      f"(after a warm-up step) from "
+                      f"torch.profiler memory events at {st['seq_lens']} tokens, bytes per token = the slope between "
+                      f"the two longest (fit residual: of the least-squares line through all); widths = "
+                      f"b / (hidden x {elt} bytes); tiled arms: MLP tiles of {st['tile']} positions, loss tiles of "
+                      f"{st['chunk']} tokens (the other arms: chunks of {st['chunk']} tokens)")}
+    out["prediction"] = predict_8b(arms, args)
+    out["elapsed_s"] = time.perf_counter() - t0
+    return out
+
+
+def predict_8b(arms: dict, args) -> dict:
+    """The longest sequence of the 32-layer 8B-class stack (GPU_SHAPE, bf16) under each cap, from the
+    measured widths per token; the fixed part: weights and gradients (bf16), one loss chunk, and for a
+    tiled arm one tile's working set (the widths tiling removed, over one tile)."""
+    cfg = make_config(GPU_SHAPE, PREDICT_LAYERS, 1 << 20)
+    elt, dim = 2, GPU_SHAPE["dim"]
+    weights = cfg.num_parameters() * elt
+    chunk = GPU_DEFAULTS["chunk"]
+    tile = args.tile if args.tile and not args.quick else GPU_DEFAULTS["tile"]
+    loss_chunk = chunk * GPU_SHAPE["vocab"] * LOSS_BYTES_PER_LOGIT
+    untiled_of = {"co_checkpoint_tile": "checkpoint", "co_checkpoint_offload_tile": "co_checkpoint_offload",
+                  "co_checkpoint_offload_tile_norms": "co_checkpoint_offload"}
+    out = {"layers": PREDICT_LAYERS, "shape": dict(GPU_SHAPE), "dtype": "bfloat16", "weights_bytes": weights,
+           "grads_bytes": weights, "loss_chunk_bytes": loss_chunk, "loss_chunk_tokens": chunk, "tile": tile,
+           "host_gb": args.host_gb, "host_share": HOST_SHARE, "caps_gb": list(PREDICT_CAPS_GB), "arms": {},
+           "assumes": (f"per token: the CPU-measured widths x {dim} x {elt} bytes; fixed: weights + gradients "
+                       f"({2 * weights / 1e9:.1f} GB), one loss chunk of {chunk} tokens x vocabulary "
+                       f"{GPU_SHAPE['vocab']} x {LOSS_BYTES_PER_LOGIT} bytes ({loss_chunk / 1e9:.2f} GB), tiled arms "
+                       f"one tile of {tile} positions x the widths tiling removed; no optimizer state; host: "
+                       f"{HOST_SHARE:.0%} of {args.host_gb:g} GB for offloaded bytes (--host-gb)")}
+    base = None
+    for name, r in arms.items():
+        if r.get("status") != "ok":
+            continue
+        per_token = r["widths_per_token"] * dim * elt
+        host_per_token = r["host_widths_per_token"] * dim * elt
+        fixed = 2 * weights + loss_chunk
+        src = untiled_of.get(name)
+        tile_ws = 0.0
+        if src in arms and arms[src].get("status") == "ok":
+            tile_ws = max(0.0, arms[src]["widths_per_token"] - r["widths_per_token"]) * dim * elt * tile
+        fixed += tile_ws
+        row = {"bytes_per_token": per_token, "host_bytes_per_token": host_per_token, "fixed_bytes": fixed,
+               "tile_working_set_bytes": tile_ws, "caps": {}}
+        for cap in PREDICT_CAPS_GB:
+            s = predict_max_seq((fixed, per_token), int(cap * 1e9)) or 0  # None: no bytes per token measured
+            host_bytes = host_per_token * s
+            row["caps"][str(cap)] = {"max_seq": s, "host_bytes": host_bytes,
+                                     "disk_tier": host_bytes > HOST_SHARE * args.host_gb * 1e9}
+        out["arms"][name] = row
+        if name == "checkpoint":
+            base = row
+    for name, row in out["arms"].items():
+        row["per_token_ratio_to_checkpoint"] = (base["bytes_per_token"] / row["bytes_per_token"]
+                                                if base and row["bytes_per_token"] > 0 else None)
+        for cap, cell in row["caps"].items():
+            b = base["caps"][cap]["max_seq"] if base else None
+            cell["ratio_to_checkpoint"] = cell["max_seq"] / b if b else None
+    return out
+
+
+def format_per_token(pt: dict) -> list:
+    """The memory-per-token section of the markdown report."""
+    lines = ["## Memory per token (CPU-measured) and the longest sequence of the 8B-class stack", "",
+             f"Measured: {pt['method']}. {pt['elapsed_s']:.0f} s.", "",
+             "| arm | bytes / token | widths / token | x checkpoint | fit residual | host bytes / token |",
+             "|---|---:|---:|---:|---:|---:|"]
+    arms = pt["arms"]
+    ck = arms.get("checkpoint", {}).get("bytes_per_token")
+    for name, r in arms.items():
+        if r.get("status") != "ok":
+            lines.append(f"| {name} | {r.get('status')} | | | | |")
+            continue
+        ratio = f"{ck / r['bytes_per_token']:.2f}" if ck else "-"
+        lines.append(f"| {name} | {r['bytes_per_token']:,.0f} | {r['widths_per_token']:.2f} | {ratio} | "
+                     f"{r['fit_max_residual']:.1e} | {r['host_bytes_per_token']:,.0f} |")
+    pr = pt["prediction"]
+    caps = pr["caps_gb"]
+    lines += ["", f"Predicted for {pr['layers']} layers of hidden {pr['shape']['dim']} (bf16): {pr['assumes']}.", "",
+              "| arm | GB / 1K tokens | fixed GB | " + " | ".join(f"{c:g} GB: longest seq (x ckpt), host GB"
+                                                              for c in caps) + " |",
+              "|---|---:|---:|" + "---:|" * len(caps)]
+    for name, row in pr["arms"].items():
+        cells = []
+        for c in caps:
+            cell = row["caps"][str(c)]
+            ratio = "-" if cell["ratio_to_checkpoint"] is None else f"{cell['ratio_to_checkpoint']:.2f}x"
+            disk = " **disk tier**" if cell["disk_tier"] else ""
+            cells.append(f"{cell['max_seq']:,} ({ratio}), {cell['host_bytes'] / 1e9:.0f}{disk}")
+        lines.append(f"| {name} | {row['bytes_per_token'] * 1024 / 1e9:.3f} | {row['fixed_bytes'] / 1e9:.1f} | "
+                     + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
 
 
 # --------------------------------------------------------------------------------------- report
@@ -954,6 +1274,8 @@ def format_markdown(report: dict) -> str:
                 cells.append(f"{cell.get('predicted_max_seq')} / {cell.get('verified')}")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
+    if report.get("per_token"):
+        lines += format_per_token(report["per_token"])
     if report.get("skipped"):
         lines.append("Skipped by the budget: " + "; ".join(report["skipped"]))
     return "\n".join(lines) + "\n"
@@ -1027,6 +1349,19 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per arm per round (default 5)")
     p.add_argument("--chunk", type=int, default=None, help="tokens per loss chunk (default 4096)")
+    p.add_argument("--tile", type=int, default=None,
+                   help="positions per MLP tile of the tiled arms (default 4096, the hidden size; CPU 16)")
+    p.add_argument("--per-token", action="store_true",
+                   help="only the CPU memory-per-token table at the 8B-class proportions (see the module docstring)")
+    p.add_argument("--per-token-layers", type=int, default=None, help="layers of the per-token model (default 32)")
+    p.add_argument("--per-token-dim", type=int, default=None, help="hidden size of the per-token model (default 256)")
+    p.add_argument("--per-token-seq-lens", type=positive_int_list, default=None,
+                   help="lengths the per-token peaks are measured at (default 1024,1536,2048)")
+    p.add_argument("--per-token-tile", type=int, default=None, help="MLP tile of the per-token model (default 32)")
+    p.add_argument("--per-token-chunk", type=int, default=None, help="loss chunk of the per-token model (default 64)")
+    p.add_argument("--host-gb", type=float, default=128.0,
+                   help="host memory the predictions assume for the GPU machine, GB (default 128); "
+                        f"{HOST_SHARE:.0%} of it may hold offloaded bytes")
     p.add_argument("--arms", type=_arm_list, default=list(ARMS), help="comma-separated subset of " + ",".join(ARMS))
     p.add_argument("--caps-gb", type=_float_list, default=[80.0, 40.0],
                    help="memory caps of the max-sequence search, GB (default 80,40; empty: no search)")
@@ -1047,7 +1382,7 @@ def parse_args(argv=None):
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    for name in ("layers", "rounds", "steps", "chunk"):
+    for name in ("layers", "rounds", "steps", "chunk", "tile"):
         v = getattr(args, name)
         if v is not None and v < 1:
             p.error(f"--{name}: must be >= 1, got {v}")
@@ -1075,6 +1410,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # tiny CPU kernels: the intra-op pool only adds noise on a few cores
     status = 0
     try:
+        if args.per_token:
+            return run_per_token(args)
         arithmetic = None
         if args.layers:
             layers = {s: args.layers for s in args.seq_lens}
@@ -1109,7 +1446,8 @@ def main(argv=None) -> int:
                            f"RMSNorm, RoPE, SDPA; {args.dtype}; batch 1"),
             "loss_note": (f"vocabulary {shape['vocab']}; LM head + float32 cross-entropy in {args.chunk}-token "
                           f"chunks, each under torch.utils.checkpoint (logits never exceed one chunk), outside "
-                          f"every arm's context"),
+                          f"every arm's context; the tiled arms: co.tiled_cross_entropy in tiles of {args.chunk} "
+                          f"tokens, their MLPs in tiles of {args.tile} positions"),
             "step_note": "forward + backward, no optimizer step (same for every arm; adds only weight memory)",
             "timing_note": (f"{'CUDA events' if on_gpu else 'perf_counter (CPU)'} per step, gc disabled, "
                             f"{args.rounds} rounds x {args.steps} steps per arm interleaved round-robin after one "
@@ -1163,6 +1501,9 @@ def main(argv=None) -> int:
             {"status": "skipped: --caps-gb is empty"}
         if report["max_seq"].get("status"):
             print(f"long_context: max sequence: {report['max_seq']['status']}")
+        if not on_gpu and set(PER_TOKEN_ARMS) <= set(args.arms):
+            report["per_token"] = per_token_table(args)
+            _print_per_token(report["per_token"])
         report["elapsed_s"] = time.perf_counter() - t_start
         if args.out:
             write_outputs(report, args.out)
@@ -1171,6 +1512,39 @@ def main(argv=None) -> int:
     finally:
         torch.set_num_threads(old_threads)
     return status
+
+
+def run_per_token(args) -> int:
+    """``--per-token``: the memory-per-token table alone, written as ``long_context_per_token_cpu``."""
+    torch.set_num_threads(1)
+    report = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),  # noqa: UP017
+              "mode": "cpu", "torch_version": torch.__version__, "build_info": co.build_info(),
+              "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
+                       "python": platform.python_version(), "cpus": os.cpu_count()},
+              "command": "python3 benchmarks/long_context.py " + " ".join(sys.argv[1:]), "args": vars(args)}
+    report["per_token"] = pt = per_token_table(args)
+    _print_per_token(pt)
+    failed = [n for n, r in pt["arms"].items() if r.get("status") != "ok"]
+    if args.out:
+        md = ["# Long-context memory per token (CPU-measured, 8B-class proportions)", "",
+              f"CPU numbers: {report['date']}, torch {report['torch_version']}, `{report['command']}`.", ""]
+        md += format_per_token(pt)
+        save_report(args.out, "long_context_per_token_cpu", report, "\n".join(md) + "\n")
+        print(f"long_context: wrote long_context_per_token_cpu.json and .md to {args.out}")
+    return 1 if failed else 0
+
+
+def _print_per_token(pt: dict) -> None:
+    print(f"long_context: memory per token ({pt['method']}), {pt['elapsed_s']:.0f} s")
+    for name, r in pt["arms"].items():
+        if r.get("status") != "ok":
+            print(f"  {name:<34} {r.get('status')}")
+            continue
+        row = pt["prediction"]["arms"].get(name, {})
+        caps = "  ".join(f"{c}GB {cell['max_seq']:>9,} ({(cell['ratio_to_checkpoint'] or 0):.2f}x)"
+                         f"{' disk' if cell['disk_tier'] else ''}" for c, cell in row.get("caps", {}).items())
+        print(f"  {name:<34} {r['bytes_per_token']:>10,.0f} B/token = {r['widths_per_token']:6.2f} widths  "
+              f"(fit residual {r['fit_max_residual']:.1e})  8B-class: {caps}")
 
 
 def _print_length(res: dict) -> None:

@@ -33,6 +33,8 @@ from ckpt_offload.pool import HostPool, PoolFullError, SpillError, default_pool,
 from ckpt_offload.profiling import DEPRECATED as _PROFILING_DEPRECATED
 from ckpt_offload.profiling import ProfileReport, profile
 from ckpt_offload.planner import Plan, plan
+from ckpt_offload.tiling import Tiled, tiled, tiled_cross_entropy
+from ckpt_offload.tile_model import TileHandle, TileOptions, tile
 
 __all__ = [
     "offload",
@@ -58,6 +60,12 @@ __all__ = [
     "ProfileReport",
     "plan",
     "Plan",
+    "tiled",
+    "Tiled",
+    "tiled_cross_entropy",
+    "tile",
+    "TileOptions",
+    "TileHandle",
 ]
 
 # Modules renamed in 0.2.0 so that no public name hides a module: `ckpt_offload.offload` and

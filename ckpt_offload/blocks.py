@@ -60,6 +60,7 @@ from ckpt_offload.checkpointing import (
     run_checkpoint,
 )
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
+from ckpt_offload.tile_model import as_tile_options, tile_blocks
 
 __all__ = [
     "SELECTIVE_SAVE_OPS",
@@ -421,6 +422,8 @@ class CheckpointHandle:
         self.every_n_layers = every_n_layers
         self.removed = False
         self._collector = collector if collector is not None else StatsCollector()
+        #: the :class:`~ckpt_offload.tile_model.TileHandle` of ``tile=`` (None without it)
+        self.tiles = None
 
     @property
     def kinds(self) -> list:
@@ -456,6 +459,8 @@ class CheckpointHandle:
         twice is harmless."""
         if self.removed:
             return
+        if self.tiles is not None:
+            self.tiles.remove()
         self._restore()
         if self._model.__dict__.get(HANDLE_ATTR) is self:
             del self._model.__dict__[HANDLE_ATTR]
@@ -869,7 +874,7 @@ def select_blocks(model: torch.nn.Module, layers, route: str = "co.apply"):
     return outer
 
 
-def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=False, segments=None,
+def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=False, segments=None, tile=None,
           **checkpoint_kwargs):
     """Checkpoints the repeated blocks of ``model``: block ``i`` recomputes in backward when
     ``i % every_n_layers == 0`` (Hugging Face's rule), optionally with its inputs offloaded.
@@ -887,6 +892,11 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
             checkpointed as one (only its first input is kept), through the planner's segments
             (blocks must be chained through their first argument). Not with ``every_n_layers`` or
             checkpoint keywords.
+        tile: ``None`` (default) or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
+            positions per tile, a size string, a dict of its fields): every block's MLP found by
+            structure (a child named ``mlp``/``feed_forward``/``ffn`` or whose class is named like an
+            MLP) and its norms run as :func:`ckpt_offload.tiled` along the sequence, and a Hugging
+            Face causal LM's head is fused with its loss (docs/api.md, "Sequence-tiled recompute").
         **checkpoint_kwargs: ``use_reentrant``, ``preserve_rng_state``, ``context_fn``,
             ``determinism_check``, ``debug``, ``early_stop``.
 
@@ -909,8 +919,9 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
+    tiles = as_tile_options(tile)
     check_checkpoint_keywords(checkpoint_kwargs, "co.apply",
-                              own=("layers", "every_n_layers", "offload", "segments"))
+                              own=("layers", "every_n_layers", "offload", "segments", "tile"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None:
         check_offloads_something(options.devices, "co.apply(offload=...)")
@@ -921,9 +932,22 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
             raise ValueError("segments= cannot be combined with every_n_layers, use_reentrant or checkpoint keywords")
         named = select_blocks(model, layers)
         units = [Unit(s, e, kind) for s, e in _segment_units(len(named), segments)]
-        return install_units(model, named, units, options, route="co.apply")
+        return _with_tiles(install_units(model, named, units, options, route="co.apply"), model, named, tiles)
     named = select_blocks(model, layers)
     units = [Unit(i, i, kind if i % every_n_layers == 0 else "keep") for i in range(len(named))]
     # co.apply's checkpoints are co.checkpoint's (no profiler range of the planner's).
-    return install_units(model, named, units, options, every_n_layers=every_n_layers, use_reentrant=use_reentrant,
-                         torch_kwargs=checkpoint_kwargs, ranged=False, route="co.apply")
+    handle = install_units(model, named, units, options, every_n_layers=every_n_layers, use_reentrant=use_reentrant,
+                           torch_kwargs=checkpoint_kwargs, ranged=False, route="co.apply")
+    return _with_tiles(handle, model, named, tiles)
+
+
+def _with_tiles(handle, model, named, tiles, route="co.apply"):
+    """``handle`` with ``tile=``'s parts tiled (``handle.tiles``); removed again if that fails."""
+    if tiles is None:
+        return handle
+    try:
+        handle.tiles = tile_blocks(model, named, tiles, route)
+    except BaseException:
+        handle.remove()
+        raise
+    return handle

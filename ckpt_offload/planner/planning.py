@@ -17,6 +17,8 @@ from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
+from ckpt_offload.planner.tiles import measure_tiled_costs, solve_with_tiles
+from ckpt_offload.tile_model import as_tile_options, tile_blocks
 
 __all__ = ["plan", "Plan", "parse_bytes", "parse_bandwidth", "parse_lossy", "LOSSY_NAMES", "SLACK_BYTES"]
 
@@ -136,11 +138,19 @@ class Plan:
             stores in that narrower dtype (not bit-exact); empty for an exact plan.
         predicted_host_bytes: the host bytes the plan's offloads take (narrow bytes for the lossy
             blocks; what the offload contexts' ``stats()["bytes_stored"]`` count in a step).
+        tiles: the blocks the plan tiles (``co.plan(..., tile=...)``; empty without it or
+            when the budget fits without tiles); tile_info: why (Note [Fewest tiles] in
+            ``planner/tiles.py``): ``untiled_minimum``, ``tiled_minimum``, ``extra_s``.
     """
 
     def __init__(self, model, named_blocks, costs: CostModel, units, prefetch_bytes, budget, offload_options,
-                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset(), lossy=None):
+                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset(), lossy=None,
+                 tiles=(), tile_options=None, tile_info=None):
         self.model = model
+        self.tiles = [named_blocks[i][0] for i in tiles]
+        self._tiled = list(tiles)
+        self.tile_options = tile_options
+        self.tile_info = tile_info
         self.lossy = lossy
         self.store_dtypes = {named_blocks[i][0]: lossy for u in units if u.store for i in range(u.start, u.end + 1)}
         self.predicted_host_bytes = sum(info["pool_bytes"] for info in sim.units)
@@ -174,8 +184,16 @@ class Plan:
             step()
             handle.remove()
         """
-        return apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
-                           store_dtype=self.lossy)
+        handle = apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
+                             store_dtype=self.lossy)
+        if self._tiled:
+            try:
+                handle.tiles = tile_blocks(self.model, [self._named_blocks[i] for i in self._tiled],
+                                           dataclasses.replace(self.tile_options, head=False), "a plan")
+            except BaseException:
+                handle.remove()
+                raise
+        return handle
 
     def summary(self) -> str:
         """A table: per block its choice, device bytes kept through forward, bytes sent to the pool,
@@ -189,6 +207,8 @@ class Plan:
             if u.end > u.start:
                 label = f"{label}..{self._named_blocks[u.end][0].rsplit('.', 1)[-1]}"
             kind = u.kind if u.start == u.end else f"{u.kind} (segment)"
+            if any(i in self._tiled for i in range(u.start, u.end + 1)):
+                kind += " +tile"
             if u.store:
                 kind += f" [{_dtype_name(self.lossy)}]"
             lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
@@ -202,6 +222,8 @@ class Plan:
         lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
                      f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
                      f"{slow:+.1f}%)")
+        if self.tile_options is not None:
+            lines.append(self._tile_line())
         if self.store_dtypes:
             conv = sum(info.get("convert_s", 0.0) for info in self.simulation.units)
             lines.append(f"lossy: blocks {', '.join(self.store_dtypes)} store their offloaded floating-point "
@@ -225,6 +247,18 @@ class Plan:
                         kinds = kinds + ["segments"]
                     lines.append(f"  {name}: no {', '.join(kinds)}: {why}")
         return "\n".join(lines)
+
+    def _tile_line(self) -> str:
+        """Why the plan tiles the blocks it tiles (Note [Fewest tiles])."""
+        info = self.tile_info or {}
+        n = len(self._named_blocks)
+        if not self.tiles:
+            return f"tiles: none of {n} blocks: the budget fits without tiling"
+        parts = "MLP and norms" if self.tile_options.norms else "MLP"
+        return (f"tiles: {len(self.tiles)} of {n} blocks tiled ({parts}), the fewest that fit the budget (the smallest "
+                f"peak without tiles: {_fmt(info.get('untiled_minimum') or 0)}; with these tiles the plan's: "
+                f"{_fmt(self.predicted_peak_bytes)}); the tiles add {info.get('extra_s', 0.0) * 1e3:.2f} ms of "
+                "compute (each tile's forward again in backward, measured)")
 
     def _inner_lines(self, u, depth):
         """A nested segment's inner checkpoints, one indented line each (the segment's line holds
@@ -260,7 +294,7 @@ def _model_device(model) -> str:
 @suggest_keywords("co.plan")
 def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
          min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
-         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None):
+         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None, tile=None):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective / selective_offload (and segments of blocks recomputed as one)
     so that the device peak of saved activations fits ``budget`` with the least predicted step time.
@@ -330,6 +364,13 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             the planner's to choose: ``store_dtype`` (pass ``lossy=``, and the plan stores narrower
             only where it pays) and ``stream`` (the simulator models copies on queues of their own,
             so only ``"side"``).
+        tile: ``None`` (default), or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
+            positions per tile, a size string, a dict of its fields): tiling a block's MLP along the
+            sequence becomes a choice per block (its MLP and, by default, its norms). The step is
+            measured a second time with every block tiled (what each block then saves, and the time
+            the tiles add), and the plan
+            tiles the fewest blocks with which it fits the budget -- none when it fits without
+            (:attr:`Plan.tiles`; :meth:`Plan.summary` says why).
 
     The measuring runs of ``step`` leave the model's buffers (running statistics) as they found
     them.
@@ -357,6 +398,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             DeprecationWarning, stacklevel=2)
         budget = "2GiB"
     budget_bytes = parse_bytes("budget", budget)
+    tiles = as_tile_options(tile)
     opts = _plan_offload(offload, devices=devices, min_bytes=min_bytes, pool=pool, prefetch_bytes=prefetch_bytes)
     devices, min_bytes, pool, prefetch_bytes = opts.devices, opts.min_bytes, opts.pool, opts.prefetch_bytes
     kinds = tuple(kinds)
@@ -421,29 +463,38 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             raise ValueError(
                 f"co.plan: block {name!r} can have none of kinds={kinds}: {'; '.join(sorted(set(ex.values())))}. "
                 "Add 'keep' (or 'offload') to kinds, or pass allow_inexact=True to allow it anyway")
+    tiled, tile_info, plan_costs = [], None, costs
     try:
-        best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes, segments=segments,
-                     levels=levels)
+        if tiles is None:
+            best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes,
+                         segments=segments, levels=levels)
+        else:
+            tiled_costs = dataclasses.replace(
+                measure_tiled_costs(step, model, named, tiles, device, costs.bandwidth, min_bytes),
+                bandwidth=costs.bandwidth, min_bytes=min_bytes, store_dtype=store_dtype, excluded=costs.excluded)
+            best, tiled, plan_costs, tile_info = solve_with_tiles(
+                costs, tiled_costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes,
+                segments=segments, levels=levels)
     except InfeasibleBudget as e:
         smallest = e.minimum + SLACK_BYTES
         raise InfeasibleBudget(
             budget_bytes, smallest,
-            f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here, "
-            f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence "
-            "lowers it)") from None
+            f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here"
+            f"{' with every block tiled' if tiles is not None else ''}, {_fmt(smallest)} ({smallest} bytes): pass "
+            f"budget >= {smallest} (a smaller batch or sequence lowers it)") from None
     if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
             u.kind in ("recompute", "recompute_offload", "selective", "selective_offload") for u in best.units):
         warnings.warn(
             "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
             "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
             "training (as gradient_checkpointing_enable does)", stacklevel=2)
-    sim = simulate(costs, best.units, best.prefetch_bytes)
+    sim = simulate(plan_costs, best.units, best.prefetch_bytes)
     base_sim = simulate(costs, singles(["keep"] * len(named)), 0)
     baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
                 "predicted_step_seconds": base_sim.step_s}
     options = opts.replace(devices=dev_types)
-    return Plan(model, named, costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
-                best.source, allow, lossy=store_dtype)
+    return Plan(model, named, plan_costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
+                best.source, allow, lossy=store_dtype, tiles=tiled, tile_options=tiles, tile_info=tile_info)
 
 
 def _plan_offload(offload, **loose) -> OffloadOptions:

@@ -36,9 +36,11 @@ from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
 from ckpt_offload._compile_ops import traced_checkpoint, untraced_reason
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, graph_break_if_compiling, warn
-from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
+from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied, select_blocks
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
+from ckpt_offload.integrations.hf import head as _head  # noqa: F401 - registers the fused head of tile=
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
+from ckpt_offload.tile_model import as_tile_options, tile_blocks
 
 __all__ = ["enable", "disable", "install", "active_handle", "HFCheckpointHandle", "HFCheckpointFunction"]
 
@@ -430,7 +432,7 @@ def _snapshot(model) -> list:
             if hasattr(m, "gradient_checkpointing")]
 
 
-def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions | None = False,
+def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions | None = False, tile=None,
            **checkpoint_kwargs) -> HFCheckpointHandle:
     """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
 
@@ -456,6 +458,11 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
             options), which is then used. When on, each
             checkpointed layer's inputs -- hidden states, and the position embeddings, masks and
             ids Hugging Face passes by keyword -- wait in the host pool until backward.
+        tile: ``None`` (default) or a :class:`~ckpt_offload.TileOptions` (``True``, an int of
+            positions per tile, a size string, a dict of its fields): every decoder layer's MLP and
+            norms run as :func:`ckpt_offload.tiled` along the sequence and, for Llama, Mistral, Qwen2/3 and
+            GPT-2 causal LMs, a training forward with labels computes the head and its loss tiled,
+            never the full logits (``logits`` then has 0 positions); ``handle.tiles`` says what.
         **checkpoint_kwargs: ``use_reentrant`` (``False`` by default; ``True`` needs
             ``offload=False``), ``preserve_rng_state``, ``context_fn``, ``determinism_check``,
             ``debug``, ``early_stop``.
@@ -480,18 +487,19 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
         model(input_ids=ids, labels=ids).loss.backward()
         handle.remove()
     """
-    return install(model, every_n_layers, offload, checkpoint_kwargs)
+    return install(model, every_n_layers, offload, checkpoint_kwargs, tile=tile)
 
 
 def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: dict | None = None, *,
             route: str | None = "co.hf.enable(offload=...)", offload_decided: bool | None = None,
-            pause_on_disable: bool = False) -> HFCheckpointHandle:
+            pause_on_disable: bool = False, tile=None) -> HFCheckpointHandle:
     """:func:`enable` with the checkpoint keywords as one dict, for callers that resolved the
     settings themselves (the Trainer callbacks). ``route``: the name the offloads-nothing warning
     gives (None: the caller checked that at the user's own line already); ``offload_decided``:
     whether a later enable call's ``offload`` entry is ignored (default: when ``offload`` is on,
     as :func:`enable` does); ``pause_on_disable``: the model's disable method pauses the handle
-    instead of removing it (Note [Disable pauses a callback's handle]).
+    instead of removing it (Note [Disable pauses a callback's handle]); ``tile``: as :func:`enable`'s
+    (sequence tiles for the blocks' MLPs and norms and the head, ``co.tile``).
 
     Example::
 
@@ -506,7 +514,8 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
         )
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable", own=("every_n_layers", "offload"))
+    tiles = as_tile_options(tile)
+    check_checkpoint_keywords(checkpoint_kwargs, "co.hf.enable", own=("every_n_layers", "offload", "tile"))
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None and route is not None:
         check_offloads_something(options.devices, route)
@@ -535,6 +544,14 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
     except BaseException:
         handle.remove()
         raise
+    if tiles is not None:
+        # Every layer's MLP, checkpointed or not (tiled, a kept layer keeps its MLP's input only).
+        layers = _checkpoint_layers(model) or select_blocks(model, None, route="co.hf.enable(tile=...)")
+        try:
+            handle.tiles = tile_blocks(model, layers, tiles, "co.hf.enable")
+        except BaseException:
+            handle.remove()
+            raise
     for n in _ENABLE_NAMES:
         if hasattr(model, n):
             model.__dict__[n] = _KeepOurs(handle, n)

@@ -12,6 +12,7 @@ from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords
 from ckpt_offload.integrations.hf.hook import HFCheckpointHandle, active_handle, install
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OFFLOAD_KEYS, as_options, check_offloads_something, from_arguments
+from ckpt_offload.tile_model import as_tile_options
 
 __all__ = ["OffloadCheckpointCallback", "OffloadCallback", "PER_STEP_KEYS", "PEAK_KEYS", "LOG_KEYS"]
 
@@ -98,7 +99,8 @@ class OffloadCheckpointCallback(TrainerCallback):
     releases without the new name) when ``activation_checkpointing`` is on, else 1; torch's checkpoint keywords
     there (``use_reentrant``, ...) are used too, unless given here, and so is its ``offload`` key
     (a bool or a dict of co.offload options) when ``offload`` is not given here (default: False,
-    as everywhere in ckpt_offload).
+    as everywhere in ckpt_offload). ``tile`` is :func:`~ckpt_offload.integrations.hf.enable`'s:
+    every layer's MLP and norms, and the head with its loss, tiled along the sequence.
     The handle is
     ``callback.handle``; checkpointing stays enabled after training, as Trainer leaves it. The
     model's own disable method only pauses the handle and its next enable call resumes it (TRL's
@@ -113,10 +115,12 @@ class OffloadCheckpointCallback(TrainerCallback):
         trainer.train()
     """
 
-    def __init__(self, every_n_layers: int | None = None, offload=None, **checkpoint_kwargs):
+    def __init__(self, every_n_layers: int | None = None, offload=None, tile=None, **checkpoint_kwargs):
         if every_n_layers is not None:
             check_int("every_n_layers", every_n_layers, minimum=1)
         self.every_n_layers = every_n_layers
+        self.tile = tile
+        as_tile_options(tile)  # a bad tile= fails here, not at the first step
         # None: TrainingArguments' activation_checkpointing_kwargs["offload"], else False.
         self.offload = offload
         self.checkpoint_kwargs = checkpoint_kwargs
@@ -125,7 +129,7 @@ class OffloadCheckpointCallback(TrainerCallback):
         check_checkpoint_keywords({k: v for k, v in checkpoint_kwargs.items() if k in OFFLOAD_KEYS},
                                   "OffloadCheckpointCallback")
         check_keywords("OffloadCheckpointCallback", checkpoint_kwargs,
-                       ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS))
+                       ("every_n_layers", "offload", "tile", "use_reentrant", *TORCH_KEYWORDS))
         options = as_options(offload)
         check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
         if options is not None:
@@ -174,7 +178,7 @@ class OffloadCheckpointCallback(TrainerCallback):
         # on around their no-grad passes; the handle must outlive that (Note [Disable pauses a
         # callback's handle] in hook.py).
         self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True,
-                              pause_on_disable=True)
+                              pause_on_disable=True, tile=self.tile)
         self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
