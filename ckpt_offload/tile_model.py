@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from ckpt_offload._args import suggest_keywords
 from ckpt_offload._args import check_int
 from ckpt_offload.tiling import _STATS_KEYS, Tiled, _check_tile, mixing_reason
 
@@ -79,6 +80,9 @@ class TileOptions:
         """What :class:`~ckpt_offload.tiling.Tiled` takes for the blocks' parts."""
         return {"tile": self.tile, "tiles": self.tiles, "measure_error": self.measure_error}
 
+
+# A misspelled field names the right one (the dataclass's own __init__ would not).
+TileOptions.__init__ = suggest_keywords("co.TileOptions")(TileOptions.__init__)
 
 def as_tile_options(value, name: str = "tile") -> TileOptions | None:
     """``tile=`` of a route as :class:`TileOptions` (None: no tiling). Raises naming ``name``.
@@ -373,6 +377,7 @@ def _fuse_hf_head(model, options, route):
     return None
 
 
+@suggest_keywords("co.tile")
 def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: int = -2, token_wise=None,
          measure_error: bool = False) -> TileHandle:
     """Runs ``module`` (or the submodules ``modules`` selects) tiled along the sequence, in place:

@@ -43,6 +43,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ckpt_offload._args import suggest_keywords
 from ckpt_offload._args import check_int, parse_bytes
 from ckpt_offload._compile import (
     compiled_forward,
@@ -855,6 +856,7 @@ def _split_dims(owner, args, kwargs, leaves, positions, d, n) -> list:
     return out
 
 
+@suggest_keywords("co.tiled")
 def tiled(function, tile=None, *, tiles=None, dim: int = -2, split=None, reduce=None, out_dim=None, params=None,
           token_wise=None, preserve_rng_state: bool = True, measure_error: bool = False) -> Tiled:
     """``function`` run over tiles of the sequence: its forward keeps no intermediate (only its
@@ -948,6 +950,7 @@ class _HeadLoss:
             reduction=self.reduction, label_smoothing=self.label_smoothing)
 
 
+@suggest_keywords("co.tiled_cross_entropy")
 def tiled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, tile=None, tiles=None,
                         ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
                         label_smoothing: float = 0.0, measure_error: bool = False) -> torch.Tensor:

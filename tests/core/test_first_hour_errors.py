@@ -48,11 +48,18 @@ TYPOS = {
     "hf.disable": (lambda: co.hf.disable(_tiny_llama(), modle=1), "model"),
     "hf.OffloadCheckpointCallback": (lambda: co.hf.OffloadCheckpointCallback(every_n_layer=2), "every_n_layers"),
     "hf.OffloadCallback": (lambda: co.hf.OffloadCallback(min_byte=1), "min_bytes"),
+    "tiled": (lambda: co.tiled(torch.nn.Linear(4, 4), split_dims=None), "split"),
+    "tiled_cross_entropy": (lambda: co.tiled_cross_entropy(torch.ones(2, 4), torch.nn.Linear(4, 8),
+                                                           torch.zeros(2, dtype=torch.long), ignore_indx=0),
+                            "ignore_index"),
+    "tile": (lambda: co.tile(torch.nn.Linear(4, 4), tokens_wise=True), "token_wise"),
+    "TileOptions": (lambda: co.TileOptions(norm=False), "norms"),
 }
 # Public names that take no keyword a user could misspell, or are results rather than calls.
 NOT_CALLED_WITH_KEYWORDS = {"keep", "default_pool", "pinned_available", "build_info", "synchronize",
                             "CheckpointHandle", "ProfileReport", "Plan", "PoolFullError", "SpillError",
-                            "hf.HFCheckpointHandle", "hf.HFCheckpointFunction"}
+                            "hf.HFCheckpointHandle", "hf.HFCheckpointFunction",
+                            "Tiled", "TileHandle"}  # made by co.tiled and co.tile
 
 
 def _public_callables():

@@ -90,7 +90,7 @@ def test_callback_misplaced_offload_option_fails_at_construction():
                                         r"inside offload="):
         co.hf.OffloadCheckpointCallback(devices=["cpu"])
     with pytest.raises(TypeError, match=r"unknown keyword argument 'bogus'; its options are: every_n_layers, "
-                                        r"offload, use_reentrant, preserve_rng_state"):
+                                        r"offload, tile, use_reentrant, preserve_rng_state"):
         co.hf.OffloadCheckpointCallback(bogus=1)
     with pytest.raises(TypeError, match=r"'evry_n_layers' \(did you mean 'every_n_layers'\?\)"):
         co.hf.OffloadCheckpointCallback(evry_n_layers=2)
