@@ -48,7 +48,7 @@ TYPOS = {
     "hf.disable": (lambda: co.hf.disable(_tiny_llama(), modle=1), "model"),
     "hf.OffloadCheckpointCallback": (lambda: co.hf.OffloadCheckpointCallback(every_n_layer=2), "every_n_layers"),
     "hf.OffloadCallback": (lambda: co.hf.OffloadCallback(min_byte=1), "min_bytes"),
-    "tiled": (lambda: co.tiled(torch.nn.Linear(4, 4), split_dims=None), "split"),
+    "tiled": (lambda: co.tiled(torch.nn.Linear(4, 4), token_wize=True), "token_wise"),
     "tiled_cross_entropy": (lambda: co.tiled_cross_entropy(torch.ones(2, 4), torch.nn.Linear(4, 8),
                                                            torch.zeros(2, dtype=torch.long), ignore_indx=0),
                             "ignore_index"),
