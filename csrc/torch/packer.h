@@ -19,7 +19,6 @@
 #include <c10/util/SmallVector.h>
 
 #include "../core/host_pool.h"
-#include "batch.h"
 #include "counters.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
