@@ -15,6 +15,7 @@
 #include "device_bytes.h"
 #include "device_memory.h"
 #include "hooks.h"
+#include "host_copies.h"
 #include "packer.h"
 #include "pinned_fallback.h"
 #include "store_dtype.h"

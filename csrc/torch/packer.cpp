@@ -17,7 +17,7 @@
 #include "frames.h"
 #include "plain_type.h"
 #include "runtime.h"
-#include "saved_converted.h"
+#include "host_copies.h"
 #include "tensor_layout.h"
 
 namespace py = pybind11;

@@ -39,7 +39,7 @@ namespace ckpt_offload {
 //    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
 //    only after releasing the batch's lock, and Prefetcher::drop_unused calls into storages
 //    after releasing its own.
-//  - ConvertedCopy::materialize (saved_converted.h) holds its lock while it reloads the narrow bytes
+//  - ConvertedCopy::materialize (saved_tensor.h) holds its lock while it reloads the narrow bytes
 //    through their own SavedTensor (prefetcher, storage) and converts them back, so that two
 //    unpacks of one copy convert it once; nothing after it in the order calls back into it.
 //  - OffloadedStorage::materialize flushes and reloads its batch before taking its own lock.

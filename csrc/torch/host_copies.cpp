@@ -1,11 +1,12 @@
-// Note [Saved tensor kinds]: the Offloaded kind -- a view of an exact host copy -- made and
-// unpacked; and co.offload_tensor, which makes one on its own.
+// What pack copies to the host (host_copies.h): exact copies, narrow ones, co.offload_tensor's.
+#include "host_copies.h"
+
 #include <stdexcept>
+#include <string>
 
 #include "../core/profiler.h"
 #include "device_memory.h"
 #include "runtime.h"
-#include "saved_tensor.h"
 #include "tensor_layout.h"
 
 namespace ckpt_offload {
@@ -62,36 +63,33 @@ std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::s
   return storage;
 }
 
-at::Tensor SavedTensor::unpack_offloaded(Offloaded& o, bool accept_modified) {
-  if (current_stream_capturing(device_))
-    // Note [Graph capture]: a reload copy (and its event waits) would be baked into the graph,
-    // replayed later against host memory that may hold other bytes by then.
-    throw std::runtime_error(
-        "ckpt_offload: a saved tensor held in the host pool was unpacked while a CUDA graph is being captured "
-        "on " + device_.str() + "; reloads cannot be captured. Run the backward outside the capture, or capture "
-        "the forward under the capture too (tensors saved during capture stay on the device), or leave this "
-        "region out of co.offload.");
-  // A copy absorbed into another since this was packed forwards there (Note [One copy per
-  // storage]); its pending count moved along, so the destructor's unlink goes there too.
-  o.storage = OffloadedStorage::resolve(std::move(o.storage));
-  bool shared = false;
-  int64_t fresh = 0;
-  const OffloadedStorage::View view{dtype_, sizes_, strides_, lo_};
-  at::Tensor out = o.storage->materialize(!unpacked_, view, accept_modified, &shared, &fresh);
-  unpacked_ = true;
-  if (shared) {
-    counters_->tensors_reload_shared++;
-  } else {
-    counters_->tensors_reloaded++;
-    counters_->bytes_reloaded += static_cast<int64_t>(o.storage->nbytes());
+std::shared_ptr<ConvertedCopy> convert_to_host(const at::Tensor& t, lowp::Source s, lowp::Format f,
+                                               const std::shared_ptr<HostPool>& pool, bool side_stream,
+                                               const std::shared_ptr<PackerCounters>& counters, TieredRefusal* why,
+                                               const CurrentStream* current, StoreErrors* errors) {
+  DeviceScope scope(t.device());  // Note [Stream ordering] rule 6
+  const CurrentStream cur = current ? *current : CurrentStream::of(t.device());
+  const int64_t item = static_cast<int64_t>(t.dtype().itemsize());
+  const int64_t lo = t.storage_offset() * item;
+  const int64_t n = extent_elements(t);
+  const void* src = static_cast<const char*>(t.storage().data()) + lo;
+  // Dense over its span (the common case): the span's n elements are its own, and the scale
+  // comes from them in the conversion's own pass. Else from its elements (Note [fp8 scale word]).
+  const bool dense = t.is_non_overlapping_and_dense();
+  at::Tensor staged = store_down(s, src, n, f, t.device(), cur, dense ? nullptr : &t);
+  double error = 0.0;
+  if (errors) error = store_relative_error(t, s, n, f, staged, cur);
+  // The staging tensor goes through the exact path; its keep-alive holds it until the copy has
+  // read it, and its copy waits on `cur`, where the conversion ran.
+  auto inner = copy_to_host(staged, pool, side_stream, counters, why, &cur);
+  if (!inner) return nullptr;  // kept as it is: never converted, so no error to count
+  if (errors) {
+    std::string cls = dtype_name(t.scalar_type()) + "->" + store_format_name(f);
+    if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
+    errors->add(cls, error);
   }
-  if (fresh) {
-    // The reloaded storage lives about as long as the node that unpacked it, which is when
-    // autograd drops this SavedTensor: the memory timeline counts it until then.
-    device_held_.set(device_held_.bytes() + fresh);
-  }
-  sample_memory(o.storage->pool(), device_);
-  return out;
+  return std::make_shared<ConvertedCopy>(SavedTensor(staged, std::move(inner), counters), f, s,
+                                         t.scalar_type(), t.device(), lo, n);
 }
 
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
