@@ -17,9 +17,9 @@
 #include <stdexcept>
 #include <utility>
 
+#include "autograd_objects.h"
 #include "packer.h"
 #include "pinned_fallback.h"
-#include "plain_type.h"
 
 namespace py = pybind11;
 
@@ -45,36 +45,6 @@ PyObject* raise_translated() noexcept {
   }
   return nullptr;
 }
-
-// What each hook function carries, as the function's `self`: a minimal CPython object (not a
-// capsule, whose every read compares its name with strcmp: twice per saved tensor). `closed`:
-// set by close_hook when the context that pushed the function was exited where its entry could
-// not be popped (another thread, another backward): from then on pack hands every tensor back as
-// it is (a detached alias, which unpack returns), so the entry left on that thread's stack
-// offloads nothing.
-struct HookHolder {
-  PyObject_HEAD
-  std::shared_ptr<Packer> packer;
-  std::atomic<bool> closed;
-};
-
-void holder_dealloc(PyObject* o) {
-  auto* h = reinterpret_cast<HookHolder*>(o);
-  h->packer.~shared_ptr();
-  h->closed.~atomic();
-  Py_TYPE(o)->tp_free(o);
-}
-
-PyTypeObject* holder_type() {
-  static PyTypeObject* type = [] {
-    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    return ready_plain_type(t, "ckpt_offload._C.HookHolder", sizeof(HookHolder), holder_dealloc,
-                            "The Packer a co.offload hook function calls (Note [Hook entry points]).");
-  }();
-  return type;
-}
-
-HookHolder* holder_of(PyObject* self) { return reinterpret_cast<HookHolder*>(self); }
 
 PyObject* hook_pack(PyObject* self, PyObject* arg) {
   try {
@@ -267,25 +237,13 @@ PyObject* hooks_finish(PyObject* o, PyObject*) {
 
 PyObject* hooks_report(PyObject* o, PyObject*) { return report(reinterpret_cast<HooksObject*>(o)); }
 
-PyObject* new_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def) {
-  PyTypeObject* type = holder_type();
-  PyObject* o = type->tp_alloc(type, 0);
-  if (!o) return nullptr;
-  auto* h = reinterpret_cast<HookHolder*>(o);
-  new (&h->packer) std::shared_ptr<Packer>(packer);
-  new (&h->closed) std::atomic<bool>(false);
-  PyObject* fn = PyCFunction_New(def, o);
-  Py_DECREF(o);
-  return fn;
-}
-
 // New pack and unpack functions for the next entry: an exit that could not pop its entry closed
 // the old ones (Note [Exits that cannot pop]).
 PyObject* hooks_renew(PyObject* o, PyObject*) {
   auto* self = reinterpret_cast<HooksObject*>(o);
-  PyObject* pack = new_function(self->packer, &pack_def);
+  PyObject* pack = new_hook_function(self->packer, &pack_def);
   if (!pack) return nullptr;
-  PyObject* unpack = new_function(self->packer, &unpack_def);
+  PyObject* unpack = new_hook_function(self->packer, &unpack_def);
   if (!unpack) {
     Py_DECREF(pack);
     return nullptr;
@@ -395,7 +353,7 @@ PyTypeObject* hooks_type() {
 }  // namespace
 
 py::object hook_function(std::shared_ptr<Packer> packer, bool pack) {
-  PyObject* fn = new_function(packer, pack ? &pack_def : &unpack_def);
+  PyObject* fn = new_hook_function(packer, pack ? &pack_def : &unpack_def);
   if (!fn) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(fn);
 }

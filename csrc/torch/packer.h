@@ -20,6 +20,7 @@
 
 #include "../core/host_pool.h"
 #include "counters.h"
+#include "keep_rules.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
 #include "runtime.h"
@@ -34,6 +35,7 @@ namespace ckpt_offload {
 //   Packer::mu_ -> ConvertedCopy::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
 //     -> the core's leaf locks: HostBuffer::mu_, CopyEngine::mu_, HostPool::mu_
 //        (and in cuda_stream.cu side_mu, epoch_mu, the event pool's lock, none nested).
+// KeepRules::mu_ is a leaf too: nothing is taken under it, and it is taken under nothing.
 // Where this bites:
 //  - Prefetcher::after_unpack holds its lock while it asks batches and storages for bytes and
 //    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
@@ -126,8 +128,6 @@ class Packer {
   // [Stream ordering]), when t is on a device this context offloads from.
   std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes,
                                      std::optional<CurrentStream>* current);
-  // Note [Parameters and buffers]: why a tensor whose view root is a leaf is kept, or none.
-  std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
   // A copy of t's storage that a new view joins (Note [One copy per storage]).
   struct Touched {
     std::shared_ptr<OffloadedStorage> held;
@@ -250,10 +250,7 @@ class Packer {
   std::mutex mu_;
   CopyTable<DedupGroup> dedup_;
   CopyTable<ConvertedGroup> converted_;
-  // Storages leaf_owner found to be a running module's parameter or buffer this activation
-  // (only ever positives: a miss is looked up again; a few at most, searched in order). Cleared
-  // at begin / end.
-  std::vector<const void*> parameter_storages_, buffer_storages_;
+  KeepRules keep_rules_;
   std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
   std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued
