@@ -126,13 +126,7 @@ void Packer::end(bool keep_dedup) {
   } catch (...) {
     flush_error = std::current_exception();
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!keep_dedup) {
-      dedup_.clear();
-      converted_.clear();
-    }
-  }
+  if (!keep_dedup) tables_.clear();
   keep_rules_.clear();
   engine().poll();
   if (flush_error) std::rethrow_exception(flush_error);
@@ -234,37 +228,13 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   return std::nullopt;
 }
 
-std::shared_ptr<OffloadedStorage> Packer::find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
-                                                         std::vector<Touched>* touched) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto* e = dedup_.find(t.storage().unsafeGetStorageImpl());
-  if (!e) return nullptr;
-  for (size_t i = 0; i < e->groups.size();) {
-    DedupGroup& g = e->groups[i];
-    auto copy = g.offloaded.lock();
-    if (!copy) {  // every saved tensor of that copy is gone
-      e->groups.erase(e->groups.begin() + i);
-      continue;
-    }
-    ++i;
-    if (g.version != span.version) continue;
-    if (span.lo >= g.lo && span.hi <= g.hi) {
-      touched->clear();
-      return copy;
-    }
-    // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
-    if (wide.lo < g.hi && wide.hi > g.lo)
-      touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable, g.counted});
-  }
-  return nullptr;
-}
-
 std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& span, const Span& wide,
-                                               std::vector<Touched>& touched, const CurrentStream& current,
+                                               std::vector<CopyTables::Touched>& touched, const CurrentStream& current,
                                                TieredRefusal* refused) {
   for (const auto& g : touched)
     if (!g.extendable || !g.held->extendable()) return nullptr;
-  std::sort(touched.begin(), touched.end(), [](const Touched& a, const Touched& b) { return a.lo < b.lo; });
+  std::sort(touched.begin(), touched.end(),
+            [](const CopyTables::Touched& a, const CopyTables::Touched& b) { return a.lo < b.lo; });
   // The bytes of `wide` no copy holds: below the first, between copies, above the last. Every
   // copy touched shares a cell with `wide`, so the union is one span.
   const int64_t lo = std::min(wide.lo, touched.front().lo);
@@ -276,7 +246,7 @@ std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& 
   }
   if (wide.hi > hi) missing.emplace_back(hi, wide.hi);
   hi = std::max(hi, wide.hi);
-  std::shared_ptr<OffloadedStorage> target = touched.front().held;
+  const std::shared_ptr<OffloadedStorage>& target = touched.front().held;
   std::vector<OffloadedStorage::Piece> pieces;
   for (const auto& m : missing) {
     // Copied as pieces of the first copy: the same handle in the profile.
@@ -286,52 +256,13 @@ std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& 
     if (buffer->spilled()) counters_->bytes_spilled += m.second - m.first;
     pieces.push_back(OffloadedStorage::Piece{std::move(buffer), m.first});
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto* entry = dedup_.find(t.storage().unsafeGetStorageImpl());
-    if (!entry) return nullptr;
-    auto& groups = entry->groups;
-    // Another thread may have changed these copies since find_duplicate: then this view gets a
-    // copy of its own (correct, if not minimal).
-    std::vector<size_t> at;
-    for (const auto& g : touched) {
-      size_t i = 0;
-      while (i < groups.size() && !(groups[i].offloaded.lock() == g.held && groups[i].lo == g.lo &&
-                                    groups[i].hi == g.hi && groups[i].version == span.version))
-        ++i;
-      if (i == groups.size()) return nullptr;
-      at.push_back(i);
-    }
-    std::vector<std::pair<std::shared_ptr<OffloadedStorage>, std::pair<std::vector<OffloadedStorage::Piece>, int>>>
-        absorbed;
-    int pending = 0;
-    bool ok = true;
-    for (size_t k = 1; k < touched.size() && ok; ++k) {
-      std::vector<OffloadedStorage::Piece> theirs;
-      int their_pending = 0;
-      ok = touched[k].held->absorb_into(target, &theirs, &their_pending);
-      if (!ok) break;
-      pending += their_pending;
-      for (const auto& p : theirs) pieces.push_back(p);
-      absorbed.push_back({touched[k].held, {std::move(theirs), their_pending}});
-    }
-    ok = ok && target->extend(std::move(pieces), pending);
-    if (!ok) {
-      for (auto& a : absorbed) a.first->restore(std::move(a.second.first), a.second.second);
-      return nullptr;
-    }
-    groups[at[0]].lo = lo;
-    groups[at[0]].hi = hi;
-    // The joined copy holds lo..hi on the host: what its views had counted becomes that.
-    int64_t counted = 0;
-    for (const auto& g : touched) counted += g.counted;
-    groups[at[0]].counted = hi - lo;
-    counters_->bytes_offloaded += hi - lo - counted;
-    counters_->bytes_stored += hi - lo - counted;
-    std::sort(at.begin() + 1, at.end());
-    for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
+  int64_t counted = 0;
+  auto joined = tables_.join(t, span, touched, std::move(pieces), lo, hi, &counted);
+  if (joined) {
+    counters_->bytes_offloaded += counted;
+    counters_->bytes_stored += counted;
   }
-  return target;
+  return joined;
 }
 
 std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span& span, const CurrentStream& current) {
@@ -361,28 +292,6 @@ std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span&
   }
 }
 
-std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const Span& span) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto* e = converted_.find(t.storage().unsafeGetStorageImpl());
-  if (!e) return nullptr;
-  for (size_t i = 0; i < e->groups.size();) {
-    ConvertedGroup& g = e->groups[i];
-    auto copy = g.copy.lock();
-    if (!copy) {  // every saved tensor over that copy is gone
-      e->groups.erase(e->groups.begin() + i);
-      continue;
-    }
-    ++i;
-    // The same bytes, read as the same elements at the same version: converting them again
-    // would give the same bits (fp8's scale is their amax), so they are shared. Spans
-    // that only overlap convert on their own.
-    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
-        (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides)))
-      return copy;
-  }
-  return nullptr;
-}
-
 Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current,
                              Placement* how, TieredRefusal* refused) {
   Placed p;
@@ -394,8 +303,8 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
     return p;
   }
   // Exact copies of this storage first: one that holds the span, or those that share its cells.
-  std::vector<Touched> touched;
-  if ((p.storage = find_duplicate(t, span, wide, &touched))) {
+  std::vector<CopyTables::Touched> touched;
+  if ((p.storage = tables_.find_exact(t, span, wide, &touched))) {
     *how = Placement::Duplicate;
     return p;
   }
@@ -413,7 +322,7 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
   if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
     narrow = store_source(t, options_.store_format);
   if (narrow) {
-    if ((p.copy = find_converted(t, span))) {
+    if ((p.copy = tables_.find_converted(t, span))) {
       *how = Placement::SharedConverted;
       return p;
     }
@@ -436,32 +345,13 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
 
 void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed,
                       Placement how) {
-  std::lock_guard<std::mutex> lock(mu_);
   if (how == Placement::Converted) {
-    ConvertedGroup g;
-    g.copy = placed.copy;
-    g.version = span.version;
-    g.lo = span.lo;
-    g.hi = span.hi;
-    g.dtype = t.scalar_type();
-    g.dense = t.is_non_overlapping_and_dense();
-    if (!g.dense) {
-      g.sizes = t.sizes().vec();
-      g.strides = t.strides().vec();
-    }
-    converted_.add(t, std::move(g));
+    tables_.add_converted(t, span, placed.copy);
     return;
   }
   // A batch member's copy is its span, and cannot grow; a copy of its own is the widened span.
   const bool own = how == Placement::Single;
-  DedupGroup g;
-  g.offloaded = placed.storage;
-  g.version = span.version;
-  g.lo = own ? wide.lo : span.lo;
-  g.hi = own ? wide.hi : span.hi;
-  g.extendable = own;
-  g.counted = span.bytes();
-  dedup_.add(t, std::move(g));
+  tables_.add_exact(t, span, own ? wide : span, placed.storage, own);
 }
 
 py::object Packer::refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes) {
