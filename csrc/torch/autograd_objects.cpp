@@ -75,7 +75,7 @@ PyTypeObject* holder_type() {
   return type;
 }
 
-PyObject* new_hook_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def) {
+PyObject* holder_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def) {
   PyTypeObject* type = holder_type();
   PyObject* o = type->tp_alloc(type, 0);
   if (!o) return nullptr;

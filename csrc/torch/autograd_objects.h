@@ -115,6 +115,6 @@ PyTypeObject* holder_type();
 inline HookHolder* holder_of(PyObject* self) { return reinterpret_cast<HookHolder*>(self); }
 // A new function object for `def` (hooks.cpp's pack or unpack) whose `self` is a new HookHolder
 // of `packer`; null with a Python error set when it cannot be made.
-PyObject* new_hook_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def);
+PyObject* holder_function(const std::shared_ptr<Packer>& packer, PyMethodDef* def);
 
 }  // namespace ckpt_offload

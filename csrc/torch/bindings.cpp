@@ -14,6 +14,7 @@
 #include "runtime.h"
 #include "device_bytes.h"
 #include "device_memory.h"
+#include "activation.h"
 #include "hooks.h"
 #include "host_copies.h"
 #include "packer.h"
@@ -87,16 +88,6 @@ py::dict pool_stats(HostPool& pool) {
   PoolStatsExtra extra;
   extra.backend = py::str(pool.backend_name());
   return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_POOL_STATS, pool.stats(), extra);
-}
-
-// What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), as
-// one flat tuple instead of stats()'s dict: (offloaded or deduplicated, too_small tensors,
-// bytes, device tensors, pool_full tensors, bytes, disk_full tensors, bytes).
-py::tuple exit_counts(const Packer& p) {
-  const auto small = p.kept(KeepReason::TooSmall), device = p.kept(KeepReason::Device),
-             full = p.kept(KeepReason::PoolFull), disk = p.kept(KeepReason::DiskFull);
-  return py::make_tuple(p.offloaded_or_shared(), small.first, small.second, device.first, full.first, full.second,
-                        disk.first, disk.second);
 }
 
 }  // namespace
@@ -196,6 +187,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("min_bytes", [](const PackerOptions& o) { return o.min_bytes; })
       .def_property_readonly("side_stream", [](const PackerOptions& o) { return o.side_stream; });
 
+  py::class_<ExitCounts>(m, "ExitCounts",
+                         "What a context exit checks, from a Packer's counters (Note [Offloaded nothing]): "
+                         "Packer.exit_counts().")
+      .def_readonly("offloaded_or_shared", &ExitCounts::offloaded_or_shared)
+      .def_readonly("too_small_tensors", &ExitCounts::too_small_tensors)
+      .def_readonly("too_small_bytes", &ExitCounts::too_small_bytes)
+      .def_readonly("device_tensors", &ExitCounts::device_tensors)
+      .def_readonly("pool_full_tensors", &ExitCounts::pool_full_tensors)
+      .def_readonly("pool_full_bytes", &ExitCounts::pool_full_bytes)
+      .def_readonly("disk_full_tensors", &ExitCounts::disk_full_tensors)
+      .def_readonly("disk_full_bytes", &ExitCounts::disk_full_bytes);
+
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       // First: the overload co.offload calls, tried before the keyword one.
       .def(py::init([](const PackerOptions& options, std::shared_ptr<HostPool> pool) {
@@ -218,19 +221,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "end",
           [](Packer& p, bool keep_dedup) {
             p.end(keep_dedup);
-            return exit_counts(p);
+            return p.exit_counts();
           },
           py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats)
-      .def("exit_counts", &exit_counts)
+      .def("exit_counts", &Packer::exit_counts)
       .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_version", &cuda_runtime_version);
   m.def("synchronize", &synchronize_side_streams, py::call_guard<py::gil_scoped_release>());
-  bind_hooks(m);
+  bind_activation(m);
   m.def("poll", [] { engine().poll(); });
   m.def("num_keepalives", [] { return engine().num_keepalives(); });
   m.def("profiler_start", &profiler_start);

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <exception>
 #include <string>
+#include <tuple>
 
 #include "../core/profiler.h"
 #include "autograd_objects.h"
@@ -451,6 +452,16 @@ void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, cons
   if (prefetcher) prefetcher->drop_unused();
   engine().poll();
   if (pool) pool->release_retired();
+}
+
+ExitCounts Packer::exit_counts() const {
+  ExitCounts c;
+  c.offloaded_or_shared = offloaded_or_shared();
+  std::tie(c.too_small_tensors, c.too_small_bytes) = kept(KeepReason::TooSmall);
+  c.device_tensors = kept(KeepReason::Device).first;
+  std::tie(c.pool_full_tensors, c.pool_full_bytes) = kept(KeepReason::PoolFull);
+  std::tie(c.disk_full_tensors, c.disk_full_bytes) = kept(KeepReason::DiskFull);
+  return c;
 }
 
 py::dict Packer::stats() const {

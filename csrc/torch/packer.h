@@ -79,6 +79,16 @@ struct PackerOptions {
   std::shared_ptr<HostPool> pool;
 };
 
+// What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), read
+// from the counters without building stats(); bound as _C.ExitCounts.
+struct ExitCounts {
+  int64_t offloaded_or_shared = 0;  // saved tensors offloaded or deduplicated
+  int64_t too_small_tensors = 0, too_small_bytes = 0;
+  int64_t device_tensors = 0;
+  int64_t pool_full_tensors = 0, pool_full_bytes = 0;
+  int64_t disk_full_tensors = 0, disk_full_bytes = 0;
+};
+
 class Packer {
  public:
   explicit Packer(PackerOptions options);
@@ -108,6 +118,7 @@ class Packer {
     return counters_->tensors_offloaded.load(std::memory_order_relaxed) +
            counters_->tensors_deduplicated.load(std::memory_order_relaxed);
   }
+  ExitCounts exit_counts() const;
   const PackerOptions& options() const { return options_; }
   // What ends each backward that unpacked from this packer (an autograd final callback,
   // queued at the first unpack of the backward): drops the prefetches nobody took, lets the
