@@ -35,7 +35,7 @@ from ckpt_offload.options import (
     native_packer_options,
     option_docs,
 )
-from ckpt_offload.pool import HostPool, PoolFullError, default_pool
+from ckpt_offload.pool import HostPool, default_pool
 
 __all__ = [
     "offload",
@@ -547,67 +547,7 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     check_choice("stream", stream, STREAM_MODES)
-    _check_copyable(tensor)
     pool = pool if pool is not None else default_pool()
-    try:
-        return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
-    except ValueError as e:
-        raise ValueError(f"tensor: {e}") from None
-    except PoolFullError as e:
-        raise PoolFullError(_offload_tensor_full_message(str(e))) from None
-
-
-def _offload_tensor_full_message(message: str) -> str:
-    """The engine's pool-full message names co.offload's remedies (on_full="keep", min_bytes),
-    which offload_tensor does not take: keep its numbers, give offload_tensor's own remedies."""
-    facts = message.split(". Raise", 1)[0].replace("for a saved tensor", "for the tensor")
-    disk = "its disk tier has no room" in facts
-    return (
-        f"{facts}. co.offload_tensor stores every tensor it is given, so at the cap it raises: "
-        + ("raise spill_max_bytes or free space on the disk, " if disk else "")
-        + "raise the pool's cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), pass a larger pool "
-        "(pool=...), drop handles you no longer need (a handle's block returns to the pool when it dies), or "
-        "catch co.PoolFullError and keep the tensor where it is."
-    )
-
-
-def _check_copyable(tensor: torch.Tensor) -> None:
-    """Raises ValueError naming what ``tensor`` is when its bytes are not one plain strided span
-    of its own storage: offload_tensor copies that span as raw bytes."""
-    kind = None
-    if tensor.is_meta:
-        kind = "a meta tensor (it has no data)"
-    elif tensor._is_zerotensor():
-        # Its values are implied, not stored (a null data pointer): nothing to copy.
-        # co.offload keeps such tensors (kept reason "no_data").
-        raise ValueError(
-            "tensor: is a ZeroTensor (e.g. a zero tangent of forward-mode AD, or torch._efficientzerotensor), "
-            "which has no data to copy; keep it as it is, or materialize it first (torch.zeros_like(tensor))"
-        )
-    elif tensor.is_nested:
-        kind = "a nested tensor"
-    elif tensor.is_quantized:
-        kind = "a quantized tensor"
-    elif tensor.is_mkldnn:
-        kind = "an MKL-DNN tensor"
-    elif tensor.layout != torch.strided:
-        kind = f"a {tensor.layout} tensor".replace("torch.", "")
-    elif tensor.is_conj():
-        kind = "a conjugate view (resolve it first: tensor.resolve_conj())"
-    elif tensor.is_neg():
-        kind = "a negative-bit view (resolve it first: tensor.resolve_neg())"
-    elif type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-        kind = f"a __torch_dispatch__ tensor subclass ({type(tensor).__name__}), whose storage is not its data"
-    if kind is not None:
-        raise ValueError(f"tensor: must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got {kind}")
-    if tensor.numel() == 0:
-        return
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    end = (tensor.storage_offset() + extent) * tensor.element_size()
-    have = tensor.untyped_storage().nbytes()
-    if end > have:
-        # Reading past the storage would crash (FSDP and torch.compile resize storages to 0).
-        raise ValueError(
-            f"tensor: reaches byte {end} of its storage, which holds {have} bytes (was the storage "
-            "resized, e.g. untyped_storage().resize_(0)?); offload a tensor whose storage holds its data"
-        )
+    # What the tensor itself must be, and the pool-full error with offload_tensor's own remedies,
+    # are the native side's (csrc/torch/host_copies.cpp): one check, one set of messages.
+    return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")

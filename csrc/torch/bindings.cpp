@@ -95,7 +95,25 @@ py::dict pool_stats(HostPool& pool) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_offload native core (see the ckpt_offload package for the API)";
 
-  py::register_exception<PoolFull>(m, "PoolFullError", PyExc_MemoryError);
+  {
+    // PoolFull as PoolFullError, its message's parts as attributes (Python words its own
+    // remedies from `facts` without parsing the message).
+    static PyObject* pool_full_error = nullptr;  // the type, kept for the process
+    py::exception<PoolFull> error(m, "PoolFullError", PyExc_MemoryError);
+    error.attr("facts") = py::none();  // what was asked for and what the pool holds (None: raised in Python)
+    error.attr("remedies") = py::none();  // the ways out
+    pool_full_error = error.inc_ref().ptr();
+    py::register_exception_translator([](std::exception_ptr p) {
+      try {
+        if (p) std::rethrow_exception(p);
+      } catch (const PoolFull& e) {
+        py::object raised = py::handle(pool_full_error)(e.what());
+        raised.attr("facts") = e.facts();
+        raised.attr("remedies") = e.remedies();
+        PyErr_SetObject(pool_full_error, raised.ptr());
+      }
+    });
+  }
   install_capture_probe();  // Note [Graph capture]
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")

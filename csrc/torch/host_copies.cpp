@@ -1,6 +1,8 @@
 // What pack copies to the host (host_copies.h): exact copies, narrow ones, co.offload_tensor's.
 #include "host_copies.h"
 
+#include <torch/csrc/autograd/python_variable.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -92,38 +94,87 @@ std::shared_ptr<ConvertedCopy> convert_to_host(const at::Tensor& t, lowp::Source
                                          t.scalar_type(), t.device(), lo, n);
 }
 
+namespace {
+
+[[noreturn]] void not_plain(const std::string& kind) {
+  throw std::invalid_argument("tensor: must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got " + kind);
+}
+
+// The name of t's Python class ("MyTensor"), for a message.
+std::string python_class_name(const at::Tensor& t) {
+  PyObject* obj = THPVariable_Wrap(t);
+  std::string name = obj ? Py_TYPE(obj)->tp_name : "a tensor subclass";
+  Py_XDECREF(obj);
+  PyErr_Clear();
+  return name;
+}
+
+// What co.offload_tensor checks of its tensor, the one place it is checked (the Python wrapper
+// checks the arguments' types only): its bytes must be one plain strided span of its own
+// storage, which is copied as raw bytes. Raises ValueError (std::invalid_argument) naming what
+// the tensor is instead.
+void check_copyable(const at::Tensor& t) {
+  if (!t.defined()) throw std::invalid_argument("tensor: is undefined");
+  if (t.is_meta()) not_plain("a meta tensor (it has no data)");
+  // Note [Tensors without data]: its values are implied, not stored (a null data pointer).
+  if (t._is_zerotensor())
+    throw std::invalid_argument(
+        "tensor: is a ZeroTensor (e.g. a zero tangent of forward-mode AD, or torch._efficientzerotensor), which has "
+        "no data to copy; keep it as it is, or materialize it first (torch.zeros_like(tensor))");
+  if (t.is_nested()) not_plain("a nested tensor");
+  if (t.is_quantized()) not_plain("a quantized tensor");
+  if (t.is_mkldnn()) not_plain("an MKL-DNN tensor");
+  if (t.layout() != c10::kStrided) {
+    std::string layout = layout_name(t.layout());
+    if (layout.rfind("torch.", 0) == 0) layout = layout.substr(6);
+    not_plain("a " + layout + " tensor");
+  }
+  if (t.is_conj()) not_plain("a conjugate view (resolve it first: tensor.resolve_conj())");
+  if (t.is_neg()) not_plain("a negative-bit view (resolve it first: tensor.resolve_neg())");
+  if (t.key_set().has(c10::DispatchKey::Python))
+    not_plain("a __torch_dispatch__ tensor subclass (" + python_class_name(t) + "), whose storage is not its data");
+  if (wrapped_tensor(t)) not_plain("a functorch or functionalization wrapper, whose storage is not its data");
+  if (!t.device().is_cpu() && !t.device().is_cuda())
+    throw std::invalid_argument("tensor: must be on 'cpu' or 'cuda', got " + t.device().str());
+  if (t.device().is_cuda() && !cuda_compiled())
+    throw std::invalid_argument("tensor: is on " + t.device().str() + ", but this build of ckpt_offload has no CUDA");
+  const char* no_data =
+      "tensor: has no data of its own to copy (no storage, or a null data pointer); keep it as it is, or "
+      "materialize it first (torch.zeros_like(tensor))";
+  if (!t.has_storage()) throw std::invalid_argument(no_data);
+  if (t.numel() == 0) return;
+  if (t.storage().nbytes() > 0 && t.storage().data() == nullptr) throw std::invalid_argument(no_data);
+  // Reading past the end of a storage resized below the tensor's span (resize_(0) leaves sizes
+  // and strides as they were; FSDP and torch.compile do it) would read freed memory on the copy
+  // thread.
+  const int64_t end = (t.storage_offset() + extent_elements(t)) * static_cast<int64_t>(t.dtype().itemsize());
+  const size_t have = t.storage().nbytes();
+  if (static_cast<size_t>(end) > have)
+    throw std::invalid_argument("tensor: reaches byte " + std::to_string(end) + " of its storage, which holds " +
+                                std::to_string(have) +
+                                " bytes (was the storage resized, e.g. untyped_storage().resize_(0)?); offload a "
+                                "tensor whose storage holds its data");
+}
+
+}  // namespace
+
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                             bool side_stream) {
-  if (!t.defined()) throw std::invalid_argument("ckpt_offload.offload_tensor: tensor is undefined");
-  if (unsupported_layout(t) || wrapped_tensor(t))
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be a plain strided tensor, got layout " +
-                                layout_name(t.layout()) + (t.is_conj() ? " with the conjugate bit set" : "") +
-                                (t.is_neg() ? " with the negative bit set" : ""));
-  if (!t.device().is_cpu() && !t.device().is_cuda())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor must be on 'cpu' or 'cuda', got " +
-                                t.device().str());
-  if (t.device().is_cuda() && !cuda_compiled())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: this build has no CUDA");
-  // Note [Tensors without data]: nothing to copy (a resized storage gets the message below).
-  if (t._is_zerotensor() || !t.has_storage() ||
-      (t.numel() > 0 && t.storage().nbytes() > 0 && t.storage().data() == nullptr))
-    throw std::invalid_argument(
-        "ckpt_offload.offload_tensor: tensor has no data of its own to copy (a ZeroTensor, e.g. a zero tangent of "
-        "forward-mode AD, or a tensor without storage); keep it as it is, or materialize it first "
-        "(torch.zeros_like(tensor))");
-  // The Python wrapper checks this first; here it keeps any other caller from copying past the
-  // end of a storage resized below the tensor's span (resize_(0) leaves sizes and strides as
-  // they were), which reads freed memory on the copy thread.
-  const int64_t item = static_cast<int64_t>(t.dtype().itemsize());
-  const int64_t end = (t.storage_offset() + extent_elements(t)) * item;
-  if (t.numel() > 0 && static_cast<size_t>(end) > t.storage().nbytes())
-    throw std::invalid_argument("ckpt_offload.offload_tensor: tensor reaches byte " + std::to_string(end) +
-                                " of its storage, which holds " + std::to_string(t.storage().nbytes()) +
-                                " bytes (was the storage resized?)");
+  check_copyable(t);
   TieredRefusal why = TieredRefusal::None;
   auto counters = std::make_shared<PackerCounters>();
   auto storage = copy_to_host(t, pool, side_stream, counters, &why);
-  if (!storage) throw PoolFull(full_message(why, *pool, t, extent_elements(t) * item));
+  if (!storage) {
+    // The engine's facts, and offload_tensor's own remedies: it takes no on_full or min_bytes.
+    const int64_t span = extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize());
+    throw PoolFull(
+        full_facts(why, *pool, "the tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span),
+        std::string("co.offload_tensor stores every tensor it is given, so at the cap it raises: ") +
+            (why == TieredRefusal::DiskFull ? "raise spill_max_bytes or free space on the disk, " : "") +
+            "raise the pool's cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), pass a larger pool "
+            "(pool=...), drop handles you no longer need (a handle's block returns to the pool when it dies), or "
+            "catch co.PoolFullError and keep the tensor where it is.");
+  }
   return std::make_shared<SavedTensor>(t, std::move(storage), std::move(counters));
 }
 

@@ -36,7 +36,8 @@ std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, i
                                             const std::shared_ptr<HostPool>& pool, bool side_stream,
                                             const CurrentStream* current, uint64_t handle, TieredRefusal* why);
 
-// The standalone engine entry point (co.offload_tensor): validates, offloads, raises PoolFull.
+// The standalone engine entry point (co.offload_tensor): checks the tensor (ValueError naming
+// what it is, the only check of it), copies it, raises PoolFull with its own remedies.
 std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
                                             bool side_stream);
 

@@ -52,6 +52,15 @@ namespace ckpt_offload {
 // Only exactly DTensor: a subclass of it may hold more than its local tensor and spec.
 namespace {
 
+// PoolFull for a batch of `tensors` small saved tensors (`bytes` in all) that the pool refused
+// at its flush (on_full="raise").
+PoolFull batch_refused(TieredRefusal why, HostPool& pool, size_t tensors, size_t bytes) {
+  const PoolFull full = pool_full(why, pool, "a batch of " + std::to_string(tensors) + " small saved tensors",
+                                  static_cast<int64_t>(bytes));
+  return PoolFull(full.facts(),
+                  full.remedies() + " (The batch's tensors were kept on the device, so backward still works.)");
+}
+
 // True while pack_dtensor packs the local tensor of a DTensor that is an activation: that local
 // tensor is a leaf, but no parameter or buffer (Note [DTensor activations]).
 thread_local bool t_local_of_activation = false;
@@ -109,10 +118,7 @@ void Packer::flush_batches() {
       why = kv.second->refusal();
     }
   }
-  if (refused && options_.raise_on_full)
-    throw PoolFull(full_message(why, *options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
-                                static_cast<int64_t>(refused_bytes)) +
-                   " (The batch's tensors were kept on the device, so backward still works.)");
+  if (refused && options_.raise_on_full) throw batch_refused(why, *options_.pool, refused, refused_bytes);
 }
 
 void Packer::begin() {
@@ -282,9 +288,7 @@ std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span&
       batch = open;
     }
     if (full && !full->flush() && options_.raise_on_full)
-      throw PoolFull(full_message(full->refusal(), *options_.pool, "a batch of " + std::to_string(full->size()) +
-                                  " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
-                     " (The batch's tensors were kept on the device, so backward still works.)");
+      throw batch_refused(full->refusal(), *options_.pool, full->size(), full->block_bytes());
     // Null when an unpack flushed the batch meanwhile: take a new one.
     if (auto storage = batch->add(t, span.lo, span.bytes(), current)) {
       counters_->tensors_batched++;
@@ -356,7 +360,7 @@ void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, c
 }
 
 py::object Packer::refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes) {
-  if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, bytes));
+  if (options_.raise_on_full) throw pool_full(why, *options_.pool, saved_tensor_name(t), bytes);
   return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, bytes);
 }
 
