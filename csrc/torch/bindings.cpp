@@ -153,6 +153,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reload", [](SavedTensor& self) { return self.unpack(); });
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
+  m.def(
+      "span_bytes",
+      [](const at::Tensor& t) { return extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize()); },
+      py::arg("tensor"),
+      "The bytes of its storage a tensor spans, from its first element to its last: what co.offload copies for "
+      "it (Note [Span of a tensor], csrc/torch/tensor_layout.h). 0 for an empty tensor.");
   // The kernels of the ops that offload inside a compiled graph (ckpt_offload/_compile_ops.py).
   m.def("compile_to_host", &compile_to_host, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
   m.def("compile_to_device", &compile_to_device, py::arg("host"), py::arg("device"), py::arg("side_stream"));

@@ -42,11 +42,8 @@ SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<Packe
   const c10::IntArrayRef sizes = impl.sizes(), strides = impl.strides();
   sizes_.assign(sizes.begin(), sizes.end());
   strides_.assign(strides.begin(), strides.end());
-  int64_t extent = impl.numel() > 0 ? 1 : 0;  // extent_elements, from what is at hand
-  if (extent)
-    for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
   const int64_t item = static_cast<int64_t>(impl.dtype().itemsize());
-  nbytes_ = extent * item;
+  nbytes_ = extent_elements(impl) * item;  // Note [Span of a tensor]
   lo_ = impl.storage_offset() * item;
 }
 

@@ -22,8 +22,14 @@ bool without_data(const at::Tensor& t);
 // Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
 // storage that is not theirs to copy.
 bool wrapped_tensor(const at::Tensor& t);
-// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
-// reaches only its source's elements, so it does not grow on the host.
+// Note [Span of a tensor]
+// The bytes a saved tensor is copied as: the span of its storage from its first element to its
+// last, extent_elements(t) * itemsize bytes from byte storage_offset * itemsize -- its own
+// elements and whatever lies between them (a transpose, a slice with steps), nothing before or
+// after. An expanded tensor (stride 0) reaches only its source's elements, so it does not grow
+// on the host. torch has no negative strides (as_strided and set_ refuse them), so the first
+// element is the lowest and the rule needs no abs(). Defined here once; Python reads it as
+// _C.span_bytes (the planner's costs, the demo's counts) instead of writing it again.
 int64_t extent_elements(const at::Tensor& t);
 
 // The three below are what Packer::classify asks of every saved tensor, inline here.
