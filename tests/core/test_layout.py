@@ -158,6 +158,24 @@ def test_lower_layers_import_nothing_above_them():
                                                        "ckpt_offload.cli", "ckpt_offload.demo"))}, name
 
 
+def test_the_span_of_a_tensor_is_the_engines_own_rule():
+    # Note [Span of a tensor]: one definition, _C.span_bytes, which the planner and the demo read.
+    base = torch.zeros(4, 6, 8)
+    assert _C.span_bytes(base) == 4 * 6 * 8 * 4
+    assert _C.span_bytes(base.transpose(0, 2)) == 4 * 6 * 8 * 4  # the same elements
+    assert _C.span_bytes(base[:, ::2, 1]) == ((4 - 1) * 48 + (3 - 1) * 16 + 1) * 4  # the gaps between count
+    assert _C.span_bytes(torch.zeros(8).expand(5, 8)) == 8 * 4  # stride 0: only the source's elements
+    assert _C.span_bytes(torch.zeros(0, 3)) == 0
+    # What co.offload copies for a strided view is that span.
+    x = torch.randn(64, 64, requires_grad=True)
+    with co.offload(**CPU) as ctx:
+        view = (x * 2)[::2, 1::3]
+        z = torch.sin(view)  # saves its input, the strided view, and nothing else
+    assert (ctx.stats()["tensors_offloaded"], ctx.stats()["bytes_offloaded"]) == (1, _C.span_bytes(view))
+    assert _C.span_bytes(view) == ((32 - 1) * 128 + (21 - 1) * 3 + 1) * 4
+    z.sum().backward()
+
+
 # --- names -----------------------------------------------------------------------------------------
 
 
