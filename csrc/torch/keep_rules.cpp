@@ -70,10 +70,6 @@ bool scan_state(PyObject* module, bool buffers, PyObject* dtensor, const void* t
 
 }  // namespace
 
-bool KeepRules::is_parameter(PyObject* obj) {
-  return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass));
-}
-
 std::optional<KeepReason> KeepRules::leaf_owner(const at::Tensor& t, const at::TensorBase& root) {
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   if (&root != static_cast<const at::TensorBase*>(&t)) {
@@ -152,8 +148,7 @@ bool KeepRules::is_autocast_weight_cast(const at::TensorBase& root) {
 // weight as its own output and save it -- so a tensor whose grad_fn is the newest node of this
 // thread (the saving node, when it is an output) still gets the alias. The version check is
 // ours either way (SavedVersion).
-bool KeepRules::held_as_it_is(const at::Tensor& t, KeepReason why) {
-  if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) return false;
+bool KeepRules::not_the_saving_node(const at::Tensor& t) {
   const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(t);
   const torch::autograd::Node* fn = meta ? meta->grad_fn_.get() : nullptr;  // the field: no view regeneration
   if (!fn) return true;

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <mutex>
 #include <optional>
@@ -25,7 +26,9 @@ class KeepRules {
   void clear();
 
   // An nn.Parameter (or a subclass of it).
-  static bool is_parameter(PyObject* obj);
+  static bool is_parameter(PyObject* obj) {
+    return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass));
+  }
   // Note [Parameters and buffers]: `root`, the view root of a non-leaf saved tensor, is what
   // autocast's weight cache holds for a parameter. Cheap tests first: a low-precision float
   // inside a torch.autocast region.
@@ -33,7 +36,11 @@ class KeepRules {
     return c10::isReducedFloatingType(root.scalar_type()) && autocast_region_active() && is_autocast_weight_cast(root);
   }
   // Note [Kept as it is]: a tensor kept for `why` is held as it is, not through a detached alias.
-  static bool held_as_it_is(const at::Tensor& t, KeepReason why);
+  // The reason first (inline: every kept tensor asks).
+  static bool held_as_it_is(const at::Tensor& t, KeepReason why) {
+    return (why == KeepReason::Parameter || why == KeepReason::Buffer || why == KeepReason::AutocastCast) &&
+           not_the_saving_node(t);
+  }
 
  private:
   // True inside a torch.autocast region (whose weight cache is then live): torch.autocast's
@@ -47,6 +54,8 @@ class KeepRules {
     return n > 1;
   }
   static bool is_autocast_weight_cast(const at::TensorBase& root);
+  // held_as_it_is's test past the reason: t is a leaf, or its grad_fn is not the saving node.
+  static bool not_the_saving_node(const at::Tensor& t);
 
   // Storages leaf_owner found to be a running module's parameter or buffer this activation
   // (only ever positives: a miss is looked up again; a few at most, searched in order). A leaf
