@@ -23,6 +23,19 @@ namespace py = pybind11;
 
 namespace ckpt_offload {
 
+namespace {
+
+// PoolFull for a batch of `tensors` small saved tensors (`bytes` in all) that the pool refused
+// at its flush (on_full="raise").
+PoolFull batch_refused(TieredRefusal why, HostPool& pool, size_t tensors, size_t bytes) {
+  const PoolFull full = pool_full(why, pool, "a batch of " + std::to_string(tensors) + " small saved tensors",
+                                  static_cast<int64_t>(bytes));
+  return PoolFull(full.facts(),
+                  full.remedies() + " (The batch's tensors were kept on the device, so backward still works.)");
+}
+
+}  // namespace
+
 // Note [Selective checkpoint cache mutation]
 // torch's selective activation checkpoint (SAC) with respect_saved_tensors_hooks=True hands the
 // tensors it caches to our pack hook, and in backward calls our unpack from
@@ -51,15 +64,6 @@ namespace ckpt_offload {
 // __torch_dispatch__ subclass is kept (KeepReason::Subclass): its storage is not its data.
 // Only exactly DTensor: a subclass of it may hold more than its local tensor and spec.
 namespace {
-
-// PoolFull for a batch of `tensors` small saved tensors (`bytes` in all) that the pool refused
-// at its flush (on_full="raise").
-PoolFull batch_refused(TieredRefusal why, HostPool& pool, size_t tensors, size_t bytes) {
-  const PoolFull full = pool_full(why, pool, "a batch of " + std::to_string(tensors) + " small saved tensors",
-                                  static_cast<int64_t>(bytes));
-  return PoolFull(full.facts(),
-                  full.remedies() + " (The batch's tensors were kept on the device, so backward still works.)");
-}
 
 // True while pack_dtensor packs the local tensor of a DTensor that is an activation: that local
 // tensor is a leaf, but no parameter or buffer (Note [DTensor activations]).
