@@ -17,7 +17,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUFFIXES = (".h", ".cpp", ".cu", ".cuh")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 def unit_of(path: str) -> str:

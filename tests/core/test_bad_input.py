@@ -411,10 +411,9 @@ def test_pool_full_errors_carry_their_facts_and_remedies_apart():
     assert "Asked for 256.0 KiB (262144 bytes) for the tensor [Float on cpu, shape [65536]]" in e.facts
     assert e.remedies.startswith("co.offload_tensor stores every tensor it is given")
     x = torch.randn(1 << 16, requires_grad=True)
-    with pytest.raises(co.PoolFullError) as packed:
-        with co.offload(devices=["cpu"], min_bytes=0, on_full="raise",
-                        pool=co.HostPool(max_bytes=1 << 12, pinned=False)):
-            torch.tanh(x)
+    full = co.HostPool(max_bytes=1 << 12, pinned=False)
+    with pytest.raises(co.PoolFullError) as packed, co.offload(devices=["cpu"], min_bytes=0, on_full="raise", pool=full):
+        torch.tanh(x)
     e = packed.value
     assert str(e) == f"{e.facts}. {e.remedies}" and "for a saved tensor [Float on cpu" in e.facts
     assert 'on_full="keep"' in e.remedies
