@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # The toolkit and include-dir discovery is shared with scripts/check_torch_headers.sh.
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 from build_env import (  # noqa: E402
+    STD_FLAG,
     decide_cuda as _decide_cuda,
     extra_cuda_include_flags,
     is_toolkit as _is_toolkit,
@@ -97,8 +98,9 @@ def want_cuda():
 
 
 def extension():
-    # No -std flag: torch's cpp_extension picks the standard its headers need (C++20 for 2.10+).
-    cxx = ["-O2", "-fvisibility=hidden"]
+    # The one standard of every C++ and CUDA file (scripts/build_env.py: C++20, what torch's headers
+    # need from 2.10 on), said here rather than left to torch's default.
+    cxx = ["-O2", "-fvisibility=hidden", STD_FLAG]
     # libstdc++ first among the libraries the extension needs (torch's builder appends c10 and
     # torch after these): the extension's references to libstdc++ are then versioned and bind to
     # libstdc++ itself, not to the copies of its newer pieces that libc10 and libtorch_cpu export
@@ -110,7 +112,7 @@ def extension():
         return cpp_extension.CUDAExtension(
             "ckpt_offload._C",
             CORE + TORCH_LAYER_CUDA + CUDA_SOURCES,
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA"]},
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA", STD_FLAG]},
             libraries=libraries,
         )
     return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx},

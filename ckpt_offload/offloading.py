@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import inspect
 import sys
-import threading
 
 import torch
 
@@ -36,7 +35,7 @@ from ckpt_offload.options import (
     native_packer_options,
     option_docs,
 )
-from ckpt_offload.pool import HostPool, PoolFullError, default_pool
+from ckpt_offload.pool import HostPool, default_pool
 
 __all__ = [
     "offload",
@@ -66,114 +65,31 @@ def _warn_hooks_disabled(reason: str) -> None:
     )
 
 
-# torch's entry points that every enter and exit calls, looked up once (not per call).
-_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _top_hooks():
-    """The innermost (pack, unpack) pair on this thread's saved-tensor hooks stack, or None;
-    ``False`` when this torch cannot tell."""
-    return False if _top_saved_hooks is None else _top_saved_hooks(False)
-
-
-def _graph_task_id() -> int:
-    """The id of the backward running on this thread, -1 outside backward (or when torch cannot tell)."""
-    return -1 if _current_graph_task_id is None else _current_graph_task_id()
-
-
-class _Activation:
-    """An entry left on a thread's hooks stack by an exit that could not pop it (Note [Exits
-    that cannot pop]): its functions, and the thread and backward it was entered in."""
-
-    __slots__ = ("thread", "graph_task", "pack", "unpack")
-
-    def __init__(self, hooks):
-        self.thread = hooks.thread
-        # -1 outside backward. Inside backward the hooks stack is a copy that the engine drops
-        # when backward ends, so a context must exit in the backward (or not) where it entered.
-        self.graph_task = hooks.graph_task
-        self.pack, self.unpack = hooks.pack, hooks.unpack
-
-
 _NOOP_CHECKS = 64  # exits a context checks for having offloaded nothing (Note [Offloaded nothing])
 _NOOP_KEY = "co.offload-offloaded-nothing"  # its warning's key (once per context and line)
-_REPORT_NOOP = _C.Hooks.REPORT_NOOP
 
-# Note [Exits that cannot pop]
-# torch's saved-tensor hooks live on a per-thread stack, and torch's own contexts pop whatever
-# is on top when they exit, so any sequence of exits ends with an empty stack. A co.offload
-# exited out of order, on another thread, or inside a backward it was not entered in cannot
-# pop its entry with a plain pop; refusing (raising and leaving it installed) left it on that
-# thread's stack for good when nobody called __exit__ again (a @contextmanager scope closed out
-# of order), and later plain ops were offloaded into its pool. So such an exit always exits,
-# and warns:
-#  - out of order on the thread that entered it: exactly its own entry is taken out of the
-#    stack (the entries above are popped and pushed back, in order), so the contexts entered
-#    after it stay in force and exit normally;
-#  - on another thread, or inside another backward (whose stack is a copy): that stack cannot
-#    be reached from here. The entry's pack function is closed (_C.close_hook: it hands every
-#    tensor back as it is, offloading nothing), and the entry is dropped from the entering
-#    thread's stack as soon as it is on top there, at the next co.offload enter or exit on that
-#    thread (_drop_stale_entries).
-_stale_lock = threading.Lock()
-_stale: dict[int, list] = {}  # thread id -> the _Activation entries left on its stack, closed
-
-
-def _pop_own_entry(pack, unpack) -> bool:
-    """Takes the (pack, unpack) entry out of this thread's hooks stack, wherever it is, leaving
-    the others as they were. False (and the stack unchanged) when it is not on the stack."""
-    autograd = torch._C._autograd
-    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None or not autograd._saved_tensors_hooks_is_enabled():
-        return False  # cannot read the stack, or cannot push the others back
-    above = []
-    found = False
-    try:
-        while True:
-            entry = top(True)
-            if entry is None:
-                break
-            autograd._pop_saved_tensors_default_hooks()
-            if entry[0] is pack and entry[1] is unpack:
-                found = True
-                break
-            above.append(entry)
-    finally:
-        for p, u in reversed(above):
-            autograd._push_saved_tensors_default_hooks(p, u)
-    return found
-
-
-def _drop_stale_entries() -> None:
-    """Pops the closed entries (Note [Exits that cannot pop]) on top of this thread's stack."""
-    if not _stale:
-        return
-    me = threading.get_ident()
-    with _stale_lock:
-        entries = _stale.get(me)
-    if not entries:
-        return
-    task = _graph_task_id()
-    while True:
-        top = _top_hooks()
-        if not top:
-            break
-        match = next((a for a in entries if a.pack is top[0] and a.unpack is top[1] and a.graph_task == task), None)
-        if match is None:
-            break
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-        entries.remove(match)
-    with _stale_lock:
-        if not entries and _stale.get(me) is entries:
-            del _stale[me]
-
-
-def _leave_stale(state: "_Activation", record: bool) -> None:
-    _C.close_hook(state.pack)
-    if record:
-        with _stale_lock:
-            _stale.setdefault(state.thread, []).append(state)
+# What the native entry and exit return (Note [Native activation], csrc/torch/activation.cpp).
+_BUSY, _NOT_ACTIVE = _C.Activation.BUSY, _C.Activation.NOT_ACTIVE
+_REPORT_NOOP, _REPORT_FULL, _REPORT_DISK_FULL = (int(_C.ExitReport.NOOP), int(_C.ExitReport.FULL),
+                                                 int(_C.ExitReport.DISK_FULL))
+_REPORT_HOST_LIMITS = int(_C.ExitReport.FALLBACK) | int(_C.ExitReport.SHARE)
+# An exit that could not pop its own entry still exits, having repaired the stack as Note [Exits
+# that cannot pop] (csrc/torch/activation.cpp) says; what is said about each repair.
+_REPAIRED = {
+    _C.Activation.OTHER_THREAD: (
+        "on a different thread than the one that entered it (saved-tensor hooks are per thread): its hooks stay "
+        "on that thread's stack, offloading nothing, until the next co.offload enters or exits there"),
+    _C.Activation.OTHER_BACKWARD: (
+        "inside a backward it was not entered in (or outside the backward it was entered in): autograd keeps a "
+        "separate hooks stack for each backward; its hooks offload nothing from now on and are dropped when they "
+        "can be"),
+    _C.Activation.OUT_OF_ORDER: (
+        "while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint region, "
+        "torch's save_on_cpu, ...) is still active: its own hooks were taken out from under that context, which "
+        "stays in force"),
+    _C.Activation.NOT_ON_STACK: "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing "
+                                "from now on",
+}
 
 
 class offload:
@@ -245,7 +161,7 @@ class offload:
         self._packer = _C.Packer(native_packer_options(options), self.pool._impl)
         self.keep_dedup = keep_dedup
         # The hook functions and the activation in force, entered and exited in one native call
-        # each (Note [Native activation], csrc/torch/hooks.cpp): one activation at a time.
+        # each (Note [Native activation], csrc/torch/activation.cpp): one activation at a time.
         self._hooks = _C.Hooks(self._packer, keep_dedup)
         self._warned_full = False  # the pool-cap warning is given once per context
         self._warned_disk_full = False  # and so is the disk-full one
@@ -296,13 +212,11 @@ class offload:
     def _enter(self) -> "offload":
         """``__enter__`` after its compile check: what the checkpoint routes call, having made
         that check once for the whole call (Note [Fixed cost per call])."""
-        if _stale:
-            _drop_stale_entries()  # Note [Exits that cannot pop]
         check_compiled_regions()  # Note [Compiled regions inside co.offload]
         # Claims the activation, pushes the hooks, begins the packer's activation (one call).
         refused = self._hooks.enter()
         if refused is not None:
-            if refused == _C.Hooks.BUSY:
+            if refused is _BUSY:
                 raise RuntimeError(
                     "this co.offload() context is already active (entered and not exited yet, on this thread or "
                     "another); nest a new co.offload() instead"
@@ -311,32 +225,6 @@ class offload:
             _warn_hooks_disabled(hooks_disabled_reason())
         self._entered = True  # __exit__ tells a context never entered from one exited twice
         return self
-
-    def _uninstall(self) -> str | None:
-        """Takes this activation's hooks off where the native exit could not pop them (Note
-        [Exits that cannot pop]); returns what to warn about."""
-        hooks = self._hooks
-        state = _Activation(hooks)
-        if hooks.thread != threading.get_ident():
-            _leave_stale(state, record=True)
-            return ("on a different thread than the one that entered it (saved-tensor hooks are per thread): its "
-                    "hooks stay on that thread's stack, offloading nothing, until the next co.offload enters or "
-                    "exits there")
-        if hooks.graph_task != _graph_task_id():
-            # Entered outside backward: the entry is on this thread's own stack, out of reach
-            # until backward ends. Entered in a backward: it lived in that backward's copy of the
-            # stack, which autograd drops when the backward ends.
-            _leave_stale(state, record=hooks.graph_task == -1)
-            return ("inside a backward it was not entered in (or outside the backward it was entered in): autograd "
-                    "keeps a separate hooks stack for each backward; its hooks offload nothing from now on and "
-                    "are dropped when they can be")
-        if _pop_own_entry(state.pack, state.unpack):
-            # Its own entry is off the stack: the same functions serve the next entry.
-            return ("while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint "
-                    "region, torch's save_on_cpu, ...) is still active: its own hooks were taken out from under "
-                    "that context, which stays in force")
-        _leave_stale(state, record=True)
-        return "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing from now on"
 
     def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
         if torch.compiler.is_compiling():
@@ -355,46 +243,35 @@ class offload:
             return
         if done is None:
             return  # nothing to report: the usual exit
-        if done > 0:
+        if type(done) is int:  # ExitReport bits: the exit checks have something to say
             caller = sys._getframe(depth)
             if done == _REPORT_NOOP and (_NOOP_KEY, id(caller.f_code), caller.f_lasti) in _warned_callers:
                 self._hooks.noop_checks = 0  # this line has warned (a fresh context per step)
                 return
             self._report(done, caller)
             return
-        if done == _C.Hooks.NOT_ACTIVE:  # a second __exit__, or one never entered
-            _drop_stale_entries()
+        if done is _NOT_ACTIVE:  # a second __exit__, or one never entered
             if not getattr(self, "_entered", False):
                 raise RuntimeError(
                     "co.offload().__exit__ called on a context that was never entered, so nothing was "
                     "offloaded and there is nothing to end: use `with co.offload(...) as ctx:` (or call "
                     "ctx.__enter__() first)")
             return
-        if done == _C.Hooks.BUSY:
+        if done is _BUSY:
             return  # another thread is entering/exiting it
-        # MISUSE: the exit is claimed; take the entry off, then end the activation.
-        misuse = None
-        try:
-            misuse = self._uninstall()
-        finally:
-            try:
-                done = self._hooks.finish()
-            except Exception as e:
-                done = e
-            if misuse is not None and not self._hooks.active:
-                self._hooks.renew()  # the entry left behind holds the old functions, closed
-            if _stale:
-                _drop_stale_entries()
+        # The exit could not pop its own entry: it repaired the stack, ended the activation, and
+        # says how, with what the end gave (None, ExitReport bits, or the flush's exception).
+        repair, outcome = done
         warn(
-            f"co.offload().__exit__ called {misuse}. The context has exited. Exit contexts in the reverse "
+            f"co.offload().__exit__ called {_REPAIRED[repair]}. The context has exited. Exit contexts in the reverse "
             "order of entering, on the thread (and in the backward, or outside backward) that entered them.",
             RuntimeWarning,
             stacklevel=depth + 1,
         )
-        if isinstance(done, Exception):
-            self._after_flush_error(done, exc_type, depth + 1)
-        elif done is not None:
-            self._report(done, sys._getframe(depth))
+        if isinstance(outcome, BaseException):
+            self._after_flush_error(outcome, exc_type, depth + 1)
+        elif outcome is not None:
+            self._report(outcome, sys._getframe(depth))
 
     def _after_flush_error(self, error: Exception, exc_type, depth: int = 2) -> None:
         # An exception raised in the block (a KeyboardInterrupt, an OOM) is the one the caller
@@ -407,20 +284,19 @@ class offload:
             self._report(done, sys._getframe(depth))
 
     def _report(self, why: int, caller=None) -> None:
-        """What the native exit reported (Note [Native activation]): a bit per check that has
-        something to say; ``caller``: the frame that called ``__exit__``."""
-        # (offloaded or deduplicated, too_small tensors, bytes, device tensors, pool_full
-        # tensors, bytes, disk_full tensors, bytes)
-        counts = self._packer.exit_counts()
-        if why & _C.Hooks.REPORT_NOOP:
-            self._warn_if_offloaded_nothing(counts[1], counts[2], counts[3], caller)
-            if why == _C.Hooks.REPORT_NOOP:
+        """What the native exit reported (Note [Native activation]): ExitReport bits, one per check
+        that has something to say; ``caller``: the frame that called ``__exit__``."""
+        counts = self._packer.exit_counts()  # _C.ExitCounts
+        if why & _REPORT_NOOP:
+            self._warn_if_offloaded_nothing(counts.too_small_tensors, counts.too_small_bytes, counts.device_tensors,
+                                            caller)
+            if why == _REPORT_NOOP:
                 return
-        if why & _C.Hooks.REPORT_FULL:
-            self._warn_pool_was_full(counts[4], counts[5])
-        if why & _C.Hooks.REPORT_DISK_FULL:
-            self._warn_disk_full(counts[6], counts[7])
-        if why & (_C.Hooks.REPORT_FALLBACK | _C.Hooks.REPORT_SHARE):
+        if why & _REPORT_FULL:
+            self._warn_pool_was_full(counts.pool_full_tensors, counts.pool_full_bytes)
+        if why & _REPORT_DISK_FULL:
+            self._warn_disk_full(counts.disk_full_tensors, counts.disk_full_bytes)
+        if why & _REPORT_HOST_LIMITS:
             self.pool._check_host_limits()
         self._arm_exit_checks()  # what was warned about is not reported again
 
@@ -671,67 +547,7 @@ def offload_tensor(tensor: torch.Tensor, pool: HostPool | None = None, stream: s
     if pool is not None and not isinstance(pool, HostPool):
         raise TypeError(f"pool must be a ckpt_offload.HostPool or None, got {type(pool).__name__}")
     check_choice("stream", stream, STREAM_MODES)
-    _check_copyable(tensor)
     pool = pool if pool is not None else default_pool()
-    try:
-        return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")
-    except ValueError as e:
-        raise ValueError(f"tensor: {e}") from None
-    except PoolFullError as e:
-        raise PoolFullError(_offload_tensor_full_message(str(e))) from None
-
-
-def _offload_tensor_full_message(message: str) -> str:
-    """The engine's pool-full message names co.offload's remedies (on_full="keep", min_bytes),
-    which offload_tensor does not take: keep its numbers, give offload_tensor's own remedies."""
-    facts = message.split(". Raise", 1)[0].replace("for a saved tensor", "for the tensor")
-    disk = "its disk tier has no room" in facts
-    return (
-        f"{facts}. co.offload_tensor stores every tensor it is given, so at the cap it raises: "
-        + ("raise spill_max_bytes or free space on the disk, " if disk else "")
-        + "raise the pool's cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), pass a larger pool "
-        "(pool=...), drop handles you no longer need (a handle's block returns to the pool when it dies), or "
-        "catch co.PoolFullError and keep the tensor where it is."
-    )
-
-
-def _check_copyable(tensor: torch.Tensor) -> None:
-    """Raises ValueError naming what ``tensor`` is when its bytes are not one plain strided span
-    of its own storage: offload_tensor copies that span as raw bytes."""
-    kind = None
-    if tensor.is_meta:
-        kind = "a meta tensor (it has no data)"
-    elif tensor._is_zerotensor():
-        # Its values are implied, not stored (a null data pointer): nothing to copy.
-        # co.offload keeps such tensors (kept reason "no_data").
-        raise ValueError(
-            "tensor: is a ZeroTensor (e.g. a zero tangent of forward-mode AD, or torch._efficientzerotensor), "
-            "which has no data to copy; keep it as it is, or materialize it first (torch.zeros_like(tensor))"
-        )
-    elif tensor.is_nested:
-        kind = "a nested tensor"
-    elif tensor.is_quantized:
-        kind = "a quantized tensor"
-    elif tensor.is_mkldnn:
-        kind = "an MKL-DNN tensor"
-    elif tensor.layout != torch.strided:
-        kind = f"a {tensor.layout} tensor".replace("torch.", "")
-    elif tensor.is_conj():
-        kind = "a conjugate view (resolve it first: tensor.resolve_conj())"
-    elif tensor.is_neg():
-        kind = "a negative-bit view (resolve it first: tensor.resolve_neg())"
-    elif type(tensor).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-        kind = f"a __torch_dispatch__ tensor subclass ({type(tensor).__name__}), whose storage is not its data"
-    if kind is not None:
-        raise ValueError(f"tensor: must be a plain strided tensor (dense, on 'cpu' or 'cuda'), got {kind}")
-    if tensor.numel() == 0:
-        return
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    end = (tensor.storage_offset() + extent) * tensor.element_size()
-    have = tensor.untyped_storage().nbytes()
-    if end > have:
-        # Reading past the storage would crash (FSDP and torch.compile resize storages to 0).
-        raise ValueError(
-            f"tensor: reaches byte {end} of its storage, which holds {have} bytes (was the storage "
-            "resized, e.g. untyped_storage().resize_(0)?); offload a tensor whose storage holds its data"
-        )
+    # What the tensor itself must be, and the pool-full error with offload_tensor's own remedies,
+    # are the native side's (csrc/torch/host_copies.cpp): one check, one set of messages.
+    return _C.offload_tensor(tensor.detach(), pool._impl, stream == "side")

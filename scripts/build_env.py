@@ -16,6 +16,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The one C++ standard of every C++ and CUDA file: the extension's (setup.py), the compile check's
+# (torch_compile_flags) and the core's native build (CMakeLists.txt's CMAKE_CXX_STANDARD and
+# CMAKE_CUDA_STANDARD; tests/core/test_packaging.py checks they agree). C++20, because torch's
+# headers require it from 2.10 on (ATen/ATen.h refuses an older standard), and the core builds
+# with the extension.
+CXX_STANDARD = 20
+STD_FLAG = f"-std=c++{CXX_STANDARD}"
+
 # Headers that torch's CUDA headers include and that a bare toolkit (or a pip-only machine)
 # may lack; pip's nvidia-* packages ship them.
 LIBRARY_HEADERS = ["cusparse.h", "cublas_v2.h", "cusolverDn.h", "curand.h", "cufft.h"]
@@ -94,7 +102,7 @@ def torch_compile_flags(with_cuda, torch_include_root=None):
             d = torch_include_root + d[len(installed_root):]
         flags.append("-I" + d)
     # As setup.py compiles (-fvisibility=hidden: pybind11 warns about class visibility without it).
-    flags += ["-I" + sysconfig.get_paths()["include"], "-std=c++20", "-fvisibility=hidden", "-DTORCH_EXTENSION_NAME=_C",
+    flags += ["-I" + sysconfig.get_paths()["include"], STD_FLAG, "-fvisibility=hidden", "-DTORCH_EXTENSION_NAME=_C",
               "-DTORCH_API_INCLUDE_EXTENSION_H"]
     if with_cuda:
         home = cpp_extension.CUDA_HOME

@@ -46,7 +46,7 @@ import time
 import torch
 
 from ckpt_offload._info import build_info
-from ckpt_offload._runtime import gpu_usable, synchronize
+from ckpt_offload._runtime import _C, gpu_usable, synchronize
 from ckpt_offload.demo.model import TinyTransformer, lm_loss, make_batch, make_config
 from ckpt_offload.offloading import offload
 from ckpt_offload.options import DEFAULT_MIN_BYTES
@@ -61,14 +61,6 @@ DEMO_JSON = "demo.json"
 def default_device() -> str:
     """``"cuda"`` when :func:`gpu_usable`, else ``"cpu"``."""
     return "cuda" if gpu_usable() else "cpu"
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes of storage ``t`` reaches from its first element (what ckpt_offload copies)."""
-    if t.numel() == 0:
-        return 0
-    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return extent * t.element_size()
 
 
 class _SavedBytesCounter:
@@ -90,7 +82,7 @@ class _SavedBytesCounter:
         elif ptr in self.buffer_storages:
             kind, nbytes = "buffer", t.numel() * t.element_size()
         else:
-            kind, nbytes = "activation", _span_bytes(t)
+            kind, nbytes = "activation", _C.span_bytes(t)
             if nbytes < self.min_bytes:
                 self.counts["activation_small"][0] += 1
                 self.counts["activation_small"][1] += nbytes

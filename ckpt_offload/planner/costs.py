@@ -339,15 +339,6 @@ def measure_conversion(device: str = "cpu", store_dtype=torch.bfloat16, nbytes: 
     return 2 * x.nbytes / max(best, 1e-9)
 
 
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to its last in its storage (what co.offload copies or
-    converts for it)."""
-    if t.numel() == 0:
-        return 0
-    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    return extent * t.element_size()
-
-
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
@@ -543,7 +534,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
                     owner[k] = ("block", c)
                     r.cost.input_sizes.append(k[2])
                     r.cost.input_dtypes.append(_dtype_name(t))
-                    r.cost.input_spans.append(_span_bytes(t))
+                    r.cost.input_spans.append(_C.span_bytes(t))
             rec_mode.block = r
         return hook
 
@@ -574,7 +565,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
             c = state["call"]
             calls[c].cost.nodes.append(-1)
             calls[c].cost.pack_dtypes.append(_dtype_name(t))
-            calls[c].cost.pack_spans.append(_span_bytes(t))
+            calls[c].cost.pack_spans.append(_C.span_bytes(t))
             calls[c].cost.pack_starts.append((t.storage_offset() * t.element_size(), t._version))
             pack_block(t, k, c)
             return _Packed(t, c, len(calls[c].cost.nodes) - 1)

@@ -1,4 +1,5 @@
-#include "batch.h"
+// Batching: many small saved tensors copied as one (the Batch of offloaded_storage.h).
+#include "offloaded_storage.h"
 
 #include "../core/profiler.h"
 #include "device_memory.h"

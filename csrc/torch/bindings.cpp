@@ -14,7 +14,9 @@
 #include "runtime.h"
 #include "device_bytes.h"
 #include "device_memory.h"
+#include "activation.h"
 #include "hooks.h"
+#include "host_copies.h"
 #include "packer.h"
 #include "pinned_fallback.h"
 #include "store_dtype.h"
@@ -96,22 +98,30 @@ py::dict pool_stats(HostPool& pool) {
   return CKPT_OFFLOAD_STATS_DICT(CKPT_OFFLOAD_POOL_STATS, pool.stats(), extra);
 }
 
-// What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), as
-// one flat tuple instead of stats()'s dict: (offloaded or deduplicated, too_small tensors,
-// bytes, device tensors, pool_full tensors, bytes, disk_full tensors, bytes).
-py::tuple exit_counts(const Packer& p) {
-  const auto small = p.kept(KeepReason::TooSmall), device = p.kept(KeepReason::Device),
-             full = p.kept(KeepReason::PoolFull), disk = p.kept(KeepReason::DiskFull);
-  return py::make_tuple(p.offloaded_or_shared(), small.first, small.second, device.first, full.first, full.second,
-                        disk.first, disk.second);
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ckpt_offload native core (see the ckpt_offload package for the API)";
 
-  py::register_exception<PoolFull>(m, "PoolFullError", PyExc_MemoryError);
+  {
+    // PoolFull as PoolFullError, its message's parts as attributes (Python words its own
+    // remedies from `facts` without parsing the message).
+    static PyObject* pool_full_error = nullptr;  // the type, kept for the process
+    py::exception<PoolFull> error(m, "PoolFullError", PyExc_MemoryError);
+    error.attr("facts") = py::none();  // what was asked for and what the pool holds (None: raised in Python)
+    error.attr("remedies") = py::none();  // the ways out
+    pool_full_error = error.inc_ref().ptr();
+    py::register_exception_translator([](std::exception_ptr p) {
+      try {
+        if (p) std::rethrow_exception(p);
+      } catch (const PoolFull& e) {
+        py::object raised = py::handle(pool_full_error)(e.what());
+        raised.attr("facts") = e.facts();
+        raised.attr("remedies") = e.remedies();
+        PyErr_SetObject(pool_full_error, raised.ptr());
+      }
+    });
+  }
   install_capture_probe();  // Note [Graph capture]
 
   py::class_<HostPool, std::shared_ptr<HostPool>>(m, "HostPool")
@@ -152,6 +162,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reload", [](SavedTensor& self) { return self.unpack(); });
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
+  m.def(
+      "span_bytes",
+      [](const at::Tensor& t) { return extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize()); },
+      py::arg("tensor"),
+      "The bytes of its storage a tensor spans, from its first element to its last: what co.offload copies for "
+      "it (Note [Span of a tensor], csrc/torch/tensor_layout.h). 0 for an empty tensor.");
   // The kernels of the ops that offload inside a compiled graph (ckpt_offload/_compile_ops.py).
   m.def("compile_to_host", &compile_to_host, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
   m.def("compile_to_device", &compile_to_device, py::arg("host"), py::arg("device"), py::arg("side_stream"));
@@ -204,6 +220,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("min_bytes", [](const PackerOptions& o) { return o.min_bytes; })
       .def_property_readonly("side_stream", [](const PackerOptions& o) { return o.side_stream; });
 
+  py::class_<ExitCounts>(m, "ExitCounts",
+                         "What a context exit checks, from a Packer's counters (Note [Offloaded nothing]): "
+                         "Packer.exit_counts().")
+      .def_readonly("offloaded_or_shared", &ExitCounts::offloaded_or_shared)
+      .def_readonly("too_small_tensors", &ExitCounts::too_small_tensors)
+      .def_readonly("too_small_bytes", &ExitCounts::too_small_bytes)
+      .def_readonly("device_tensors", &ExitCounts::device_tensors)
+      .def_readonly("pool_full_tensors", &ExitCounts::pool_full_tensors)
+      .def_readonly("pool_full_bytes", &ExitCounts::pool_full_bytes)
+      .def_readonly("disk_full_tensors", &ExitCounts::disk_full_tensors)
+      .def_readonly("disk_full_bytes", &ExitCounts::disk_full_bytes);
+
   py::class_<Packer, std::shared_ptr<Packer>>(m, "Packer")
       // First: the overload co.offload calls, tried before the keyword one.
       .def(py::init([](const PackerOptions& options, std::shared_ptr<HostPool> pool) {
@@ -226,21 +254,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "end",
           [](Packer& p, bool keep_dedup) {
             p.end(keep_dedup);
-            return exit_counts(p);
+            return p.exit_counts();
           },
           py::arg("keep_dedup") = false)
       .def("flush_batches", &Packer::flush_batches)
       .def("stats", &Packer::stats)
       // Note [Same view, same tensor]: a selective checkpoint's cache sets it.
       .def_property("distinct_unpacks", &Packer::distinct_unpacks, &Packer::set_distinct_unpacks)
-      .def("exit_counts", &exit_counts)
+      .def("exit_counts", &Packer::exit_counts)
       .def("reset_stats", &Packer::reset_stats);
 
   m.def("cuda_compiled", &cuda_compiled);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("cuda_runtime_version", &cuda_runtime_version);
   m.def("synchronize", &synchronize_side_streams, py::call_guard<py::gil_scoped_release>());
-  bind_hooks(m);
+  bind_activation(m);
   m.def("poll", [] { engine().poll(); });
   m.def("num_keepalives", [] { return engine().num_keepalives(); });
   m.def("profiler_start", &profiler_start);

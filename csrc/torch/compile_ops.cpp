@@ -113,7 +113,7 @@ at::Tensor compile_to_host(const at::Tensor& x, const std::shared_ptr<HostPool>&
   CopyTag tag{0, device_index(device), false, 1};
   auto buffer = engine().offload(pool, source.data_ptr(), bytes, streams.compute(), streams.copy(),
                                  std::make_shared<at::Tensor>(source), tag);
-  if (!buffer) throw PoolFull(pool_full_message(*pool, x, static_cast<int64_t>(bytes)));
+  if (!buffer) throw pool_full(TieredRefusal::PoolFull, *pool, saved_tensor_name(x), static_cast<int64_t>(bytes));
   auto* ctx = new HostCopy{buffer, {}, device.is_cuda() ? source : at::Tensor()};
   c10::DataPtr data(buffer->data(), ctx, &delete_host_copy, c10::Device(c10::kCPU));
   c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,

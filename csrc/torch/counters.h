@@ -11,12 +11,6 @@
 
 namespace ckpt_offload {
 
-// Raised by pack when the pool is at its cap and on_full="raise".
-class PoolFull : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
 // Note [Stats table]
 // The counters of Packer::stats() are listed once, here: the struct's fields, reset(), the
 // dict stats() builds and the key lists Python reads (_C.stats_keys(), _C.keep_reasons(): the

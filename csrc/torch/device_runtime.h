@@ -20,7 +20,7 @@
 #include "../core/host_pool.h"
 #include "../core/low_precision.h"
 #include "../core/stream.h"
-#include "runtime.h"
+#include "current_stream.h"
 
 namespace ckpt_offload {
 // Note [Fork] (runtime.cpp): true in a fork child of a process that had called CUDA, which must

@@ -1,9 +1,9 @@
+// The host copy of one span of a storage (offloaded_storage.h), and how it comes back to the device.
 #include "offloaded_storage.h"
 
 #include <algorithm>
 
 #include "../core/profiler.h"
-#include "batch.h"
 #include "device_memory.h"
 #include "runtime.h"
 #include "tensor_layout.h"

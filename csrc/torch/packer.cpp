@@ -1,196 +1,40 @@
+// The saved-tensor hooks' per-tensor work (packer.h): pack decides and places, unpack brings
+// back; begin and end bound an activation; stats reads the counters.
 #include "packer.h"
 
-#include <ATen/SequenceNumber.h>
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
 #include <exception>
 #include <string>
+#include <tuple>
 
 #include "../core/profiler.h"
+#include "autograd_objects.h"
 #include "device_memory.h"
-#include "frames.h"
-#include "plain_type.h"
+#include "host_copies.h"
 #include "runtime.h"
-#include "saved_converted.h"
 #include "tensor_layout.h"
+#include "torch_internals.h"
 
 namespace py = pybind11;
 
 namespace ckpt_offload {
 
-// Note [Parameters and buffers]
-// Parameters, buffers and views of them are kept: they live across the step anyway, so a copy
-// frees nothing. They are recognised from the saved tensor itself, with no module hook (a
-// global forward pre-hook would put every nn.Module call of the process on torch's slow hook
-// path, and make torch.compile warn about global hooks):
-//  - an nn.Parameter, or a view whose root (`_base`; torch keeps the root, not a chain) is one:
-//    nn.Linear saves weight.t(), a plain Tensor. Frozen weights are Parameters too.
-//  - any other tensor whose view root is a leaf (no grad_fn: inputs, masks built without grad,
-//    buffers, parameters swapped in by torch.func.functional_call) is looked up among the
-//    `_parameters` and `_buffers` of the modules whose forward is running on this thread: the
-//    module of each nn.Module._call_impl frame on the Python stack (Packer::leaf_owner). A buffer used outside the
-//    forward of the module that owns it (or of one of its ancestors) is not recognised and is
-//    offloaded like an activation: a copy, not a wrong gradient. Non-leaf activations, the
-//    bulk of what autograd saves, never reach this lookup.
-//  - under torch.autocast, a cast of a parameter that autocast's weight cache holds for the
-//    region (`weight.to(bf16)` of an fp32 Parameter that requires grad: the cache's own rule,
-//    at::autocast::cached_cast, for parameters) is kept as "autocast_cast": the cache keeps it
-//    alive anyway. Frozen weights' casts are not cached (made afresh by every op): offloaded.
 namespace {
 
-// An attribute name made once (interned), so that reading it builds no string.
-PyObject* interned(const char* name) {
-  PyObject* s = PyUnicode_InternFromString(name);  // leaked on purpose: one per name, for the process
-  if (!s) throw py::error_already_set();
-  return s;
+// PoolFull for a batch of `tensors` small saved tensors (`bytes` in all) that the pool refused
+// at its flush (on_full="raise").
+PoolFull batch_refused(TieredRefusal why, HostPool& pool, size_t tensors, size_t bytes) {
+  const PoolFull full = pool_full(why, pool, "a batch of " + std::to_string(tensors) + " small saved tensors",
+                                  static_cast<int64_t>(bytes));
+  return PoolFull(full.facts(),
+                  full.remedies() + " (The batch's tensors were kept on the device, so backward still works.)");
 }
 
-bool is_parameter_object(PyObject* obj) { return PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(ParameterClass)); }
-
-PyObject* module_class() {
-  // Leaked on purpose: a strong reference to torch.nn.Module for the life of the process.
-  static PyObject* cls = py::object(py::module_::import("torch.nn").attr("Module")).release().ptr();
-  return cls;
-}
-
-// The code object of nn.Module._call_impl, through which every module call runs (its first
-// argument is the module); null if this torch has none.
-PyObject* call_impl_code() {
-  static PyObject* code = [] {
-    py::object fn = py::getattr(py::handle(module_class()), "_call_impl", py::none());
-    return fn.is_none() ? nullptr : py::object(py::getattr(fn, "__code__", py::none())).release().ptr();
-  }();
-  return code == Py_None ? nullptr : code;
-}
-
-PyObject* dtensor_class();
-
-// True when `target` is the storage of a tensor in a module's `_parameters` or `_buffers` dict.
-bool scan_state(PyObject* module, PyObject* attr, PyObject* dtensor, const void* target) {
-  PyObject* dict = PyObject_GetAttr(module, attr);
-  if (!dict) {
-    PyErr_Clear();
-    return false;
-  }
-  bool hit = false;
-  if (PyDict_Check(dict)) {
-    PyObject *key, *value;
-    Py_ssize_t pos = 0;
-    while (!hit && PyDict_Next(dict, &pos, &key, &value)) {
-      if (value == Py_None || !THPVariable_Check(value)) continue;
-      // A DTensor parameter's storage is its local tensor's (Note [DTensor activations]).
-      py::object local;
-      if (dtensor && Py_TYPE(value) == reinterpret_cast<PyTypeObject*>(dtensor)) {
-        local = py::getattr(py::handle(value), "_local_tensor", py::none());
-        if (!THPVariable_Check(local.ptr())) continue;
-        value = local.ptr();
-      }
-      const at::Tensor& v = THPVariable_Unpack(value);
-      if (!v.has_storage() || v.key_set().has(c10::DispatchKey::Python)) continue;
-      hit = v.storage().unsafeGetStorageImpl() == target;
-    }
-  }
-  Py_DECREF(dict);
-  return hit;
-}
-
-// Note [Saved activation objects]
-// What pack returns to autograd is a minimal CPython object embedding the SavedTensor (no
-// allocation of its own, no reference count of a shared_ptr), not a pybind11 instance: a pybind11 instance is registered in (and removed from) pybind11's
-// global instance table, which cost more than the whole keep decision. It holds no Python
-// reference, so it is not tracked by the cyclic GC either (which would add a collection every
-// few hundred saved tensors).
-struct SavedObject {
-  PyObject_HEAD
-  SavedTensor saved;
-};
-
-void saved_dealloc(PyObject* self) {
-  reinterpret_cast<SavedObject*>(self)->saved.~SavedTensor();
-  Py_TYPE(self)->tp_free(self);
-}
-
-// A read-only attribute for tests and debugging (never read on the hot path): `offloaded`, its
-// bytes are held by the host pool (or its disk tier) rather than kept as the tensor.
-PyObject* saved_offloaded(PyObject* self, void*) {
-  return PyBool_FromLong(reinterpret_cast<SavedObject*>(self)->saved.offloaded());
-}
-
-PyGetSetDef saved_getset[] = {
-    {"offloaded", saved_offloaded, nullptr, "True when the bytes are held by the host pool (or its disk tier).",
-     nullptr},
-    {nullptr, nullptr, nullptr, nullptr, nullptr},
-};
-
-PyTypeObject* saved_type() {
-  static PyTypeObject* type = [] {
-    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    t.tp_getset = saved_getset;
-    return ready_plain_type(t, "ckpt_offload._C.SavedActivation", sizeof(SavedObject), saved_dealloc,
-                            "A tensor saved by co.offload's pack hook: kept, or held in the host pool until unpacked.");
-  }();
-  return type;
-}
-
-// The Python object autograd holds, its SavedTensor constructed in place from `args`.
-template <class... Args>
-py::object make_saved(Args&&... args) {
-  PyTypeObject* type = saved_type();
-  PyObject* obj = type->tp_alloc(type, 0);
-  if (!obj) throw py::error_already_set();
-  try {
-    new (&reinterpret_cast<SavedObject*>(obj)->saved) SavedTensor(std::forward<Args>(args)...);
-  } catch (...) {
-    type->tp_free(obj);  // nothing constructed to destroy
-    throw;
-  }
-  return py::reinterpret_steal<py::object>(obj);
-}
-
-// How many Python frames leaf_owner looks through: deep enough for nested modules
-// (each adds ~2 frames: _call_impl and forward), bounded so that a deep stack costs little;
-// and how many running modules it reads at most.
-constexpr int kMaxFrames = 96;
-constexpr int kMaxModules = 48;
-
-// True inside a torch.autocast region (whose weight cache is then live): torch.autocast's
-// __enter__ increments a per-thread nesting count and its __exit__ decrements it, clearing the
-// cache at zero. There is no getter; increment and decrement each return the new count and
-// leave it as it was. Not at::autocast::is_autocast_enabled: pack runs inside autocast's
-// kernel, which excludes autocast's dispatch key (what that function reads) while it runs the op.
-bool autocast_region_active() {
-  const int n = at::autocast::increment_nesting();
-  at::autocast::decrement_nesting();
-  return n > 1;
-}
-
-// `root` is what autocast's weight cache holds for a parameter: a cast (`_to_copy`) to the
-// region's low precision of an fp32 leaf that requires grad and is no view (the cache's rule,
-// at::autocast::cached_cast), here an nn.Parameter.
-bool is_autocast_weight_cast(const at::TensorBase& root) {
-  if (!at::autocast::is_autocast_cache_enabled()) return false;
-  const c10::DeviceType type = root.device().type();
-  if (root.scalar_type() != at::autocast::get_autocast_dtype(type)) return false;
-  auto fn = root.grad_fn();
-  if (!dynamic_cast<torch::autograd::generated::ToCopyBackward0*>(fn.get()) || fn->next_edges().empty()) return false;
-  auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(fn->next_edges()[0].function.get());
-  if (!acc) return false;
-  const at::Tensor& source = acc->variable;
-  if (!source.defined() || source.scalar_type() != at::kFloat || source.is_view() || !source.requires_grad())
-    return false;
-  // The cache also holds casts of other leaves that require grad (an input created with
-  // requires_grad=True): those are activations of this step, offloaded as usual.
-  PyObject* obj = THPVariable_Wrap(source);
-  const bool parameter = obj && is_parameter_object(obj);
-  Py_XDECREF(obj);
-  return parameter;
-}
+}  // namespace
 
 // Note [Selective checkpoint cache mutation]
 // torch's selective activation checkpoint (SAC) with respect_saved_tensors_hooks=True hands the
@@ -203,63 +47,8 @@ bool is_autocast_weight_cast(const at::TensorBase& root) {
 // "As it was saved" needs the copy to read the bytes before the region's next op can write
 // them: a side-stream copy, or a batch copied at context exit, would race with that write (and
 // return the bytes as written, or half of them). So a tensor SAC caches (pack called from the
-// cache's `wrap`, found by its code object, sac_cache_pack) is copied on its own, on the
-// current stream: after the op that made it, before any op after it.
-bool sac_allows_mutation() {
-  PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this unpack hook
-  if (!frame) return false;
-  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
-  bool allowed = false;
-  PyObject* name = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_name");
-  PyObject* file = PyObject_GetAttrString(reinterpret_cast<PyObject*>(code), "co_filename");
-  if (name && file && PyUnicode_Check(name) && PyUnicode_Check(file) &&
-      PyUnicode_CompareWithASCIIString(name, "get_val") == 0) {
-    const char* path = PyUnicode_AsUTF8(file);
-    const std::string suffix = "checkpoint.py";
-    const std::string p = path ? path : "";
-    if (p.size() >= suffix.size() && p.compare(p.size() - suffix.size(), suffix.size(), suffix) == 0) {
-      PyObject* locals = PyObject_GetAttrString(reinterpret_cast<PyObject*>(frame), "f_locals");
-      PyObject* flag = locals ? PyMapping_GetItemString(locals, "allow_cache_entry_mutation") : nullptr;
-      allowed = flag && PyObject_IsTrue(flag) == 1;
-      Py_XDECREF(flag);
-      Py_XDECREF(locals);
-    }
-  }
-  Py_XDECREF(name);
-  Py_XDECREF(file);
-  Py_DECREF(code);
-  PyErr_Clear();
-  return allowed;
-}
-
-// The code object of the function through which torch's selective checkpoint hands the
-// tensors it caches to the saved-tensor hooks (`wrap` in _CachingTorchDispatchMode's
-// __torch_dispatch__), or null if this torch has none.
-PyObject* sac_cache_wrap_code() {
-  static PyObject* code = [] {
-    PyObject* found = nullptr;
-    try {
-      py::object mode = py::module_::import("torch.utils.checkpoint").attr("_CachingTorchDispatchMode");
-      // Unwrapped: torch decorates it (a Dynamo-disabling wrapper keeps the original as __wrapped__).
-      py::object fn = py::module_::import("inspect").attr("unwrap")(mode.attr("__torch_dispatch__"));
-      py::object consts = fn.attr("__code__").attr("co_consts");
-      for (py::handle c : consts)
-        if (PyCode_Check(c.ptr()) && py::str(c.attr("co_name")).cast<std::string>() == "wrap")
-          found = py::reinterpret_borrow<py::object>(c).release().ptr();  // leaked on purpose
-    } catch (const std::exception&) {
-      PyErr_Clear();
-    }
-    return found;
-  }();
-  return code;
-}
-
-// True when this pack was called by SAC's cache (Note [Selective checkpoint cache mutation],
-// Note [Same view, same tensor]); a pointer compare per pack.
-bool sac_cache_pack() {
-  PyObject* wrap = sac_cache_wrap_code();
-  return wrap && running_code(wrap);  // the frame that called this pack hook (Note [Reading the Python stack])
-}
+// cache's `wrap`, found by its code object: sac_cache_pack, Note [Torch internals]) is copied on
+// its own, on the current stream: after the op that made it, before any op after it.
 
 // Note [DTensor activations]
 // Under tensor parallelism (torch.distributed.tensor) the tensors autograd saves are DTensors:
@@ -274,60 +63,7 @@ bool sac_cache_pack() {
 // DTensor: a DTensor parameter, or a view of one, is kept as a parameter. Every other
 // __torch_dispatch__ subclass is kept (KeepReason::Subclass): its storage is not its data.
 // Only exactly DTensor: a subclass of it may hold more than its local tensor and spec.
-PyObject* dtensor_class() {
-  static PyObject* cls = nullptr;  // leaked on purpose, as module_class()
-  if (cls) return cls;
-  // Not imported: no DTensor can exist, and importing it here would cost every subclass pack.
-  static PyObject* const name = interned("torch.distributed.tensor");
-  PyObject* mod = PyDict_GetItem(PyImport_GetModuleDict(), name);  // borrowed
-  if (!mod) return nullptr;
-  PyObject* c = PyObject_GetAttrString(mod, "DTensor");
-  if (!c) {
-    PyErr_Clear();
-    return nullptr;
-  }
-  cls = c;
-  return cls;
-}
-
-// What pack returns for a DTensor: the packed local tensor, the DTensor's spec, and the
-// DTensor's own version. An in-place op on a DTensor bumps the DTensor's version counter
-// (autograd's in-place kernel runs on it), not its local tensor's (DTensor runs the op on the
-// local tensor below autograd), so both are checked.
-struct DTensorOuter {
-  SavedVersion version;
-  c10::ScalarType dtype;
-  at::DimVector sizes;
-  c10::Device device;
-  explicit DTensorOuter(const at::Tensor& t)
-      : version(t), dtype(t.scalar_type()), sizes(t.sizes()), device(t.device()) {}
-  void check() const { version.check(dtype, sizes, device); }
-};
-
-struct SavedDTensorObject {
-  PyObject_HEAD
-  PyObject* local;
-  PyObject* spec;
-  DTensorOuter outer;
-};
-
-void saved_dtensor_dealloc(PyObject* self) {
-  auto* d = reinterpret_cast<SavedDTensorObject*>(self);
-  Py_XDECREF(d->local);
-  Py_XDECREF(d->spec);
-  d->outer.~DTensorOuter();
-  Py_TYPE(self)->tp_free(self);
-}
-
-PyTypeObject* saved_dtensor_type() {
-  static PyTypeObject* type = [] {
-    static PyTypeObject t = {PyVarObject_HEAD_INIT(nullptr, 0)};
-    // Its local tensor and spec cannot refer back to it.
-    return ready_plain_type(t, "ckpt_offload._C.SavedDTensor", sizeof(SavedDTensorObject), saved_dtensor_dealloc,
-                            "A DTensor saved by co.offload's pack hook: its packed local tensor and its spec.");
-  }();
-  return type;
-}
+namespace {
 
 // True while pack_dtensor packs the local tensor of a DTensor that is an activation: that local
 // tensor is a leaf, but no parameter or buffer (Note [DTensor activations]).
@@ -341,21 +77,14 @@ py::object Packer::pack_dtensor(py::handle obj, const at::Tensor& t, int64_t nby
   const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
   const bool leaf = root.is_leaf();
   if (leaf) {
-    // nn.Parameter(a DTensor) is a DTensor marked `_is_param` (what isinstance(p, Parameter)
-    // reads for subclasses), not an instance of Parameter.
     PyObject* root_obj = THPVariable_Wrap(root);
-    int param = -1;
-    if (root_obj) {
-      PyObject* flag = PyObject_GetAttrString(root_obj, "_is_param");
-      param = flag ? PyObject_IsTrue(flag) : 0;
-      Py_XDECREF(flag);
-      Py_DECREF(root_obj);
-    }
+    const bool param = root_obj && dtensor_is_param(root_obj);
+    Py_XDECREF(root_obj);
     PyErr_Clear();
-    if (param == 1) return keep(t, KeepReason::Parameter, nbytes);
+    if (param) return keep(t, KeepReason::Parameter, nbytes);
   }
-  py::object local = obj.attr("_local_tensor");
-  py::object spec = obj.attr("_spec");
+  py::object local = dtensor_local_tensor(obj);
+  py::object spec = dtensor_spec(obj);
   py::object inner;
   {
     const bool outer = t_local_of_activation;
@@ -368,58 +97,7 @@ py::object Packer::pack_dtensor(py::handle obj, const at::Tensor& t, int64_t nby
     }
     t_local_of_activation = outer;
   }
-  PyTypeObject* type = saved_dtensor_type();
-  PyObject* o = type->tp_alloc(type, 0);
-  if (!o) throw py::error_already_set();
-  auto* d = reinterpret_cast<SavedDTensorObject*>(o);
-  new (&d->outer) DTensorOuter(t);
-  d->local = inner.release().ptr();
-  d->spec = spec.release().ptr();
-  return py::reinterpret_steal<py::object>(o);
-}
-
-std::optional<KeepReason> Packer::leaf_owner(const at::Tensor& t, const at::TensorBase& root) {
-  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-  if (&root != static_cast<const at::TensorBase*>(&t)) {
-    PyObject* base_obj = THPVariable_Wrap(root);
-    const bool param_base = base_obj && is_parameter_object(base_obj);
-    Py_XDECREF(base_obj);
-    if (param_base) return KeepReason::Parameter;
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (std::find(parameter_storages_.begin(), parameter_storages_.end(), storage) != parameter_storages_.end())
-      return KeepReason::Parameter;
-    if (std::find(buffer_storages_.begin(), buffer_storages_.end(), storage) != buffer_storages_.end())
-      return KeepReason::Buffer;
-  }
-  PyObject* call_impl = call_impl_code();
-  if (!call_impl) return std::nullopt;
-  // The modules whose forward is running: `self` of the _call_impl frames on this thread's
-  // stack, innermost first (Note [Reading the Python stack]).
-  PyObject* modules[kMaxModules];
-  const int n = first_locals_of(call_impl, kMaxFrames, modules, kMaxModules);
-  static PyObject* const parameters_attr = interned("_parameters");
-  static PyObject* const buffers_attr = interned("_buffers");
-  PyObject* dtensor = dtensor_class();
-  std::optional<KeepReason> found;
-  PyTypeObject* module_type = reinterpret_cast<PyTypeObject*>(module_class());
-  for (int i = 0; i < n; ++i) {
-    PyObject* self = modules[i];
-    if (!found && PyType_IsSubtype(Py_TYPE(self), module_type)) {
-      if (scan_state(self, parameters_attr, dtensor, storage))
-        found = KeepReason::Parameter;
-      else if (scan_state(self, buffers_attr, dtensor, storage))
-        found = KeepReason::Buffer;
-    }
-    Py_DECREF(self);
-  }
-  PyErr_Clear();
-  if (found) {  // a buffer (or a swapped-in parameter) is often saved by several ops
-    std::lock_guard<std::mutex> lock(mu_);
-    (*found == KeepReason::Parameter ? parameter_storages_ : buffer_storages_).push_back(storage);
-  }
-  return found;
+  return make_saved_dtensor(t, std::move(inner), std::move(spec));
 }
 
 Packer::Packer(PackerOptions options) : options_(std::move(options)), counters_(std::make_shared<PackerCounters>()) {
@@ -444,17 +122,12 @@ void Packer::flush_batches() {
       why = kv.second->refusal();
     }
   }
-  if (refused && options_.raise_on_full)
-    throw PoolFull(full_message(why, *options_.pool, "a batch of " + std::to_string(refused) + " small saved tensors",
-                                static_cast<int64_t>(refused_bytes)) +
-                   " (The batch's tensors were kept on the device, so backward still works.)");
+  if (refused && options_.raise_on_full) throw batch_refused(why, *options_.pool, refused, refused_bytes);
 }
 
 void Packer::begin() {
   if (prefetcher_) prefetcher_->mark_block();  // each activation is a block (Note [Prefetch window])
-  std::lock_guard<std::mutex> lock(mu_);
-  parameter_storages_.clear();
-  buffer_storages_.clear();
+  keep_rules_.clear();
 }
 
 void Packer::end(bool keep_dedup) {
@@ -464,37 +137,10 @@ void Packer::end(bool keep_dedup) {
   } catch (...) {
     flush_error = std::current_exception();
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!keep_dedup) {
-      dedup_.clear();
-      converted_.clear();
-    }
-    parameter_storages_.clear();
-    buffer_storages_.clear();
-  }
+  if (!keep_dedup) tables_.clear();
+  keep_rules_.clear();
   engine().poll();
   if (flush_error) std::rethrow_exception(flush_error);
-}
-
-// Note [Kept as it is]
-// A kept tensor is held through a detached alias (a TensorImpl of its own, and at unpack a
-// Python object of its own) so that an output saved by its own node (relu's, tanh's) forms no
-// reference cycle with that node, which would leak the graph when it is dropped without
-// backward. A parameter, a buffer, a view of one (nn.Linear saves weight.t()) or autocast's
-// cached cast of one is held as it is instead, and unpack hands back its own Python object:
-// such a tensor is a leaf, or its grad_fn is the view (or cast) made before the saving node,
-// never that node. Not "never" by construction -- an autograd.Function may return a view of a
-// weight as its own output and save it -- so a tensor whose grad_fn is the newest node of this
-// thread (the saving node, when it is an output) still gets the alias. The version check is
-// ours either way (SavedVersion).
-static bool held_as_it_is(const at::Tensor& t, KeepReason why) {
-  if (why != KeepReason::Parameter && why != KeepReason::Buffer && why != KeepReason::AutocastCast) return false;
-  const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(t);
-  const torch::autograd::Node* fn = meta ? meta->grad_fn_.get() : nullptr;  // the field: no view regeneration
-  if (!fn) return true;
-  const uint64_t next = at::sequence_number::peek();
-  return next > 0 && fn->sequence_nr() < next - 1;
 }
 
 py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
@@ -508,7 +154,7 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   if (why == KeepReason::Subclass || why == KeepReason::Layout || why == KeepReason::NoData ||
       t.key_set().has(c10::DispatchKey::Python)) {
     alias = t.detach();
-  } else if (held_as_it_is(t, why)) {
+  } else if (KeepRules::held_as_it_is(t, why)) {
     alias = t;
   } else {
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -550,7 +196,7 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
       return KeepReason::NoData;
     }
   } else {
-    if (is_parameter_object(o)) return KeepReason::Parameter;
+    if (KeepRules::is_parameter(o)) return KeepReason::Parameter;
     if (!THPVariable_CheckExact(o) || wrapped_tensor(t)) return KeepReason::Subclass;
     if (unsupported_layout(t)) return KeepReason::Layout;
     if (without_data(t)) {  // Note [Tensors without data]: nothing to copy, nothing held
@@ -572,9 +218,8 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   const at::TensorBase& root = t.is_view() ? t._base() : static_cast<const at::TensorBase&>(t);
   if (root.is_leaf()) {
     if (!t_local_of_activation)
-      if (auto why = leaf_owner(t, root)) return why;
-  } else if (c10::isReducedFloatingType(root.scalar_type()) && autocast_region_active() &&
-             is_autocast_weight_cast(root)) {
+      if (auto why = keep_rules_.leaf_owner(t, root)) return why;
+  } else if (KeepRules::autocast_cast(root)) {
     return KeepReason::AutocastCast;
   }
 
@@ -594,37 +239,13 @@ std::optional<KeepReason> Packer::classify(PyObject* o, const at::Tensor& t, Spa
   return std::nullopt;
 }
 
-std::shared_ptr<OffloadedStorage> Packer::find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
-                                                         std::vector<Touched>* touched) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto* e = dedup_.find(t.storage().unsafeGetStorageImpl());
-  if (!e) return nullptr;
-  for (size_t i = 0; i < e->groups.size();) {
-    DedupGroup& g = e->groups[i];
-    auto copy = g.offloaded.lock();
-    if (!copy) {  // every saved tensor of that copy is gone
-      e->groups.erase(e->groups.begin() + i);
-      continue;
-    }
-    ++i;
-    if (g.version != span.version) continue;
-    if (span.lo >= g.lo && span.hi <= g.hi) {
-      touched->clear();
-      return copy;
-    }
-    // Shares a 512-byte cell with this copy: joins it (Note [One copy per storage]).
-    if (wide.lo < g.hi && wide.hi > g.lo)
-      touched->push_back(Touched{std::move(copy), g.lo, g.hi, g.extendable, g.counted});
-  }
-  return nullptr;
-}
-
 std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& span, const Span& wide,
-                                               std::vector<Touched>& touched, const CurrentStream& current,
+                                               std::vector<CopyTables::Touched>& touched, const CurrentStream& current,
                                                TieredRefusal* refused) {
   for (const auto& g : touched)
     if (!g.extendable || !g.held->extendable()) return nullptr;
-  std::sort(touched.begin(), touched.end(), [](const Touched& a, const Touched& b) { return a.lo < b.lo; });
+  std::sort(touched.begin(), touched.end(),
+            [](const CopyTables::Touched& a, const CopyTables::Touched& b) { return a.lo < b.lo; });
   // The bytes of `wide` no copy holds: below the first, between copies, above the last. Every
   // copy touched shares a cell with `wide`, so the union is one span.
   const int64_t lo = std::min(wide.lo, touched.front().lo);
@@ -636,7 +257,7 @@ std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& 
   }
   if (wide.hi > hi) missing.emplace_back(hi, wide.hi);
   hi = std::max(hi, wide.hi);
-  std::shared_ptr<OffloadedStorage> target = touched.front().held;
+  const std::shared_ptr<OffloadedStorage>& target = touched.front().held;
   std::vector<OffloadedStorage::Piece> pieces;
   for (const auto& m : missing) {
     // Copied as pieces of the first copy: the same handle in the profile.
@@ -646,52 +267,13 @@ std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& 
     if (buffer->spilled()) counters_->bytes_spilled += m.second - m.first;
     pieces.push_back(OffloadedStorage::Piece{std::move(buffer), m.first});
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto* entry = dedup_.find(t.storage().unsafeGetStorageImpl());
-    if (!entry) return nullptr;
-    auto& groups = entry->groups;
-    // Another thread may have changed these copies since find_duplicate: then this view gets a
-    // copy of its own (correct, if not minimal).
-    std::vector<size_t> at;
-    for (const auto& g : touched) {
-      size_t i = 0;
-      while (i < groups.size() && !(groups[i].offloaded.lock() == g.held && groups[i].lo == g.lo &&
-                                    groups[i].hi == g.hi && groups[i].version == span.version))
-        ++i;
-      if (i == groups.size()) return nullptr;
-      at.push_back(i);
-    }
-    std::vector<std::pair<std::shared_ptr<OffloadedStorage>, std::pair<std::vector<OffloadedStorage::Piece>, int>>>
-        absorbed;
-    int pending = 0;
-    bool ok = true;
-    for (size_t k = 1; k < touched.size() && ok; ++k) {
-      std::vector<OffloadedStorage::Piece> theirs;
-      int their_pending = 0;
-      ok = touched[k].held->absorb_into(target, &theirs, &their_pending);
-      if (!ok) break;
-      pending += their_pending;
-      for (const auto& p : theirs) pieces.push_back(p);
-      absorbed.push_back({touched[k].held, {std::move(theirs), their_pending}});
-    }
-    ok = ok && target->extend(std::move(pieces), pending);
-    if (!ok) {
-      for (auto& a : absorbed) a.first->restore(std::move(a.second.first), a.second.second);
-      return nullptr;
-    }
-    groups[at[0]].lo = lo;
-    groups[at[0]].hi = hi;
-    // The joined copy holds lo..hi on the host: what its views had counted becomes that.
-    int64_t counted = 0;
-    for (const auto& g : touched) counted += g.counted;
-    groups[at[0]].counted = hi - lo;
-    counters_->bytes_offloaded += hi - lo - counted;
-    counters_->bytes_stored += hi - lo - counted;
-    std::sort(at.begin() + 1, at.end());
-    for (size_t k = at.size(); k-- > 1;) groups.erase(groups.begin() + at[k]);
+  int64_t counted = 0;
+  auto joined = tables_.join(t, span, touched, std::move(pieces), lo, hi, &counted);
+  if (joined) {
+    counters_->bytes_offloaded += counted;
+    counters_->bytes_stored += counted;
   }
-  return target;
+  return joined;
 }
 
 std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span& span, const CurrentStream& current) {
@@ -710,37 +292,13 @@ std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span&
       batch = open;
     }
     if (full && !full->flush() && options_.raise_on_full)
-      throw PoolFull(full_message(full->refusal(), *options_.pool, "a batch of " + std::to_string(full->size()) +
-                                  " small saved tensors", static_cast<int64_t>(full->block_bytes())) +
-                     " (The batch's tensors were kept on the device, so backward still works.)");
+      throw batch_refused(full->refusal(), *options_.pool, full->size(), full->block_bytes());
     // Null when an unpack flushed the batch meanwhile: take a new one.
     if (auto storage = batch->add(t, span.lo, span.bytes(), current)) {
       counters_->tensors_batched++;
       return storage;
     }
   }
-}
-
-std::shared_ptr<ConvertedCopy> Packer::find_converted(const at::Tensor& t, const Span& span) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto* e = converted_.find(t.storage().unsafeGetStorageImpl());
-  if (!e) return nullptr;
-  for (size_t i = 0; i < e->groups.size();) {
-    ConvertedGroup& g = e->groups[i];
-    auto copy = g.copy.lock();
-    if (!copy) {  // every saved tensor over that copy is gone
-      e->groups.erase(e->groups.begin() + i);
-      continue;
-    }
-    ++i;
-    // The same bytes, read as the same elements at the same version: converting them again
-    // would give the same bits (fp8's scale is their amax), so they are shared. Spans
-    // that only overlap convert on their own.
-    if (g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
-        (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides)))
-      return copy;
-  }
-  return nullptr;
 }
 
 Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current,
@@ -754,8 +312,8 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
     return p;
   }
   // Exact copies of this storage first: one that holds the span, or those that share its cells.
-  std::vector<Touched> touched;
-  if ((p.storage = find_duplicate(t, span, wide, &touched))) {
+  std::vector<CopyTables::Touched> touched;
+  if ((p.storage = tables_.find_exact(t, span, wide, &touched))) {
     *how = Placement::Duplicate;
     return p;
   }
@@ -773,7 +331,7 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
   if (options_.store_format != lowp::Format::None && span.bytes() >= options_.store_min_bytes)
     narrow = store_source(t, options_.store_format);
   if (narrow) {
-    if ((p.copy = find_converted(t, span))) {
+    if ((p.copy = tables_.find_converted(t, span))) {
       *how = Placement::SharedConverted;
       return p;
     }
@@ -796,36 +354,17 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
 
 void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed,
                       Placement how) {
-  std::lock_guard<std::mutex> lock(mu_);
   if (how == Placement::Converted) {
-    ConvertedGroup g;
-    g.copy = placed.copy;
-    g.version = span.version;
-    g.lo = span.lo;
-    g.hi = span.hi;
-    g.dtype = t.scalar_type();
-    g.dense = t.is_non_overlapping_and_dense();
-    if (!g.dense) {
-      g.sizes = t.sizes().vec();
-      g.strides = t.strides().vec();
-    }
-    converted_.add(t, std::move(g));
+    tables_.add_converted(t, span, placed.copy);
     return;
   }
   // A batch member's copy is its span, and cannot grow; a copy of its own is the widened span.
   const bool own = how == Placement::Single;
-  DedupGroup g;
-  g.offloaded = placed.storage;
-  g.version = span.version;
-  g.lo = own ? wide.lo : span.lo;
-  g.hi = own ? wide.hi : span.hi;
-  g.extendable = own;
-  g.counted = span.bytes();
-  dedup_.add(t, std::move(g));
+  tables_.add_exact(t, span, own ? wide : span, placed.storage, own);
 }
 
 py::object Packer::refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes) {
-  if (options_.raise_on_full) throw PoolFull(full_message(why, *options_.pool, t, bytes));
+  if (options_.raise_on_full) throw pool_full(why, *options_.pool, saved_tensor_name(t), bytes);
   return keep(t, why == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull, bytes);
 }
 
@@ -885,7 +424,7 @@ at::Tensor Packer::unpack(py::handle obj) {
     at::Tensor local = unpack(py::handle(d->local));
     py::object local_obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(local)));
     // autograd gives the unpacked tensor its grad_fn or requires_grad itself.
-    py::object dt = py::handle(dtensor_class())(local_obj, py::handle(d->spec), py::arg("requires_grad") = false);
+    py::object dt = dtensor_from(local_obj, py::handle(d->spec));
     return THPVariable_Unpack(dt.ptr());
   }
   if (Py_TYPE(obj.ptr()) != saved_type()) {  // Note [Saved activation objects]
@@ -925,6 +464,16 @@ void Packer::end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, cons
   if (prefetcher) prefetcher->drop_unused();
   engine().poll();
   if (pool) pool->release_retired();
+}
+
+ExitCounts Packer::exit_counts() const {
+  ExitCounts c;
+  c.offloaded_or_shared = offloaded_or_shared();
+  std::tie(c.too_small_tensors, c.too_small_bytes) = kept(KeepReason::TooSmall);
+  c.device_tensors = kept(KeepReason::Device).first;
+  std::tie(c.pool_full_tensors, c.pool_full_bytes) = kept(KeepReason::PoolFull);
+  std::tie(c.disk_full_tensors, c.disk_full_bytes) = kept(KeepReason::DiskFull);
+  return c;
 }
 
 py::dict Packer::stats() const {

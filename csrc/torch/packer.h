@@ -6,21 +6,17 @@
 #include <c10/util/intrusive_ptr.h>
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
-#include <c10/util/SmallVector.h>
-
 #include "../core/host_pool.h"
-#include "batch.h"
+#include "copy_tables.h"
 #include "counters.h"
+#include "keep_rules.h"
 #include "offloaded_storage.h"
 #include "prefetcher.h"
 #include "runtime.h"
@@ -32,15 +28,20 @@ namespace ckpt_offload {
 // Note [Lock order]
 // The torch layer's mutexes are taken in this order, never the reverse (a thread holding one
 // may take only those after it):
-//   Packer::mu_ -> ConvertedCopy::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
+//   Packer::mu_ (its open batches), CopyTables::mu_ (never held together)
+//     -> ConvertedCopy::mu_ -> Prefetcher::mu_ -> Batch::mu_ -> OffloadedStorage::mu_
 //     -> the core's leaf locks: HostBuffer::mu_, CopyEngine::mu_, HostPool::mu_
 //        (and in cuda_stream.cu side_mu, epoch_mu, the event pool's lock, none nested).
+// KeepRules::mu_ is a leaf too: nothing is taken under it, and it is taken under nothing.
 // Where this bites:
 //  - Prefetcher::after_unpack holds its lock while it asks batches and storages for bytes and
 //    starts their prefetches; so Batch::flush registers with the prefetcher (Prefetcher::add)
 //    only after releasing the batch's lock, and Prefetcher::drop_unused calls into storages
 //    after releasing its own.
-//  - ConvertedCopy::materialize (saved_converted.h) holds its lock while it reloads the narrow bytes
+//  - CopyTables::join holds the tables' lock while it absorbs and extends the exact copies it
+//    joins (each takes its OffloadedStorage::mu_): the copies a look-up found cannot change
+//    under it.
+//  - ConvertedCopy::materialize (saved_tensor.h) holds its lock while it reloads the narrow bytes
 //    through their own SavedTensor (prefetcher, storage) and converts them back, so that two
 //    unpacks of one copy convert it once; nothing after it in the order calls back into it.
 //  - OffloadedStorage::materialize flushes and reloads its batch before taking its own lock.
@@ -78,6 +79,16 @@ struct PackerOptions {
   std::shared_ptr<HostPool> pool;
 };
 
+// What a context exit checks (Note [Offloaded nothing], the pool- and disk-full warnings), read
+// from the counters without building stats(); bound as _C.ExitCounts.
+struct ExitCounts {
+  int64_t offloaded_or_shared = 0;  // saved tensors offloaded or deduplicated
+  int64_t too_small_tensors = 0, too_small_bytes = 0;
+  int64_t device_tensors = 0;
+  int64_t pool_full_tensors = 0, pool_full_bytes = 0;
+  int64_t disk_full_tensors = 0, disk_full_bytes = 0;
+};
+
 class Packer {
  public:
   explicit Packer(PackerOptions options);
@@ -107,6 +118,7 @@ class Packer {
     return counters_->tensors_offloaded.load(std::memory_order_relaxed) +
            counters_->tensors_deduplicated.load(std::memory_order_relaxed);
   }
+  ExitCounts exit_counts() const;
   const PackerOptions& options() const { return options_; }
   // Every tensor this packer saves unpacks to a tensor object of its own (a selective
   // checkpoint's cache: Note [Same view, same tensor]).
@@ -119,27 +131,12 @@ class Packer {
   static void end_of_backward(const std::shared_ptr<Prefetcher>& prefetcher, const std::shared_ptr<HostPool>& pool);
 
  private:
-  // The byte span of its storage a tensor to offload reaches.
-  struct Span {
-    int64_t lo = 0, hi = 0, itemsize = 1;
-    uint32_t version = 0;
-    int64_t bytes() const { return hi - lo; }
-  };
   // pack's steps, in order. classify: the reason to keep t where it is (then `*keep_bytes` is
   // what to count), or none and t's span.
   // `current` gets the device's current stream, read once here for the whole pack (Note
   // [Stream ordering]), when t is on a device this context offloads from.
   std::optional<KeepReason> classify(PyObject* obj, const at::Tensor& t, Span* span, int64_t* keep_bytes,
                                      std::optional<CurrentStream>* current);
-  // Note [Parameters and buffers]: why a tensor whose view root is a leaf is kept, or none.
-  std::optional<KeepReason> leaf_owner(const at::Tensor& t, const at::TensorBase& root);
-  // A copy of t's storage that a new view joins (Note [One copy per storage]).
-  struct Touched {
-    std::shared_ptr<OffloadedStorage> held;
-    int64_t lo = 0, hi = 0;
-    bool extendable = false;
-    int64_t counted = 0;  // DedupGroup::counted
-  };
 
   // Note [Pack decision]
   // A tensor classify did not keep is placed by `place`, in this order: onto an exact copy of
@@ -147,9 +144,10 @@ class Packer {
   // joined to them (Joined: Note [One copy per storage]); with a store format, onto a narrow
   // copy of exactly its span (SharedConverted) or into a new one (Converted: Note [Low-precision
   // storage]); gathered into a batch when small (Batched); else into a copy of its own
-  // (Single). A copy the pool (and its disk tier) refused leaves the tensor where it is,
-  // through `refuse` (kept, or PoolFull with on_full="raise"). pack then counts it and
-  // remembers a new copy for the tensors after it.
+  // (Single). The copies made so far are found in the copy tables (Note [Copy tables]). A copy
+  // the pool (and its disk tier) refused leaves the tensor where it is, through `refuse` (kept,
+  // or PoolFull with on_full="raise"). pack then counts it and records a new copy in the
+  // tables for the tensors after it.
   enum class Placement { Duplicate, Joined, SharedConverted, Converted, Batched, Single };
   // What holds the tensor's bytes: an exact host copy (`storage`) or a narrow one (`copy`);
   // neither when a copy was refused (`*refused` says by which tier). `prefetch`: a new copy of
@@ -162,21 +160,14 @@ class Packer {
   // `from_sac_cache`: pack was called by torch's selective checkpoint cache (sac_cache_pack).
   Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current, bool from_sac_cache,
                Placement* how, TieredRefusal* refused);
-  // The exact copy of t's storage (same version) that holds `span`, or null; then `touched`
-  // gets the copies whose cells `wide` shares.
-  std::shared_ptr<OffloadedStorage> find_duplicate(const at::Tensor& t, const Span& span, const Span& wide,
-                                                   std::vector<Touched>* touched);
   // Joins t to the copies it touches, copying only the bytes of `wide` that none holds yet.
   // Null when it cannot (a batch member or a reloaded copy among them: t then gets a copy of
   // its own), and also with `*refused` set when the pool refused the missing bytes.
   std::shared_ptr<OffloadedStorage> join(const at::Tensor& t, const Span& span, const Span& wide,
-                                         std::vector<Touched>& touched, const CurrentStream& current,
+                                         std::vector<CopyTables::Touched>& touched, const CurrentStream& current,
                                          TieredRefusal* refused);
   // The open batch of t's device that takes t's span (a full one is flushed first).
   std::shared_ptr<OffloadedStorage> batch(const at::Tensor& t, const Span& span, const CurrentStream& current);
-  // The narrow copy of exactly t's span (same storage, first and last byte, dtype, version)
-  // made earlier, or null.
-  std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
   // Records the new copy `placed` holds, in the table of its kind.
   void remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed, Placement how);
   pybind11::object refuse(const at::Tensor& t, TieredRefusal why, int64_t bytes);
@@ -185,81 +176,11 @@ class Packer {
   // `obj` is not a DTensor (it is then kept as a subclass).
   pybind11::object pack_dtensor(pybind11::handle obj, const at::Tensor& t, int64_t nbytes);
 
-  // Note [Copy tables]
-  // The host copies made this activation (or across activations, with keep_dedup), by the
-  // storage they copy, for the tensors after them to share: exact copies (dedup_) and narrow
-  // ones (converted_, apart: their host bytes are converted ones, which only a saved tensor of
-  // the same span can share). Every reference is weak: a table keeps neither a storage nor a
-  // copy alive. Read and written under mu_.
-  template <class Group>
-  struct CopyTable {
-    struct Entry {
-      c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
-      c10::SmallVector<Group, 1> groups;  // disjoint copies of one storage (or of other versions)
-    };
-    std::unordered_map<const void*, Entry> entries;
-    size_t prune_at = 1024;  // drop expired entries when the table grows past this
-
-    // The entry of `storage`, or null (also when another storage lives at a freed one's address).
-    Entry* find(c10::StorageImpl* storage) {
-      auto it = entries.find(storage);
-      if (it == entries.end() || it->second.storage.lock().get() != storage) return nullptr;
-      return &it->second;
-    }
-    void add(const at::Tensor& t, Group g) {
-      if (entries.size() >= prune_at) {
-        for (auto it = entries.begin(); it != entries.end();) {
-          auto& groups = it->second.groups;
-          groups.erase(std::remove_if(groups.begin(), groups.end(), [](const Group& x) { return x.expired(); }),
-                       groups.end());
-          if (groups.empty() || it->second.storage.expired())
-            it = entries.erase(it);
-          else
-            ++it;
-        }
-        prune_at = std::max<size_t>(1024, 2 * entries.size());
-      }
-      c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-      Entry& e = entries[storage];
-      if (e.storage.lock().get() != storage) {  // new, or a freed storage's address reused
-        e.storage = t.storage().getWeakStorageImpl();
-        e.groups.clear();
-      }
-      e.groups.push_back(std::move(g));
-    }
-    void clear() { entries.clear(); }
-  };
-  // One exact host copy of a span of a storage (Note [One copy per storage]).
-  struct DedupGroup {
-    std::weak_ptr<OffloadedStorage> offloaded;
-    uint32_t version = 0;
-    int64_t lo = 0, hi = 0;   // byte range of the storage held on the host
-    bool extendable = false;  // a copy of its own (not a batch member): can take more pieces
-    int64_t counted = 0;      // its bytes in bytes_offloaded / bytes_stored (a joined copy: hi - lo)
-    bool expired() const { return offloaded.expired(); }
-  };
-  // One narrow copy of a span (Note [Low-precision storage]).
-  struct ConvertedGroup {
-    std::weak_ptr<ConvertedCopy> copy;
-    uint32_t version = 0;
-    int64_t lo = 0, hi = 0;
-    c10::ScalarType dtype = c10::kFloat;
-    // Its elements are the span's (non-overlapping and dense); else only a view of the same
-    // sizes and strides has the same elements, and so the same fp8 scale.
-    bool dense = true;
-    std::vector<int64_t> sizes, strides;  // when not dense
-    bool expired() const { return copy.expired(); }
-  };
-
   PackerOptions options_;
   std::shared_ptr<PackerCounters> counters_;
-  std::mutex mu_;
-  CopyTable<DedupGroup> dedup_;
-  CopyTable<ConvertedGroup> converted_;
-  // Storages leaf_owner found to be a running module's parameter or buffer this activation
-  // (only ever positives: a miss is looked up again; a few at most, searched in order). Cleared
-  // at begin / end.
-  std::vector<const void*> parameter_storages_, buffer_storages_;
+  CopyTables tables_;
+  KeepRules keep_rules_;
+  std::mutex mu_;  // guards open_batches_
   std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
   std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued

@@ -1,4 +1,4 @@
-// What pack returns to autograd for one saved tensor, and the standalone co.offload_tensor.
+// What pack returns to autograd for one saved tensor: one of three kinds, and how each unpacks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,17 +6,20 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <variant>
 
 #include "../core/host_pool.h"
+#include "../core/low_precision.h"
 #include "counters.h"
 #include "device_bytes.h"
 #include "offloaded_storage.h"
 #include "runtime.h"
+#include "store_dtype.h"
 
 namespace ckpt_offload {
 
-class ConvertedCopy;  // saved_converted.h
+class ConvertedCopy;  // below
 
 // Note [Saved tensor kinds]
 // A SavedTensor is what every kind of saved tensor shares -- the tensor's dtype, device, sizes,
@@ -26,12 +29,13 @@ class ConvertedCopy;  // saved_converted.h
 //    a KeepReason; a refused copy is kept too). Unpack returns the alias. Here.
 //  - Offloaded: a view of an exact host copy, an OffloadedStorage (offloaded_storage.h) that
 //    other views of the same storage may share (Note [One copy per storage]) or that lives in a
-//    batch. Made and unpacked in saved_offloaded.cpp.
-//  - Converted: a view of a narrow host copy, a ConvertedCopy (saved_converted.h), maybe shared
-//    with saved tensors of the same span (Note [Low-precision storage]). Made and unpacked in
-//    saved_converted.cpp.
+//    batch.
+//  - Converted: a view of a narrow host copy, a ConvertedCopy (below), maybe shared with saved
+//    tensors of the same span (Note [Low-precision storage]). The narrow bytes are themselves an
+//    Offloaded SavedTensor, which is why the kind lives here with the others.
 // Packer::pack (packer.cpp) decides the kind once per tensor (classify, then place) and makes
-// it; SavedTensor::unpack dispatches on it once. The Python object autograd holds embeds the
+// it, from the copies host_copies.h makes; SavedTensor::unpack dispatches on it once, and every
+// branch of that dispatch is in saved_tensor.cpp. The Python object autograd holds embeds the
 // SavedTensor (Note [Saved activation objects]): no allocation of its own per saved tensor.
 
 // A saved tensor's version counter and its value at pack: unpack refuses a tensor modified in
@@ -106,8 +110,8 @@ class SavedTensor {
   // t's dtype, device and version; with `layout`, its sizes, strides, first byte and extent
   // (a Kept one rebuilds nothing: its alias has them).
   SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes);
-  at::Tensor unpack_offloaded(Offloaded& o, bool accept_modified);  // saved_offloaded.cpp
-  at::Tensor unpack_converted(Converted& c, bool accept_modified);  // saved_converted.cpp
+  at::Tensor unpack_offloaded(Offloaded& o, bool accept_modified);
+  at::Tensor unpack_converted(Converted& c, bool accept_modified);
 
   Bytes bytes_;
   SavedVersion version_;
@@ -125,24 +129,42 @@ class SavedTensor {
   bool distinct_ = false;
 };
 
-// The Offloaded kind's copy (saved_offloaded.cpp). Copies bytes [from, to) of t's storage (-1:
-// t's span) into `pool` (or, at its cap, through its disk tier: Note [Spilling offloaded
-// blocks]), in t's device's stream order (`current`, or read here), as a host copy whose byte 0
-// stands for byte `from` of t's storage. Null when neither can take them; `why` (optional) then
-// says which refused.
-std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                               bool side_stream, const std::shared_ptr<PackerCounters>& counters,
-                                               TieredRefusal* why = nullptr, const CurrentStream* current = nullptr,
-                                               int64_t from = -1, int64_t to = -1);
+// The narrow host copy of one span of a storage, shared by every saved tensor that is that
+// span: the same storage, first byte, extent, dtype and version. Its up-converted reload is
+// shared too: one conversion back, one full-width device storage.
+class ConvertedCopy {
+ public:
+  ConvertedCopy(SavedTensor stored, lowp::Format f, lowp::Source s, c10::ScalarType dtype, c10::Device device,
+                int64_t lo, int64_t elems)
+      : stored_(std::move(stored)), format_(f), source_(s), dtype_(dtype), device_(device), lo_(lo), elems_(elems) {}
+  // A saved tensor over this copy was made / unpacked for the first time or died before that.
+  void link();
+  void unlink();
+  // A tensor with `sizes` and `strides` over the full-width storage (shared while one is alive,
+  // or kept for the saved tensors that have not unpacked yet), starting at the span's first
+  // element. Tensors over one storage share its version counter, checked when it is shared (Note
+  // [One version per device copy]: DeviceCopyModified unless `accept_modified`). `*fresh_bytes`:
+  // device bytes this call converted back (0 when shared). `first`: the caller's first unpack.
+  at::Tensor materialize(bool first, c10::IntArrayRef sizes, c10::IntArrayRef strides, bool accept_modified,
+                         int64_t* fresh_bytes);
+  // The exact host copy of the staging bytes.
+  const std::shared_ptr<OffloadedStorage>& staged() const { return *stored_.storage(); }
+  int64_t stored_nbytes() const { return stored_.nbytes(); }
 
-// The bytes [from, to) of t's storage as pool (or disk tier) buffers: copy_to_host's copy, and
-// the missing pieces of a joined copy (Note [One copy per storage]).
-std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, int64_t to,
-                                            const std::shared_ptr<HostPool>& pool, bool side_stream,
-                                            const CurrentStream* current, uint64_t handle, TieredRefusal* why);
-
-// The standalone engine entry point (co.offload_tensor): validates, offloads, raises PoolFull.
-std::shared_ptr<SavedTensor> offload_tensor(const at::Tensor& t, const std::shared_ptr<HostPool>& pool,
-                                            bool side_stream);
+ private:
+  SavedTensor stored_;  // the staging bytes, offloaded exactly (an Offloaded one)
+  lowp::Format format_;
+  lowp::Source source_;
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  int64_t lo_, elems_;
+  // Taken around a reload and its conversion, before the inner storage's locks (Note [Lock order]).
+  std::mutex mu_;
+  int pending_ = 0;  // saved tensors over this copy that have not unpacked yet
+  c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
+  c10::Storage held_;  // the reload, kept while pending_ > 0
+  std::shared_ptr<Event> ready_;  // the conversion back of reloaded_ (on a device)
+  DeviceCopyVersion version_;     // of reloaded_ (Note [One version per device copy])
+};
 
 }  // namespace ckpt_offload

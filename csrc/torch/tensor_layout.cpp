@@ -87,40 +87,36 @@ std::string dtype_name(c10::ScalarType t) {
 }
 
 
-std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span) {
-  return pool_full_message(pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
+std::string saved_tensor_name(const at::Tensor& t) {
+  return "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device());
 }
 
-std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span) {
-  auto target = spill_target(&pool);
-  std::string msg = "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " +
-                    human_bytes(span) + " (" + std::to_string(span) + " bytes) for " + what;
-  if (target) {
-    const FileTierStats ds = target->tier()->stats();
-    msg += "; spill_dir " + target->tier()->options().dir + ": " + human_bytes(ds.bytes_in_use) + " in use, " +
-           human_bytes(ds.bytes_reserved) + " preallocated, cap " +
-           (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+std::string full_facts(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
+  const std::string asked = human_bytes(span) + " (" + std::to_string(span) + " bytes) for " + what;
+  if (why == TieredRefusal::DiskFull) {
+    std::string facts = "ckpt_offload: the host pool is full and its disk tier has no room. Asked for " + asked;
+    if (auto target = spill_target(&pool)) {
+      const FileTierStats ds = target->tier()->stats();
+      facts += "; spill_dir " + target->tier()->options().dir + ": " + human_bytes(ds.bytes_in_use) + " in use, " +
+               human_bytes(ds.bytes_reserved) + " preallocated, cap " +
+               (ds.max_bytes ? human_bytes(ds.max_bytes) : std::string("none (the file system is full)"));
+    }
+    return facts;
   }
-  return msg + ". Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep such "
-               "tensors on the device.";
+  const PoolStats ps = pool.stats();
+  return "ckpt_offload: the host pool is full. Asked for " + asked + "; " + human_bytes(ps.bytes_in_use) +
+         " in use, " + human_bytes(ps.bytes_pending) + " waiting for copies, " + human_bytes(ps.bytes_reserved) +
+         " reserved, cap " +
+         (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)"));
 }
 
-std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
-  return why == TieredRefusal::DiskFull ? disk_full_message(pool, what, span) : pool_full_message(pool, what, span);
-}
-
-std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span) {
-  return full_message(why, pool, "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device()), span);
-}
-
-std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span) {
-  PoolStats ps = pool.stats();
-  return "ckpt_offload: the host pool is full. Asked for " + human_bytes(span) + " (" + std::to_string(span) +
-         " bytes) for " + what + "; " + human_bytes(ps.bytes_in_use) + " in use, " + human_bytes(ps.bytes_pending) +
-         " waiting for copies, " + human_bytes(ps.bytes_reserved) + " reserved, cap " +
-         (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)")) +
-         ". Raise the cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), offload less (a larger "
-         "min_bytes), or pass on_full=\"keep\" to keep such tensors on the device.";
+PoolFull pool_full(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span) {
+  return PoolFull(full_facts(why, pool, what, span),
+                  why == TieredRefusal::DiskFull
+                      ? "Raise spill_max_bytes, free space on the disk, offload less, or pass on_full=\"keep\" to keep "
+                        "such tensors on the device."
+                      : "Raise the cap (co.HostPool(max_bytes=...) or pool.set_max_bytes(...)), offload less (a larger "
+                        "min_bytes), or pass on_full=\"keep\" to keep such tensors on the device.");
 }
 
 }  // namespace ckpt_offload

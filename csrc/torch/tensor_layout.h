@@ -4,7 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/host_pool.h"
@@ -20,8 +22,14 @@ bool without_data(const at::Tensor& t);
 // Wrapper tensors (functorch, functionalization, __torch_dispatch__ subclasses) have a
 // storage that is not theirs to copy.
 bool wrapped_tensor(const at::Tensor& t);
-// Elements of its storage a tensor reaches, from its first one. An expanded tensor (stride 0)
-// reaches only its source's elements, so it does not grow on the host.
+// Note [Span of a tensor]
+// The bytes a saved tensor is copied as: the span of its storage from its first element to its
+// last, extent_elements(t) * itemsize bytes from byte storage_offset * itemsize -- its own
+// elements and whatever lies between them (a transpose, a slice with steps), nothing before or
+// after. An expanded tensor (stride 0) reaches only its source's elements, so it does not grow
+// on the host. torch has no negative strides (as_strided and set_ refuse them), so the first
+// element is the lowest and the rule needs no abs(). Defined here once; Python reads it as
+// _C.span_bytes (the planner's costs, the demo's counts) instead of writing it again.
 int64_t extent_elements(const at::Tensor& t);
 
 // The three below are what Packer::classify asks of every saved tensor, inline here.
@@ -66,13 +74,28 @@ std::string human_bytes(size_t bytes);
 std::string layout_name(c10::Layout layout);
 // "[float32 on cuda:0, shape [2, 3]]"
 std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device);
-// The message of PoolFull: what was asked, what the pool holds, and the three ways out.
-std::string pool_full_message(HostPool& pool, const at::Tensor& t, int64_t span);
-std::string pool_full_message(HostPool& pool, const std::string& what, int64_t span);
-// The pool is full and its disk tier refused too (spill_max_bytes, or a full disk).
-std::string disk_full_message(HostPool& pool, const std::string& what, int64_t span);
-// The message for whichever refused (TieredRefusal::DiskFull: the disk tier; else the pool).
-std::string full_message(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
-std::string full_message(TieredRefusal why, HostPool& pool, const at::Tensor& t, int64_t span);
+// Raised when the pool (and its disk tier) cannot hold a copy and the caller asked for an error
+// (on_full="raise", co.offload_tensor): PoolFullError in Python. Its message is the facts (what
+// was asked for, what the pool holds), then the remedies; the two are kept apart (PoolFullError's
+// `facts` and `remedies`), so that a caller with remedies of its own words them instead of
+// parsing the message.
+class PoolFull : public std::runtime_error {
+ public:
+  PoolFull(std::string facts, std::string remedies)
+      : std::runtime_error(facts + ". " + remedies), facts_(std::move(facts)), remedies_(std::move(remedies)) {}
+  const std::string& facts() const { return facts_; }
+  const std::string& remedies() const { return remedies_; }
+
+ private:
+  std::string facts_, remedies_;
+};
+// How messages name a saved tensor: "a saved tensor [float32 on cpu, shape [2, 3]]".
+std::string saved_tensor_name(const at::Tensor& t);
+// The facts of a refused copy of `span` bytes for `what`: the pool is full (why ==
+// TieredRefusal::PoolFull), or its disk tier refused too (DiskFull: spill_max_bytes, or a full
+// disk), with what each holds.
+std::string full_facts(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
+// PoolFull with those facts and co.offload's remedies (a larger cap, less offloaded, on_full="keep").
+PoolFull pool_full(TieredRefusal why, HostPool& pool, const std::string& what, int64_t span);
 
 }  // namespace ckpt_offload

@@ -389,6 +389,40 @@ def test_offload_tensor_past_the_cap_names_no_option_it_does_not_take():
     assert "on_full" not in str(info.value) and "min_bytes" not in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, device="meta"),
+    lambda: torch._efficientzerotensor(8),
+    lambda: torch.randn(4, dtype=torch.cfloat).conj(),
+    lambda: torch.eye(3).to_sparse(),
+], ids=["meta", "zerotensor", "conj", "sparse"])
+def test_offload_tensor_checks_its_tensor_once_with_one_message(pool, make):
+    # The checks live in the native entry alone: co.offload_tensor and _C.offload_tensor say the
+    # same thing, in co.offload_tensor's words (they used to differ in wording and coverage).
+    x = make()
+    with pytest.raises(ValueError) as api:
+        co.offload_tensor(x, pool)
+    with pytest.raises(ValueError) as native:
+        co._C.offload_tensor(x.detach(), pool._impl, True)
+    assert str(api.value) == str(native.value) and str(api.value).startswith("tensor: "), str(native.value)
+
+
+def test_pool_full_errors_carry_their_facts_and_remedies_apart():
+    # Nothing parses the message back: the native error gives its parts as attributes.
+    with pytest.raises(co.PoolFullError) as standalone:
+        co.offload_tensor(torch.randn(1 << 16), pool=co.HostPool(max_bytes=1 << 12, pinned=False))
+    e = standalone.value
+    assert str(e) == f"{e.facts}. {e.remedies}"
+    assert "Asked for 256.0 KiB (262144 bytes) for the tensor [Float on cpu, shape [65536]]" in e.facts
+    assert e.remedies.startswith("co.offload_tensor stores every tensor it is given")
+    x = torch.randn(1 << 16, requires_grad=True)
+    full = co.HostPool(max_bytes=1 << 12, pinned=False)
+    with pytest.raises(co.PoolFullError) as packed, co.offload(devices=["cpu"], min_bytes=0, on_full="raise", pool=full):
+        torch.tanh(x)
+    e = packed.value
+    assert str(e) == f"{e.facts}. {e.remedies}" and "for a saved tensor [Float on cpu" in e.facts
+    assert 'on_full="keep"' in e.remedies
+
+
 def test_compile_fullgraph_over_ckpt_offload_says_what_works():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     x = torch.randn(2, 8)

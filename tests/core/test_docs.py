@@ -317,3 +317,49 @@ def test_one_version_number_the_changelogs():
     for path in (ROOT / "README.md", ROOT / "docs" / "install.md"):
         named = set(re.findall(r"ckpt_offload-([0-9][0-9a-z.]*[0-9a-z])\.tar\.gz", path.read_text()))
         assert named == {version}, f"{path.name} installs ckpt_offload-{named}.tar.gz, the package is {version}"
+
+
+# --- docs/design.md's map of Notes ------------------------------------------------------------------
+
+NOTE = re.compile(r"Note \[([^\]\n]+)\]")
+NOTE_FOLDERS = ("csrc", "ckpt_offload", "benchmarks", "scripts")
+NOTE_SUFFIXES = {".h", ".cpp", ".cu", ".cuh", ".py", ".sh"}
+
+
+def notes_in_code() -> dict:
+    """Note name -> the files (relative to the repository) that cite it."""
+    found: dict = {}
+    for folder in NOTE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in NOTE_SUFFIXES and path.is_file():
+                for name in NOTE.findall(path.read_text(errors="replace")):
+                    found.setdefault(name, set()).add(path.relative_to(ROOT).as_posix())
+    return found
+
+
+def design_map() -> dict:
+    """Note name -> the files docs/design.md's map says it is written in."""
+    rows = {}
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`Note ["):
+            (name,) = NOTE.findall(cells[0])
+            assert name not in rows, f"docs/design.md maps Note [{name}] twice"
+            rows[name] = re.findall(r"`([\w./-]+/[\w./-]+)`", cells[1])
+    return rows
+
+
+def test_the_design_map_reader_reads_rows():
+    rows = design_map()
+    assert rows["Lock order"] == ["csrc/torch/packer.h", "csrc/core/host_pool.h"]
+    assert "csrc/torch/runtime.h" in notes_in_code()["Stream ordering"]
+
+
+def test_every_note_in_code_is_on_the_design_map_and_every_row_in_its_file():
+    code, rows = notes_in_code(), design_map()
+    assert sorted(set(code) - set(rows)) == [], "Notes cited in code without a row in docs/design.md's map"
+    assert sorted(set(rows) - set(code)) == [], "rows of docs/design.md's map whose Note no code cites"
+    for name, where in rows.items():
+        assert where, f"docs/design.md: Note [{name}] names no file"
+        for path in where:
+            assert path in code[name], f"docs/design.md: Note [{name}] is not in {path} (it is in {sorted(code[name])})"

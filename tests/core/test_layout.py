@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import warnings
 import importlib
+import importlib.util
 import inspect
 import io
 import pathlib
@@ -157,6 +158,51 @@ def test_lower_layers_import_nothing_above_them():
                     todo.append(w)
         assert not {r for r in reach if r.startswith(("ckpt_offload.planner", "ckpt_offload.integrations",
                                                        "ckpt_offload.cli", "ckpt_offload.demo"))}, name
+
+
+def _include_graph():
+    """scripts/include_graph.py: the C++ layers' include graph, by unit (a .cpp with its .h)."""
+    spec = importlib.util.spec_from_file_location("include_graph", PACKAGE.parent / "scripts" / "include_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_include_graph_reader_sees_a_circle():
+    ig = _include_graph()
+    assert ig.circles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    graph = ig.include_graph(("csrc/torch",))
+    assert "csrc/torch/saved_tensor" in graph["csrc/torch/packer"]  # packer.h includes saved_tensor.h
+    assert "csrc/torch/device_runtime" in graph["csrc/torch/cuda/runtime"]  # "../device_runtime.h"
+    assert "csrc/torch/packer" not in graph["csrc/torch/packer"]  # packer.cpp's own header is no edge
+
+
+def test_no_include_runs_back_up_in_the_torch_layer():
+    # A unit (x.cpp with x.h) that includes another that includes it back, however far round,
+    # runs an include back up: every unit of csrc/torch stands on a floor above all it includes
+    # (python scripts/include_graph.py prints them).
+    ig = _include_graph()
+    graph = ig.include_graph(("csrc/torch",))
+    assert len(graph) > 25
+    assert ig.circles(graph) == []
+
+
+def test_the_span_of_a_tensor_is_the_engines_own_rule():
+    # Note [Span of a tensor]: one definition, _C.span_bytes, which the planner and the demo read.
+    base = torch.zeros(4, 6, 8)
+    assert _C.span_bytes(base) == 4 * 6 * 8 * 4
+    assert _C.span_bytes(base.transpose(0, 2)) == 4 * 6 * 8 * 4  # the same elements
+    assert _C.span_bytes(base[:, ::2, 1]) == ((4 - 1) * 48 + (3 - 1) * 16 + 1) * 4  # the gaps between count
+    assert _C.span_bytes(torch.zeros(8).expand(5, 8)) == 8 * 4  # stride 0: only the source's elements
+    assert _C.span_bytes(torch.zeros(0, 3)) == 0
+    # What co.offload copies for a strided view is that span.
+    x = torch.randn(64, 64, requires_grad=True)
+    with co.offload(**CPU) as ctx:
+        view = (x * 2)[::2, 1::3]
+        z = torch.sin(view)  # saves its input, the strided view, and nothing else
+    assert (ctx.stats()["tensors_offloaded"], ctx.stats()["bytes_offloaded"]) == (1, _C.span_bytes(view))
+    assert _C.span_bytes(view) == ((32 - 1) * 128 + (21 - 1) * 3 + 1) * 4
+    z.sum().backward()
 
 
 # --- names -----------------------------------------------------------------------------------------

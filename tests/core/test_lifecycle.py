@@ -184,6 +184,41 @@ def test_exit_from_another_thread_warns_and_exits(pool):
     assert_clean(ctx)
 
 
+def test_the_native_activation_answers_in_named_values(pool):
+    # Note [Native activation]: the entry and exit return members of _C.Activation (an enum whose
+    # docstring names its Note), and the exit's numbers are a named struct, not a tuple read by index.
+    ctx = co.offload(devices=["cpu"], min_bytes=1 << 20, pool=pool)
+    for enum in (co._C.Activation, co._C.ExitReport):
+        assert "Note [Native activation]" in enum.__doc__
+    x = torch.randn(16, 16, requires_grad=True)
+    assert ctx._hooks.enter() is None
+    assert ctx._hooks.enter() is co._C.Activation.BUSY  # active already: nothing done
+    y = torch.tanh(x)  # saves its 1 KiB output: under min_bytes
+    ctx._hooks.noop_checks = 0  # no report: this test reads the counts itself
+    assert ctx._hooks.exit() is None
+    assert ctx._hooks.exit() is co._C.Activation.NOT_ACTIVE
+    counts = ctx._packer.exit_counts()
+    assert isinstance(counts, co._C.ExitCounts)
+    assert (counts.offloaded_or_shared, counts.too_small_tensors, counts.too_small_bytes) == (0, 1, 16 * 16 * 4)
+    assert (counts.device_tensors, counts.pool_full_tensors, counts.pool_full_bytes) == (0, 0, 0)
+    assert (counts.disk_full_tensors, counts.disk_full_bytes) == (0, 0)
+    y.sum().backward()
+
+
+def test_an_exit_out_of_order_says_how_the_stack_was_repaired(pool):
+    # Note [Exits that cannot pop]: the native exit repairs the stack itself and says how.
+    a, b = cpu_offload(pool), cpu_offload(pool)
+    a.__enter__()
+    b.__enter__()
+    old_pack = a._hooks.pack
+    repair, outcome = a._hooks.exit()
+    assert repair is co._C.Activation.OUT_OF_ORDER and outcome is None
+    assert not a.active and b.active and a._hooks.pack is not old_pack  # new functions for its next entry
+    assert top_hooks()[0] is b._hooks.pack
+    b.__exit__(None, None, None)
+    assert_clean(a, b)
+
+
 def test_checkpoint_shared_context_is_not_stuck_after_a_failed_enter(monkeypatch):
     # 4 layers receiving one mask: the mask is stored once (4 inputs + 1 mask = 5 blocks) only
     # if every layer uses the shared per-thread context. Before the fix a failed enter left it

@@ -263,6 +263,21 @@ def test_each_build_compiles_its_own_device_side():
     assert len(cuda) == len(shared) + len(cuda_side) and len(cpu) == len(shared) + len(cpu_side)
 
 
+def test_one_cpp_standard_for_the_extension_and_the_core():
+    # csrc/core is built on its own (CMakeLists.txt, under sanitizers) and inside the extension
+    # (setup.py): one standard for both, build_env.py's, which torch's headers need.
+    build_env = _build_env()
+    with open(os.path.join(SOURCE_ROOT, "CMakeLists.txt")) as f:
+        cmake = f.read()
+    assert re.findall(r"set\(CMAKE_(?:CXX|CUDA)_STANDARD (\d+)\)", cmake) == [str(build_env.CXX_STANDARD)] * 2
+    assert build_env.STD_FLAG == f"-std=c++{build_env.CXX_STANDARD}"
+    with open(os.path.join(SOURCE_ROOT, "setup.py")) as f:
+        setup = f.read()
+    assert 'cxx = ["-O2", "-fvisibility=hidden", STD_FLAG]' in setup  # the C++ files' flags
+    assert '"nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA", STD_FLAG]' in setup  # the CUDA files'
+    assert build_env.STD_FLAG in build_env.torch_compile_flags(False)  # scripts/check_torch_headers.sh's
+
+
 def test_torch_layer_outside_cuda_folder_has_no_cuda_code():
     # What only the CUDA build compiles is chosen by folder, not by #ifdef: the shared files of
     # csrc/torch/ reach CUDA through csrc/torch/device_runtime.h only.

@@ -3,6 +3,7 @@
 #include <stdexcept>
 
 #include "../device_runtime.h"
+#include "../runtime.h"
 
 namespace ckpt_offload {
 

@@ -10,6 +10,7 @@
 
 #include "../../core/cuda_stream.h"
 #include "../device_runtime.h"
+#include "../runtime.h"
 
 namespace ckpt_offload {
 
