@@ -48,7 +48,7 @@ MIN_TORCH = (2, 11)
 try:
     import torch
     from torch.utils import cpp_extension
-except ImportError:  # pragma: no cover - explained to the user; tests/core/test_packaging.py runs it
+except ImportError:  # pragma: no cover - explained to the user; tests/package/test_packaging.py runs it
     sys.exit(NO_TORCH_MESSAGE)
 
 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:

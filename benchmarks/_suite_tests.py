@@ -798,7 +798,7 @@ DIAG_TARGETS = [
     # On 2026-12-04 these CPU tests died by SIGSEGV there too, each raising an error whose message
     # was built with an ostringstream (Note [No iostreams in the extension], csrc/core/text.h).
     # (A second -m replaces the run's `-m gpu`.)
-    ("tests/core/test_bad_input.py", ["-m", "not gpu", "-k", "offload_tensor-past-the-cap"]),
+    ("tests/api/test_bad_input.py", ["-m", "not gpu", "-k", "offload_tensor-past-the-cap"]),
     ("tests/offload/test_dedup_views.py::test_view_of_another_version_is_not_joined", ["-m", "not gpu"]),
 ]
 

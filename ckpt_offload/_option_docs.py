@@ -3,7 +3,7 @@ its source, and turned into a docstring's ``Args:`` or docs/api.md's table.
 
 Each option of :class:`ckpt_offload.OffloadOptions` is described in the string under its field
 (markdown-style `code`). co.offload's docstring, OffloadOptions' and the table in docs/api.md are
-made from them (scripts/option_docs.py writes the table; tests/core/test_docs.py checks it is
+made from them (scripts/option_docs.py writes the table; tests/package/test_docs.py checks it is
 current).
 """
 

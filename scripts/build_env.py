@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The one C++ standard of every C++ and CUDA file: the extension's (setup.py), the compile check's
 # (torch_compile_flags) and the core's native build (CMakeLists.txt's CMAKE_CXX_STANDARD and
-# CMAKE_CUDA_STANDARD; tests/core/test_packaging.py checks they agree). C++20, because torch's
+# CMAKE_CUDA_STANDARD; tests/package/test_packaging.py checks they agree). C++20, because torch's
 # headers require it from 2.10 on (ATen/ATen.h refuses an older standard), and the core builds
 # with the extension.
 CXX_STANDARD = 20

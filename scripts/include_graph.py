@@ -6,7 +6,7 @@ unit, and a unit stands on a floor above every unit it includes (floor 1: includ
 
 Prints each unit by floor, the number of floors (the include depth), every circle (units that
 include each other: an include that runs back up) and the largest file. Exits 1 when there is a
-circle. tests/core/test_layout.py checks csrc/torch has none.
+circle. tests/package/test_layout.py checks csrc/torch has none.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 string under each field of ``co.OffloadOptions``, and ``keep_dedup``'s in offloading.py).
 
     python scripts/option_docs.py          # rewrite the table in docs/api.md
-    python scripts/option_docs.py --check  # exit 1 if it is not current (tests/core/test_docs.py checks the same)
+    python scripts/option_docs.py --check  # exit 1 if it is not current (tests/package/test_docs.py checks the same)
 """
 
 from __future__ import annotations

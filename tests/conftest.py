@@ -9,7 +9,7 @@ from helpers import GPU_REASON, HAS_GPU, cuda_device, grads_of  # noqa: F401  (g
 
 try:
     from hypothesis import HealthCheck, settings
-except ImportError:  # only tests/core/test_property.py needs it, and skips without it
+except ImportError:  # only tests/property/test_property.py needs it, and skips without it
     settings = None
 
 # The CPU side streams are worker threads; a delay before every copy makes an ordering bug
@@ -22,9 +22,9 @@ DELAY_ENV = "CKPT_OFFLOAD_CPU_COPY_DELAY_US"
 TEST_DELAY_US = int(os.environ.get(DELAY_ENV, os.environ.get("CKPT_OFFLOAD_TEST_DELAY_US", "200")))
 
 
-# Property-based tests (tests/core/test_property.py). "ci" (the default) is derandomized: every run
+# Property-based tests (tests/property/test_property.py). "ci" (the default) is derandomized: every run
 # tries the same examples, so CI is reproducible and its time bounded. "thorough" draws fresh
-# random examples, ten times as many: CKPT_OFFLOAD_HYPOTHESIS_PROFILE=thorough pytest tests/core/test_property.py
+# random examples, ten times as many: CKPT_OFFLOAD_HYPOTHESIS_PROFILE=thorough pytest tests/property/test_property.py
 HYPOTHESIS_PROFILE = os.environ.get("CKPT_OFFLOAD_HYPOTHESIS_PROFILE", "ci")
 if HYPOTHESIS_PROFILE not in ("ci", "thorough"):
     raise ValueError(f"CKPT_OFFLOAD_HYPOTHESIS_PROFILE must be 'ci' or 'thorough', got {HYPOTHESIS_PROFILE!r}")

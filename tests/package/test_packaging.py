@@ -227,10 +227,10 @@ def test_wheel_check_refuses_tests_and_a_missing_marker(tmp_path):
     )
     write_wheel(tmp_path / "good.whl", good, metadata)
     assert check_dist.check_wheel(str(tmp_path / "good.whl")) == []
-    bad = [n for n in good if n != "ckpt_offload/py.typed"] + ["tests/core/test_api.py"]
+    bad = [n for n in good if n != "ckpt_offload/py.typed"] + ["tests/api/test_api.py"]
     write_wheel(tmp_path / "bad.whl", bad, metadata.replace(">=3.11", ">=3.9"))
     problems = check_dist.check_wheel(str(tmp_path / "bad.whl"))
-    assert "tests/core/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
+    assert "tests/api/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
     assert "ckpt_offload/py.typed: missing from the wheel" in problems
     assert "METADATA Requires-Python: '>=3.9', expected '>=3.11'" in problems
 
