@@ -61,17 +61,15 @@ void HostBuffer::add_reader(std::shared_ptr<Event> ev) {
   // No queries under graph capture (Note [Graph capture]): the list is pruned next time.
   if (!capture_active())
     readers_.erase(std::remove_if(readers_.begin(), readers_.end(),
-                                [](const std::shared_ptr<Event>& e) { return e->state() == EventState::Done; }),
-                 readers_.end());
+                                  [](const std::shared_ptr<Event>& e) { return e->state() == EventState::Done; }),
+                   readers_.end());
   readers_.push_back(std::move(ev));
 }
 
 namespace {
 
 // Starts a profiled copy: an event before it, when profiling is on.
-std::shared_ptr<Event> copy_start(Stream& copy, bool profiling) {
-  return profiling ? copy.record_timed() : nullptr;
-}
+std::shared_ptr<Event> copy_start(Stream& copy, bool profiling) { return profiling ? copy.record_timed() : nullptr; }
 
 std::shared_ptr<Event> copy_end(Stream& copy, CopyKind kind, size_t bytes, const CopyTag& tag,
                                 std::shared_ptr<Event> start) {
@@ -105,15 +103,15 @@ class GivenKeepalive final : public KeepaliveSource {
 };
 }  // namespace
 
-std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src,
-                                                size_t bytes, Stream& compute, Stream& copy,
-                                                std::shared_ptr<void> keepalive, const CopyTag& tag) {
+std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src, size_t bytes,
+                                                Stream& compute, Stream& copy, std::shared_ptr<void> keepalive,
+                                                const CopyTag& tag) {
   return offload(pool, src, bytes, compute, copy, GivenKeepalive(std::move(keepalive)), tag);
 }
 
-std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src,
-                                                size_t bytes, Stream& compute, Stream& copy,
-                                                const KeepaliveSource& keepalive, const CopyTag& tag) {
+std::shared_ptr<HostBuffer> CopyEngine::offload(const std::shared_ptr<HostPool>& pool, const void* src, size_t bytes,
+                                                Stream& compute, Stream& copy, const KeepaliveSource& keepalive,
+                                                const CopyTag& tag) {
   poll();
   HostPool::Block* block = pool->allocate(bytes);
   if (!block) return nullptr;
@@ -235,8 +233,8 @@ void CopyEngine::hold(uintptr_t stream_id, std::shared_ptr<Event> done, std::sha
 
 void CopyEngine::poll() {
   if (held_count(num_held_).load(__ATOMIC_ACQUIRE) == 0) return;  // Note [Poll with nothing held]
-  if (capture_active()) return;  // Note [Graph capture]: no event query, no release
-  std::vector<std::shared_ptr<void>> release;  // destroyed outside the lock
+  if (capture_active()) return;                                   // Note [Graph capture]: no event query, no release
+  std::vector<std::shared_ptr<void>> release;                     // destroyed outside the lock
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (held_count(num_held_).load(__ATOMIC_RELAXED) == 0) return;

@@ -97,8 +97,8 @@ class CopyEngine {
   // `compute` order. With `consumer_waits`, work enqueued on `compute` after the return sees
   // the data; without (prefetch), the caller must make the consumer wait on the returned
   // event, which marks the end of the copy.
-  std::shared_ptr<Event> reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy,
-                                bool consumer_waits = true, const CopyTag& tag = {});
+  std::shared_ptr<Event> reload(HostBuffer& buf, void* dst, Stream& compute, Stream& copy, bool consumer_waits = true,
+                                const CopyTag& tag = {});
 
   // Batched offload of many small spans into one block of `block_bytes`: a gather (one kernel
   // launch per kBatchMaxSegments spans) into `staging` (device memory of block_bytes allocated

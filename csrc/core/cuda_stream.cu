@@ -228,7 +228,8 @@ void CudaStream::memcpy(void* dst, const void* src, size_t bytes, CopyKind kind)
 namespace {
 constexpr int kMaxDevices = 64;
 std::mutex side_mu;
-CudaStream* side_streams[kMaxDevices][static_cast<int>(SideStream::kCount)] = {};  // leaked on purpose: no teardown-order hazards at exit
+CudaStream* side_streams[kMaxDevices][static_cast<int>(SideStream::kCount)] =
+    {};  // leaked on purpose: no teardown-order hazards at exit
 }  // namespace
 
 void synchronize_side_streams() {
@@ -300,8 +301,10 @@ void* PinnedBackend::allocate(size_t bytes) {
 }
 
 void PinnedBackend::release(void* ptr, size_t bytes) {
-  if (numa_node_ >= 0) release_pinned_on_node(ptr, bytes);
-  else cudaFreeHost(ptr);
+  if (numa_node_ >= 0)
+    release_pinned_on_node(ptr, bytes);
+  else
+    cudaFreeHost(ptr);
 }
 
 void* RegisteredBackend::allocate(size_t bytes) {

@@ -51,8 +51,7 @@ FileTier::FileTier(std::shared_ptr<Core> core) : core_(std::move(core)) {
   try {
     // Each thread holds the core: if this object is ever destroyed on one of its own threads
     // (a keepalive that owned the tier), the threads outlive it safely (see ~FileTier).
-    for (int i = 0; i < core_->options.io_threads; ++i)
-      threads_.emplace_back([core = core_] { core->worker(); });
+    for (int i = 0; i < core_->options.io_threads; ++i) threads_.emplace_back([core = core_] { core->worker(); });
   } catch (...) {
     {
       std::lock_guard<std::mutex> lock(core_->qmu);
@@ -66,11 +65,12 @@ FileTier::FileTier(std::shared_ptr<Core> core) : core_(std::move(core)) {
 
 void FileTier::Core::check_process(const char* what) const {
   if (!forked()) return;
-  throw FileTierError("ckpt_offload: " + std::string(what) + " in process " + std::to_string(::getpid()) +
-                      " with a disk tier (spill_dir=" + options.dir + ") made in process " + std::to_string(pid) +
-                      " before it forked: a forked child has none of its I/O threads and shares its spill files "
-                      "with the parent, so it cannot spill to it or read from it. Make a new co.HostPool(spill_dir=...) "
-                      "in the child (or use the 'spawn' start method).");
+  throw FileTierError(
+      "ckpt_offload: " + std::string(what) + " in process " + std::to_string(::getpid()) +
+      " with a disk tier (spill_dir=" + options.dir + ") made in process " + std::to_string(pid) +
+      " before it forked: a forked child has none of its I/O threads and shares its spill files "
+      "with the parent, so it cannot spill to it or read from it. Make a new co.HostPool(spill_dir=...) "
+      "in the child (or use the 'spawn' start method).");
 }
 
 FileTier::~FileTier() {
@@ -236,7 +236,8 @@ std::vector<FileTier::FileInfo> FileTier::files() {
   std::lock_guard<std::mutex> lock(core_->mu);
   std::vector<FileInfo> out;
   for (auto& f : core_->files)
-    if (f) out.push_back(FileInfo{f->fd, f->path, "/proc/self/fd/" + std::to_string(f->fd), f->bytes, f->direct.load()});
+    if (f)
+      out.push_back(FileInfo{f->fd, f->path, "/proc/self/fd/" + std::to_string(f->fd), f->bytes, f->direct.load()});
   return out;
 }
 
@@ -252,7 +253,8 @@ bool FileTier::check_invariants(std::string* why) {
     }
   if (reserved != core_->stats.bytes_reserved) e += "bytes_reserved mismatch; ";
   if (open != core_->stats.num_files || open != core_->alloc.num_regions()) e += "file count mismatch; ";
-  if (core_->stats.bytes_reserved - core_->alloc.free_bytes() != core_->stats.bytes_in_use) e += "bytes_in_use mismatch; ";
+  if (core_->stats.bytes_reserved - core_->alloc.free_bytes() != core_->stats.bytes_in_use)
+    e += "bytes_in_use mismatch; ";
   if (why) *why = e;
   return e.empty();
 }

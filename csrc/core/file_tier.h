@@ -62,39 +62,39 @@ class FileTierError : public std::runtime_error {
 
 // FileTier::stats(), one row a stat (Note [Stats tables] in stats_table.h), in the order of the
 // dict FileTier.stats() returns.
-#define CKPT_OFFLOAD_FILE_TIER_STATS(FIELD, PEAK, KEY)                                            \
-  KEY(dir)                                    /* the tier's directory */                           \
-  FIELD(size_t, bytes_in_use, Value)          /* file space held by live spilled blocks */         \
-                                              /* (aligned sizes) */                                \
-  FIELD(size_t, bytes_requested, Value)       /* the bytes they hold */                            \
-  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                                    \
-  FIELD(size_t, bytes_reserved, Value)        /* the files' total (preallocated) size */           \
-  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                                \
-  FIELD(size_t, max_bytes, Cap)                                                                    \
-  FIELD(size_t, num_files, Value)                                                                  \
-  FIELD(uint64_t, num_blocks_in_use, Value)                                                        \
-  FIELD(uint64_t, blocks_written, Value)                                                           \
-  FIELD(uint64_t, bytes_written, Value)                                                            \
-  FIELD(uint64_t, blocks_read, Value)                                                              \
-  FIELD(uint64_t, bytes_read, Value)                                                               \
-  /* Wall time during which at least one write (read) was running: bytes / busy = bandwidth. */   \
-  FIELD(int64_t, write_busy_ns, Internal)                                                          \
-  FIELD(int64_t, read_busy_ns, Internal)                                                           \
-  KEY(write_seconds)                                                                               \
-  KEY(read_seconds)                                                                                \
-  KEY(write_bandwidth)                        /* bytes/s while busy, None before any I/O */        \
-  KEY(read_bandwidth)                                                                              \
-  FIELD(uint64_t, reads_prefetch, Value)      /* reads started ahead of need (backward's */        \
-                                              /* prefetch) */                                      \
-  FIELD(uint64_t, read_stalls, Value)         /* Ticket::wait calls that had to block on the disk */ \
-  FIELD(int64_t, read_stall_ns, Internal)     /* and how long they blocked */                      \
-  KEY(read_stall_seconds)                                                                          \
-  FIELD(uint64_t, num_cap_hits, Value)        /* write() refused by max_bytes */                   \
-  FIELD(uint64_t, num_disk_full, Value)       /* write() refused: the file system had no room */   \
-  FIELD(uint64_t, write_errors, Value)                                                             \
-  FIELD(uint64_t, read_errors, Value)                                                              \
-  FIELD(uint64_t, checksum_errors, Value)                                                          \
-  FIELD(bool, direct_io, Value)               /* the last file opened uses O_DIRECT */
+#define CKPT_OFFLOAD_FILE_TIER_STATS(FIELD, PEAK, KEY)                                           \
+  KEY(dir)                              /* the tier's directory */                               \
+  FIELD(size_t, bytes_in_use, Value)    /* file space held by live spilled blocks */             \
+                                        /* (aligned sizes) */                                    \
+  FIELD(size_t, bytes_requested, Value) /* the bytes they hold */                                \
+  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                                  \
+  FIELD(size_t, bytes_reserved, Value) /* the files' total (preallocated) size */                \
+  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                              \
+  FIELD(size_t, max_bytes, Cap)                                                                  \
+  FIELD(size_t, num_files, Value)                                                                \
+  FIELD(uint64_t, num_blocks_in_use, Value)                                                      \
+  FIELD(uint64_t, blocks_written, Value)                                                         \
+  FIELD(uint64_t, bytes_written, Value)                                                          \
+  FIELD(uint64_t, blocks_read, Value)                                                            \
+  FIELD(uint64_t, bytes_read, Value)                                                             \
+  /* Wall time during which at least one write (read) was running: bytes / busy = bandwidth. */  \
+  FIELD(int64_t, write_busy_ns, Internal)                                                        \
+  FIELD(int64_t, read_busy_ns, Internal)                                                         \
+  KEY(write_seconds)                                                                             \
+  KEY(read_seconds)                                                                              \
+  KEY(write_bandwidth) /* bytes/s while busy, None before any I/O */                             \
+  KEY(read_bandwidth)                                                                            \
+  FIELD(uint64_t, reads_prefetch, Value)  /* reads started ahead of need (backward's */          \
+                                          /* prefetch) */                                        \
+  FIELD(uint64_t, read_stalls, Value)     /* Ticket::wait calls that had to block on the disk */ \
+  FIELD(int64_t, read_stall_ns, Internal) /* and how long they blocked */                        \
+  KEY(read_stall_seconds)                                                                        \
+  FIELD(uint64_t, num_cap_hits, Value)  /* write() refused by max_bytes */                       \
+  FIELD(uint64_t, num_disk_full, Value) /* write() refused: the file system had no room */       \
+  FIELD(uint64_t, write_errors, Value)                                                           \
+  FIELD(uint64_t, read_errors, Value)                                                            \
+  FIELD(uint64_t, checksum_errors, Value)                                                        \
+  FIELD(bool, direct_io, Value) /* the last file opened uses O_DIRECT */
 
 struct FileTierStats {
   CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_FILE_TIER_STATS)

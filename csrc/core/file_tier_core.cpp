@@ -261,8 +261,8 @@ std::string FileTier::Core::run_chunk(Ticket& t, size_t chunk, char* bounce) {
     if (r == IoResult::Error) {
       std::lock_guard<std::mutex> lock(mu);
       stats.read_errors++;
-      return "ckpt_offload: reading " + where(f, s, chunk) + " failed: " +
-             (err ? errno_text(err) : std::string("unexpected end of file"));
+      return "ckpt_offload: reading " + where(f, s, chunk) +
+             " failed: " + (err ? errno_text(err) : std::string("unexpected end of file"));
     }
     const uint32_t crc = crc32c(buf, len);
     if (crc != s.crcs[chunk]) {

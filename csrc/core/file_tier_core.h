@@ -37,7 +37,7 @@ struct SpillState {
   bool written = false;
   std::string write_error;
   std::vector<std::shared_ptr<FileTier::Ticket>> after_write;  // reads waiting for the write
-  int inflight = 0;   // tickets of this block not finished
+  int inflight = 0;                                            // tickets of this block not finished
   bool dead = false;  // the Spill handle is gone: free the range when inflight reaches 0
 };
 
@@ -71,7 +71,9 @@ struct FileTier::Core {
   std::deque<Task> queue;
   size_t running = 0;  // tasks popped and not finished
   bool stop = false;
-  size_t nchunks(size_t bytes) const { return std::max<size_t>(1, (bytes + options.chunk_bytes - 1) / options.chunk_bytes); }
+  size_t nchunks(size_t bytes) const {
+    return std::max<size_t>(1, (bytes + options.chunk_bytes - 1) / options.chunk_bytes);
+  }
 
   // --- files ------------------------------------------------------------------------------
   int open_file(bool* direct, int* err);

@@ -20,7 +20,7 @@ struct HostPool::Block {
   BlockAllocator::Range range;  // region = index into segments_; range.size is the block's size
   size_t requested;
   enum State { Used, Pending, Recent } state = Used;  // Recent: see Note [Recent blocks]
-  Block* prev = nullptr;  // neighbours in the pool's list of live blocks (live_)
+  Block* prev = nullptr;                              // neighbours in the pool's list of live blocks (live_)
   Block* next = nullptr;
 };
 
@@ -32,8 +32,10 @@ void* PageableBackend::allocate(size_t bytes) {
 }
 
 void PageableBackend::release(void* ptr, size_t bytes) {
-  if (numa_node_ >= 0) numa::unmap(ptr, bytes);
-  else std::free(ptr);
+  if (numa_node_ >= 0)
+    numa::unmap(ptr, bytes);
+  else
+    std::free(ptr);
 }
 
 HostPool::HostPool(std::unique_ptr<Backend> backend, size_t max_bytes, size_t segment_bytes)
@@ -96,8 +98,10 @@ void HostPool::release_block_locked(Block* b) {
   // The allocator coalesces the range with its free neighbours, so a large request can reuse
   // space freed as small pieces.
   alloc_.free(b->range);
-  if (b->prev) b->prev->next = b->next;
-  else live_ = b->next;
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    live_ = b->next;
   if (b->next) b->next->prev = b->prev;
   delete b;
 }
@@ -113,8 +117,10 @@ bool HostPool::keep_recent_locked(Block* b) {
   }
   if (list->blocks.size() >= kRecentPerSize) return false;
   // Off the live list (it is no owner's block), its range still allocated.
-  if (b->prev) b->prev->next = b->next;
-  else live_ = b->next;
+  if (b->prev)
+    b->prev->next = b->next;
+  else
+    live_ = b->next;
   if (b->next) b->next->prev = b->prev;
   b->prev = b->next = nullptr;
   b->state = Block::Recent;
@@ -200,7 +206,8 @@ bool HostPool::grow_locked(size_t bytes, size_t* segment_size) {
     mem = backend_->allocate(seg);
   }
   if (!mem) return false;
-  if (profiling) profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendAlloc, seg, t0, profiler::now_ns()});
+  if (profiling)
+    profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendAlloc, seg, t0, profiler::now_ns()});
   // The lowest free slot: a retired segment's region number is reused.
   size_t region = 0;
   while (region < segments_.size() && segments_[region].base) ++region;
@@ -283,13 +290,13 @@ void HostPool::free(Block* b, std::vector<std::shared_ptr<Event>> pending) {
   // Under graph capture nothing is queried: the block waits as pending (Note [Graph capture]).
   if (!capture_active())
     pending.erase(std::remove_if(pending.begin(), pending.end(),
-                               [&failed](const std::shared_ptr<Event>& e) {
-                                 if (!e) return true;
-                                 const EventState st = e->state();
-                                 failed = failed || st == EventState::Failed;
-                                 return st == EventState::Done;
-                               }),
-                pending.end());
+                                 [&failed](const std::shared_ptr<Event>& e) {
+                                   if (!e) return true;
+                                   const EventState st = e->state();
+                                   failed = failed || st == EventState::Failed;
+                                   return st == EventState::Done;
+                                 }),
+                  pending.end());
   if (failed) {
     poison_locked(b);
   } else if (pending.empty()) {
@@ -305,7 +312,8 @@ void HostPool::release_segment(void* base, size_t size) {
   const bool profiling = profiler::enabled();
   const int64_t t0 = profiling ? profiler::now_ns() : 0;
   backend_->release(base, size);
-  if (profiling) profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendFree, size, t0, profiler::now_ns()});
+  if (profiling)
+    profiler::add(profiler::PoolRecord{profiler::PoolEventKind::BackendFree, size, t0, profiler::now_ns()});
 }
 
 size_t HostPool::retire_free_segments_locked() {

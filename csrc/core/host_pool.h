@@ -69,28 +69,28 @@ class PageableBackend final : public Backend {
 
 // HostPool::stats(), one row a stat (Note [Stats tables] in stats_table.h), in the order of the
 // dict co.HostPool.stats() returns.
-#define CKPT_OFFLOAD_POOL_STATS(FIELD, PEAK, KEY)                                               \
-  FIELD(size_t, bytes_in_use, Value)       /* blocks held by live owners (aligned sizes) */      \
-  FIELD(size_t, bytes_requested, Value)    /* what those owners asked for (unaligned) */         \
-  FIELD(size_t, bytes_pending, Value)      /* freed blocks still waiting for their copies */     \
-  FIELD(size_t, bytes_retired, Value)      /* free segments taken off the pool, not yet given */ \
-                                           /* back (see release_retired) */                      \
-  FIELD(size_t, bytes_reserved, Value)     /* all segments taken from the backend (and not */    \
-                                           /* retired) */                                        \
-  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                                  \
-  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                              \
-  FIELD(size_t, max_bytes, Cap)            /* 0: no cap */                                       \
-  FIELD(size_t, num_segments, Value)                                                             \
-  FIELD(uint64_t, num_blocks_in_use, Value)                                                      \
-  FIELD(uint64_t, num_allocs, Value)       /* successful allocate() calls since creation */      \
-  FIELD(uint64_t, num_frees, Value)                                                              \
-  FIELD(uint64_t, num_backend_allocs, Value) /* segments obtained from the backend since */      \
-                                             /* creation */                                      \
-  FIELD(uint64_t, num_backend_frees, Value)                                                      \
-  FIELD(uint64_t, num_cap_hits, Value)     /* allocate() calls refused by the cap */             \
-  KEY(backend)                             /* Backend::name() */                                 \
-  KEY(numa_node)                           /* Backend::numa_node(), None when -1 */              \
-  KEY(bytes_by_node)                       /* bytes_by_node() as {node: bytes}; None unbound */
+#define CKPT_OFFLOAD_POOL_STATS(FIELD, PEAK, KEY)                                             \
+  FIELD(size_t, bytes_in_use, Value)    /* blocks held by live owners (aligned sizes) */      \
+  FIELD(size_t, bytes_requested, Value) /* what those owners asked for (unaligned) */         \
+  FIELD(size_t, bytes_pending, Value)   /* freed blocks still waiting for their copies */     \
+  FIELD(size_t, bytes_retired, Value)   /* free segments taken off the pool, not yet given */ \
+                                        /* back (see release_retired) */                      \
+  FIELD(size_t, bytes_reserved, Value)  /* all segments taken from the backend (and not */    \
+                                        /* retired) */                                        \
+  PEAK(size_t, peak_bytes_in_use, bytes_in_use)                                               \
+  PEAK(size_t, peak_bytes_reserved, bytes_reserved)                                           \
+  FIELD(size_t, max_bytes, Cap) /* 0: no cap */                                               \
+  FIELD(size_t, num_segments, Value)                                                          \
+  FIELD(uint64_t, num_blocks_in_use, Value)                                                   \
+  FIELD(uint64_t, num_allocs, Value) /* successful allocate() calls since creation */         \
+  FIELD(uint64_t, num_frees, Value)                                                           \
+  FIELD(uint64_t, num_backend_allocs, Value) /* segments obtained from the backend since */   \
+                                             /* creation */                                   \
+  FIELD(uint64_t, num_backend_frees, Value)                                                   \
+  FIELD(uint64_t, num_cap_hits, Value) /* allocate() calls refused by the cap */              \
+  KEY(backend)                         /* Backend::name() */                                  \
+  KEY(numa_node)                       /* Backend::numa_node(), None when -1 */               \
+  KEY(bytes_by_node)                   /* bytes_by_node() as {node: bytes}; None unbound */
 
 struct PoolStats {
   CKPT_OFFLOAD_STATS_STRUCT_BODY(CKPT_OFFLOAD_POOL_STATS)
@@ -101,8 +101,7 @@ class HostPool {
   struct Block;
 
   // max_bytes == 0 means no cap.
-  HostPool(std::unique_ptr<Backend> backend, size_t max_bytes = 0,
-           size_t segment_bytes = kDefaultSegmentBytes);
+  HostPool(std::unique_ptr<Backend> backend, size_t max_bytes = 0, size_t segment_bytes = kDefaultSegmentBytes);
   ~HostPool();
   HostPool(const HostPool&) = delete;
   HostPool& operator=(const HostPool&) = delete;

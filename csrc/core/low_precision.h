@@ -154,8 +154,10 @@ CKPT_HD float from_f16(uint16_t h) { return from_small(h, 5, 10, false); }
 // comes back as code * scale, in fp32; infinities as Note [fp8 scale word] says).
 CKPT_HD uint32_t encode(Format f, float x, Scaling sc) {
   switch (f) {
-    case Format::BF16: return to_bf16(x);
-    case Format::F16: return to_f16(x);
+    case Format::BF16:
+      return to_bf16(x);
+    case Format::F16:
+      return to_f16(x);
     case Format::E4M3:
       if (is_inf(x)) return ((float_bits(x) >> 31) << 7) | 0x7eu;  // the code of +-448
       return to_small(x / sc.scale, 4, 3, true, /*saturate=*/true);
@@ -166,12 +168,15 @@ CKPT_HD uint32_t encode(Format f, float x, Scaling sc) {
 }
 CKPT_HD float decode(Format f, uint32_t c, Scaling sc) {
   switch (f) {
-    case Format::BF16: return from_bf16(static_cast<uint16_t>(c));
-    case Format::F16: return from_f16(static_cast<uint16_t>(c));
+    case Format::BF16:
+      return from_bf16(static_cast<uint16_t>(c));
+    case Format::F16:
+      return from_f16(static_cast<uint16_t>(c));
     case Format::E4M3:
       if (sc.inf && (c & 0x7fu) == 0x7eu) return bits_float(((c & 0x80u) << 24) | 0x7f800000u);
       return from_small(c, 4, 3, true) * sc.scale;
-    default: return from_small(c, 5, 2, false) * sc.scale;
+    default:
+      return from_small(c, 5, 2, false) * sc.scale;
   }
 }
 

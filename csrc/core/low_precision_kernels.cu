@@ -18,19 +18,31 @@ constexpr int kVec = 4;  // elements per thread per step: one 16-byte load of fp
 
 __device__ __forceinline__ float load(Source s, const void* p, int64_t i) {
   switch (s) {
-    case Source::F32: return static_cast<const float*>(p)[i];
-    case Source::F64: return static_cast<float>(static_cast<const double*>(p)[i]);
-    case Source::F16: return from_f16(static_cast<const uint16_t*>(p)[i]);
-    default: return from_bf16(static_cast<const uint16_t*>(p)[i]);
+    case Source::F32:
+      return static_cast<const float*>(p)[i];
+    case Source::F64:
+      return static_cast<float>(static_cast<const double*>(p)[i]);
+    case Source::F16:
+      return from_f16(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return from_bf16(static_cast<const uint16_t*>(p)[i]);
   }
 }
 
 __device__ __forceinline__ void store(Source s, void* p, int64_t i, float v) {
   switch (s) {
-    case Source::F32: static_cast<float*>(p)[i] = v; break;
-    case Source::F64: static_cast<double*>(p)[i] = v; break;
-    case Source::F16: static_cast<uint16_t*>(p)[i] = to_f16(v); break;
-    default: static_cast<uint16_t*>(p)[i] = to_bf16(v); break;
+    case Source::F32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case Source::F64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case Source::F16:
+      static_cast<uint16_t*>(p)[i] = to_f16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = to_bf16(v);
+      break;
   }
 }
 
@@ -39,7 +51,10 @@ __device__ __forceinline__ void store(Source s, void* p, int64_t i, float v) {
 __device__ __forceinline__ void load_vec(Source s, const void* p, int64_t i, int64_t n, bool aligned, float* v) {
   if (s == Source::F32 && aligned && i + kVec <= n) {
     const float4 q = reinterpret_cast<const float4*>(p)[i / kVec];
-    v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+    v[0] = q.x;
+    v[1] = q.y;
+    v[2] = q.z;
+    v[3] = q.w;
     return;
   }
 #pragma unroll
@@ -59,8 +74,10 @@ __global__ void amax_kernel(Source s, const void* src, int64_t n, bool aligned, 
     load_vec(s, src, i, n, aligned, v);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      if (is_finite(v[k])) m = fmaxf(m, fabsf(v[k]));
-      else if (is_inf(v[k])) inf = 1;
+      if (is_finite(v[k]))
+        m = fmaxf(m, fabsf(v[k]));
+      else if (is_inf(v[k]))
+        inf = 1;
     }
   }
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_down_sync(0xffffffffu, m, off));
@@ -111,8 +128,10 @@ __global__ void down_kernel(Source s, const void* src, int64_t n, Format f, bool
       }
     } else {
       for (int k = 0; i + k < n; ++k) {
-        if (format_bytes(f) == 2) static_cast<uint16_t*>(dst)[i + k] = static_cast<uint16_t>(c[k]);
-        else static_cast<uint8_t*>(dst)[i + k] = static_cast<uint8_t>(c[k]);
+        if (format_bytes(f) == 2)
+          static_cast<uint16_t*>(dst)[i + k] = static_cast<uint16_t>(c[k]);
+        else
+          static_cast<uint8_t*>(dst)[i + k] = static_cast<uint8_t>(c[k]);
       }
     }
   }
@@ -127,7 +146,10 @@ __global__ void up_kernel(Source s, void* dst, int64_t n, Format f, const void* 
     if (aligned && i + kVec <= n) {
       if (format_bytes(f) == 2) {
         const uint2 w = reinterpret_cast<const uint2*>(src)[i / kVec];
-        c[0] = w.x & 0xffffu; c[1] = w.x >> 16; c[2] = w.y & 0xffffu; c[3] = w.y >> 16;
+        c[0] = w.x & 0xffffu;
+        c[1] = w.x >> 16;
+        c[2] = w.y & 0xffffu;
+        c[3] = w.y >> 16;
       } else {
         const uint32_t w = reinterpret_cast<const uint32_t*>(src)[i / kVec];
 #pragma unroll
@@ -137,8 +159,8 @@ __global__ void up_kernel(Source s, void* dst, int64_t n, Format f, const void* 
       for (int k = 0; k < kVec; ++k) store(s, dst, i + k, decode(f, c[k], sc));
     } else {
       for (int k = 0; i + k < n; ++k) {
-        const uint32_t code = format_bytes(f) == 2 ? static_cast<const uint16_t*>(src)[i + k]
-                                                   : static_cast<const uint8_t*>(src)[i + k];
+        const uint32_t code =
+            format_bytes(f) == 2 ? static_cast<const uint16_t*>(src)[i + k] : static_cast<const uint8_t*>(src)[i + k];
         store(s, dst, i + k, decode(f, code, sc));
       }
     }
@@ -153,7 +175,8 @@ int blocks_for(int64_t n) {
 void check(const char* what) {
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
-    throw std::runtime_error(std::string("ckpt_offload: ") + what + " kernel launch failed: " + cudaGetErrorString(err));
+    throw std::runtime_error(std::string("ckpt_offload: ") + what +
+                             " kernel launch failed: " + cudaGetErrorString(err));
 }
 
 }  // namespace

@@ -168,8 +168,7 @@ void TieredBuffer::release_host() {
 
 std::shared_ptr<TieredBuffer> offload_spilled(
     const std::shared_ptr<HostPool>& pool, uint64_t handle,
-    const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into,
-    TieredRefusal* why) {
+    const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into, TieredRefusal* why) {
   auto target = spill_target(pool.get());
   if (!target) {
     *why = TieredRefusal::PoolFull;

@@ -102,8 +102,7 @@ enum class TieredRefusal { None, PoolFull, DiskFull };
 // offload_tiered's path once `pool` has refused: spilled through the pool's SpillTarget.
 std::shared_ptr<TieredBuffer> offload_spilled(
     const std::shared_ptr<HostPool>& pool, uint64_t handle,
-    const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into,
-    TieredRefusal* why);
+    const std::function<std::shared_ptr<HostBuffer>(const std::shared_ptr<HostPool>&)>& copy_into, TieredRefusal* why);
 
 // Offloads through `copy_into` (one of CopyEngine's offloads, given the pool to use): into
 // `pool`, else spilled through the pool's SpillTarget. nullptr and *why when neither has room.

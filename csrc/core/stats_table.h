@@ -26,16 +26,14 @@
 #define CKPT_OFFLOAD_STATS_NOTHING(...)
 #define CKPT_OFFLOAD_STATS_RESET_PEAK(type, key, of) key = of;
 
-#define CKPT_OFFLOAD_STATS_STRUCT_BODY(TABLE)                                                    \
-  TABLE(CKPT_OFFLOAD_STATS_MEMBER, CKPT_OFFLOAD_STATS_PEAK_MEMBER, CKPT_OFFLOAD_STATS_NOTHING) \
-  /* Every PEAK row back to the value it is the peak of. */                                     \
-  void reset_peaks() {                                                                           \
-    TABLE(CKPT_OFFLOAD_STATS_NOTHING, CKPT_OFFLOAD_STATS_RESET_PEAK, CKPT_OFFLOAD_STATS_NOTHING) \
-  }                                                                                              \
-  /* The dict's keys, in order. */                                                               \
-  static const std::vector<const char*>& keys() {                                                \
-    static const std::vector<const char*> k = {CKPT_OFFLOAD_STATS_KEYS(TABLE)};                  \
-    return k;                                                                                    \
+#define CKPT_OFFLOAD_STATS_STRUCT_BODY(TABLE)                                                                         \
+  TABLE(CKPT_OFFLOAD_STATS_MEMBER, CKPT_OFFLOAD_STATS_PEAK_MEMBER, CKPT_OFFLOAD_STATS_NOTHING)                        \
+  /* Every PEAK row back to the value it is the peak of. */                                                           \
+  void reset_peaks() { TABLE(CKPT_OFFLOAD_STATS_NOTHING, CKPT_OFFLOAD_STATS_RESET_PEAK, CKPT_OFFLOAD_STATS_NOTHING) } \
+  /* The dict's keys, in order. */                                                                                    \
+  static const std::vector<const char*>& keys() {                                                                     \
+    static const std::vector<const char*> k = {CKPT_OFFLOAD_STATS_KEYS(TABLE)};                                       \
+    return k;                                                                                                         \
   }
 
 // The dict's keys, in order: every row but the Internal fields.
@@ -47,4 +45,3 @@
 #define CKPT_OFFLOAD_STATS_KEY_KEY(key) #key,
 #define CKPT_OFFLOAD_STATS_KEYS(TABLE) \
   TABLE(CKPT_OFFLOAD_STATS_FIELD_KEY, CKPT_OFFLOAD_STATS_PEAK_KEY, CKPT_OFFLOAD_STATS_KEY_KEY)
-

@@ -54,8 +54,7 @@ namespace {
 //    exception), for Python to warn.
 //  - report() makes the exit checks again without ending anything (after a flush's error).
 struct HooksObject {
-  PyObject_HEAD
-  std::shared_ptr<Packer> packer;
+  PyObject_HEAD std::shared_ptr<Packer> packer;
   PyObject* pack;    // owned: the functions pushed (Note [Hook entry points])
   PyObject* unpack;  // owned
   std::atomic<int> state;
@@ -241,7 +240,8 @@ void push(HooksObject* self) {
   Py_INCREF(self->pack);
   Py_INCREF(self->unpack);
   // Raises where hooks are disabled (checked before), dropping both references.
-  at::SavedTensorDefaultHooks::push_hooks(c10::SafePyObject(self->pack, interp), c10::SafePyObject(self->unpack, interp));
+  at::SavedTensorDefaultHooks::push_hooks(c10::SafePyObject(self->pack, interp),
+                                          c10::SafePyObject(self->unpack, interp));
 }
 
 PyObject* hooks_enter(PyObject* o, PyObject*) {
@@ -529,14 +529,13 @@ void bind_activation(py::module_& m) {
       m, "Activation",
       "What Hooks.enter() and Hooks.exit() return when Python has something to do besides reporting: "
       "see Note [Native activation] and Note [Exits that cannot pop] (csrc/torch/activation.cpp).");
-  const std::pair<const char*, Activation> codes[] = {
-      {"BUSY", Activation::Busy},
-      {"DISABLED", Activation::Disabled},
-      {"NOT_ACTIVE", Activation::NotActive},
-      {"OTHER_THREAD", Activation::OtherThread},
-      {"OTHER_BACKWARD", Activation::OtherBackward},
-      {"OUT_OF_ORDER", Activation::OutOfOrder},
-      {"NOT_ON_STACK", Activation::NotOnStack}};
+  const std::pair<const char*, Activation> codes[] = {{"BUSY", Activation::Busy},
+                                                      {"DISABLED", Activation::Disabled},
+                                                      {"NOT_ACTIVE", Activation::NotActive},
+                                                      {"OTHER_THREAD", Activation::OtherThread},
+                                                      {"OTHER_BACKWARD", Activation::OtherBackward},
+                                                      {"OUT_OF_ORDER", Activation::OutOfOrder},
+                                                      {"NOT_ON_STACK", Activation::NotOnStack}};
   for (const auto& [name, value] : codes) {
     activation.value(name, value);
     g_codes[static_cast<int>(value)] = py::object(activation.attr(name)).release().ptr();  // kept for the process

@@ -43,8 +43,7 @@ inline PyTypeObject* ready_plain_type(PyTypeObject& t, const char* name, Py_ssiz
 // cost more than the whole keep decision. It holds no Python reference, so it is not tracked by
 // the cyclic GC either (which would add a collection every few hundred saved tensors).
 struct SavedObject {
-  PyObject_HEAD
-  SavedTensor saved;
+  PyObject_HEAD SavedTensor saved;
 };
 
 PyTypeObject* make_saved_type();
@@ -84,9 +83,8 @@ struct DTensorOuter {
 };
 
 struct SavedDTensorObject {
-  PyObject_HEAD
-  PyObject* local;  // owned: what pack returned for the local tensor
-  PyObject* spec;   // owned
+  PyObject_HEAD PyObject* local;  // owned: what pack returned for the local tensor
+  PyObject* spec;                 // owned
   DTensorOuter outer;
 };
 
@@ -106,8 +104,7 @@ pybind11::object make_saved_dtensor(const at::Tensor& t, pybind11::object local,
 // from then on pack hands every tensor back as it is (a detached alias, which unpack returns),
 // so the entry left on that thread's stack offloads nothing.
 struct HookHolder {
-  PyObject_HEAD
-  std::shared_ptr<Packer> packer;
+  PyObject_HEAD std::shared_ptr<Packer> packer;
   std::atomic<bool> closed;
 };
 

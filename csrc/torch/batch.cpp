@@ -108,10 +108,13 @@ bool Batch::flush() {
     sources.reset();
     CopyTag tag{handle_, device_index(device_), false, static_cast<int>(members_.size())};
     // Into the pool; when it is at its cap, through staging memory to its disk tier, if any.
-    buffer_ = offload_tiered(pool_, handle_, [&](const std::shared_ptr<HostPool>& into) {
-      return engine().offload_gather(into, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
-                                     streams.compute(), streams.copy(), keepalive, tag, producers);
-    }, &refusal_);
+    buffer_ = offload_tiered(
+        pool_, handle_,
+        [&](const std::shared_ptr<HostPool>& into) {
+          return engine().offload_gather(into, spans, block_bytes_, staging.defined() ? staging.data_ptr() : nullptr,
+                                         streams.compute(), streams.copy(), keepalive, tag, producers);
+        },
+        &refusal_);
     keepalive.reset();
     if (buffer_) {
       counters_->batches++;
@@ -153,7 +156,8 @@ bool Batch::flush() {
         counters_->bytes_offloaded -= static_cast<int64_t>(m.bytes);
         counters_->bytes_stored -= static_cast<int64_t>(m.bytes);
         counters_->tensors_batched--;
-        const int why = static_cast<int>(refusal_ == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull);
+        const int why =
+            static_cast<int>(refusal_ == TieredRefusal::DiskFull ? KeepReason::DiskFull : KeepReason::PoolFull);
         counters_->kept_tensors[why]++;
         counters_->kept_bytes[why] += static_cast<int64_t>(m.bytes);
         sources_read->push_back(std::move(m.source));
@@ -235,8 +239,8 @@ int64_t Batch::reload(bool prefetch) {
   CopyRange range(prefetch ? copy_ranges::kPrefetchBatch : copy_ranges::kReloadBatch, device_);
   at::Tensor staging = staging_block(device_, block_bytes_);
   CopyTag tag{handle_, device_index(device_), prefetch, static_cast<int>(targets.size())};
-  auto done = engine().reload_scatter(*host, spans, staging.defined() ? staging.data_ptr() : nullptr,
-                                      streams.compute(), streams.copy(), nullptr, /*consumer_waits=*/!prefetch, tag);
+  auto done = engine().reload_scatter(*host, spans, staging.defined() ? staging.data_ptr() : nullptr, streams.compute(),
+                                      streams.copy(), nullptr, /*consumer_waits=*/!prefetch, tag);
   if (buffer_->spilled()) {
     host.reset();
     buffer_->release_host();  // the disk keeps the bytes; the host block goes after the copy
@@ -252,8 +256,8 @@ int64_t Batch::reload(bool prefetch) {
   int64_t staged = 0, count = 0;
   for (Target& t : targets) {
     const size_t nbytes = t.member->nbytes();
-    if (t.member->stage(OffloadedStorage::Staged{std::move(t.storage), done, prefetch ? &streams.copy() : nullptr,
-                                                 prefetch}) &&
+    if (t.member->stage(
+            OffloadedStorage::Staged{std::move(t.storage), done, prefetch ? &streams.copy() : nullptr, prefetch}) &&
         prefetch) {
       staged += static_cast<int64_t>(nbytes);
       ++count;

@@ -108,7 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // remedies from `facts` without parsing the message).
     static PyObject* pool_full_error = nullptr;  // the type, kept for the process
     py::exception<PoolFull> error(m, "PoolFullError", PyExc_MemoryError);
-    error.attr("facts") = py::none();  // what was asked for and what the pool holds (None: raised in Python)
+    error.attr("facts") = py::none();     // what was asked for and what the pool holds (None: raised in Python)
     error.attr("remedies") = py::none();  // the ways out
     pool_full_error = error.inc_ref().ptr();
     py::register_exception_translator([](std::exception_ptr p) {
@@ -135,11 +135,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("synchronize", &HostPool::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("reserve", &HostPool::reserve, py::call_guard<py::gil_scoped_release>())
       .def("set_max_bytes", &HostPool::set_max_bytes)
-      .def("check_invariants", [](HostPool& p) {
-        std::string why;
-        p.check_invariants(&why);
-        return why;
-      })
+      .def("check_invariants",
+           [](HostPool& p) {
+             std::string why;
+             p.check_invariants(&why);
+             return why;
+           })
       .def("pinned_fallback",
            [](HostPool& p) -> py::object {
              // Note [Pinned fallback]: None for a pageable pool, else what was taken as pageable.
@@ -163,8 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("offload_tensor", &offload_tensor, py::arg("tensor"), py::arg("pool"), py::arg("side_stream"));
   m.def(
-      "span_bytes",
-      [](const at::Tensor& t) { return extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize()); },
+      "span_bytes", [](const at::Tensor& t) { return extent_elements(t) * static_cast<int64_t>(t.dtype().itemsize()); },
       py::arg("tensor"),
       "The bytes of its storage a tensor spans, from its first element to its last: what co.offload copies for "
       "it (Note [Span of a tensor], csrc/torch/tensor_layout.h). 0 for an empty tensor.");
@@ -180,8 +180,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](const at::Tensor& tensor, const std::string& store_dtype) {
         const lowp::Format f = store_format_from_name(store_dtype);
         const auto s = store_source(tensor, f);
-        if (!s) throw std::invalid_argument("store_dtype " + store_dtype + " does not convert a " +
-                                            dtype_name(tensor.scalar_type()) + " tensor");
+        if (!s)
+          throw std::invalid_argument("store_dtype " + store_dtype + " does not convert a " +
+                                      dtype_name(tensor.scalar_type()) + " tensor");
         const at::Tensor c = tensor.contiguous();
         DeviceScope scope(c.device());
         const CurrentStream current = CurrentStream::of(c.device());
@@ -279,16 +280,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("profiler_records", &profiler_records);
   m.def("device_bytes_saved", [] { return DeviceBytesHeld::total(); });
   // Note [Stats table]: what Python knows of Packer::stats() comes from here, not from lists of its own.
-  m.def("stats_keys", [] {
-    std::vector<std::pair<std::string, std::string>> out;
-    for (const StatKey& k : stats_keys()) out.emplace_back(k.name, k.merge);
-    return out;
-  }, "Every key of Packer.stats(), in order, with how contexts merge it: 'sum', 'max', 'per_reason' or 'state'.");
-  m.def("keep_reasons", [] {
-    std::vector<std::string> out;
-    for (int r = 0; r < static_cast<int>(KeepReason::kCount); ++r) out.emplace_back(keep_reason_name(static_cast<KeepReason>(r)));
-    return out;
-  }, "Every reason Packer.stats()['kept_by_reason'] lists, in order.");
+  m.def(
+      "stats_keys",
+      [] {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const StatKey& k : stats_keys()) out.emplace_back(k.name, k.merge);
+        return out;
+      },
+      "Every key of Packer.stats(), in order, with how contexts merge it: 'sum', 'max', 'per_reason' or 'state'.");
+  m.def(
+      "keep_reasons",
+      [] {
+        std::vector<std::string> out;
+        for (int r = 0; r < static_cast<int>(KeepReason::kCount); ++r)
+          out.emplace_back(keep_reason_name(static_cast<KeepReason>(r)));
+        return out;
+      },
+      "Every reason Packer.stats()['kept_by_reason'] lists, in order.");
   m.def("_timing_epoch_ns", &timing_epoch_ns, py::arg("device"));
 
   // Test hooks live in _C.testing, apart from what the library itself calls: knobs that inject
@@ -313,7 +321,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     // Runs the gather/scatter kernel's chunk plan on the host.
     std::vector<CopySegment> s;
     for (auto& t : segs)
-      s.push_back({reinterpret_cast<void*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)), std::get<2>(t)});
+      s.push_back(
+          {reinterpret_cast<void*>(std::get<0>(t)), reinterpret_cast<const void*>(std::get<1>(t)), std::get<2>(t)});
     copy_batch_on_host(s);
   });
   // The old top-level names, for code written before the move (branches in flight); remove

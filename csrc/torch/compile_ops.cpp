@@ -58,17 +58,14 @@ void delete_host_copy(void* ctx) {
   delete static_cast<HostCopy*>(ctx);
 }
 
-size_t span_bytes(const at::Tensor& t) {
-  return static_cast<size_t>(extent_elements(t)) * t.element_size();
-}
+size_t span_bytes(const at::Tensor& t) { return static_cast<size_t>(extent_elements(t)) * t.element_size(); }
 
 // The HostCopy behind `t` when `t` reaches exactly its block from the block's start (what
 // to_host returned, or a view of it with the same span), else nullptr.
 HostCopy* host_copy_of(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return nullptr;
   auto* ctx = t.storage().data_ptr().cast_context<HostCopy>(&delete_host_copy);
-  if (!ctx || t.storage_offset() != 0 || span_bytes(t) != ctx->buffer->nbytes() ||
-      t.data_ptr() != ctx->buffer->data())
+  if (!ctx || t.storage_offset() != 0 || span_bytes(t) != ctx->buffer->nbytes() || t.data_ptr() != ctx->buffer->data())
     return nullptr;
   return ctx;
 }

@@ -25,12 +25,11 @@ std::shared_ptr<ConvertedCopy> CopyTables::find_converted(const at::Tensor& t, c
   // The same bytes, read as the same elements at the same version: converting them again
   // would give the same bits (fp8's scale is their amax), so they are shared. Spans that only
   // overlap convert on their own.
-  return converted_.find_live(
-      t.storage().unsafeGetStorageImpl(), [&](const Converted& g, const std::shared_ptr<ConvertedCopy>&) {
-        return g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
-               (g.dense ? t.is_non_overlapping_and_dense()
-                        : t.sizes().equals(g.sizes) && t.strides().equals(g.strides));
-      });
+  return converted_.find_live(t.storage().unsafeGetStorageImpl(), [&](const Converted& g,
+                                                                      const std::shared_ptr<ConvertedCopy>&) {
+    return g.version == span.version && g.lo == span.lo && g.hi == span.hi && g.dtype == t.scalar_type() &&
+           (g.dense ? t.is_non_overlapping_and_dense() : t.sizes().equals(g.sizes) && t.strides().equals(g.strides));
+  });
 }
 
 void CopyTables::add_exact(const at::Tensor& t, const Span& span, const Span& held,
@@ -62,8 +61,7 @@ void CopyTables::add_converted(const at::Tensor& t, const Span& span, const std:
   converted_.add(t, std::move(g));
 }
 
-std::shared_ptr<OffloadedStorage> CopyTables::join(const at::Tensor& t, const Span& span,
-                                                   std::vector<Touched>& touched,
+std::shared_ptr<OffloadedStorage> CopyTables::join(const at::Tensor& t, const Span& span, std::vector<Touched>& touched,
                                                    std::vector<OffloadedStorage::Piece> pieces, int64_t lo, int64_t hi,
                                                    int64_t* counted) {
   const std::shared_ptr<OffloadedStorage>& target = touched.front().held;

@@ -51,8 +51,8 @@ class CopyTables {
   std::shared_ptr<ConvertedCopy> find_converted(const at::Tensor& t, const Span& span);
   // Records a new exact copy of t's storage: `copy` holds `held` (the widened span for a copy of
   // its own, which can take more pieces: `own`; the span itself for a batch member).
-  void add_exact(const at::Tensor& t, const Span& span, const Span& held,
-                 const std::shared_ptr<OffloadedStorage>& copy, bool own);
+  void add_exact(const at::Tensor& t, const Span& span, const Span& held, const std::shared_ptr<OffloadedStorage>& copy,
+                 bool own);
   // Records a new narrow copy of t's span.
   void add_converted(const at::Tensor& t, const Span& span, const std::shared_ptr<ConvertedCopy>& copy);
   // The last step of a join (Note [One copy per storage]): the copies `touched` (that find_exact

@@ -19,67 +19,67 @@ namespace ckpt_offload {
 //
 // CKPT_OFFLOAD_COUNTERS(X): X(key, merge), one atomic counter each, zeroed by reset(). `merge`
 // says how several contexts' values combine (handle.stats()): Sum, or Max for a peak.
-#define CKPT_OFFLOAD_COUNTERS(X)                                                                 \
-  X(tensors_offloaded, Sum)                                                                      \
-  X(bytes_offloaded, Sum)                                                                        \
-  X(tensors_deduplicated, Sum)                                                                   \
-  X(bytes_deduplicated, Sum)                                                                     \
-  X(tensors_reloaded, Sum)                                                                       \
-  X(bytes_reloaded, Sum)                                                                         \
-  X(tensors_reload_shared, Sum)                                                                  \
-  X(tensors_batched, Sum)                                                                        \
-  X(batches, Sum)                                                                                \
-  X(prefetches, Sum)                                                                             \
-  X(bytes_prefetched, Sum)                                                                       \
-  X(prefetch_hits, Sum)                                                                          \
-  X(prefetches_unused, Sum)                                                                      \
-  X(peak_prefetch_bytes, Max)                                                                    \
-  /* prefetches that raised (e.g. out of device memory) */                                       \
-  X(prefetch_failures, Sum)                                                                      \
+#define CKPT_OFFLOAD_COUNTERS(X)                                                                \
+  X(tensors_offloaded, Sum)                                                                     \
+  X(bytes_offloaded, Sum)                                                                       \
+  X(tensors_deduplicated, Sum)                                                                  \
+  X(bytes_deduplicated, Sum)                                                                    \
+  X(tensors_reloaded, Sum)                                                                      \
+  X(bytes_reloaded, Sum)                                                                        \
+  X(tensors_reload_shared, Sum)                                                                 \
+  X(tensors_batched, Sum)                                                                       \
+  X(batches, Sum)                                                                               \
+  X(prefetches, Sum)                                                                            \
+  X(bytes_prefetched, Sum)                                                                      \
+  X(prefetch_hits, Sum)                                                                         \
+  X(prefetches_unused, Sum)                                                                     \
+  X(peak_prefetch_bytes, Max)                                                                   \
+  /* prefetches that raised (e.g. out of device memory) */                                      \
+  X(prefetch_failures, Sum)                                                                     \
   /* offloads the pool refused that went to its disk tier; reads started by prefetch */         \
-  X(tensors_spilled, Sum)                                                                        \
-  X(bytes_spilled, Sum)                                                                          \
-  X(disk_prefetches, Sum)                                                                        \
-  /* the most device bytes of saved activations (DeviceBytesHeld::total(), every context of */   \
-  /* the process) seen right after this packer packed or unpacked a tensor: the moments that */  \
-  /* count can rise for the tensors it handles (a kept tensor, a reload, the prefetches an */     \
-  /* unpack starts) */                                                                           \
-  X(device_saved_peak_bytes, Max)                                                                \
-  /* bytes the host holds for offloaded tensors (bytes_offloaded: what exact storage would */    \
-  /* hold), and the tensors stored narrower (Note [Low-precision storage]) */                    \
-  X(bytes_stored, Sum)                                                                           \
+  X(tensors_spilled, Sum)                                                                       \
+  X(bytes_spilled, Sum)                                                                         \
+  X(disk_prefetches, Sum)                                                                       \
+  /* the most device bytes of saved activations (DeviceBytesHeld::total(), every context of */  \
+  /* the process) seen right after this packer packed or unpacked a tensor: the moments that */ \
+  /* count can rise for the tensors it handles (a kept tensor, a reload, the prefetches an */   \
+  /* unpack starts) */                                                                          \
+  X(device_saved_peak_bytes, Max)                                                               \
+  /* bytes the host holds for offloaded tensors (bytes_offloaded: what exact storage would */   \
+  /* hold), and the tensors stored narrower (Note [Low-precision storage]) */                   \
+  X(bytes_stored, Sum)                                                                          \
   X(tensors_converted, Sum)
 
 // CKPT_OFFLOAD_KEEP_REASONS(X): X(enumerator, name): why a saved tensor stayed where it was,
 // counted per reason (kept_by_reason / kept_bytes_by_reason, every reason listed, zeros included).
-#define CKPT_OFFLOAD_KEEP_REASONS(X)    \
-  X(Parameter, "parameter")             \
-  X(Buffer, "buffer")                   \
-  X(TooSmall, "too_small")              \
-  X(Device, "device")                   \
-  X(Layout, "layout")                   \
-  X(Subclass, "subclass")               \
-  X(PoolFull, "pool_full")              \
-  X(GraphCapture, "cuda_graph_capture") \
-  X(DiskFull, "disk_full")              \
-  X(AutocastCast, "autocast_cast")     \
+#define CKPT_OFFLOAD_KEEP_REASONS(X)                                  \
+  X(Parameter, "parameter")                                           \
+  X(Buffer, "buffer")                                                 \
+  X(TooSmall, "too_small")                                            \
+  X(Device, "device")                                                 \
+  X(Layout, "layout")                                                 \
+  X(Subclass, "subclass")                                             \
+  X(PoolFull, "pool_full")                                            \
+  X(GraphCapture, "cuda_graph_capture")                               \
+  X(DiskFull, "disk_full")                                            \
+  X(AutocastCast, "autocast_cast")                                    \
   /* ZeroTensors, tensors without storage or data: nothing to copy */ \
   X(NoData, "no_data")
 
 // The keys stats() adds that are not counters: totals over the keep reasons, the per-reason
 // dicts (PerReason: a dict of sums), and the prefetch window backward used last (State: what
 // the prefetcher has learned, not a count, so reset() leaves it; contexts merge it by Max).
-#define CKPT_OFFLOAD_DERIVED_STATS(X) \
-  X(tensors_kept, Sum)                \
-  X(bytes_kept, Sum)                  \
-  X(kept_by_reason, PerReason)        \
-  X(kept_bytes_by_reason, PerReason)  \
-  X(prefetch_window_bytes, State)     \
-  X(prefetch_block_bytes, State)      \
-  X(prefetch_lead, State)             \
+#define CKPT_OFFLOAD_DERIVED_STATS(X)                                                        \
+  X(tensors_kept, Sum)                                                                       \
+  X(bytes_kept, Sum)                                                                         \
+  X(kept_by_reason, PerReason)                                                               \
+  X(kept_bytes_by_reason, PerReason)                                                         \
+  X(prefetch_window_bytes, State)                                                            \
+  X(prefetch_block_bytes, State)                                                             \
+  X(prefetch_lead, State)                                                                    \
   /* Note [Low-precision storage]: the storage dtype's name (Name: None or one name), and */ \
   /* with measure_error the error per tensor class (ByClass: counts add, means weighted) */  \
-  X(store_dtype, Name)                \
+  X(store_dtype, Name)                                                                       \
   X(store_error, ByClass)
 
 // Every key of the two tables as a constant (stat_keys::tensors_kept is "tensors_kept"): the code
@@ -95,7 +95,7 @@ enum class KeepReason : int {
 #define CKPT_OFFLOAD_KEEP_ENUM(e, name) e,
   CKPT_OFFLOAD_KEEP_REASONS(CKPT_OFFLOAD_KEEP_ENUM)
 #undef CKPT_OFFLOAD_KEEP_ENUM
-  kCount
+      kCount
 };
 const char* keep_reason_name(KeepReason r);
 

@@ -25,9 +25,13 @@ std::shared_ptr<TieredBuffer> offload_bytes(const at::Tensor& t, int64_t from, i
   const char* src = static_cast<const char*>(t.storage().data()) + from;
   CopyTag tag{handle, device_index(t.device()), false, 1};
   TieredRefusal refusal = TieredRefusal::None;
-  auto buffer = offload_tiered(pool, handle, [&](const std::shared_ptr<HostPool>& into) {
-    return engine().offload(into, src, static_cast<size_t>(bytes), streams.compute(), streams.copy(), keepalive, tag);
-  }, &refusal);
+  auto buffer = offload_tiered(
+      pool, handle,
+      [&](const std::shared_ptr<HostPool>& into) {
+        return engine().offload(into, src, static_cast<size_t>(bytes), streams.compute(), streams.copy(), keepalive,
+                                tag);
+      },
+      &refusal);
   if (why) *why = refusal;
   return buffer;
 }
@@ -50,8 +54,8 @@ std::shared_ptr<OffloadedStorage> copy_to_host(const at::Tensor& t, const std::s
     counters->bytes_spilled += to - from;
   }
   const size_t pad = static_cast<size_t>(from) % OffloadedStorage::kReloadAlignment;
-  auto storage = std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), from, pad, side_stream, handle,
-                                                    counters);
+  auto storage =
+      std::make_shared<OffloadedStorage>(std::move(buffer), t.device(), from, pad, side_stream, handle, counters);
   if (profiler::enabled()) {
     profiler::HandleRecord h;
     h.handle = handle;
@@ -90,8 +94,8 @@ std::shared_ptr<ConvertedCopy> convert_to_host(const at::Tensor& t, lowp::Source
     if (!profiler::scope().empty()) cls += " @ " + profiler::scope();
     errors->add(cls, error);
   }
-  return std::make_shared<ConvertedCopy>(SavedTensor(staged, std::move(inner), counters), f, s,
-                                         t.scalar_type(), t.device(), lo, n);
+  return std::make_shared<ConvertedCopy>(SavedTensor(staged, std::move(inner), counters), f, s, t.scalar_type(),
+                                         t.device(), lo, n);
 }
 
 namespace {

@@ -60,8 +60,8 @@ class OffloadedStorage : public Reloadable {
   // `lo`: the byte of the original storage the host copy starts at. `pad` bytes precede it in a
   // reloaded storage, so the data pointer keeps its original alignment (mod kReloadAlignment):
   // kernels choose code paths by alignment, and a different path could change the result's bits.
-  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, int64_t lo, size_t pad,
-                   bool side_stream, uint64_t handle, std::shared_ptr<PackerCounters> counters);
+  OffloadedStorage(std::shared_ptr<TieredBuffer> buffer, c10::Device device, int64_t lo, size_t pad, bool side_stream,
+                   uint64_t handle, std::shared_ptr<PackerCounters> counters);
   OffloadedStorage(std::shared_ptr<Batch> batch, c10::Device device, int64_t lo, size_t pad, size_t nbytes,
                    bool side_stream, std::shared_ptr<PackerCounters> counters);
   ~OffloadedStorage() override;
@@ -167,15 +167,15 @@ class OffloadedStorage : public Reloadable {
   bool any_spilled_locked() const;
   // Copies every piece to its place in `storage` (pad_ + nbytes_ bytes); the event of the last
   // copy (they run in order on `copy`).
-  std::shared_ptr<Event> reload_pieces_locked(c10::Storage& storage, Stream& compute, Stream& copy,
-                                              bool consumer_waits, const CopyTag& tag);
+  std::shared_ptr<Event> reload_pieces_locked(c10::Storage& storage, Stream& compute, Stream& copy, bool consumer_waits,
+                                              const CopyTag& tag);
 
   // A storage of its own (in the pool or spilled), in pieces (Note [One copy per storage]);
   // almost always one, held inline.
   c10::SmallVector<Piece, 1> pieces_;
-  std::shared_ptr<Batch> batch_;  // or a member of a batch
-  int64_t lo_ = 0;                // the original storage's byte at pad_
-  bool sealed_ = false;           // reloaded or prefetched once: no more pieces
+  std::shared_ptr<Batch> batch_;                   // or a member of a batch
+  int64_t lo_ = 0;                                 // the original storage's byte at pad_
+  bool sealed_ = false;                            // reloaded or prefetched once: no more pieces
   std::shared_ptr<OffloadedStorage> merged_into_;  // absorbed: forwards there
   // A prefetch that only started the disk read of a spilled buffer: counted in the prefetch
   // budget until an unpack consumes it (the H2D copy then runs on demand).

@@ -162,8 +162,10 @@ py::object Packer::keep(const at::Tensor& t, KeepReason why, int64_t nbytes) {
   }
   // Parameters, buffers and autocast's cached casts live across the step anyway: not counted
   // as saved activations in the memory timeline.
-  const bool lives_anyway = why == KeepReason::Parameter || why == KeepReason::Buffer || why == KeepReason::AutocastCast;
-  py::object saved = make_saved(SavedTensor::KeptTag{}, t, std::move(alias), nbytes, lives_anyway ? 0 : nbytes, counters_);
+  const bool lives_anyway =
+      why == KeepReason::Parameter || why == KeepReason::Buffer || why == KeepReason::AutocastCast;
+  py::object saved =
+      make_saved(SavedTensor::KeptTag{}, t, std::move(alias), nbytes, lives_anyway ? 0 : nbytes, counters_);
   if (profiler::enabled()) {
     profiler::KeepRecord k;
     k.reason = keep_reason_name(why);
@@ -261,8 +263,8 @@ std::shared_ptr<OffloadedStorage> Packer::join(const at::Tensor& t, const Span& 
   std::vector<OffloadedStorage::Piece> pieces;
   for (const auto& m : missing) {
     // Copied as pieces of the first copy: the same handle in the profile.
-    auto buffer = offload_bytes(t, m.first, m.second, options_.pool, options_.side_stream, &current, target->handle(),
-                                refused);
+    auto buffer =
+        offload_bytes(t, m.first, m.second, options_.pool, options_.side_stream, &current, target->handle(), refused);
     if (!buffer) return nullptr;
     if (buffer->spilled()) counters_->bytes_spilled += m.second - m.first;
     pieces.push_back(OffloadedStorage::Piece{std::move(buffer), m.first});
@@ -288,7 +290,8 @@ std::shared_ptr<OffloadedStorage> Packer::batch(const at::Tensor& t, const Span&
         full = std::move(open);
         open.reset();
       }
-      if (!open) open = std::make_shared<Batch>(t.device(), options_.side_stream, options_.pool, counters_, prefetcher_);
+      if (!open)
+        open = std::make_shared<Batch>(t.device(), options_.side_stream, options_.pool, counters_, prefetcher_);
       batch = open;
     }
     if (full && !full->flush() && options_.raise_on_full)
@@ -335,8 +338,8 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
       *how = Placement::SharedConverted;
       return p;
     }
-    p.copy = convert_to_host(t, *narrow, options_.store_format, options_.pool, options_.side_stream, counters_,
-                             refused, &current, options_.measure_error ? store_errors_.get() : nullptr);
+    p.copy = convert_to_host(t, *narrow, options_.store_format, options_.pool, options_.side_stream, counters_, refused,
+                             &current, options_.measure_error ? store_errors_.get() : nullptr);
     if (p.copy && prefetcher_) p.copy->staged()->set_order(prefetcher_, prefetcher_->add(p.copy->staged()));
     *how = Placement::Converted;
     return p;
@@ -352,8 +355,7 @@ Packer::Placed Packer::place(const at::Tensor& t, const Span& span, const Span& 
   return p;
 }
 
-void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed,
-                      Placement how) {
+void Packer::remember(const at::Tensor& t, const Span& span, const Span& wide, const Placed& placed, Placement how) {
   if (how == Placement::Converted) {
     tables_.add_converted(t, span, placed.copy);
     return;
@@ -500,11 +502,13 @@ py::dict Packer::stats() const {
   d[stat_keys::kept_by_reason] = kept_by_reason;
   d[stat_keys::kept_bytes_by_reason] = kept_bytes_by_reason;
   // The window backward used last (Note [Prefetch window]); 0 without prefetch.
-  d[stat_keys::prefetch_window_bytes] = prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
+  d[stat_keys::prefetch_window_bytes] =
+      prefetcher_ ? (prefetcher_->auto_window() ? prefetcher_->window() : options_.prefetch_bytes) : 0;
   d[stat_keys::prefetch_block_bytes] = prefetcher_ ? prefetcher_->block_bytes() : 0;
   d[stat_keys::prefetch_lead] = prefetcher_ ? prefetcher_->lead() : 0;
-  d[stat_keys::store_dtype] = options_.store_format == lowp::Format::None ? py::object(py::none())
-                                                                 : py::object(py::str(store_format_name(options_.store_format)));
+  d[stat_keys::store_dtype] = options_.store_format == lowp::Format::None
+                                  ? py::object(py::none())
+                                  : py::object(py::str(store_format_name(options_.store_format)));
   d[stat_keys::store_error] = store_errors_->to_dict();
   return d;
 }

@@ -158,8 +158,8 @@ class Packer {
     bool prefetch = false;
   };
   // `from_sac_cache`: pack was called by torch's selective checkpoint cache (sac_cache_pack).
-  Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current, bool from_sac_cache,
-               Placement* how, TieredRefusal* refused);
+  Placed place(const at::Tensor& t, const Span& span, const Span& wide, const CurrentStream& current,
+               bool from_sac_cache, Placement* how, TieredRefusal* refused);
   // Joins t to the copies it touches, copying only the bytes of `wide` that none holds yet.
   // Null when it cannot (a batch member or a reloaded copy among them: t then gets a copy of
   // its own), and also with `*refused` set when the pool refused the missing bytes.
@@ -180,13 +180,12 @@ class Packer {
   std::shared_ptr<PackerCounters> counters_;
   CopyTables tables_;
   KeepRules keep_rules_;
-  std::mutex mu_;  // guards open_batches_
-  std::shared_ptr<Prefetcher> prefetcher_;  // null without prefetch
+  std::mutex mu_;                                       // guards open_batches_
+  std::shared_ptr<Prefetcher> prefetcher_;              // null without prefetch
   std::map<int, std::shared_ptr<Batch>> open_batches_;  // by device index (-1: CPU)
-  std::atomic<int> last_graph_task_{-1};  // the backward whose end_of_backward is queued
+  std::atomic<int> last_graph_task_{-1};                // the backward whose end_of_backward is queued
   std::shared_ptr<StoreErrors> store_errors_ = std::make_shared<StoreErrors>();  // with measure_error
-  bool distinct_unpacks_ = false;  // see distinct_unpacks()
-
+  bool distinct_unpacks_ = false;                                                // see distinct_unpacks()
 };
 
 }  // namespace ckpt_offload

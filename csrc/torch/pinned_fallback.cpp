@@ -76,7 +76,7 @@ std::string diagnose_pinned_refusal(size_t bytes) {
   }
   const long max_maps = read_long("/proc/sys/vm/max_map_count");
   const long maps = count_maps();
-  struct rlimit lock_limit {};
+  struct rlimit lock_limit{};
   const bool have_lock_limit = getrlimit(RLIMIT_MEMLOCK, &lock_limit) == 0;
   std::string s = "page-locked memory for a " + std::to_string(bytes) + "-byte segment was refused";
   if (!simulated.empty()) s += " (simulated " + simulated + " refusal)";

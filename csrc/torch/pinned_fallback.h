@@ -13,9 +13,9 @@
 namespace ckpt_offload {
 
 struct PinnedFallbackStats {
-  size_t segments = 0;     // segments taken as pageable memory since the pool was made
-  size_t bytes = 0;        // pageable bytes the pool holds now
-  std::string reason;      // the first refusal: the limit it names and its values
+  size_t segments = 0;  // segments taken as pageable memory since the pool was made
+  size_t bytes = 0;     // pageable bytes the pool holds now
+  std::string reason;   // the first refusal: the limit it names and its values
 };
 
 class FallbackBackend final : public Backend {

@@ -33,9 +33,12 @@ py::list shape_list(const std::vector<int64_t>& shape) {
 
 const char* pool_kind(profiler::PoolEventKind k) {
   switch (k) {
-    case profiler::PoolEventKind::BackendAlloc: return "backend_alloc";
-    case profiler::PoolEventKind::BackendFree: return "backend_free";
-    default: return "cap_hit";
+    case profiler::PoolEventKind::BackendAlloc:
+      return "backend_alloc";
+    case profiler::PoolEventKind::BackendFree:
+      return "backend_free";
+    default:
+      return "cap_hit";
   }
 }
 
@@ -87,60 +90,60 @@ void profiler_range(const std::string& name, const std::string& device, bool beg
 // its dict: `value` is an expression of the resolved record `r` (profiler::Snapshot's). The dicts
 // profiler_records() builds and _C.PROFILER_RECORD_KEYS (what Python reads of them) both come
 // from these tables. Times are microseconds since the start, None when an event had no time.
-#define CKPT_OFFLOAD_COPY_RECORD(X)                               \
-  X(id, id++)                                                     \
-  X(kind, r.r.kind == CopyKind::DeviceToHost ? "d2h" : "h2d")     \
-  X(handle, r.r.handle)                                           \
-  X(bytes, r.r.bytes)                                             \
-  X(device, device_name(r.r.device))                              \
-  X(stream, static_cast<uint64_t>(r.r.stream))                    \
-  X(start_us, us(r.start_ns))                                     \
-  X(end_us, us(r.end_ns))                                         \
-  X(prefetch, r.r.prefetch)                                       \
+#define CKPT_OFFLOAD_COPY_RECORD(X)                           \
+  X(id, id++)                                                 \
+  X(kind, r.r.kind == CopyKind::DeviceToHost ? "d2h" : "h2d") \
+  X(handle, r.r.handle)                                       \
+  X(bytes, r.r.bytes)                                         \
+  X(device, device_name(r.r.device))                          \
+  X(stream, static_cast<uint64_t>(r.r.stream))                \
+  X(start_us, us(r.start_ns))                                 \
+  X(end_us, us(r.end_ns))                                     \
+  X(prefetch, r.r.prefetch)                                   \
   X(members, r.r.members)
-#define CKPT_OFFLOAD_DISK_RECORD(X)                               \
-  X(kind, r.write ? "disk_write" : "disk_read")                   \
-  X(handle, r.handle)                                             \
-  X(bytes, r.bytes)                                               \
-  X(prefetch, r.prefetch)                                         \
-  X(start_us, r.start_ns / 1000.0)                                \
+#define CKPT_OFFLOAD_DISK_RECORD(X)             \
+  X(kind, r.write ? "disk_write" : "disk_read") \
+  X(handle, r.handle)                           \
+  X(bytes, r.bytes)                             \
+  X(prefetch, r.prefetch)                       \
+  X(start_us, r.start_ns / 1000.0)              \
   X(end_us, r.end_ns / 1000.0)
-#define CKPT_OFFLOAD_WAIT_RECORD(X)                               \
-  X(handle, r.r.handle)                                           \
-  X(device, device_name(r.r.device))                              \
-  X(request_us, us(r.request_ns))                                 \
-  X(ready_us, us(r.ready_ns))                                     \
+#define CKPT_OFFLOAD_WAIT_RECORD(X)  \
+  X(handle, r.r.handle)              \
+  X(device, device_name(r.r.device)) \
+  X(request_us, us(r.request_ns))    \
+  X(ready_us, us(r.ready_ns))        \
   X(stall_us, stall_us(r))
-#define CKPT_OFFLOAD_HANDLE_RECORD(X)                             \
-  X(handle, r.handle)                                             \
-  X(bytes, r.bytes)                                               \
-  X(shape, shape_list(r.shape))                                   \
-  X(dtype, r.dtype)                                               \
-  X(device, device_name(r.device))                                \
-  X(module, r.module)                                             \
+#define CKPT_OFFLOAD_HANDLE_RECORD(X) \
+  X(handle, r.handle)                 \
+  X(bytes, r.bytes)                   \
+  X(shape, shape_list(r.shape))       \
+  X(dtype, r.dtype)                   \
+  X(device, device_name(r.device))    \
+  X(module, r.module)                 \
   X(members, r.members)
-#define CKPT_OFFLOAD_KEEP_RECORD(X)                               \
-  X(reason, r.reason)                                             \
-  X(bytes, r.bytes)                                               \
-  X(module, r.module)                                             \
-  X(shape, shape_list(r.shape))                                   \
-  X(dtype, r.dtype)                                               \
+#define CKPT_OFFLOAD_KEEP_RECORD(X) \
+  X(reason, r.reason)               \
+  X(bytes, r.bytes)                 \
+  X(module, r.module)               \
+  X(shape, shape_list(r.shape))     \
+  X(dtype, r.dtype)                 \
   X(device, device_name(r.device))
-#define CKPT_OFFLOAD_POOL_RECORD(X)                               \
-  X(kind, pool_kind(r.kind))                                      \
-  X(bytes, r.bytes)                                               \
-  X(start_us, r.start_ns / 1000.0)                                \
+#define CKPT_OFFLOAD_POOL_RECORD(X) \
+  X(kind, pool_kind(r.kind))        \
+  X(bytes, r.bytes)                 \
+  X(start_us, r.start_ns / 1000.0)  \
   X(end_us, r.end_ns / 1000.0)
-#define CKPT_OFFLOAD_RANGE_RECORD(X)                              \
-  X(name, r.r.name)                                               \
-  X(device, device_name(r.r.device))                              \
-  X(start_us, us(r.start_ns))                                     \
+#define CKPT_OFFLOAD_RANGE_RECORD(X) \
+  X(name, r.r.name)                  \
+  X(device, device_name(r.r.device)) \
+  X(start_us, us(r.start_ns))        \
   X(end_us, us(r.end_ns))
-#define CKPT_OFFLOAD_MEMORY_SAMPLE(X)                             \
-  X(t_us, r.t_ns / 1000.0)                                        \
-  X(pool_bytes_in_use, r.pool_bytes_in_use)                       \
-  X(disk_bytes_in_use, r.disk_bytes_in_use)                       \
-  X(device_bytes_saved, r.device_bytes_saved)                     \
+#define CKPT_OFFLOAD_MEMORY_SAMPLE(X)         \
+  X(t_us, r.t_ns / 1000.0)                    \
+  X(pool_bytes_in_use, r.pool_bytes_in_use)   \
+  X(disk_bytes_in_use, r.disk_bytes_in_use)   \
+  X(device_bytes_saved, r.device_bytes_saved) \
   X(device_bytes_allocated, known_or_none(r.device_bytes_allocated))
 
 // R(kind, member, TABLE): the records' lists, in the order of profiler_records()'s dict: the key,

@@ -29,7 +29,7 @@ struct CpuStreams {
   InlineStream compute;
   WorkerStream d2h;
   WorkerStream h2d;
-  WorkerStream h2d_demand;  // Note [Stream ordering] rule 4
+  WorkerStream h2d_demand;    // Note [Stream ordering] rule 4
   const uint64_t generation;  // the fork generation they were made in (Note [Fork])
 
   void drain() {

@@ -110,9 +110,12 @@ int64_t SavedTensor::stored_nbytes() const {
 at::Tensor SavedTensor::unpack(bool accept_modified) {
   check_version();
   switch (bytes_.index()) {
-    case 0: return std::get<Kept>(bytes_).alias;
-    case 1: return unpack_offloaded(std::get<Offloaded>(bytes_), accept_modified);
-    default: return unpack_converted(std::get<Converted>(bytes_), accept_modified);
+    case 0:
+      return std::get<Kept>(bytes_).alias;
+    case 1:
+      return unpack_offloaded(std::get<Offloaded>(bytes_), accept_modified);
+    default:
+      return unpack_converted(std::get<Converted>(bytes_), accept_modified);
   }
 }
 
@@ -122,7 +125,9 @@ at::Tensor SavedTensor::unpack_offloaded(Offloaded& o, bool accept_modified) {
     // replayed later against host memory that may hold other bytes by then.
     throw std::runtime_error(
         "ckpt_offload: a saved tensor held in the host pool was unpacked while a CUDA graph is being captured "
-        "on " + device_.str() + "; reloads cannot be captured. Run the backward outside the capture, or capture "
+        "on " +
+        device_.str() +
+        "; reloads cannot be captured. Run the backward outside the capture, or capture "
         "the forward under the capture too (tensors saved during capture stay on the device), or leave this "
         "region out of co.offload.");
   // A copy absorbed into another since this was packed forwards there (Note [One copy per

@@ -162,7 +162,7 @@ class ConvertedCopy {
   std::mutex mu_;
   int pending_ = 0;  // saved tensors over this copy that have not unpacked yet
   c10::weak_intrusive_ptr<c10::StorageImpl> reloaded_{c10::intrusive_ptr<c10::StorageImpl>()};
-  c10::Storage held_;  // the reload, kept while pending_ > 0
+  c10::Storage held_;             // the reload, kept while pending_ > 0
   std::shared_ptr<Event> ready_;  // the conversion back of reloaded_ (on a device)
   DeviceCopyVersion version_;     // of reloaded_ (Note [One version per device copy])
 };

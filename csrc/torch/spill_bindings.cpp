@@ -35,15 +35,15 @@ py::dict tier_stats(FileTier& tier) {
 // What pool.stats()["disk"] adds to its tier's dict (Note [Stats tables]): the spill target's
 // counts and its staging pool's. Every row is a KEY: the values live in SpillTarget's atomics and
 // in the staging pool's own table.
-#define CKPT_OFFLOAD_SPILL_STATS(FIELD, PEAK, KEY)                                      \
-  KEY(blocks_spilled)                                                                   \
-  KEY(bytes_spilled)                                                                    \
-  KEY(blocks_refused)            /* the tier had no room */                             \
-  KEY(write_stalls)              /* offloads that waited for a write to free staging */ \
-  KEY(write_stall_seconds)                                                              \
-  KEY(staging_bytes_in_use)                                                             \
-  KEY(staging_peak_bytes_in_use)                                                        \
-  KEY(staging_bytes_reserved)                                                           \
+#define CKPT_OFFLOAD_SPILL_STATS(FIELD, PEAK, KEY)                           \
+  KEY(blocks_spilled)                                                        \
+  KEY(bytes_spilled)                                                         \
+  KEY(blocks_refused) /* the tier had no room */                             \
+  KEY(write_stalls)   /* offloads that waited for a write to free staging */ \
+  KEY(write_stall_seconds)                                                   \
+  KEY(staging_bytes_in_use)                                                  \
+  KEY(staging_peak_bytes_in_use)                                             \
+  KEY(staging_bytes_reserved)                                                \
   KEY(staging_max_bytes)
 
 struct SpillStats {
@@ -113,21 +113,23 @@ void bind_spill(py::module_& m) {
              }
              return out;
            })
-      .def("write",
-           [](FileTier& tier, const at::Tensor& src) -> py::object {
-             check_cpu_contiguous(src, "src");
-             auto s = tier.write(src.data_ptr(), src.nbytes(), hold(src));
-             return s ? py::cast(s) : py::none();
-           },
-           py::arg("src"))
-      .def("read",
-           [](FileTier& tier, const std::shared_ptr<FileTier::Spill>& spill, const at::Tensor& dst, bool prefetch) {
-             check_cpu_contiguous(dst, "dst");
-             if (dst.nbytes() < spill->nbytes())
-               throw std::invalid_argument("ckpt_offload: dst has fewer bytes than the spilled block");
-             return tier.read(spill, dst.data_ptr(), hold(dst), prefetch);
-           },
-           py::arg("spill"), py::arg("dst"), py::arg("prefetch") = false);
+      .def(
+          "write",
+          [](FileTier& tier, const at::Tensor& src) -> py::object {
+            check_cpu_contiguous(src, "src");
+            auto s = tier.write(src.data_ptr(), src.nbytes(), hold(src));
+            return s ? py::cast(s) : py::none();
+          },
+          py::arg("src"))
+      .def(
+          "read",
+          [](FileTier& tier, const std::shared_ptr<FileTier::Spill>& spill, const at::Tensor& dst, bool prefetch) {
+            check_cpu_contiguous(dst, "dst");
+            if (dst.nbytes() < spill->nbytes())
+              throw std::invalid_argument("ckpt_offload: dst has fewer bytes than the spilled block");
+            return tier.read(spill, dst.data_ptr(), hold(dst), prefetch);
+          },
+          py::arg("spill"), py::arg("dst"), py::arg("prefetch") = false);
 
   py::class_<FileTier::Spill, std::shared_ptr<FileTier::Spill>>(m, "FileSpill")
       .def_property_readonly("nbytes", &FileTier::Spill::nbytes)

@@ -33,8 +33,8 @@ inline pybind11::tuple stats_keys_tuple(const std::vector<const char*>& keys) {
 }  // namespace ckpt_offload
 
 #define CKPT_OFFLOAD_STATS_EXTRA_MEMBER(key) pybind11::object key = pybind11::none();
-#define CKPT_OFFLOAD_STATS_EXTRA(name, TABLE) \
-  struct name {                               \
+#define CKPT_OFFLOAD_STATS_EXTRA(name, TABLE)                                                      \
+  struct name {                                                                                    \
     TABLE(CKPT_OFFLOAD_STATS_NOTHING, CKPT_OFFLOAD_STATS_NOTHING, CKPT_OFFLOAD_STATS_EXTRA_MEMBER) \
   }
 
@@ -45,9 +45,9 @@ inline pybind11::tuple stats_keys_tuple(const std::vector<const char*>& keys) {
 #define CKPT_OFFLOAD_STATS_DICT_PEAK(type, key, of) stats_d_[#key] = stats_s_.key;
 #define CKPT_OFFLOAD_STATS_DICT_KEY(key) stats_d_[#key] = stats_e_.key;
 // An expression: the dict of `stats` (the table's struct) and `extra` (its KEY rows).
-#define CKPT_OFFLOAD_STATS_DICT(TABLE, stats, extra)                                                     \
-  [&](const auto& stats_s_, const auto& stats_e_) {                                                      \
-    pybind11::dict stats_d_;                                                                             \
-    TABLE(CKPT_OFFLOAD_STATS_DICT_FIELD, CKPT_OFFLOAD_STATS_DICT_PEAK, CKPT_OFFLOAD_STATS_DICT_KEY)     \
-    return stats_d_;                                                                                     \
+#define CKPT_OFFLOAD_STATS_DICT(TABLE, stats, extra)                                                \
+  [&](const auto& stats_s_, const auto& stats_e_) {                                                 \
+    pybind11::dict stats_d_;                                                                        \
+    TABLE(CKPT_OFFLOAD_STATS_DICT_FIELD, CKPT_OFFLOAD_STATS_DICT_PEAK, CKPT_OFFLOAD_STATS_DICT_KEY) \
+    return stats_d_;                                                                                \
   }(stats, extra)

@@ -18,17 +18,24 @@ lowp::Format store_format_from_name(const std::string& name) {
   if (name == "float16") return lowp::Format::F16;
   if (name == "float8_e4m3fn") return lowp::Format::E4M3;
   if (name == "float8_e5m2") return lowp::Format::E5M2;
-  throw std::invalid_argument("store_dtype must be None, torch.bfloat16, torch.float16, torch.float8_e4m3fn or "
-                              "torch.float8_e5m2; got " + name);
+  throw std::invalid_argument(
+      "store_dtype must be None, torch.bfloat16, torch.float16, torch.float8_e4m3fn or "
+      "torch.float8_e5m2; got " +
+      name);
 }
 
 const char* store_format_name(lowp::Format f) {
   switch (f) {
-    case lowp::Format::BF16: return "bfloat16";
-    case lowp::Format::F16: return "float16";
-    case lowp::Format::E4M3: return "float8_e4m3fn";
-    case lowp::Format::E5M2: return "float8_e5m2";
-    default: return "";
+    case lowp::Format::BF16:
+      return "bfloat16";
+    case lowp::Format::F16:
+      return "float16";
+    case lowp::Format::E4M3:
+      return "float8_e4m3fn";
+    case lowp::Format::E5M2:
+      return "float8_e5m2";
+    default:
+      return "";
   }
 }
 
@@ -36,11 +43,20 @@ std::optional<lowp::Source> store_source(const at::Tensor& t, lowp::Format f) {
   if (f == lowp::Format::None) return std::nullopt;
   lowp::Source s;
   switch (t.scalar_type()) {
-    case at::kFloat: s = lowp::Source::F32; break;
-    case at::kDouble: s = lowp::Source::F64; break;
-    case at::kHalf: s = lowp::Source::F16; break;
-    case at::kBFloat16: s = lowp::Source::BF16; break;
-    default: return std::nullopt;  // integers, bool, complex, fp8 already: stored exactly
+    case at::kFloat:
+      s = lowp::Source::F32;
+      break;
+    case at::kDouble:
+      s = lowp::Source::F64;
+      break;
+    case at::kHalf:
+      s = lowp::Source::F16;
+      break;
+    case at::kBFloat16:
+      s = lowp::Source::BF16;
+      break;
+    default:
+      return std::nullopt;  // integers, bool, complex, fp8 already: stored exactly
   }
   // Only wider than the format: bf16 into fp16 (or the reverse) would lose range or bits for
   // no bytes saved.
@@ -98,10 +114,14 @@ void store_up(lowp::Source s, void* out, int64_t n, lowp::Format f, const at::Te
 namespace {
 at::ScalarType scalar_of(lowp::Source s) {
   switch (s) {
-    case lowp::Source::F32: return at::kFloat;
-    case lowp::Source::F64: return at::kDouble;
-    case lowp::Source::F16: return at::kHalf;
-    default: return at::kBFloat16;
+    case lowp::Source::F32:
+      return at::kFloat;
+    case lowp::Source::F64:
+      return at::kDouble;
+    case lowp::Source::F16:
+      return at::kHalf;
+    default:
+      return at::kBFloat16;
   }
 }
 }  // namespace

@@ -21,15 +21,24 @@ std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, c
 
 std::string layout_name(c10::Layout layout) {
   switch (layout) {
-    case c10::kStrided: return "torch.strided";
-    case c10::kSparse: return "torch.sparse_coo";
-    case c10::kSparseCsr: return "torch.sparse_csr";
-    case c10::kSparseCsc: return "torch.sparse_csc";
-    case c10::kSparseBsr: return "torch.sparse_bsr";
-    case c10::kSparseBsc: return "torch.sparse_bsc";
-    case c10::kMkldnn: return "torch._mkldnn";
-    case c10::kJagged: return "torch.jagged";
-    default: return "layout " + std::to_string(static_cast<int>(layout));
+    case c10::kStrided:
+      return "torch.strided";
+    case c10::kSparse:
+      return "torch.sparse_coo";
+    case c10::kSparseCsr:
+      return "torch.sparse_csr";
+    case c10::kSparseCsc:
+      return "torch.sparse_csc";
+    case c10::kSparseBsr:
+      return "torch.sparse_bsr";
+    case c10::kSparseBsc:
+      return "torch.sparse_bsc";
+    case c10::kMkldnn:
+      return "torch._mkldnn";
+    case c10::kJagged:
+      return "torch.jagged";
+    default:
+      return "layout " + std::to_string(static_cast<int>(layout));
   }
 }
 
@@ -64,28 +73,39 @@ bool wrapped_tensor(const at::Tensor& t) { return t.key_set().has_any(wrapper_ke
 
 int64_t extent_elements(const at::Tensor& t) { return extent_elements(*t.unsafeGetTensorImpl()); }
 
-
 int device_index(const c10::Device& d) { return d.is_cuda() ? d.index() : -1; }
 
 // torch's Python names ("float32", "bfloat16"), which is what users read in traces and CSVs.
 std::string dtype_name(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kByte: return "uint8";
-    case c10::kChar: return "int8";
-    case c10::kShort: return "int16";
-    case c10::kInt: return "int32";
-    case c10::kLong: return "int64";
-    case c10::kBool: return "bool";
-    case c10::kComplexFloat: return "complex64";
-    case c10::kComplexDouble: return "complex128";
-    default: return c10::toString(t);
+    case c10::kFloat:
+      return "float32";
+    case c10::kDouble:
+      return "float64";
+    case c10::kHalf:
+      return "float16";
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kByte:
+      return "uint8";
+    case c10::kChar:
+      return "int8";
+    case c10::kShort:
+      return "int16";
+    case c10::kInt:
+      return "int32";
+    case c10::kLong:
+      return "int64";
+    case c10::kBool:
+      return "bool";
+    case c10::kComplexFloat:
+      return "complex64";
+    case c10::kComplexDouble:
+      return "complex128";
+    default:
+      return c10::toString(t);
   }
 }
-
 
 std::string saved_tensor_name(const at::Tensor& t) {
   return "a saved tensor " + describe(t.scalar_type(), t.sizes().vec(), t.device());
@@ -104,9 +124,8 @@ std::string full_facts(TieredRefusal why, HostPool& pool, const std::string& wha
     return facts;
   }
   const PoolStats ps = pool.stats();
-  return "ckpt_offload: the host pool is full. Asked for " + asked + "; " + human_bytes(ps.bytes_in_use) +
-         " in use, " + human_bytes(ps.bytes_pending) + " waiting for copies, " + human_bytes(ps.bytes_reserved) +
-         " reserved, cap " +
+  return "ckpt_offload: the host pool is full. Asked for " + asked + "; " + human_bytes(ps.bytes_in_use) + " in use, " +
+         human_bytes(ps.bytes_pending) + " waiting for copies, " + human_bytes(ps.bytes_reserved) + " reserved, cap " +
          (ps.max_bytes ? human_bytes(ps.max_bytes) : std::string("none (the backend refused the memory)"));
 }
 

@@ -42,10 +42,10 @@ inline const c10::DispatchKeySet& wrapper_keys() {  // wrapped_tensor's
 // Neither wrapped_tensor, nor unsupported_layout, nor a ZeroTensor, told in one key-set test.
 inline bool plain_strided(const c10::TensorImpl& t) {
   static const c10::DispatchKeySet unusual =
-      wrapper_keys() | c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
-                                            c10::DispatchKey::ZeroTensor, c10::DispatchKey::NestedTensor,
-                                            c10::DispatchKey::Quantized, c10::DispatchKey::Sparse,
-                                            c10::DispatchKey::SparseCsr});
+      wrapper_keys() |
+      c10::DispatchKeySet({c10::DispatchKey::Conjugate, c10::DispatchKey::Negative, c10::DispatchKey::ZeroTensor,
+                           c10::DispatchKey::NestedTensor, c10::DispatchKey::Quantized, c10::DispatchKey::Sparse,
+                           c10::DispatchKey::SparseCsr});
   return !t.key_set().has_any(unusual) && t.layout() == c10::kStrided && !t.is_mkldnn() && !t.is_meta();
 }
 inline int64_t extent_elements(const c10::TensorImpl& t) {

@@ -21,8 +21,7 @@ std::string show(const T& v) {
     os << static_cast<const void*>(v);
   } else if constexpr (std::is_same_v<T, bool>) {
     os << (v ? "true" : "false");
-  } else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char> ||
-                       std::is_same_v<T, unsigned char>) {
+  } else if constexpr (std::is_same_v<T, char> || std::is_same_v<T, signed char> || std::is_same_v<T, unsigned char>) {
     os << static_cast<int>(v);
   } else {
     os << v;
@@ -86,27 +85,27 @@ void run(const char* name, F&& f) {
 
 }  // namespace check
 
-#define CHECK(cond)                                                    \
-  do {                                                                 \
+#define CHECK(cond)                                                     \
+  do {                                                                  \
     if (!(cond)) ::check::fail(__FILE__, __LINE__, "CHECK(" #cond ")"); \
   } while (0)
 
 // Like CHECK, with an extra message (anything streamable) for context.
-#define CHECK_MSG(cond, msg)                                                                          \
-  do {                                                                                                \
-    if (!(cond)) {                                                                                    \
-      std::ostringstream check_os_;                                                                   \
-      check_os_ << "CHECK(" #cond "): " << msg;                                                       \
-      ::check::fail(__FILE__, __LINE__, check_os_.str());                                             \
-    }                                                                                                 \
+#define CHECK_MSG(cond, msg)                              \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      std::ostringstream check_os_;                       \
+      check_os_ << "CHECK(" #cond "): " << msg;           \
+      ::check::fail(__FILE__, __LINE__, check_os_.str()); \
+    }                                                     \
   } while (0)
 
-#define CHECK_OP_(a, b, op, expr)                                                        \
-  do {                                                                                   \
-    /* copies, not references: (a) may be a reference to a temporary (std::max) */      \
-    const auto check_a_ = (a);                                                           \
-    const auto check_b_ = (b);                                                           \
-    ::check::compare((expr), check_a_, check_b_, #a, op, #b, __FILE__, __LINE__);        \
+#define CHECK_OP_(a, b, op, expr)                                                  \
+  do {                                                                             \
+    /* copies, not references: (a) may be a reference to a temporary (std::max) */ \
+    const auto check_a_ = (a);                                                     \
+    const auto check_b_ = (b);                                                     \
+    ::check::compare((expr), check_a_, check_b_, #a, op, #b, __FILE__, __LINE__);  \
   } while (0)
 
 #define CHECK_EQ(a, b) CHECK_OP_(a, b, "==", ::check::eq(check_a_, check_b_))
@@ -117,18 +116,17 @@ void run(const char* name, F&& f) {
 #define CHECK_GE(a, b) CHECK_OP_(a, b, ">=", !::check::lt(check_a_, check_b_))
 
 // Checks HostPool::check_invariants and prints the reason when it fails.
-#define CHECK_POOL(pool)                                              \
-  do {                                                                \
-    std::string check_why_;                                           \
-    if (!(pool).check_invariants(&check_why_))                        \
-      ::check::fail(__FILE__, __LINE__, "pool invariants: " + check_why_); \
+#define CHECK_POOL(pool)                                                                                            \
+  do {                                                                                                              \
+    std::string check_why_;                                                                                         \
+    if (!(pool).check_invariants(&check_why_)) ::check::fail(__FILE__, __LINE__, "pool invariants: " + check_why_); \
   } while (0)
 
 // Every block came back: nothing in use, nothing waiting for a copy, invariants hold.
-#define CHECK_POOL_EMPTY(pool)                        \
-  do {                                                \
-    const auto check_stats_ = (pool).stats();         \
-    CHECK_EQ(check_stats_.bytes_in_use, 0u);          \
-    CHECK_EQ(check_stats_.bytes_pending, 0u);         \
-    CHECK_POOL(pool);                                 \
+#define CHECK_POOL_EMPTY(pool)                \
+  do {                                        \
+    const auto check_stats_ = (pool).stats(); \
+    CHECK_EQ(check_stats_.bytes_in_use, 0u);  \
+    CHECK_EQ(check_stats_.bytes_pending, 0u); \
+    CHECK_POOL(pool);                         \
   } while (0)

@@ -34,8 +34,8 @@ std::vector<unsigned char> random_bytes(size_t n, uint32_t seed) {
 
 void test_plan_matches_memcpy() {
   std::minstd_rand rng(7);
-  std::vector<size_t> sizes = {0, 1, 15, 16, 17, kBatchChunkBytes - 1, kBatchChunkBytes, kBatchChunkBytes + 1, 0,
-                               5 * kBatchChunkBytes + 3};
+  std::vector<size_t> sizes = {
+      0, 1, 15, 16, 17, kBatchChunkBytes - 1, kBatchChunkBytes, kBatchChunkBytes + 1, 0, 5 * kBatchChunkBytes + 3};
   for (int i = 0; i < 150; ++i) sizes.push_back(rng() % (3 * kBatchChunkBytes));
   size_t total = 0;
   for (size_t s : sizes) total += s + 32;

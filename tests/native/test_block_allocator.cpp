@@ -12,11 +12,10 @@
 using namespace ckpt_offload;
 using Range = BlockAllocator::Range;
 
-#define CHECK_ALLOC(a)                                                   \
-  do {                                                                   \
-    std::string check_why_;                                              \
-    if (!(a).check_invariants(&check_why_))                              \
-      ::check::fail(__FILE__, __LINE__, "allocator invariants: " + check_why_); \
+#define CHECK_ALLOC(a)                                                                                                \
+  do {                                                                                                                \
+    std::string check_why_;                                                                                           \
+    if (!(a).check_invariants(&check_why_)) ::check::fail(__FILE__, __LINE__, "allocator invariants: " + check_why_); \
   } while (0)
 
 namespace {

@@ -43,10 +43,11 @@ void test_fence_event() {
   auto gate = std::make_shared<FenceEvent>(false);
   std::vector<std::thread> waiters;
   std::atomic<int> woke{0};
-  for (int i = 0; i < 4; ++i) waiters.emplace_back([&] {
-    gate->synchronize();
-    woke++;
-  });
+  for (int i = 0; i < 4; ++i)
+    waiters.emplace_back([&] {
+      gate->synchronize();
+      woke++;
+    });
   std::this_thread::sleep_for(10ms);
   CHECK_EQ(woke.load(), 0);
   gate->signal();
@@ -60,7 +61,7 @@ void test_inline_stream() {
   CHECK_EQ(s.id(), 0u);
   uint64_t src = 0x1122334455667788ull, dst = 0;
   s.memcpy(&dst, &src, sizeof dst, CopyKind::HostToHost);
-  CHECK_EQ(dst, src);  // ran on the caller, before memcpy returned
+  CHECK_EQ(dst, src);                                   // ran on the caller, before memcpy returned
   s.memcpy(nullptr, nullptr, 0, CopyKind::HostToHost);  // zero bytes: nothing touched
   auto ev = s.record();
   CHECK(ev->query());

@@ -30,11 +30,10 @@
 using namespace ckpt_offload;
 using namespace std::chrono_literals;
 
-#define CHECK_TIER(tier)                                               \
-  do {                                                                 \
-    std::string check_why_;                                            \
-    if (!(tier).check_invariants(&check_why_))                         \
-      ::check::fail(__FILE__, __LINE__, "tier invariants: " + check_why_); \
+#define CHECK_TIER(tier)                                                                                            \
+  do {                                                                                                              \
+    std::string check_why_;                                                                                         \
+    if (!(tier).check_invariants(&check_why_)) ::check::fail(__FILE__, __LINE__, "tier invariants: " + check_why_); \
   } while (0)
 
 namespace {
@@ -114,7 +113,7 @@ bool have_dir(const char* d) {
 }
 
 std::vector<std::string> spill_parents() {
-  std::vector<std::string> out{"/tmp"};  // a disk file system (O_DIRECT)
+  std::vector<std::string> out{"/tmp"};                 // a disk file system (O_DIRECT)
   if (have_dir("/dev/shm")) out.push_back("/dev/shm");  // tmpfs
   return out;
 }

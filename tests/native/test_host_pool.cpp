@@ -279,7 +279,7 @@ void test_per_block_reuse() {
 
   auto slow = fence(), fast = fence(), fast2 = fence();
   const uintptr_t a_slow = addr(blocks[3]), a_fast = addr(blocks[7]), a_fast2 = addr(blocks[11]);
-  pool->free(blocks[3], {slow});    // freed first: an oldest-first reclaim would stop here
+  pool->free(blocks[3], {slow});  // freed first: an oldest-first reclaim would stop here
   pool->free(blocks[7], {fast});
   pool->free(blocks[11], {fast2});
   CHECK(pool->allocate(bs) == nullptr);  // nothing has completed yet; allocate never blocks
@@ -642,8 +642,8 @@ void test_synchronize_does_not_block_others() {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   allocated = true;
   CHECK(b != nullptr);
-  CHECK_MSG(!ev->query(), "allocate()/free()/stats() waited for a copy another thread was synchronizing on ("
-                              << ms << " ms)");
+  CHECK_MSG(!ev->query(),
+            "allocate()/free()/stats() waited for a copy another thread was synchronizing on (" << ms << " ms)");
   CHECK_EQ(s.bytes_pending, 4 * KiB);
   CHECK(!synced.load());
   watchdog.join();

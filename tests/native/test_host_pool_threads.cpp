@@ -59,9 +59,9 @@ bool stamped(const Live& l) {
 
 size_t random_size(std::mt19937_64& rng) {
   const unsigned r = rng() % 1000;
-  if (r < 5) return 256 * KiB + rng() % (2 * MiB);   // large: may get a segment of its own
-  if (r < 20) return 1 + rng() % 8;                   // tiny, below one stamp
-  return 1 + rng() % (size_t(1) << (rng() % 17));     // log-uniform up to 64 KiB
+  if (r < 5) return 256 * KiB + rng() % (2 * MiB);  // large: may get a segment of its own
+  if (r < 20) return 1 + rng() % 8;                 // tiny, below one stamp
+  return 1 + rng() % (size_t(1) << (rng() % 17));   // log-uniform up to 64 KiB
 }
 
 struct Options {

@@ -53,8 +53,8 @@ void test_bf16() {
 }
 
 void test_overflow() {
-  CHECK_EQ(to_small(464.0f, 4, 3, true), 0x7eu);        // tie between 448 and "480": to 448 (even)
-  CHECK_EQ(to_small(470.0f, 4, 3, true), 0x7fu);        // past it: NaN, as torch's e4m3fn cast
+  CHECK_EQ(to_small(464.0f, 4, 3, true), 0x7eu);  // tie between 448 and "480": to 448 (even)
+  CHECK_EQ(to_small(470.0f, 4, 3, true), 0x7fu);  // past it: NaN, as torch's e4m3fn cast
   CHECK_EQ(to_small(INFINITY, 4, 3, true), 0x7fu);
   CHECK_EQ(to_small(-1e30f, 5, 2, false), 0xfcu);       // e5m2: -inf
   CHECK_EQ(to_small(65520.0f, 5, 10, false), 0x7c00u);  // fp16: the tie past 65504 goes to inf

@@ -139,8 +139,7 @@ int main() {
     std::printf("skipped: this kernel gives no NUMA placement (get_mempolicy(MPOL_F_MEMS_ALLOWED) failed)\n");
     return 77;
   }
-  std::printf("nodes this process may use: %zu (first %d, last %d)\n", g_nodes.size(), g_nodes.front(),
-              g_nodes.back());
+  std::printf("nodes this process may use: %zu (first %d, last %d)\n", g_nodes.size(), g_nodes.front(), g_nodes.back());
   check::run("map_on_node", test_map_on_node);
   check::run("placement_counts_present_pages_only", test_placement_counts_present_pages_only);
   check::run("check_node", test_check_node);

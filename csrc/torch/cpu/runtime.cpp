@@ -32,9 +32,7 @@ std::string cuda_runtime_version() { return ""; }
 
 namespace device_runtime {
 
-bool stream_pair(const CurrentStream&, bool, bool, bool, std::unique_ptr<Stream>*, Stream**, Stream**) {
-  return false;
-}
+bool stream_pair(const CurrentStream&, bool, bool, bool, std::unique_ptr<Stream>*, Stream**, Stream**) { return false; }
 
 void range_push(const char*) {}
 
