@@ -6,6 +6,7 @@
 * Child processes: ``run_python`` (a script in a fresh Python that imports the ckpt_offload these
   tests imported), ``run_child`` and ``outside_the_tree`` (the same for another command line).
 * Autograd: ``Probe``, an autograd function checking that saved tensors come back exactly;
+  ``Scribble``, one whose backward writes its saved input in place (a kernel using it as scratch);
   ``grads_of`` (a module's gradients by name) and ``step_grads`` (one step, its forward inside a context).
 * Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
   its subfolders) and ``REPO_ROOT`` (the checkout: benchmarks/, docs/, scripts/).
@@ -161,6 +162,26 @@ class Probe(torch.autograd.Function):
 # Hugging Face tiny models and training
 
 B, T, VOCAB = 2, 8, 100
+
+
+class Scribble(torch.autograd.Function):
+    """Saves a and b; backward uses them, then writes a in place (a kernel reusing its input as
+    scratch) unless ``Scribble.writes`` is False (the run whose write goes nowhere)."""
+
+    writes = True
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga, gb = g * b, (g * a).sum(0) if b.dim() < a.dim() else g * a
+        if Scribble.writes:
+            a.mul_(0)
+        return ga, gb
 
 
 def gpt2():

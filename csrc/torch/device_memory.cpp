@@ -47,14 +47,11 @@ void DeviceCopyVersion::check(bool accept_modified, c10::ScalarType dtype, c10::
     accept();
     return;
   }
-  // autograd's own wording (SavedVariable::unpack), so that what catches torch's error catches this.
-  throw DeviceCopyModified(
-      "one of the variables needed for gradient computation has been modified by an inplace operation: " +
-      describe(dtype, sizes.vec(), device) + " is at version " + std::to_string(counter_.current_version()) +
-      "; expected version " + std::to_string(at_) +
-      " instead. (Detected by ckpt_offload: a backward wrote a tensor it unpacked in place, and another saved "
-      "tensor views the same bytes, so its backward would have read the written values.) Hint: the backward that "
-      "modified its saved tensor must clone it first.");
+  throw DeviceCopyModified(inplace_message(
+      dtype, sizes, device, counter_.current_version(), at_,
+      "a backward wrote a tensor it unpacked in place, and another saved tensor views the same bytes, so its "
+      "backward would have read the written values.",
+      "the backward that modified its saved tensor must clone it first."));
 }
 
 // record_consumer: the device side's (cuda/device_memory.cpp, cpu/device_memory.cpp).

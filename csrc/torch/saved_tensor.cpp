@@ -21,14 +21,10 @@ SavedVersion::SavedVersion(const at::Tensor& t) {
 
 void SavedVersion::check(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device) const {
   if (!modified()) return;
-  // A string, not an ostringstream: Note [No iostreams in the extension] (csrc/core/text.h).
-  throw std::runtime_error(
-      "one of the variables needed for gradient computation has been modified by an inplace operation: " +
-      describe(dtype, sizes.vec(), device) + " is at version " + std::to_string(version_.current_version()) +
-      "; expected version " + std::to_string(saved_) +
-      " instead. (Detected by ckpt_offload: the tensor was modified in place after autograd saved it, so backward "
-      "would have used the wrong values.) Hint: clone the tensor before modifying it in place, or use the "
-      "out-of-place operation.");
+  throw std::runtime_error(inplace_message(
+      dtype, sizes, device, version_.current_version(), saved_,
+      "the tensor was modified in place after autograd saved it, so backward would have used the wrong values.",
+      "clone the tensor before modifying it in place, or use the out-of-place operation."));
 }
 
 SavedTensor::SavedTensor(const at::Tensor& t, bool layout, std::shared_ptr<PackerCounters> counters, Bytes bytes)

@@ -138,4 +138,12 @@ PoolFull pool_full(TieredRefusal why, HostPool& pool, const std::string& what, i
                         "min_bytes), or pass on_full=\"keep\" to keep such tensors on the device.");
 }
 
+std::string inplace_message(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device, uint32_t now,
+                            uint32_t expected, const char* why, const char* hint) {
+  // A string, not an ostringstream: Note [No iostreams in the extension] (csrc/core/text.h).
+  return "one of the variables needed for gradient computation has been modified by an inplace operation: " +
+         describe(dtype, sizes.vec(), device) + " is at version " + std::to_string(now) + "; expected version " +
+         std::to_string(expected) + " instead. (Detected by ckpt_offload: " + why + ") Hint: " + hint;
+}
+
 }  // namespace ckpt_offload

@@ -74,6 +74,11 @@ std::string human_bytes(size_t bytes);
 std::string layout_name(c10::Layout layout);
 // "[float32 on cuda:0, shape [2, 3]]"
 std::string describe(c10::ScalarType dtype, const std::vector<int64_t>& sizes, const c10::Device& device);
+// Autograd's in-place error for a saved tensor (described as `dtype`, `sizes`, `device`) whose
+// version is `now` where `expected` was saved (SavedVariable::unpack's wording, so that what
+// catches torch's error catches ours), then why ckpt_offload saw it (`why`) and the fix (`hint`).
+std::string inplace_message(c10::ScalarType dtype, c10::IntArrayRef sizes, const c10::Device& device, uint32_t now,
+                            uint32_t expected, const char* why, const char* hint);
 // Raised when the pool (and its disk tier) cannot hold a copy and the caller asked for an error
 // (on_full="raise", co.offload_tensor): PoolFullError in Python. Its message is the facts (what
 // was asked for, what the pool holds), then the remedies; the two are kept apart (PoolFullError's

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_bit_identical, cpu_offload, device_bytes_saved, run_a_backward
+from helpers import Scribble
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import ckpt_offload as co
@@ -26,22 +27,6 @@ ROUTES = {
     "batched": dict(stream="side", batch_below="64KiB"),
     "bf16": dict(stream="compute", store_dtype=torch.bfloat16),
 }
-
-
-class Scribble(torch.autograd.Function):
-    """A kernel that reuses its saved input as scratch: backward writes h in place after using it."""
-
-    @staticmethod
-    def forward(ctx, h, w):
-        ctx.save_for_backward(h, w)
-        return h * w
-
-    @staticmethod
-    def backward(ctx, g):
-        h, w = ctx.saved_tensors
-        gw = (g * h).sum(0)
-        h.mul_(0)
-        return g * w, gw
 
 
 def scribble_step(offload, shared, dtype=torch.float32):

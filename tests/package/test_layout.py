@@ -95,34 +95,9 @@ def import_graph() -> dict:
 
 
 def circles(graph: dict) -> list:
-    """The strongly connected groups of more than one module (Tarjan)."""
-    index, low, stack, on, out = {}, {}, [], set(), []
-
-    def visit(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                out.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return out
+    """The strongly connected groups of more than one module (Tarjan): scripts/include_graph.py's,
+    which reads the C++ layers the same way."""
+    return _include_graph().circles(graph)
 
 
 def test_the_import_graph_reader_sees_a_circle():

@@ -26,6 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import ckpt_offload as co  # noqa: E402
 from conftest import hypothesis_examples, run_a_backward  # noqa: E402
+from helpers import Scribble  # noqa: E402
 
 INPLACE = "modified by an inplace operation"
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -52,26 +53,6 @@ def _drained(pool, start):
 
 
 # --- custom Functions that save a tensor twice or write it in backward -------------------------------------------
-
-_WRITES = [True]  # False: the "clean" run, where Scribble's write goes nowhere
-
-
-class Scribble(torch.autograd.Function):
-    """Saves a and b; backward uses them, then writes a in place (a kernel reusing its input as scratch)."""
-
-    @staticmethod
-    def forward(ctx, a, b):
-        ctx.save_for_backward(a, b)
-        return a * b
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        ga, gb = g * b, g * a
-        if _WRITES[0]:
-            a.mul_(0.5)
-        return ga, gb
-
 
 class Twice(torch.autograd.Function):
     """Saves a twice, a same-layout view of it and its transpose: four saved tensors of one storage."""
@@ -144,7 +125,7 @@ def _run(g: Graph, route: str, cfg: dict | None, pool, writes: bool):
               for _ in range(g.n_inputs)]
     fn = _program(g)
     opts = None if cfg is None else dict(cfg, devices=["cpu"], min_bytes=0, pool=pool)
-    _WRITES[0] = writes
+    Scribble.writes = writes  # False: the "clean" run, where Scribble's write goes nowhere
     try:
         if route == "checkpoint" and opts is not None:
             out = co.checkpoint(fn, *inputs, offload=opts)
@@ -160,7 +141,7 @@ def _run(g: Graph, route: str, cfg: dict | None, pool, writes: bool):
         run_a_backward()
         return str(e)
     finally:
-        _WRITES[0] = True
+        Scribble.writes = True
     return [x.grad for x in inputs]
 
 
