@@ -188,7 +188,7 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
     (left out of the step-time figures) runs under co.profile for the device peak of saved
     activations. Without either, the first step's forward runs under a counting hook. Returns
     losses, times, first-step grads, counts."""
-    from ckpt_offload.blocks import apply
+    from ckpt_offload.blocks.applying import apply
     from ckpt_offload.profiling import profile
     torch.manual_seed(seed)  # dropout draws: identical sequence in every run
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)

@@ -1,7 +1,7 @@
 """Installing a plan on a model: its units mapped onto the model's blocks.
 
 Each unit says what its blocks do ("offload", "recompute", "recompute_offload", "selective", a
-segment of blocks recomputed as one, flat or nested); :func:`ckpt_offload.blocks.install_units`,
+segment of blocks recomputed as one, flat or nested); :func:`ckpt_offload.blocks.install.install_units`,
 the installer ``co.apply`` uses too, wraps the blocks accordingly. The handle it returns owns the
 plan's offload contexts (``handle.stats()`` counts this plan's blocks only) and ``remove()`` puts
 back each block's own forward.
@@ -10,12 +10,9 @@ back each block's own forward.
 from __future__ import annotations
 
 from ckpt_offload._warn import deprecated_names
-from ckpt_offload.blocks import (  # noqa: F401  (importable from here as before)
-    CheckpointHandle,
-    create_selective_checkpoint_contexts,
-    install_units,
-    selective_policy,
-)
+from ckpt_offload.blocks.handle import CheckpointHandle
+from ckpt_offload.blocks.install import install_units
+from ckpt_offload.selective import create_selective_checkpoint_contexts, selective_policy  # noqa: F401  (as before)
 
 __all__ = ["apply_units", "selective_policy"]
 

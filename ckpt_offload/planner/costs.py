@@ -20,9 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ckpt_offload._runtime import _C, synchronize
-from ckpt_offload.blocks import SELECTIVE_SAVE_OPS, _hidden, hidden_key, running_stats, unchained_reason
+from ckpt_offload.blocks.chain import hidden, hidden_key, running_stats, unchained_reason
 from ckpt_offload.offloading import offload_tensor
 from ckpt_offload.pool import HostPool
+from ckpt_offload.selective import SELECTIVE_SAVE_OPS
 
 __all__ = ["Storage", "BlockCost", "CostModel", "Bandwidth", "measure_costs", "measure_bandwidth",
            "measure_conversion", "stored_bytes", "converted_packs", "converted_shares", "SELECTIVE_SAVE_OPS", "INEXACT_REASONS"]
@@ -475,7 +476,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
 
     # Whether a segment could run block i+1 inside block i's checkpoint: the model must call it
     # right after block i with block i's output (or its first element) as its first argument,
-    # as a segment does (Note in blocks._Segment). unchained[i]: why not, between i and i+1.
+    # as a segment does (blocks/chain.py). unchained[i]: why not, between i and i+1.
     unchained = {}
 
     def check_chain(i, module, args, kwargs):
@@ -490,7 +491,7 @@ def _measure_bytes(step, named_blocks, device, min_bytes):
             if given is last:
                 why = (f"is followed by {named_blocks[i][0]}, which the model calls by keyword without "
                        f"{key}= (its forward's first parameter), while a segment passes the hidden state so")
-            elif given is not _hidden(out):
+            elif given is not hidden(out):
                 why = (f"is followed by {named_blocks[i][0]}, whose first argument is not its output (or the "
                        "output's first element), while a segment passes exactly that")
         if why is not None:

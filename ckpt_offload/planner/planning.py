@@ -10,8 +10,9 @@ import warnings
 import torch
 
 from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
-from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
-from ckpt_offload.selective import OFFLOAD_POLICIES
+from ckpt_offload.blocks.handle import check_not_applied
+from ckpt_offload.blocks.select import select_blocks
+from ckpt_offload.selective import OFFLOAD_POLICIES, create_selective_checkpoint_contexts
 from ckpt_offload.options import STORE_DTYPE_NAMES, OffloadOptions, as_options
 from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs

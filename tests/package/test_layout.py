@@ -499,7 +499,7 @@ def test_a_planned_model_survives_deepcopy_and_pickle():
 
 
 def test_co_apply_segments_makes_exactly_the_segments_asked_for():
-    from ckpt_offload.blocks import _segment_units
+    from ckpt_offload.blocks.applying import _segment_units
 
     assert _segment_units(9, 6) == [(0, 1), (2, 3), (4, 5), (6, 6), (7, 7), (8, 8)]
     assert _segment_units(3, 2) == [(0, 1), (2, 2)]
