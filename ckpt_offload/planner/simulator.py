@@ -44,7 +44,7 @@ from ckpt_offload._units import (  # noqa: F401
     Unit,
     choice_names,
 )
-from ckpt_offload.planner.costs import converted_inputs, converted_packs, converted_shares
+from ckpt_offload.planner.lossy import converted_inputs, converted_packs, converted_shares
 
 __all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
 

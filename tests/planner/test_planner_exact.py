@@ -432,7 +432,8 @@ class TwiceChain(nn.Module):
 
 @pytest.fixture(scope="module")
 def twice():
-    from ckpt_offload.planner.costs import Bandwidth, measure_costs
+    from ckpt_offload.planner.costs import Bandwidth
+    from ckpt_offload.planner.measuring import measure_costs
 
     torch.manual_seed(0)
     model, x = TwiceChain(), torch.randn(64, 32)

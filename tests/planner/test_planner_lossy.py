@@ -17,7 +17,7 @@ import torch
 import ckpt_offload as co
 from ckpt_offload.planner import Bandwidth, InfeasibleBudget, Unit, measure_costs, saved_activation_peak, simulate
 from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import converted_packs, converted_shares, stored_bytes
+from ckpt_offload.planner.lossy import converted_packs, converted_shares, stored_bytes
 
 from conftest import assert_bit_identical
 from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
