@@ -18,7 +18,7 @@ the smallest budget any plan reaches) the built-in TinyTransformer runs under:
 All run through the planner's ``apply`` (co.offload / co.checkpoint underneath) with the prefetch
 window that gives each its best predicted time. Per row: the simulator's predicted peak of saved
 activations and step time, the measured ones (peak: torch.profiler's allocator events, see
-``ckpt_offload.planner.measure``; time: median of ``--steps`` steps), and whether each fits B.
+``ckpt_offload.planner.saved_peak``; time: median of ``--steps`` steps), and whether each fits B.
 On CPU the bytes are exact and the times indicative (CPU memcpy stands in for PCIe).
 
 Usage::

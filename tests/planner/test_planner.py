@@ -143,7 +143,7 @@ def test_measure_reads_the_hosts_copy_ranges_only(tiny, monkeypatch):
     # later than the host enqueued it, behind the compute stream. What backward allocates on the
     # host meanwhile (gradients, temporaries) is no reload. Here the CPU trace gets such twins,
     # each lagging from its host range's end to the end of the step: the timeline must not change.
-    import ckpt_offload.planner.measure as measure
+    import ckpt_offload.planner.saved_peak as measure
 
     read, seen = measure._trace_events, {}
 

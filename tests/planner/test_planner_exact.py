@@ -446,7 +446,7 @@ def twice():
 def _twice_measured(model, x, named, units):
     """The measured peak of saved activations of a TwiceChain step under ``units``, the forward's
     copies drained before backward (as the simulator's instant link assumes)."""
-    from ckpt_offload.planner.measure import saved_activation_peak
+    from ckpt_offload.planner.saved_peak import saved_activation_peak
 
     def step():
         loss = model(x)
