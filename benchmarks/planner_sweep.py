@@ -47,7 +47,7 @@ if _HERE not in sys.path:
 from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload.planner import InfeasibleBudget, simulate  # noqa: E402
 from ckpt_offload.planner.simulator import singles  # noqa: E402
-from ckpt_offload.planner.apply import apply_units  # noqa: E402
+from ckpt_offload.blocks import install_units  # noqa: E402
 from ckpt_offload.cli.plan import _measure, builtin_model  # noqa: E402
 from ckpt_offload.planner.solver import _prefetch_options, chen_units, evaluate, first_k_units, rotor  # noqa: E402
 
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     def measure(units, prefetch):
         key = (tuple(units), prefetch)
         if key not in measured_cache:
-            handle = apply_units(model, first._named_blocks, units,
-                                 {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch})
+            handle = install_units(model, first._named_blocks, units,
+                                   {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch})
             try:
                 secs, tl = _measure(step, device, steps)
             finally:

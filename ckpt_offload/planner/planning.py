@@ -11,10 +11,10 @@ import torch
 
 from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
 from ckpt_offload.blocks.handle import check_not_applied
+from ckpt_offload.blocks.install import install_units
 from ckpt_offload.blocks.select import select_blocks
 from ckpt_offload.selective import OFFLOAD_POLICIES, create_selective_checkpoint_contexts
 from ckpt_offload.options import STORE_DTYPE_NAMES, OffloadOptions, as_options
-from ckpt_offload.planner.apply import apply_units
 from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel
 from ckpt_offload.planner.measuring import measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
@@ -186,8 +186,8 @@ class Plan:
             step()
             handle.remove()
         """
-        handle = apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
-                             store_dtype=self.lossy)
+        handle = install_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
+                               store_dtype=self.lossy)
         if self._tiled:
             try:
                 handle.tiles = tile_blocks(self.model, [self._named_blocks[i] for i in self._tiled],
