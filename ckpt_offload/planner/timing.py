@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ckpt_offload._runtime import _C, synchronize
-from ckpt_offload.offloading import offload_tensor
+from ckpt_offload.host_copy import offload_tensor
 from ckpt_offload.planner.costs import Bandwidth
 from ckpt_offload.pool import HostPool
 
