@@ -6,6 +6,7 @@ and whether each block hands its output on as a segment would. See
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -149,29 +150,42 @@ class _BlockRecord:
 def measure_bytes(step, named_blocks, device, min_bytes):
     """Run 1: saved tensors per block (saved_tensors_hooks), fresh storages and selective outputs
     (a dispatch mode)."""
-    sync = sync_for(device)
-    recs = [_BlockRecord(n) for n, _ in named_blocks]
-    # Every call of a block is recorded on its own (a block called twice saves two sets of tensors,
-    # which backward frees call by call); recs[i] gets block i's calls joined afterwards.
-    calls, call_order = [], []  # per call: its _BlockRecord, its block's index
-    owner = {}  # storage key -> ("block", call) | ("pre",) | ("post",)
-    outside = {"pre": {}, "post": {}}
-    # grad: a block ran with gradients enabled; requires_grad: a block's output needs a gradient;
-    # backward: a gradient reached one
-    state = {"current": None, "done": set(), "started": False, "grad": False, "requires_grad": False,
-             "backward": False}
+    run = _BytesRun(named_blocks, sync_for(device))
+    run.record(step)
+    return run.result()
 
-    def reached(_):
-        state["backward"] = True
-    rec_mode = _Recorder(sync)
 
-    # Whether a segment could run block i+1 inside block i's checkpoint: the model must call it
-    # right after block i with block i's output (or its first element) as its first argument,
-    # as a segment does (blocks/chain.py). unchained[i]: why not, between i and i+1.
-    unchained = {}
+class _BytesRun:
+    """One instrumented run of the step (:func:`measure_bytes`): the blocks' forward hooks, the
+    saved-tensor hooks and the dispatch mode, and what they record."""
 
-    def check_chain(i, module, args, kwargs):
-        last = state.pop("last_out", None)
+    def __init__(self, named_blocks, sync):
+        self.named_blocks = named_blocks
+        self.sync = sync
+        self.recs = [_BlockRecord(n) for n, _ in named_blocks]
+        # Every call of a block is recorded on its own (a block called twice saves two sets of tensors,
+        # which backward frees call by call); recs[i] gets block i's calls joined afterwards.
+        self.calls, self.call_order = [], []  # per call: its _BlockRecord, its block's index
+        self.owner = {}  # storage key -> ("block", call) | ("pre",) | ("post",)
+        self.outside = {"pre": {}, "post": {}}
+        # grad: a block ran with gradients enabled; requires_grad: a block's output needs a gradient;
+        # backward: a gradient reached one
+        self.state = state = {"current": None, "done": set(), "started": False, "grad": False,
+                              "requires_grad": False, "backward": False}
+
+        def reached(_):
+            state["backward"] = True
+        self.reached = reached
+        self.rec_mode = _Recorder(sync)
+
+        # Whether a segment could run block i+1 inside block i's checkpoint: the model must call it
+        # right after block i with block i's output (or its first element) as its first argument,
+        # as a segment does (blocks/chain.py). unchained[i]: why not, between i and i+1.
+        self.unchained = {}
+
+    def check_chain(self, i, module, args, kwargs):
+        named_blocks = self.named_blocks
+        last = self.state.pop("last_out", None)
         if last is None or last[0] != i - 1:
             return
         out = last[1]
@@ -186,102 +200,104 @@ def measure_bytes(step, named_blocks, device, min_bytes):
                 why = (f"is followed by {named_blocks[i][0]}, whose first argument is not its output (or the "
                        "output's first element), while a segment passes exactly that")
         if why is not None:
-            unchained.setdefault(i - 1, why)
+            self.unchained.setdefault(i - 1, why)
 
-    def pre_hook(i):
-        def hook(module, args, kwargs):
-            if state["current"] is not None:
-                return  # a block inside a block: attributed to the outer one
-            check_chain(i, module, args, kwargs)
-            state["current"] = i
-            state["started"] = True
-            recs[i].calls += 1
-            r = _BlockRecord(named_blocks[i][0])
-            c = state["call"] = len(calls)
-            calls.append(r)
-            call_order.append(i)
-            state["grad"] |= torch.is_grad_enabled()
-            r.own = set()
-            r.arg_keys = {}
-            named_args = [(f"input {j}", a) for j, a in enumerate(args)] + [
-                (f"argument {name!r}", v) for name, v in kwargs.items()]
-            for where, a in named_args:
-                for t in tensors_in(a):
-                    k = _storage_key(t)
-                    if k is not None:
-                        r.arg_keys.setdefault(k, where)
-            for prefix in running_stats(module):
-                # BatchNorm's kernels write running_mean/var without an op that says so
-                r.cost.inexact.setdefault(
-                    "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward")
-            r.state_names = {}
-            for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    def before(self, i, module, args, kwargs):
+        """Block ``i``'s forward pre-hook: a new call of it starts being recorded."""
+        state, named_blocks, rec_mode, owner = self.state, self.named_blocks, self.rec_mode, self.owner
+        if state["current"] is not None:
+            return  # a block inside a block: attributed to the outer one
+        self.check_chain(i, module, args, kwargs)
+        state["current"] = i
+        state["started"] = True
+        self.recs[i].calls += 1
+        r = _BlockRecord(named_blocks[i][0])
+        c = state["call"] = len(self.calls)
+        self.calls.append(r)
+        self.call_order.append(i)
+        state["grad"] |= torch.is_grad_enabled()
+        r.own = set()
+        r.arg_keys = {}
+        named_args = [(f"input {j}", a) for j, a in enumerate(args)] + [
+            (f"argument {name!r}", v) for name, v in kwargs.items()]
+        for where, a in named_args:
+            for t in tensors_in(a):
                 k = _storage_key(t)
                 if k is not None:
-                    r.state_names.setdefault(k, f"{named_blocks[i][0]}.{name}")
-            for t in tensors_in((args, kwargs)):
-                k = _storage_key(t)
-                if k is not None and k in rec_mode.fresh and k not in owner and k not in r.input_keys:
-                    r.input_keys.append(k)
-                    owner[k] = ("block", c)
-                    r.cost.input_sizes.append(k[2])
-                    r.cost.input_dtypes.append(_dtype_name(t))
-                    r.cost.input_spans.append(_C.span_bytes(t))
-            rec_mode.block = r
-        return hook
+                    r.arg_keys.setdefault(k, where)
+        for prefix in running_stats(module):
+            # BatchNorm's kernels write running_mean/var without an op that says so
+            r.cost.inexact.setdefault(
+                "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward")
+        r.state_names = {}
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            k = _storage_key(t)
+            if k is not None:
+                r.state_names.setdefault(k, f"{named_blocks[i][0]}.{name}")
+        for t in tensors_in((args, kwargs)):
+            k = _storage_key(t)
+            if k is not None and k in rec_mode.fresh and k not in owner and k not in r.input_keys:
+                r.input_keys.append(k)
+                owner[k] = ("block", c)
+                r.cost.input_sizes.append(k[2])
+                r.cost.input_dtypes.append(_dtype_name(t))
+                r.cost.input_spans.append(_C.span_bytes(t))
+        rec_mode.block = r
 
-    def post_hook(i):
-        def hook(module, args, kwargs, output):
-            if state["current"] != i:
-                return
-            r = calls[state["call"]]
-            for k, _ in r.selective_refs.items():
-                r.cost.selective.append(k[2])
-                r.cost.selective_saved.append(r.keys.get(k, -1))
-                r.cost.selective_last_use.append(r.selective_uses.get(k, len(r.cost.packs)))
-            r.selective_refs = {}
-            for t in tensors_in(output):
-                if t.requires_grad:
-                    state["requires_grad"] = True
-                    t.register_hook(reached)
-                    break
-            state["current"] = None
-            state["done"].add(i)
-            state["last_out"] = (i, output)  # held until the next block starts (check_chain)
-            rec_mode.block = None
-        return hook
+    def after(self, i, module, args, kwargs, output):
+        """Block ``i``'s forward hook: the call being recorded ends."""
+        state = self.state
+        if state["current"] != i:
+            return
+        r = self.calls[state["call"]]
+        for k, _ in r.selective_refs.items():
+            r.cost.selective.append(k[2])
+            r.cost.selective_saved.append(r.keys.get(k, -1))
+            r.cost.selective_last_use.append(r.selective_uses.get(k, len(r.cost.packs)))
+        r.selective_refs = {}
+        for t in tensors_in(output):
+            if t.requires_grad:
+                state["requires_grad"] = True
+                t.register_hook(self.reached)
+                break
+        state["current"] = None
+        state["done"].add(i)
+        state["last_out"] = (i, output)  # held until the next block starts (check_chain)
+        self.rec_mode.block = None
 
-    def pack(t):
+    def pack(self, t):
+        calls = self.calls
         k = _storage_key(t)
-        if state["current"] is not None:
-            c = state["call"]
+        if self.state["current"] is not None:
+            c = self.state["call"]
             calls[c].cost.nodes.append(-1)
             calls[c].cost.pack_dtypes.append(_dtype_name(t))
             calls[c].cost.pack_spans.append(_C.span_bytes(t))
             calls[c].cost.pack_starts.append((t.storage_offset() * t.element_size(), t._version))
-            pack_block(t, k, c)
+            self.pack_block(t, k, c)
             return _Packed(t, c, len(calls[c].cost.nodes) - 1)
-        return _pack_outside(t, k)
+        return self._pack_outside(t, k)
 
-    def _pack_outside(t, k):
-        if k is None or k not in rec_mode.fresh:
+    def _pack_outside(self, t, k):
+        if k is None or k not in self.rec_mode.fresh:
             return t
-        where = "post" if state["done"] else "pre"
-        if k not in owner:
-            owner[k] = (where,)
-            outside[where][k] = k[2]
+        where = "post" if self.state["done"] else "pre"
+        if k not in self.owner:
+            self.owner[k] = (where,)
+            self.outside[where][k] = k[2]
         return t
 
-    def unpack(p):
+    def unpack(self, p):
         if isinstance(p, _Packed):
             # A node unpacks all its saved tensors before running any op of its backward: tensors
             # unpacked with no op between them belong to one node (and are freed together).
-            calls[p.block].cost.nodes[p.pos] = rec_mode.count
+            self.calls[p.block].cost.nodes[p.pos] = self.rec_mode.count
             return p.t
         return p
 
-    def pack_block(t, k, c):
-        if k is None or k not in rec_mode.fresh:
+    def pack_block(self, t, k, c):
+        calls, owner = self.calls, self.owner
+        if k is None or k not in self.rec_mode.fresh:
             calls[c].cost.packs.append(-1)
             return
         r = calls[c]
@@ -297,48 +313,57 @@ def measure_bytes(step, named_blocks, device, min_bytes):
             idx = -1  # owned by an earlier block (or call) or saved before the blocks
         r.cost.packs.append(idx)
 
-    handles = []
-    for i, (_, m) in enumerate(named_blocks):
-        handles.append(m.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-        handles.append(m.register_forward_hook(post_hook(i), with_kwargs=True))
-    try:
-        with rec_mode, torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            step()
-        sync()
-    finally:
-        for h in handles:
-            h.remove()
-        state.pop("last_out", None)
-    missing = [named_blocks[i][0] for i in range(len(recs)) if i not in state["done"]]
-    if missing:
-        raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
-                         "that step() calls, or a step that runs the model's forward and backward")
-    if not state["grad"]:
-        raise ValueError("co.plan: step() ran the blocks with gradients disabled (under torch.no_grad() or "
-                         "torch.inference_mode()), so they save nothing for backward and there is nothing to plan: "
-                         "pass a training step, e.g. lambda: loss_fn(model(x)).backward(), run with gradients "
-                         "enabled")
-    if not state["requires_grad"]:
-        raise ValueError("co.plan: no output of the blocks requires a gradient (their parameters are frozen and "
-                         "their inputs need none), so backward never reaches them and there is nothing to plan: "
-                         "plan a step that trains parameters of the blocks (or whose input requires grad)")
-    if not state["backward"]:
-        raise ValueError("co.plan: step() never ran backward through the blocks, so what they save for backward "
-                         "cannot be measured: pass a step that runs forward and backward, e.g. "
-                         "lambda: loss_fn(model(x)).backward()")
-    for r in calls:
-        r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
-    for i, r in enumerate(recs):
-        r.cost = _joined(r.cost.name, [cr.cost for cr, b in zip(calls, call_order) if b == i])
-        r.cost.calls = r.calls
-        mine = [cr for cr, b in zip(calls, call_order) if b == i]
-        op_s = sum(cr.op_s for cr in mine)
-        r._fraction_dropped = (1.0 - sum(cr.saved_op_s for cr in mine) / op_s) if op_s > 0 else 1.0
-    for i, why in unchained.items():
-        recs[i].cost.inexact.setdefault(UNCHAINED, why)
-    pre = sum(outside["pre"].values())
-    post = sum(outside["post"].values())
-    return recs, pre, post, calls, call_order
+    def record(self, step) -> None:
+        """Runs ``step`` once under the hooks and the dispatch mode."""
+        handles = []
+        for i, (_, m) in enumerate(self.named_blocks):
+            handles.append(m.register_forward_pre_hook(functools.partial(self.before, i), with_kwargs=True))
+            handles.append(m.register_forward_hook(functools.partial(self.after, i), with_kwargs=True))
+        try:
+            with self.rec_mode, torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                step()
+            self.sync()
+        finally:
+            for h in handles:
+                h.remove()
+            self.state.pop("last_out", None)
+
+    def result(self):
+        """``(recs, pre, post, calls, call_order)``: per block its calls joined, the bytes saved
+        before and after the blocks, per call its record and its block; raises where the step gave
+        nothing to plan."""
+        named_blocks, recs, calls, call_order = self.named_blocks, self.recs, self.calls, self.call_order
+        state, outside = self.state, self.outside
+        missing = [named_blocks[i][0] for i in range(len(recs)) if i not in state["done"]]
+        if missing:
+            raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
+                             "that step() calls, or a step that runs the model's forward and backward")
+        if not state["grad"]:
+            raise ValueError("co.plan: step() ran the blocks with gradients disabled (under torch.no_grad() or "
+                             "torch.inference_mode()), so they save nothing for backward and there is nothing to plan: "
+                             "pass a training step, e.g. lambda: loss_fn(model(x)).backward(), run with gradients "
+                             "enabled")
+        if not state["requires_grad"]:
+            raise ValueError("co.plan: no output of the blocks requires a gradient (their parameters are frozen and "
+                             "their inputs need none), so backward never reaches them and there is nothing to plan: "
+                             "plan a step that trains parameters of the blocks (or whose input requires grad)")
+        if not state["backward"]:
+            raise ValueError("co.plan: step() never ran backward through the blocks, so what they save for backward "
+                             "cannot be measured: pass a step that runs forward and backward, e.g. "
+                             "lambda: loss_fn(model(x)).backward()")
+        for r in calls:
+            r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
+        for i, r in enumerate(recs):
+            r.cost = _joined(r.cost.name, [cr.cost for cr, b in zip(calls, call_order) if b == i])
+            r.cost.calls = r.calls
+            mine = [cr for cr, b in zip(calls, call_order) if b == i]
+            op_s = sum(cr.op_s for cr in mine)
+            r._fraction_dropped = (1.0 - sum(cr.saved_op_s for cr in mine) / op_s) if op_s > 0 else 1.0
+        for i, why in self.unchained.items():
+            recs[i].cost.inexact.setdefault(UNCHAINED, why)
+        pre = sum(outside["pre"].values())
+        post = sum(outside["post"].values())
+        return recs, pre, post, calls, call_order
 
 
 def _joined(name, costs) -> BlockCost:
