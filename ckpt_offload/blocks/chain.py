@@ -10,7 +10,7 @@ import inspect
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["hidden", "hidden_key", "unchained_reason", "next_args", "rest", "same_rest", "running_stats"]
+__all__ = ["hidden", "hidden_key", "next_args", "rest", "running_stats", "same_rest", "unchained_reason"]
 
 
 def hidden(out):

@@ -9,7 +9,7 @@ import torch
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload.blocks.forward import BlockForward
 
-__all__ = ["CheckpointHandle", "HANDLE_ATTR", "active_handle", "check_not_applied"]
+__all__ = ["HANDLE_ATTR", "CheckpointHandle", "active_handle", "check_not_applied"]
 
 
 class CheckpointHandle:

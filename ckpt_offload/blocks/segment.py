@@ -14,6 +14,7 @@ from ckpt_offload.blocks.recompute_range import in_backward, ranged
 from ckpt_offload.blocks.runs import _Checkpoint
 from ckpt_offload.checkpointing import run_checkpoint
 
+
 class _SegmentFirst:
     """The first block of a segment: runs the whole segment inside one checkpoint."""
 

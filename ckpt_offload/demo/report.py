@@ -23,7 +23,7 @@ import textwrap
 
 from ckpt_offload.profiling.summary import saved_line
 
-__all__ = ["format_report", "write_json", "DEMO_JSON"]
+__all__ = ["DEMO_JSON", "format_report", "write_json"]
 
 DEMO_JSON = "demo.json"
 

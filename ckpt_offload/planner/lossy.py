@@ -12,7 +12,7 @@ import torch
 from ckpt_offload._runtime import _C
 from ckpt_offload.planner.costs import BlockCost
 
-__all__ = ["stored_bytes", "converted_packs", "converted_shares", "converted_inputs"]
+__all__ = ["converted_inputs", "converted_packs", "converted_shares", "stored_bytes"]
 
 
 def stored_bytes(dtype_name: str, span: int, store_dtype) -> int | None:

@@ -15,7 +15,7 @@ from ckpt_offload.host_copy import offload_tensor
 from ckpt_offload.planner.costs import Bandwidth
 from ckpt_offload.pool import HostPool
 
-__all__ = ["measure_times", "measure_bandwidth", "measure_conversion", "sync_for", "tensors_in"]
+__all__ = ["measure_bandwidth", "measure_conversion", "measure_times", "sync_for", "tensors_in"]
 
 
 def sync_for(device: str):

@@ -11,6 +11,7 @@ import torch
 
 from ckpt_offload._args import check_int, parse_bytes
 
+
 def _check_tile(tile, tiles, name="tile"):
     """``tile`` (tokens: an int; bytes: a size string) and ``tiles`` (a count) checked; returns
     (tokens or None, bytes or None, count or None)."""

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
+from ckpt_offload.blocks import install_units
 from ckpt_offload.blocks import select_blocks as _select_blocks
 from ckpt_offload.planner import Unit
-from ckpt_offload.blocks import install_units
 
 R = "recompute"
 
