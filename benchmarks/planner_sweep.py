@@ -18,7 +18,7 @@ the smallest budget any plan reaches) the built-in TinyTransformer runs under:
 All run through the planner's ``apply`` (co.offload / co.checkpoint underneath) with the prefetch
 window that gives each its best predicted time. Per row: the simulator's predicted peak of saved
 activations and step time, the measured ones (peak: torch.profiler's allocator events, see
-``ckpt_offload.planner.measure``; time: median of ``--steps`` steps), and whether each fits B.
+``ckpt_offload.planner.saved_peak``; time: median of ``--steps`` steps), and whether each fits B.
 On CPU the bytes are exact and the times indicative (CPU memcpy stands in for PCIe).
 
 Usage::
@@ -47,7 +47,7 @@ if _HERE not in sys.path:
 from _package import co, save_report  # noqa: E402  (the checkout's build when it has one, else the installed package)
 from ckpt_offload.planner import InfeasibleBudget, simulate  # noqa: E402
 from ckpt_offload.planner.simulator import singles  # noqa: E402
-from ckpt_offload.planner.apply import apply_units  # noqa: E402
+from ckpt_offload.blocks import install_units  # noqa: E402
 from ckpt_offload.cli.plan import _measure, builtin_model  # noqa: E402
 from ckpt_offload.planner.solver import _prefetch_options, chen_units, evaluate, first_k_units, rotor  # noqa: E402
 
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     def measure(units, prefetch):
         key = (tuple(units), prefetch)
         if key not in measured_cache:
-            handle = apply_units(model, first._named_blocks, units,
-                                 {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch})
+            handle = install_units(model, first._named_blocks, units,
+                                   {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch})
             try:
                 secs, tl = _measure(step, device, steps)
             finally:

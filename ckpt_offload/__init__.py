@@ -21,7 +21,8 @@ from ckpt_offload._info import build_info
 from ckpt_offload._warn import deprecated_names as _deprecated_names
 from ckpt_offload.blocks import CheckpointHandle, apply
 from ckpt_offload.checkpointing import checkpoint, checkpoint_sequential
-from ckpt_offload.offloading import keep, offload, offload_tensor
+from ckpt_offload.host_copy import offload_tensor
+from ckpt_offload.offloading import keep, offload
 from ckpt_offload.options import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_MIN_BYTES,

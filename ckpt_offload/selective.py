@@ -18,6 +18,10 @@ around the forward and records each op's outputs (a cache keyed by the op and it
 the second runs around the recompute and answers the cached ops from the cache, each entry once.
 The cache lives in the checkpoint's own frame: it goes with the graph, and an entry goes as soon
 as the recompute has used it.
+
+At the end, the policies of the planner's "selective" and "selective_offload" blocks: keep (or
+offload) the outputs of ``SELECTIVE_SAVE_OPS`` -- matmuls, convolutions, fused attention -- and
+recompute the rest; a "selective_offload" block runs this context with :func:`offload_policy`.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from ckpt_offload._args import suggest_keywords
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["selective_offload_context", "SelectiveOffload", "OFFLOAD_POLICIES"]
+__all__ = ["selective_offload_context", "SelectiveOffload", "OFFLOAD_POLICIES", "SELECTIVE_SAVE_OPS",
+           "selective_policy", "offload_policy"]
 
+# torch's selective checkpoint (2.4+); without it plans have no "selective"
 CheckpointPolicy = getattr(torch_checkpoint, "CheckpointPolicy", None)
+create_selective_checkpoint_contexts = getattr(torch_checkpoint, "create_selective_checkpoint_contexts", None)
 _SelectiveCheckpointContext = getattr(torch_checkpoint, "SelectiveCheckpointContext", None)
 
 
@@ -333,3 +340,56 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
     options = as_options(offload)
     check_offloads_something(options.devices, "co.selective_offload_context(offload=...)")
     return SelectiveOffload(policy_fn, options, allow_cache_entry_mutation)
+
+
+# --- the planner's selective kinds: what "selective" and "selective_offload" blocks keep ----------
+
+# What selective recompute keeps (its outputs are saved, everything else is recomputed): the ops
+# whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
+# recompute attention's cheap pointwise ops).
+SELECTIVE_SAVE_OPS = tuple(
+    op for op in (
+        getattr(torch.ops.aten, name, None)
+        for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                     "_scaled_dot_product_flash_attention_for_cpu")
+    ) if op is not None
+)
+_SAVE_OPS = set(SELECTIVE_SAVE_OPS)
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Torch's selective-checkpoint policy of the planner's "selective": keep the outputs of matmuls,
+    convolutions and fused attention, recompute everything else."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def context_fn_selective():
+    """The ``context_fn`` of a plan's "selective" block: torch's selective checkpoint of :func:`selective_policy`."""
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def offload_policy(ctx, op, *args, **kwargs):
+    """The planner's "selective_offload": :func:`selective_policy` with the outputs it saves
+    offloaded (``CheckpointPolicy.MUST_CPU_OFFLOAD``) instead of kept on the device."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_CPU_OFFLOAD if packet in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_selective_offloads_lock = threading.Lock()
+_selective_offloads: dict = {}  # options -> context_fn of the blocks wrapped without a handle
+
+
+def context_fn_selective_offload(options, collector):
+    """The ``context_fn`` of a "selective_offload" block: one per handle and options (its packer's
+    counts are the handle's, in ``handle.stats()``)."""
+    table = _selective_offloads if collector is None else collector.__dict__.setdefault("_selective_offloads", {})
+    key = (options.replace(pool=None), id(options.pool))
+    with _selective_offloads_lock:
+        context_fn = table.get(key)
+        if context_fn is None:
+            context_fn = table[key] = selective_offload_context(offload_policy, options)
+    if collector is not None:
+        collector.add(context_fn._context)
+    return context_fn

@@ -21,7 +21,9 @@ import torch
 
 from ckpt_offload._args import suggest_keywords
 from ckpt_offload._args import check_int
-from ckpt_offload.tiling import _STATS_KEYS, Tiled, _check_tile, mixing_reason
+from ckpt_offload.tiling.mixing import mixing_reason
+from ckpt_offload.tiling.tiles import _check_tile
+from ckpt_offload.tiling.wrapper import _STATS_KEYS, Tiled
 
 __all__ = [
     "TileHandle",

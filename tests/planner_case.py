@@ -10,7 +10,7 @@ from models_for_tests import lm_loss
 
 from ckpt_offload.blocks import select_blocks
 from ckpt_offload.planner import Bandwidth, measure_costs, saved_activation_peak
-from ckpt_offload.planner.apply import apply_units
+from ckpt_offload.blocks import install_units
 
 #: The link the cases are measured with: an instant D2H (the tests drain the forward's copies
 #: before backward, so the copy backlog, whose timing a CPU cannot reproduce, stays out of the
@@ -54,8 +54,8 @@ class PlannerCase:
 
     def timeline(self, units, options):
         """The SavedTimeline of a drained step (after a warm-up one) with ``units`` applied with
-        ``options`` (apply_units' offload options, or None)."""
-        handle = apply_units(self.model, self.named, units, options)
+        ``options`` (install_units' offload options, or None)."""
+        handle = install_units(self.model, self.named, units, options)
         try:
             self.drained_step()
             return saved_activation_peak(self.drained_step)
@@ -66,7 +66,7 @@ class PlannerCase:
     def measured(self, units, prefetch, grads: bool = True):
         """The measured peak of saved activations of a drained step with ``units`` applied, and
         with ``grads`` the gradients of a step under them: ``(peak, gradients)``."""
-        handle = apply_units(self.model, self.named, units, dict(CPU_ALL, prefetch_bytes=prefetch))
+        handle = install_units(self.model, self.named, units, dict(CPU_ALL, prefetch_bytes=prefetch))
         try:
             self.drained_step()  # warm-up with the plan
             peak = saved_activation_peak(self.drained_step).peak_bytes

@@ -319,6 +319,7 @@ def _profile(args, parser) -> int:
 
 
 def _demo(args, parser) -> int:
+    from ckpt_offload.demo import report
     from ckpt_offload.demo import runner as demo
 
     _gpu_or_error(args.device, parser)
@@ -334,10 +335,10 @@ def _demo(args, parser) -> int:
         prefetch_bytes=args.prefetch_bytes,
         progress=not args.no_progress,
     )
-    print(demo.format_report(result))
+    print(report.format_report(result))
     if args.out is not None:
         try:
-            path = demo.write_json(result, args.out)
+            path = report.write_json(result, args.out)
         except OSError as e:
             return write_failed(f"demo.json in {args.out!r}", e)
         print(f"wrote {path}")

@@ -129,7 +129,7 @@ def _measure(step, device, repeats=3):
     import torch
 
     import ckpt_offload as co
-    from ckpt_offload.planner.measure import saved_activation_peak
+    from ckpt_offload.planner.saved_peak import saved_activation_peak
 
     def sync():
         if device == "cuda":

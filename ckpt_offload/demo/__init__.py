@@ -5,6 +5,7 @@ does on a model that needs no download.
 
 * :mod:`ckpt_offload.demo.model`: :class:`TinyTransformer`, its presets and data.
 * :mod:`ckpt_offload.demo.runner`: :func:`run_demo` (train with and without ``co.offload``, compare).
+* :mod:`ckpt_offload.demo.report`: :func:`format_report` and :func:`write_json` (its result, worded and saved).
 * the command line that runs it: :mod:`ckpt_offload.cli` (``python -m ckpt_offload demo``).
 
 Example::
@@ -16,7 +17,8 @@ Example::
 from __future__ import annotations
 
 from ckpt_offload.demo.model import CONFIGS, TinyConfig, TinyTransformer, lm_loss, make_batch, make_config
-from ckpt_offload.demo.runner import DEMO_JSON, default_device, format_report, gpu_usable, run_demo, write_json
+from ckpt_offload.demo.report import DEMO_JSON, format_report, write_json
+from ckpt_offload.demo.runner import default_device, gpu_usable, run_demo
 
 __all__ = [
     "CONFIGS",

@@ -15,11 +15,13 @@ See docs/planner.md.
 import importlib as _importlib
 
 from ckpt_offload._warn import deprecated_names as _deprecated_names
-from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel, Storage, measure_bandwidth, measure_costs
-from ckpt_offload.planner.measure import SavedTimeline, saved_activation_peak
+from ckpt_offload.planner.costs import Bandwidth, BlockCost, CostModel, Storage
+from ckpt_offload.planner.measuring import measure_costs
 from ckpt_offload.planner.planning import Plan, parse_bandwidth, parse_bytes, plan
+from ckpt_offload.planner.saved_peak import SavedTimeline, saved_activation_peak
 from ckpt_offload.planner.simulator import INNER_KINDS, KINDS, SEGMENT_KINDS, SimResult, Unit, choice_names, simulate
 from ckpt_offload.planner.solver import InfeasibleBudget
+from ckpt_offload.planner.timing import measure_bandwidth
 
 __all__ = [
     "plan", "Plan", "parse_bytes", "parse_bandwidth", "Bandwidth", "BlockCost", "CostModel", "Storage",

@@ -10,11 +10,13 @@ import warnings
 import torch
 
 from ckpt_offload._args import check_int, parse_bytes, suggest_keywords
-from ckpt_offload.blocks import check_not_applied, create_selective_checkpoint_contexts, select_blocks
-from ckpt_offload.selective import OFFLOAD_POLICIES
+from ckpt_offload.blocks.handle import check_not_applied
+from ckpt_offload.blocks.install import install_units
+from ckpt_offload.blocks.select import select_blocks
+from ckpt_offload.selective import OFFLOAD_POLICIES, create_selective_checkpoint_contexts
 from ckpt_offload.options import STORE_DTYPE_NAMES, OffloadOptions, as_options
-from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel, measure_costs
+from ckpt_offload.planner.costs import INEXACT_REASONS, UNCHAINED, Bandwidth, CostModel
+from ckpt_offload.planner.measuring import measure_costs
 from ckpt_offload.planner.simulator import KINDS, STORE_KINDS, SimResult, choice_names, simulate, singles
 from ckpt_offload.planner.solver import InfeasibleBudget, _fmt, solve
 from ckpt_offload.planner.tiles import measure_tiled_costs, solve_with_tiles
@@ -184,8 +186,8 @@ class Plan:
             step()
             handle.remove()
         """
-        handle = apply_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
-                             store_dtype=self.lossy)
+        handle = install_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
+                               store_dtype=self.lossy)
         if self._tiled:
             try:
                 handle.tiles = tile_blocks(self.model, [self._named_blocks[i] for i in self._tiled],
@@ -455,7 +457,7 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
         kinds = tuple(k for k in kinds if k != "selective_offload")
     if store_dtype is not None and costs.bandwidth.convert is None and any(k in STORE_KINDS for k in kinds):
         # Measured like the link (the planner's costs are this machine's), unless stated.
-        from ckpt_offload.planner.costs import measure_conversion
+        from ckpt_offload.planner.timing import measure_conversion
 
         costs.bandwidth = dataclasses.replace(costs.bandwidth, convert=measure_conversion(device, store_dtype))
     for (name, _), ex in zip(named, costs.excluded):

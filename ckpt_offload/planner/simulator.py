@@ -13,7 +13,7 @@ autograd does), a checkpoint's input at the end of its segment's backward.
 
 The memory it predicts is the device memory of saved activations (kept, recomputed, reloaded or
 prefetched, and offloaded ones whose copy has not finished), the quantity
-:func:`ckpt_offload.planner.measure.saved_activation_peak` measures.
+:func:`ckpt_offload.planner.saved_peak.saved_activation_peak` measures.
 
 A unit with ``store=True`` keeps what it offloads in the cost model's narrower ``store_dtype``
 (``co.offload(store_dtype=...)``), as the engine does: each saved tensor of a converted storage is
@@ -44,7 +44,7 @@ from ckpt_offload._units import (  # noqa: F401
     Unit,
     choice_names,
 )
-from ckpt_offload.planner.costs import converted_inputs, converted_packs, converted_shares
+from ckpt_offload.planner.lossy import converted_inputs, converted_packs, converted_shares
 
 __all__ = ["Unit", "SimResult", "simulate", "KINDS", "SEGMENT_KINDS", "INNER_KINDS", "STORE_KINDS", "choice_names"]
 

@@ -29,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ckpt_offload.planner.costs import converted_inputs, converted_packs
+from ckpt_offload.planner.lossy import converted_inputs, converted_packs
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import KINDS, OFFLOADING_KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, simulate, singles
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ckpt_offload.planner.costs import CostModel, measure_costs
+from ckpt_offload.planner.costs import CostModel
+from ckpt_offload.planner.measuring import measure_costs
 from ckpt_offload.planner.solver import InfeasibleBudget, solve
 from ckpt_offload.tile_model import TileOptions, tile_blocks
 

@@ -12,7 +12,7 @@ import torch
 import ckpt_offload as co
 from ckpt_offload.planner import Bandwidth, Unit, measure_costs, saved_activation_peak, simulate
 from ckpt_offload.planner.simulator import singles
-from ckpt_offload.planner.apply import apply_units
+from ckpt_offload.blocks import install_units
 
 from conftest import assert_bit_identical, grads_of
 from helpers import GPU_REASON, HAS_GPU
@@ -81,7 +81,7 @@ def test_gpu_simulated_peak_matches_measured(case, kind):
         co.synchronize()
         loss.backward()
 
-    handle = apply_units(model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch})
+    handle = install_units(model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch})
     try:
         drained()
         timeline = saved_activation_peak(drained, "cuda")

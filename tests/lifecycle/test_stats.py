@@ -219,24 +219,24 @@ def test_segment_handles_count_apart():
 
 
 def test_plan_handles_count_their_blocks_apart():
-    from ckpt_offload.planner.apply import apply_units
+    from ckpt_offload.blocks import install_units
     from ckpt_offload.planner.simulator import Unit
 
     def wrap(model, pool):
         blocks = list(model.named_children())
         units = [Unit(0, 0, "offload"), Unit(1, 1, "recompute_offload"), Unit(2, 3, "recompute_offload")]
-        return apply_units(model, blocks, units, _cpu(pool))
+        return install_units(model, blocks, units, _cpu(pool))
 
     _two_models_count_apart(wrap)
 
 
 def test_plan_handle_stats_were_zero_before_and_count_now():
-    from ckpt_offload.planner.apply import apply_units
+    from ckpt_offload.blocks import install_units
     from ckpt_offload.planner.simulator import Unit
 
     pool = co.HostPool(pinned=False)
     model = _model()
-    handle = apply_units(model, list(model.named_children()), [Unit(i, i, "offload") for i in range(4)], _cpu(pool))
+    handle = install_units(model, list(model.named_children()), [Unit(i, i, "offload") for i in range(4)], _cpu(pool))
     _step(model)
     s = handle.stats()
     # Every saved tensor of the four offloaded blocks: each Linear's input and tanh's output.

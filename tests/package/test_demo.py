@@ -9,6 +9,7 @@ import torch
 
 import ckpt_offload as co
 from ckpt_offload.demo import runner as demo
+from ckpt_offload.demo.report import format_report
 from ckpt_offload.__main__ import main
 from ckpt_offload.demo.model import CONFIGS, TinyTransformer, lm_loss, make_batch, make_config
 
@@ -82,7 +83,7 @@ def test_run_demo_returns_match_everything_offloaded(stream):
     # min_bytes=0: no activation stays behind.
     assert r["activation_bytes_on_device_offload"] == 0
     assert r["bytes_offloaded_to_pool"] > 0
-    assert "kept on the device" in demo.format_report(r)
+    assert "kept on the device" in format_report(r)
 
 
 def test_demo_one_step_has_no_time_ratio(capsys):
@@ -123,7 +124,7 @@ def test_demo_leads_with_the_recipe_and_the_bandwidth_arithmetic():
     assert bw["offload_everything"]["d2h_bytes"] == r["bytes_offloaded_to_pool"]
     assert rc["time_ratio_vs_checkpoint"] == pytest.approx(
         r["recipe_run"]["median_step_s"] / r["checkpoint"]["median_step_s"])
-    text = demo.format_report(r)
+    text = format_report(r)
     order = [text.index(k) for k in ("recommended: checkpointed blocks", "contrast: offload every saved tensor",
                                      "bandwidth arithmetic", "offload everything, in detail")]
     assert order == sorted(order)
@@ -152,7 +153,7 @@ def test_demo_cuda_recipe_next_to_offload_everything():
     assert rc["grads_match"] and rc["losses_match"]
     assert rc["max_memory_allocated"] > 0 and rc["checkpoint_max_memory_allocated"] > 0
     assert rc["time_ratio_vs_checkpoint"] > 0 and rc["offload_everything_ratio_vs_baseline"] > 0
-    text = demo.format_report(r)
+    text = format_report(r)
     assert "torch.cuda.max_memory_allocated: baseline" in text and "recommended" in text
 
 
@@ -165,7 +166,7 @@ def test_demo_cuda(tmp_path):
     assert r["cpu_only"] is False
     assert r["baseline"]["max_memory_allocated"] > 0 and r["offload"]["max_memory_allocated"] > 0
     assert r["bytes_offloaded_to_pool"] > 0
-    assert "max_memory_allocated" in demo.format_report(r)
+    assert "max_memory_allocated" in format_report(r)
 
 
 # ---------------------------------------------------------------- info and arguments
@@ -333,8 +334,6 @@ def test_demo_prefetch_bytes_option_reaches_the_context(monkeypatch):
 
 
 def test_tiny_demo_at_the_default_min_bytes_says_why_the_recipe_copies_nothing():
-    from ckpt_offload.demo.runner import format_report
-
     r = demo.run_demo(size="tiny", steps=1, device="cpu")  # block inputs of 64 KiB, under the default 256 KiB
     assert r["recipe"]["bytes_offloaded_per_step"] == 0 and r["recipe"]["inputs_under_min_bytes"] > 0
     text = format_report(r)

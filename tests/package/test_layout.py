@@ -26,9 +26,8 @@ from models_for_tests import Chain
 
 from ckpt_offload._runtime import _C
 from ckpt_offload._units import Unit
-from ckpt_offload.blocks import BlockForward, select_blocks
+from ckpt_offload.blocks import BlockForward, install_units, select_blocks
 from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options
-from ckpt_offload.planner.apply import apply_units
 
 PACKAGE = pathlib.Path(co.__file__).parent
 CPU = {"devices": ["cpu"], "min_bytes": 0}
@@ -421,7 +420,7 @@ def test_a_plan_handle_puts_back_the_forward_each_block_had():
     patched = _instance_forward(model.layers[2])
     model.layers[2].forward = patched  # an instance-level forward before the plan
     before = {i: m.__dict__.get("forward") for i, m in enumerate(model.layers)}
-    handle = apply_units(model, select_blocks(model, None), _units(), CPU)
+    handle = install_units(model, select_blocks(model, None), _units(), CPU)
     assert handle.kinds == ["offload", "recompute", "recompute_offload_segment", "recompute_offload_segment",
                             "recompute_offload"]
     assert all(isinstance(m.__dict__["forward"], BlockForward) for m in list(model.layers)[:5])
@@ -439,12 +438,12 @@ def test_co_apply_and_plans_share_the_guard_and_the_handle():
     model = _Stack()
     handle = co.apply(model, offload=CPU)
     with pytest.raises(RuntimeError, match="already applied"):
-        apply_units(model, select_blocks(model, None), _units(), CPU)
+        install_units(model, select_blocks(model, None), _units(), CPU)
     with pytest.raises(RuntimeError, match="already applied"):
         co.apply(model)
     assert type(handle) is co.CheckpointHandle and handle.kinds == ["recompute_offload"] * 6
     handle.remove()
-    plan_handle = apply_units(model, select_blocks(model, None), _units(), CPU)
+    plan_handle = install_units(model, select_blocks(model, None), _units(), CPU)
     assert type(plan_handle) is co.CheckpointHandle
     plan_handle.remove()
 
@@ -454,7 +453,7 @@ def test_a_planned_model_survives_deepcopy_and_pickle():
     model = _Stack()
     plain = copy.deepcopy(model)  # the same weights, never wrapped
     x = torch.randn(4, 32)
-    apply_units(model, select_blocks(model, None), _units(), CPU)
+    install_units(model, select_blocks(model, None), _units(), CPU)
     twin = copy.deepcopy(model)
     buf = io.BytesIO()
     torch.save(model, buf)
@@ -474,7 +473,7 @@ def test_a_planned_model_survives_deepcopy_and_pickle():
 
 
 def test_co_apply_segments_makes_exactly_the_segments_asked_for():
-    from ckpt_offload.blocks import _segment_units
+    from ckpt_offload.blocks.applying import _segment_units
 
     assert _segment_units(9, 6) == [(0, 1), (2, 3), (4, 5), (6, 6), (7, 7), (8, 8)]
     assert _segment_units(3, 2) == [(0, 1), (2, 2)]

@@ -143,7 +143,7 @@ def test_measure_reads_the_hosts_copy_ranges_only(tiny, monkeypatch):
     # later than the host enqueued it, behind the compute stream. What backward allocates on the
     # host meanwhile (gradients, temporaries) is no reload. Here the CPU trace gets such twins,
     # each lagging from its host range's end to the end of the step: the timeline must not change.
-    import ckpt_offload.planner.measure as measure
+    import ckpt_offload.planner.saved_peak as measure
 
     read, seen = measure._trace_events, {}
 
@@ -334,7 +334,7 @@ def test_copy_latency_is_a_delay_not_queue_time():
 
 
 def test_measured_bandwidth_has_an_issue_cost_within_latency():
-    from ckpt_offload.planner.costs import measure_bandwidth
+    from ckpt_offload.planner.timing import measure_bandwidth
 
     b = measure_bandwidth("cpu", nbytes=1 << 20)
     assert b.issue is not None and 0 <= b.issue <= b.latency and b.d2h > 0 and b.h2d > 0

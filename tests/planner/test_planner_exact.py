@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 
 import ckpt_offload as co
+from ckpt_offload.blocks import install_units
 from ckpt_offload.blocks import select_blocks as _select_blocks
 from ckpt_offload.planner import Unit
-from ckpt_offload.planner.apply import apply_units
 
 R = "recompute"
 
@@ -94,7 +94,8 @@ SEGMENT_UNITS = {
 def test_segments_hand_each_block_its_own_outputs(name):
     model, step = _aux_case()
     ref = _run(model, step)
-    handle = apply_units(model, _select_blocks(model, None), SEGMENT_UNITS[name], {"devices": ["cpu"], "min_bytes": 0})
+    handle = install_units(model, _select_blocks(model, None), SEGMENT_UNITS[name],
+                           {"devices": ["cpu"], "min_bytes": 0})
     try:
         got = _run(model, step)
     finally:
@@ -142,8 +143,8 @@ def test_segments_keep_hf_gpt2_hidden_states():
         if how == "apply":
             handle = co.apply(model, segments=2)
         else:
-            handle = apply_units(model, _select_blocks(model, None),
-                                 [Unit(0, 3, R, inner=(Unit(0, 1, R), Unit(2, 3, R)))], {})
+            handle = install_units(model, _select_blocks(model, None),
+                                   [Unit(0, 3, R, inner=(Unit(0, 1, R), Unit(2, 3, R)))], {})
         try:
             got = _run(model, step)
         finally:
@@ -432,7 +433,8 @@ class TwiceChain(nn.Module):
 
 @pytest.fixture(scope="module")
 def twice():
-    from ckpt_offload.planner.costs import Bandwidth, measure_costs
+    from ckpt_offload.planner.costs import Bandwidth
+    from ckpt_offload.planner.measuring import measure_costs
 
     torch.manual_seed(0)
     model, x = TwiceChain(), torch.randn(64, 32)
@@ -445,14 +447,14 @@ def twice():
 def _twice_measured(model, x, named, units):
     """The measured peak of saved activations of a TwiceChain step under ``units``, the forward's
     copies drained before backward (as the simulator's instant link assumes)."""
-    from ckpt_offload.planner.measure import saved_activation_peak
+    from ckpt_offload.planner.saved_peak import saved_activation_peak
 
     def step():
         loss = model(x)
         co.synchronize()
         loss.backward()
 
-    handle = apply_units(model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0})
+    handle = install_units(model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0})
     try:
         step()
         return saved_activation_peak(step).peak_bytes

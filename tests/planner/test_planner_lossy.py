@@ -16,8 +16,8 @@ import torch
 
 import ckpt_offload as co
 from ckpt_offload.planner import Bandwidth, InfeasibleBudget, Unit, measure_costs, saved_activation_peak, simulate
-from ckpt_offload.planner.apply import apply_units
-from ckpt_offload.planner.costs import converted_packs, converted_shares, stored_bytes
+from ckpt_offload.blocks import install_units
+from ckpt_offload.planner.lossy import converted_packs, converted_shares, stored_bytes
 
 from conftest import assert_bit_identical
 from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
@@ -241,8 +241,8 @@ def test_simulated_lossy_peak_and_host_bytes_match_measured(tiny, units, prefetc
     # Exact and lossy units together: two offload contexts, each with its own prefetch window.
     cm = dataclasses.replace(tiny.costs, bandwidth=INSTANT, store_dtype=torch.bfloat16)
     predicted = simulate(cm, units, prefetch)
-    handle = apply_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0,
-                                                         "prefetch_bytes": prefetch}, store_dtype=torch.bfloat16)
+    handle = install_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0,
+                                                           "prefetch_bytes": prefetch}, store_dtype=torch.bfloat16)
     peak, stats = _measure(tiny, handle)
     assert peak == pytest.approx(predicted.peak_bytes, rel=0.05), (predicted.peak_bytes, peak)
     assert stats["bytes_stored"] == sum(i["pool_bytes"] for i in predicted.units)
@@ -268,8 +268,8 @@ def test_lossy_gradients_close_and_later_blocks_bit_exact(tiny, dtype):
     # and everything before it (block 0, the embeddings) differ by the rounding, within the tolerance.
     reference = tiny.grads()
     units = [Unit(0, 0, "offload"), Unit(1, 1, "offload", store=True), Unit(2, 2, "offload")]
-    handle = apply_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
-                         store_dtype=dtype)
+    handle = install_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
+                           store_dtype=dtype)
     try:
         got = tiny.grads()
         assert handle.stats()["tensors_converted"] > 0
@@ -396,8 +396,8 @@ def test_integer_tensors_are_not_counted_as_convertible():
     assert narrow == sum(span // 2 for v in conv.values() for _, span, _ in v)
     assert predicted.units[0]["pool_bytes"] == int_bytes + narrow
     assert exact.units[0]["pool_bytes"] == b.saved_bytes
-    handle = apply_units(model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
-                         store_dtype=torch.bfloat16)
+    handle = install_units(model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
+                           store_dtype=torch.bfloat16)
     try:
         step()
         co.synchronize()
@@ -503,8 +503,8 @@ def test_gpu_lossy_peak_and_host_bytes_match_measured(dtype):
              Unit(3, 3, "keep")]
     prefetch = max(b.saved_bytes for b in cm.blocks)
     predicted = simulate(cm, units, prefetch)
-    handle = apply_units(model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch},
-                         store_dtype=dtype)
+    handle = install_units(model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch},
+                           store_dtype=dtype)
     try:
         drained()
         handle.reset_stats()

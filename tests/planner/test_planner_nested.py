@@ -30,7 +30,7 @@ from ckpt_offload.planner import (
 )
 from ckpt_offload.planner.solver import chain_dp, chain_exhaustive, solve
 from ckpt_offload.planner.simulator import singles
-from ckpt_offload.planner.apply import apply_units
+from ckpt_offload.blocks import install_units
 from ckpt_offload.planner.planning import SLACK_BYTES
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import choice_names
@@ -110,7 +110,7 @@ def test_nested_peak_matches_measured_hf_gpt2():
     reference = grads_of(model)
     units = [Unit(0, 2, R, inner=(Unit(0, 1, R), _keep(2)))]
     predicted = simulate(cm, units).peak_bytes
-    handle = apply_units(model, named, units, None)
+    handle = install_units(model, named, units, None)
     try:
         assert handle.kinds == ["recompute_segment>recompute_segment"] * 2 + ["recompute_segment"]
         step()

@@ -27,7 +27,10 @@ from ckpt_offload._compile import compiled_forward, skipped_by_dynamo
 from ckpt_offload._compile import eager as eager_code
 from ckpt_offload._warn import warn_at_user_line
 from ckpt_offload.tile_model import HEAD_FUSERS
-from ckpt_offload.tiling import _DEFAULT_HEAD_TILE_BYTES, Tiled, _check_tile, _HeadLoss, _owner_module
+from ckpt_offload.tiling.cross_entropy import _DEFAULT_HEAD_TILE_BYTES, _HeadLoss
+from ckpt_offload.tiling.mixing import _owner_module
+from ckpt_offload.tiling.tiles import _check_tile
+from ckpt_offload.tiling.wrapper import Tiled
 
 __all__ = ["FUSED_TYPES", "FusedHeadForward", "fuse_head", "fused_reason"]
 

@@ -36,7 +36,8 @@ from ckpt_offload._compile_ops import prepare as prepare_compiled_offload
 from ckpt_offload._compile_ops import traced_checkpoint, untraced_reason
 from ckpt_offload._stats import StatsCollector
 from ckpt_offload._warn import FULLGRAPH_MESSAGE, graph_break_if_compiling, warn
-from ckpt_offload.blocks import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied, select_blocks
+from ckpt_offload.blocks.handle import HANDLE_ATTR, CheckpointHandle, active_handle, check_not_applied
+from ckpt_offload.blocks.select import select_blocks
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant, run_checkpoint
 from ckpt_offload.integrations.hf import head as _head  # noqa: F401 - registers the fused head of tile=
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something

@@ -7,7 +7,8 @@ from __future__ import annotations
 from transformers import TrainerCallback  # co.hf, imported first, explains a missing transformers
 
 from ckpt_offload._args import check_int, check_keywords
-from ckpt_offload.blocks import BlockForward, InContext
+from ckpt_offload.blocks.forward import BlockForward
+from ckpt_offload.blocks.runs import InContext
 from ckpt_offload.checkpointing import TORCH_KEYWORDS, check_checkpoint_keywords, check_reentrant
 from ckpt_offload.integrations.hf.hook import HFCheckpointHandle, active_handle, install
 from ckpt_offload.offloading import offload as offload_context

@@ -32,12 +32,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ckpt_offload._runtime import _C
-from ckpt_offload.blocks import RECOMPUTE_RANGE
+from ckpt_offload.blocks.recompute_range import RECOMPUTE_RANGE
 
 __all__ = ["saved_activation_peak", "SavedTimeline"]
 
 # The range names are written once: the copy ranges in C++ (csrc/torch/runtime.h), the
-# recompute range where plans open it (ckpt_offload/blocks.py).
+# recompute range where plans open it (ckpt_offload/blocks/recompute_range.py).
 _RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch",
                                                     "reload_convert"))
 _RECOMPUTE = RECOMPUTE_RANGE
