@@ -71,8 +71,11 @@ CUDA_SOURCES = _sources("csrc/core/*.cu")
 _stems = [os.path.splitext(p)[0] for p in CORE + sorted(set(TORCH_LAYER_CUDA + TORCH_LAYER_CPU)) + CUDA_SOURCES]
 _clash = sorted({s for s in _stems if _stems.count(s) > 1})
 if _clash:
-    sys.exit("ckpt_offload: sources that would build to the same object file: " + ", ".join(
-        f"{s}.*" for s in _clash) + "; rename one of each (e.g. x_kernels.cu next to x.cpp)")
+    sys.exit(
+        "ckpt_offload: sources that would build to the same object file: "
+        + ", ".join(f"{s}.*" for s in _clash)
+        + "; rename one of each (e.g. x_kernels.cu next to x.cpp)"
+    )
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
 
 
@@ -82,7 +85,8 @@ def want_cuda():
     if forced != "0":
         if torch.version.cuda is None:
             problems.append(
-                f"the installed torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)")
+                f"the installed torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
+            )
         home = cpp_extension.CUDA_HOME
         if not home:
             problems.append("no CUDA toolkit found (set CUDA_HOME, or put nvcc on PATH)")
@@ -115,8 +119,9 @@ def extension():
             extra_compile_args={"cxx": cxx, "nvcc": ["-O2", "-DCKPT_OFFLOAD_WITH_CUDA", STD_FLAG]},
             libraries=libraries,
         )
-    return cpp_extension.CppExtension("ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx},
-                                      libraries=libraries)
+    return cpp_extension.CppExtension(
+        "ckpt_offload._C", CORE + TORCH_LAYER_CPU, extra_compile_args={"cxx": cxx}, libraries=libraries
+    )
 
 
 BUILD_CONFIG = "_build_config.py"

@@ -26,8 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def checkout_is_built(root: str = ROOT) -> bool:
     """True when ``root/ckpt_offload`` holds a built ``_C`` extension."""
-    return bool(glob.glob(os.path.join(root, "ckpt_offload", "_C.*.so")) +
-                glob.glob(os.path.join(root, "ckpt_offload", "_C.*.pyd")))
+    return bool(
+        glob.glob(os.path.join(root, "ckpt_offload", "_C.*.so"))
+        + glob.glob(os.path.join(root, "ckpt_offload", "_C.*.pyd"))
+    )
 
 
 if "ckpt_offload" not in sys.modules and checkout_is_built() and ROOT not in sys.path:
@@ -40,7 +42,6 @@ except ImportError as e:
         f"benchmarks: cannot import ckpt_offload ({e}). Install it (pip install --no-build-isolation .) or "
         "build the checkout in place (python setup.py build_ext --inplace)."
     ) from e
-
 
 
 def save_report(out_dir: str, stem: str, report: dict, markdown: str, default=str) -> None:

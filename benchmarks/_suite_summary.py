@@ -30,9 +30,11 @@ if gpu and gpu[1] != "PASS":
     lines.append("")
 try:
     info = json.load(open(info_path))
-    lines.append(f"ckpt_offload {info.get('version')} · torch {info.get('torch_version')} · CUDA {info.get('cuda_version')} "
-                 f"(runtime {info.get('cuda_runtime_version')}) · cuda_compiled={info.get('cuda_compiled')} · "
-                 f"gpu_available={info.get('gpu_available')} · pool backend {info.get('pool_backend')}")
+    lines.append(
+        f"ckpt_offload {info.get('version')} · torch {info.get('torch_version')} · CUDA {info.get('cuda_version')} "
+        f"(runtime {info.get('cuda_runtime_version')}) · cuda_compiled={info.get('cuda_compiled')} · "
+        f"gpu_available={info.get('gpu_available')} · pool backend {info.get('pool_backend')}"
+    )
 except Exception:
     lines.append("build_info: unavailable (the build or the import failed)")
 if gpu:
@@ -45,7 +47,7 @@ for name, status, secs, note in steps:
 
 diag = os.path.join(work, "diagnose.md")
 if os.path.exists(diag):
-    lines += ["", f"## Diagnose (every run's full output: {LOGS}, sections \"diagnose: ...\")", ""]
+    lines += ["", f'## Diagnose (every run\'s full output: {LOGS}, sections "diagnose: ...")', ""]
     lines += open(diag).read().rstrip("\n").splitlines()
 for label, fname in (("GPU tests", "gpu_tests.xml"), ("CPU tests", "cpu_tests.xml")):
     lines.append("")
@@ -63,7 +65,9 @@ if os.path.exists(bw):
             lines.append("")
         lines.append(f"{r.get('gpu_name') or 'CPU path'} · largest size {r['sizes'][-1] // (1 << 20)} MiB")
         lines.append("")
-        lines.append("| direction | method | peak GB/s | GB/s at largest size | ratio to raw there | knee (80% of peak) |")
+        lines.append(
+            "| direction | method | peak GB/s | GB/s at largest size | ratio to raw there | knee (80% of peak) |"
+        )
         lines.append("|---|---|---:|---:|---:|---:|")
         big = r["sizes"][-1]
         at = {(x["direction"], x["method"]): x for x in r["results"] if x["bytes"] >= big}
@@ -77,10 +81,14 @@ if os.path.exists(bw):
             lines.append(f"| {d} | {m} | {k['peak_gbps']:.2f} | {there} | {ratio} | {k['knee_bytes'] // 1024} KiB |")
         lines.append("")
         s = r.get("suggested_min_bytes")
-        lines.append(f"Suggested min_bytes (larger side-stream knee): {s // 1024 if s else '-'} KiB; "
-                     f"default {r['build_info']['default_min_bytes'] // 1024} KiB. Round trips verified: {r['verified']}.")
+        lines.append(
+            f"Suggested min_bytes (larger side-stream knee): {s // 1024 if s else '-'} KiB; "
+            f"default {r['build_info']['default_min_bytes'] // 1024} KiB. Round trips verified: {r['verified']}."
+        )
         ov = r["overhead"]["pack_unpack_overhead_us"]
-        lines.append(f"Pack+unpack overhead per saved tensor: offloaded {ov['offloaded']:.1f} µs, kept {ov['kept']:.1f} µs.")
+        lines.append(
+            f"Pack+unpack overhead per saved tensor: offloaded {ov['offloaded']:.1f} µs, kept {ov['kept']:.1f} µs."
+        )
     except Exception as e:
         lines.append(f"could not read bandwidth.json: {e}")
 else:
@@ -98,12 +106,14 @@ if os.path.exists(dt):
             lines.append("")
         best = max(r["bandwidth"], key=lambda b: b["write_gbps"] + b["read_gbps"])
         s = r["step"]
-        lines.append(f"Spill files on {r['dir']} ({r['fs_type']}, O_DIRECT={best['direct_io']}): "
-                     f"{best['write_gbps']:.2f} GB/s write, {best['read_gbps']:.2f} GB/s read "
-                     f"({best['io_threads']} I/O threads). Step ({s['model']}, seq {s['seq']}): host-only "
-                     f"{s['step_s_host_only'] * 1e3:.1f} ms, spilling {s['bytes_spilled_per_step'] / 2**20:.0f} MiB/step "
-                     f"{s['step_s_spill'] * 1e3:.1f} ms ({s['spill_vs_host'] * 100:+.1f}%); gradients equal: "
-                     f"{s['gradients_equal_host_only']}.")
+        lines.append(
+            f"Spill files on {r['dir']} ({r['fs_type']}, O_DIRECT={best['direct_io']}): "
+            f"{best['write_gbps']:.2f} GB/s write, {best['read_gbps']:.2f} GB/s read "
+            f"({best['io_threads']} I/O threads). Step ({s['model']}, seq {s['seq']}): host-only "
+            f"{s['step_s_host_only'] * 1e3:.1f} ms, spilling {s['bytes_spilled_per_step'] / 2**20:.0f} MiB/step "
+            f"{s['step_s_spill'] * 1e3:.1f} ms ({s['spill_vs_host'] * 100:+.1f}%); gradients equal: "
+            f"{s['gradients_equal_host_only']}."
+        )
     except Exception as e:
         lines.append(f"could not read disk_tier.json: {e}")
 else:
@@ -120,8 +130,10 @@ if os.path.exists(hp):
             lines.append("")
         for key, v in r["ratios"].items():
             ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
-            lines.append(f"- {key}: {v['numerator']} {v['numerator_us']:.2f} µs / {v['denominator']} "
-                         f"{v['denominator_us']:.2f} µs per saved tensor = **{ratio}** (target <= 1.0)")
+            lines.append(
+                f"- {key}: {v['numerator']} {v['numerator_us']:.2f} µs / {v['denominator']} "
+                f"{v['denominator_us']:.2f} µs per saved tensor = **{ratio}** (target <= 1.0)"
+            )
         behind = [x["variant"] for x in r["results"] if x.get("host_behind_gpu")]
         if r["mode"] == "gpu":
             lines.append(f"- host behind the GPU (host forward time > GPU step time): {', '.join(behind) or 'none'}")
@@ -140,12 +152,16 @@ if os.path.exists(co_path):
             lines.append("**CPU numbers, not GPU numbers.**")
             lines.append("")
         for x in r["rows"]:
-            lines.append(f"- {x['arm']}: {x['over_torch_checkpoint_us']:+.1f} µs per call over torch's checkpoint "
-                         f"(ratio {x['ratio']:.2f} [{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}])")
+            lines.append(
+                f"- {x['arm']}: {x['over_torch_checkpoint_us']:+.1f} µs per call over torch's checkpoint "
+                f"(ratio {x['ratio']:.2f} [{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}])"
+            )
         made = r.get("construction_us")
         if made:
-            lines.append(f"- making a context: co.offload(...) {made['co_offload']:.1f} µs, torch's saved_tensors_hooks "
-                         f"{made['saved_tensors_hooks']:.1f} µs, save_on_cpu {made['save_on_cpu']:.1f} µs")
+            lines.append(
+                f"- making a context: co.offload(...) {made['co_offload']:.1f} µs, torch's saved_tensors_hooks "
+                f"{made['saved_tensors_hooks']:.1f} µs, save_on_cpu {made['save_on_cpu']:.1f} µs"
+            )
     except Exception as e:
         lines.append(f"could not read call_overhead.json: {e}")
 else:
@@ -162,10 +178,14 @@ if os.path.exists(ov):
             lines.append("**CPU numbers, not GPU numbers.**")
             lines.append("")
         m = r["model"]
-        lines.append(f"{r.get('gpu_name') or 'CPU path'} · model {m['name']} ({m['num_parameters'] / 1e6:.1f} M) · "
-                     f"batch {r['args']['batch']} · {r['args']['dtype']} · {r.get('elapsed_s', 0):.0f} s")
+        lines.append(
+            f"{r.get('gpu_name') or 'CPU path'} · model {m['name']} ({m['num_parameters'] / 1e6:.1f} M) · "
+            f"batch {r['args']['batch']} · {r['args']['dtype']} · {r.get('elapsed_s', 0):.0f} s"
+        )
         lines.append("")
-        lines.append("| seq len | co_checkpoint_side_prefetch vs checkpoint | hf_offload vs checkpoint | ours < half of HF |")
+        lines.append(
+            "| seq len | co_checkpoint_side_prefetch vs checkpoint | hf_offload vs checkpoint | ours < half of HF |"
+        )
         lines.append("|---:|---:|---:|---|")
         for p in r["headline"]["per_seq"]:
             o = "-" if p["ours_overhead"] is None else f"{p['ours_overhead'] * 100:+.1f}%"
@@ -177,10 +197,17 @@ if os.path.exists(ov):
         t = r["headline"].get("targets") or {}
         if t:
             lines.append("")
-            lines.append(f"Targets at seq {t['at_seq_len']}: " + "; ".join(
-                f"{k}: {({None: 'n/a', True: 'yes', False: 'NO'})[v]}" for k, v in t.items() if k != "at_seq_len"))
-        bad = [f"{x['strategy']}@{x['seq_len']}: {x['status'][:120]}" for x in r["results"]
-               if x["status"].startswith("failed")]
+            lines.append(
+                f"Targets at seq {t['at_seq_len']}: "
+                + "; ".join(
+                    f"{k}: {({None: 'n/a', True: 'yes', False: 'NO'})[v]}" for k, v in t.items() if k != "at_seq_len"
+                )
+            )
+        bad = [
+            f"{x['strategy']}@{x['seq_len']}: {x['status'][:120]}"
+            for x in r["results"]
+            if x["status"].startswith("failed")
+        ]
         if bad:
             lines.append("")
             lines += [f"- FAILED {b}" for b in bad]
@@ -212,24 +239,36 @@ if os.path.exists(pl):
             lines.append("**CPU numbers, not GPU numbers.**")
             lines.append("")
         m = r["model"]
-        lines.append(f"TinyTransformer {m['name']} ({m['layers']} layers) · smallest budget "
-                     f"{r['smallest_budget_bytes'] / 2**20:.1f} MiB · no plan {r['no_plan']['measured_peak_bytes'] / 2**20:.1f} MiB "
-                     f"· {r.get('elapsed_s', 0):.0f} s" + (f" · {r['skipped_rows']} rows skipped (budget)" if r.get("skipped_rows") else ""))
+        lines.append(
+            f"TinyTransformer {m['name']} ({m['layers']} layers) · smallest budget "
+            f"{r['smallest_budget_bytes'] / 2**20:.1f} MiB · "
+            f"no plan {r['no_plan']['measured_peak_bytes'] / 2**20:.1f} MiB "
+            f"· {r.get('elapsed_s', 0):.0f} s"
+            + (f" · {r['skipped_rows']} rows skipped (budget)" if r.get("skipped_rows") else "")
+        )
         lines.append("")
-        lines.append("| budget MiB | plan fits (measured) | plan peak vs predicted | best fitting baseline | plan time / its time |")
+        lines.append(
+            "| budget MiB | plan fits (measured) | plan peak vs predicted | best fitting baseline "
+            "| plan time / its time |"
+        )
         lines.append("|---:|---|---:|---|---:|")
         for h in r["headline"]:
             err = "-" if h["plan_peak_error"] is None else f"{h['plan_peak_error'] * 100:+.1f}%"
             ratio = "-" if h["plan_vs_best_baseline_time"] is None else f"{h['plan_vs_best_baseline_time']:.2f}"
-            lines.append(f"| {h['budget_bytes'] / 2**20:.1f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} | {ratio} |")
+            lines.append(
+                f"| {h['budget_bytes'] / 2**20:.1f} | {h['plan_fits']} | {err} "
+                f"| {h['best_baseline'] or '-'} | {ratio} |"
+            )
     except Exception as e:
         lines.append(f"could not read planner_sweep.json: {e}")
 else:
     lines.append("no planner_sweep.json (the step failed, was skipped or did not run)")
 
 lines.append("")
-lines.append(f"Files: {', '.join(sorted(set(os.listdir(out)) | {'summary.md', 'extras.tar.gz'}))}. "
-             f"Logs: suite.log (everything printed), {LOGS} (the per-process test logs, crash backtraces and "
-             "diagnose runs, each under a '=====' header), extras.tar.gz: " + ", ".join(sorted(os.listdir(extras))))
+lines.append(
+    f"Files: {', '.join(sorted(set(os.listdir(out)) | {'summary.md', 'extras.tar.gz'}))}. "
+    f"Logs: suite.log (everything printed), {LOGS} (the per-process test logs, crash backtraces and "
+    "diagnose runs, each under a '=====' header), extras.tar.gz: " + ", ".join(sorted(os.listdir(extras)))
+)
 open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))

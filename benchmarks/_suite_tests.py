@@ -103,8 +103,16 @@ def pytest_runtest_logreport(report):
             text = str(report.longrepr[2])
         else:
             text = getattr(report, "longreprtext", "") or str(report.longrepr or "")
-    _record({"event": "report", "nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-             "duration": report.duration, "text": text[-20000:]})
+    _record(
+        {
+            "event": "report",
+            "nodeid": report.nodeid,
+            "when": report.when,
+            "outcome": report.outcome,
+            "duration": report.duration,
+            "text": text[-20000:],
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,9 +263,24 @@ class Runner:
 
     def pytest_cmd(self, targets: list[str], xml: str | None, verbose: bool = True) -> list[str]:
         # --continue-on-collection-errors: a module that fails to import is one error, not the whole run.
-        cmd = [self.python, "-X", "faulthandler", "-m", "pytest", *targets, "-m", self.a.marker,
-               "-p", "no:cacheprovider", "-p", "_suite_tests", "--rootdir", self.root, "-rs",
-               "--continue-on-collection-errors"]
+        cmd = [
+            self.python,
+            "-X",
+            "faulthandler",
+            "-m",
+            "pytest",
+            *targets,
+            "-m",
+            self.a.marker,
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "_suite_tests",
+            "--rootdir",
+            self.root,
+            "-rs",
+            "--continue-on-collection-errors",
+        ]
         cmd.append("-v" if verbose else "-q")
         if xml:
             cmd.append(f"--junitxml={xml}")
@@ -267,8 +290,9 @@ class Runner:
             cmd.append(f"--timeout={self.a.test_timeout_s}")
         return cmd + list(self.a.pytest_arg or [])
 
-    def spawn(self, cmd: list[str], timeout: float, record: str | None = None,
-              hang_s: float = 0.0) -> tuple[int | None, str, float, bool, str | None]:
+    def spawn(
+        self, cmd: list[str], timeout: float, record: str | None = None, hang_s: float = 0.0
+    ) -> tuple[int | None, str, float, bool, str | None]:
         """Runs cmd in its own process group (killed as a whole at the limit, or when the test its record
         names has run past hang_s); (rc, output, seconds, timed_out, the test that hung or None)."""
         t = time.monotonic()
@@ -277,8 +301,15 @@ class Runner:
         log_path = os.path.join(self.work, f"p{self.n}.log")
         hung = None
         with open(log_path, "wb") as log:
-            p = subprocess.Popen(cmd, cwd=self.root, env=self.env(record), stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, **NEW_GROUP)
+            p = subprocess.Popen(
+                cmd,
+                cwd=self.root,
+                env=self.env(record),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                **NEW_GROUP,
+            )
             self.child, self.child_log, self.child_record = p.pid, log_path, record
             timed_out = False
             while True:
@@ -322,9 +353,15 @@ class Runner:
         rc, out, secs, timed_out, hung = self.spawn(cmd, limit, record, self.hang_s)
         sig = -rc if rc is not None and rc < 0 else None
         cut = timed_out and not hung and (own <= 0 or left <= own)
-        how = (f"TIMED OUT: {hung.split('::', 1)[-1]} ran past {self.hang_s:.0f}s" if hung else
-               f"TIMED OUT after {limit:.0f}s" + (", the step's budget" if cut else "") if timed_out else
-               f"killed by {signal_name(sig)}" if sig else f"exit {rc}")
+        how = (
+            f"TIMED OUT: {hung.split('::', 1)[-1]} ran past {self.hang_s:.0f}s"
+            if hung
+            else f"TIMED OUT after {limit:.0f}s" + (", the step's budget" if cut else "")
+            if timed_out
+            else f"killed by {signal_name(sig)}"
+            if sig
+            else f"exit {rc}"
+        )
         head = f"{label} ({how}, {secs:.1f}s)"
         self.section(head, "$ " + " ".join(cmd) + "\n" + out)
         recs = []
@@ -344,8 +381,18 @@ class Runner:
                 pass
         collected = next((r["nodeids"] for r in reversed(recs) if r.get("event") == "collected"), None)
         self.say(f"{head}" + (f": collected {len(collected)} tests" if collected is not None else ""))
-        return Proc(rc=None if timed_out else rc, signal=sig, seconds=secs, log=head, xml=ok_xml, record=recs,
-                    timed_out=timed_out, hung=hung, cut=cut, collected=collected)
+        return Proc(
+            rc=None if timed_out else rc,
+            signal=sig,
+            seconds=secs,
+            log=head,
+            xml=ok_xml,
+            record=recs,
+            timed_out=timed_out,
+            hung=hung,
+            cut=cut,
+            collected=collected,
+        )
 
     def section(self, header: str, text: str) -> None:
         if len(text) > MAX_SECTION_CHARS:
@@ -355,8 +402,20 @@ class Runner:
 
     # -- collection (--per-file only: the one-process run records what it collected itself) ------
     def collect(self, paths: list[str]) -> dict[str, list[str]]:
-        cmd = [self.python, "-m", "pytest", "--collect-only", "-q", "-m", self.a.marker, "-p", "no:cacheprovider",
-               "--rootdir", self.root, *paths]
+        cmd = [
+            self.python,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            self.a.marker,
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            self.root,
+            *paths,
+        ]
         rc, out, secs, timed_out, _ = self.spawn(cmd, min(self.a.collect_timeout_s, max(self.left(), 1)))
         self.section(f"collection (exit {rc}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
         files: dict[str, list[str]] = {}
@@ -367,8 +426,16 @@ class Runner:
         if rc not in (0, 5) or timed_out:
             errors = [ln for ln in out.splitlines() if ln.startswith("ERROR ")]
             why = f"collection exited {rc}" + (" (timed out)" if timed_out else "")
-            self.cases.append(Case("<collection>", "error", why,
-                                   "\n".join(errors + out.splitlines()[-LOG_TAIL_LINES:]), secs, log="collection"))
+            self.cases.append(
+                Case(
+                    "<collection>",
+                    "error",
+                    why,
+                    "\n".join(errors + out.splitlines()[-LOG_TAIL_LINES:]),
+                    secs,
+                    log="collection",
+                )
+            )
         self.say(f"collected {sum(map(len, files.values()))} tests in {len(files)} files ({secs:.1f}s)")
         return dict(sorted(files.items(), key=lambda kv: first_rank(kv[0] + "::", self.first)))
 
@@ -404,8 +471,9 @@ class Runner:
         out = []
         for tc in ET.parse(path).getroot().iter("testcase"):
             cls, name = tc.get("classname", ""), tc.get("name", "")
-            c = Case(f"{cls}::{name}", "passed", time=float(tc.get("time", 0) or 0), log=log,
-                     classname=cls, name=name)  # keep pytest's own names
+            c = Case(
+                f"{cls}::{name}", "passed", time=float(tc.get("time", 0) or 0), log=log, classname=cls, name=name
+            )  # keep pytest's own names
             for kind, outcome in (("skipped", "skipped"), ("error", "error"), ("failure", "failed")):
                 el = tc.find(kind)
                 if el is not None:
@@ -416,10 +484,13 @@ class Runner:
     def crash_excerpt(self, log: str) -> str:
         lines = log.splitlines()
         start = next((i for i, ln in enumerate(lines) if "Fatal Python error" in ln), None)
-        fh = lines[start:start + 80] if start is not None else []
+        fh = lines[start : start + 80] if start is not None else []
         tail = lines[-LOG_TAIL_LINES:]
-        return ("faulthandler:\n" + "\n".join(fh) + "\n\n" if fh else "no faulthandler output in the log\n\n") + \
-               f"last {len(tail)} lines of the log:\n" + "\n".join(tail)
+        return (
+            ("faulthandler:\n" + "\n".join(fh) + "\n\n" if fh else "no faulthandler output in the log\n\n")
+            + f"last {len(tail)} lines of the log:\n"
+            + "\n".join(tail)
+        )
 
     def backtrace(self, nodeid: str) -> str:
         """A native backtrace of every thread: the test alone under cuda-gdb/gdb. '' when not taken."""
@@ -434,8 +505,10 @@ class Runner:
         self.n += 1
         cmd = debugger_cmd(self.debugger, self.pytest_cmd([nodeid], None, verbose=True))
         rc, out, secs, timed_out, _ = self.spawn(cmd, limit)
-        head = f"{nodeid}: native backtrace, {os.path.basename(self.debugger)} " \
-               f"({'TIMED OUT' if timed_out else f'exit {rc}'}, {secs:.1f}s)"
+        head = (
+            f"{nodeid}: native backtrace, {os.path.basename(self.debugger)} "
+            f"({'TIMED OUT' if timed_out else f'exit {rc}'}, {secs:.1f}s)"
+        )
         self.section(head, "$ " + " ".join(cmd) + "\n" + out)
         self.say(head)
         self.last_native = native_stop(out)
@@ -461,13 +534,28 @@ class Runner:
         how = how_it_ended(p, self.hang_s)
         if p.collected is None:  # no record of what it meant to run: nothing to rerun by name
             outcome = "notrun" if p.cut else "timeout" if p.timed_out else "crashed" if p.signal else "error"
-            self.cases.append(Case("<collection>", outcome, f"the process {how} before it had collected its tests",
-                                   self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log))
+            self.cases.append(
+                Case(
+                    "<collection>",
+                    outcome,
+                    f"the process {how} before it had collected its tests",
+                    self.crash_excerpt(p_log(self, p)),
+                    p.seconds,
+                    p.signal,
+                    p.log,
+                )
+            )
             return  # any tests expected from an earlier process are "not run" at the end
         done, culprit = self.cases_from_record(p.record)
-        exit_case = Case(f"{(list(done) or ids or ['<session>'])[-1].split('::')[0]}::<process exit>",
-                         "timeout" if p.timed_out else "crashed", f"the process {how} after its tests had finished",
-                         self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log)
+        exit_case = Case(
+            f"{(list(done) or ids or ['<session>'])[-1].split('::')[0]}::<process exit>",
+            "timeout" if p.timed_out else "crashed",
+            f"the process {how} after its tests had finished",
+            self.crash_excerpt(p_log(self, p)),
+            p.seconds,
+            p.signal,
+            p.log,
+        )
         if p.xml is not None:  # the session finished (XML written), then the process died: at exit
             self.cases += self.cases_from_xml(p.xml, p.log) + [exit_case]
             return
@@ -486,8 +574,9 @@ class Runner:
             stalls = 0 if done else stalls + 1
             if stalls >= 2:
                 for i in rest:
-                    self.cases.append(Case(i, "notrun", f"not run: two processes in a row {how} before their "
-                                                        "first test", log=p.log))
+                    self.cases.append(
+                        Case(i, "notrun", f"not run: two processes in a row {how} before their first test", log=p.log)
+                    )
                 self.say(f"{label}: {how} before its first test, twice; {len(rest)} tests not run")
                 return
         if self.a.isolate:
@@ -508,8 +597,7 @@ class Runner:
             return
         how = how_it_ended(p, self.hang_s)
         outcome = "notrun" if p.cut else "timeout" if p.timed_out else "crashed"
-        c = Case(nodeid, outcome, f"{how} (run alone)", self.crash_excerpt(p_log(self, p)), p.seconds, p.signal,
-                 p.log)
+        c = Case(nodeid, outcome, f"{how} (run alone)", self.crash_excerpt(p_log(self, p)), p.seconds, p.signal, p.log)
         self.cases.append(c)
         if p.signal and not p.timed_out:
             self.pending_bt.append((self.root, c))
@@ -527,8 +615,17 @@ class Runner:
             self.cases.append(Case(nodeid, outcome, msg, first, p.seconds, None, p.log))
             return
         if self.left() < self.a.min_left_s:
-            self.cases.append(Case(nodeid, outcome, f"the process {how} while this test ran (not rerun: time budget)",
-                                   first, p.seconds, p.signal, p.log))
+            self.cases.append(
+                Case(
+                    nodeid,
+                    outcome,
+                    f"the process {how} while this test ran (not rerun: time budget)",
+                    first,
+                    p.seconds,
+                    p.signal,
+                    p.log,
+                )
+            )
             return
         q = self.run_pytest([nodeid], f"{nodeid} (alone, after the process {how} in it)")
         alone_broken = q.signal is not None or q.timed_out or q.xml is None
@@ -540,7 +637,7 @@ class Runner:
             p = q  # point at the log of the run alone: its own faulthandler output
         else:
             alone = ", ".join(f"{c.outcome}" for c in self.cases_from_xml(q.xml, q.log)) or "nothing ran"
-            msg = (f"the process {how} while this test ran, after {n_before} earlier tests in it; alone: {alone}")
+            msg = f"the process {how} while this test ran, after {n_before} earlier tests in it; alone: {alone}"
             text = first
             sig = p.signal
         c = Case(nodeid, outcome, msg, text, p.seconds, sig, p.log)
@@ -584,10 +681,21 @@ class Runner:
                 c.log = head
             self.cases += done.values()
             if running:
-                self.cases.append(Case(running, "notrun", f"cut off: the runner was stopped by {signal_name(signum)} "
-                                                          "while it ran", log=head))
-        self.cases.append(Case("<runner>", "timeout", f"the runner was stopped by {signal_name(signum)}; "
-                               "the tests not recorded here did not run"))
+                self.cases.append(
+                    Case(
+                        running,
+                        "notrun",
+                        f"cut off: the runner was stopped by {signal_name(signum)} while it ran",
+                        log=head,
+                    )
+                )
+        self.cases.append(
+            Case(
+                "<runner>",
+                "timeout",
+                f"the runner was stopped by {signal_name(signum)}; the tests not recorded here did not run",
+            )
+        )
         self.not_run_rest()
         write_xml(self.cases, self.a.xml, self.a.marker)
         write_log(self.sections, self.a.log, f"per-process logs of `{self.a.marker}` tests (stopped)")
@@ -596,11 +704,13 @@ class Runner:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self.stopped)
         bt = self.debugger or ("off" if self.a.no_backtrace else "no cuda-gdb/gdb on PATH")
-        self.say(f"python {self.python}; marker {self.a.marker!r}; pytest-timeout "
-                 f"{f'--timeout={self.a.test_timeout_s}' if self.has_timeout else 'not installed'}; "
-                 f"hang limit {f'{self.hang_s:.0f}s' if self.hang_s > 0 else 'off'}; native backtraces: {bt}; "
-                 f"first: {', '.join(self.first)}; budget {self.a.budget_s:.0f}s; "
-                 + ("one process per file" if self.a.per_file else "one process for all"))
+        self.say(
+            f"python {self.python}; marker {self.a.marker!r}; pytest-timeout "
+            f"{f'--timeout={self.a.test_timeout_s}' if self.has_timeout else 'not installed'}; "
+            f"hang limit {f'{self.hang_s:.0f}s' if self.hang_s > 0 else 'off'}; native backtraces: {bt}; "
+            f"first: {', '.join(self.first)}; budget {self.a.budget_s:.0f}s; "
+            + ("one process per file" if self.a.per_file else "one process for all")
+        )
         for root, paths in roots_of(self.a.root, self.a.paths).items():
             self.root = root  # pytest's rootdir and cwd: node ids are relative to it
             if self.a.per_file:
@@ -651,7 +761,7 @@ def native_stop(out: str, frames: int = 30) -> str:
     at = next((i for i, ln in enumerate(lines) if "received signal" in ln), None)
     if at is None:
         return ""
-    got = [lines[at]] + [ln for ln in lines[at + 1:at + 1 + 3 * frames] if ln.startswith("#")][:frames]
+    got = [lines[at]] + [ln for ln in lines[at + 1 : at + 1 + 3 * frames] if ln.startswith("#")][:frames]
     return "native stop (debugger):\n" + "\n".join(got) + "\n\n"
 
 
@@ -660,9 +770,31 @@ def debugger_cmd(debugger: str, cmd: list[str]) -> list[str]:
     # innermost 40 frames (torch starts dozens of threads), then quit, killing it.
     # cuda-gdb: a CUDA API call returning an error (torch probes some on purpose) must not stop the run.
     cuda = ["-ex", "set cuda api_failures ignore"] if "cuda-gdb" in os.path.basename(debugger) else []
-    return [debugger, "-q", "-batch", "-nx", *cuda, "-ex", "set pagination off", "-ex", "set confirm off",
-            "-ex", "set print thread-events off", "-ex", "handle SIGPIPE nostop noprint pass",
-            "-ex", "run", "-ex", "bt 80", "-ex", "info threads", "-ex", "thread apply all bt 40", "--args", *cmd]
+    return [
+        debugger,
+        "-q",
+        "-batch",
+        "-nx",
+        *cuda,
+        "-ex",
+        "set pagination off",
+        "-ex",
+        "set confirm off",
+        "-ex",
+        "set print thread-events off",
+        "-ex",
+        "handle SIGPIPE nostop noprint pass",
+        "-ex",
+        "run",
+        "-ex",
+        "bt 80",
+        "-ex",
+        "info threads",
+        "-ex",
+        "thread apply all bt 40",
+        "--args",
+        *cmd,
+    ]
 
 
 def count_cases(cases: list[Case]) -> dict[str, int]:
@@ -678,10 +810,19 @@ def write_xml(cases: list[Case], path: str, name: str) -> None:
     counts = count_cases(cases)
     errors = counts["error"] + counts["crashed"] + counts["timeout"] + counts["notrun"]
     suites = ET.Element("testsuites")
-    suite = ET.SubElement(suites, "testsuite", name=name, tests=str(counts["tests"]), failures=str(counts["failed"]),
-                          errors=str(errors), skipped=str(counts["skipped"]), crashed=str(counts["crashed"]),
-                          timeouts=str(counts["timeout"]), notrun=str(counts["notrun"]),
-                          time=f"{sum(c.time for c in cases):.3f}")
+    suite = ET.SubElement(
+        suites,
+        "testsuite",
+        name=name,
+        tests=str(counts["tests"]),
+        failures=str(counts["failed"]),
+        errors=str(errors),
+        skipped=str(counts["skipped"]),
+        crashed=str(counts["crashed"]),
+        timeouts=str(counts["timeout"]),
+        notrun=str(counts["notrun"]),
+        time=f"{sum(c.time for c in cases):.3f}",
+    )
     for c in cases:
         cls, nm = getattr(c, "classname", None), getattr(c, "name", None)
         if cls is None:
@@ -721,19 +862,18 @@ def excerpt(message: str, text: str, n: int = EXCERPT_LINES) -> list[str]:
     lines = [ln.rstrip() for ln in (text or "").splitlines() if ln.strip()]
     fatal = next((i for i, ln in enumerate(lines) if "Fatal Python error" in ln), None)
     if fatal is not None:  # a crash: faulthandler's verdict, then the crashing thread's innermost frames
-        cur = next((i for i in range(fatal, len(lines)) if lines[i].startswith(("Current thread", "Thread 0x"))),
-                   fatal)
+        cur = next((i for i in range(fatal, len(lines)) if lines[i].startswith(("Current thread", "Thread 0x"))), fatal)
         native = [ln for ln in lines if ln.startswith("#")][:4]
         stop = [ln for ln in lines if "received signal" in ln][:1]
-        picked = stop + native + [lines[fatal].split("Fatal Python error", 1)[-1].strip(" :")] + lines[cur:cur + n]
+        picked = stop + native + [lines[fatal].split("Fatal Python error", 1)[-1].strip(" :")] + lines[cur : cur + n]
         return [ln[:240] for ln in picked[:n]]
     e_lines = [ln for ln in lines if ln.startswith("E ")]
     if e_lines:
         where = [ln for ln in lines if re.match(r"^\S+\.py:\d+: ", ln)]
-        picked = e_lines[:n - 1] + (where[-1:] if where else [])
+        picked = e_lines[: n - 1] + (where[-1:] if where else [])
     else:
         msg = [ln for ln in (message or "").splitlines() if ln.strip()]
-        picked = (msg + lines[-(n - len(msg[:n])):])[:n] if lines else msg[:n]
+        picked = (msg + lines[-(n - len(msg[:n])) :])[:n] if lines else msg[:n]
     return [ln[:240] for ln in picked[:n]]
 
 
@@ -748,14 +888,20 @@ def section(xml_path: str, label: str, logs: str | None = None, n_lines: int = E
     except ET.ParseError as e:
         return out + [f"could not read {name}: {e}"]
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    tot = {k: sum(int(s.get(k, 0) or 0) for s in suites)
-           for k in ("tests", "failures", "errors", "skipped", "crashed", "timeouts", "notrun")}
+    tot = {
+        k: sum(int(s.get(k, 0) or 0) for s in suites)
+        for k in ("tests", "failures", "errors", "skipped", "crashed", "timeouts", "notrun")
+    }
     secs = sum(float(s.get("time", 0) or 0) for s in suites)
     passed = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
-    extra = [f"{tot[k]} {w}" for k, w in (("crashed", "crashed"), ("timeouts", "timed out"), ("notrun", "not run"))
-             if tot[k]]
-    out.append(f"{tot['tests']} tests: {passed} passed, {tot['failures']} failed, {tot['errors']} errors"
-               + (f" ({', '.join(extra)})" if extra else "") + f", {tot['skipped']} skipped, {secs:.1f} s")
+    extra = [
+        f"{tot[k]} {w}" for k, w in (("crashed", "crashed"), ("timeouts", "timed out"), ("notrun", "not run")) if tot[k]
+    ]
+    out.append(
+        f"{tot['tests']} tests: {passed} passed, {tot['failures']} failed, {tot['errors']} errors"
+        + (f" ({', '.join(extra)})" if extra else "")
+        + f", {tot['skipped']} skipped, {secs:.1f} s"
+    )
     bad, skipped = [], {}
     for tc in root.iter("testcase"):
         nm = f"{tc.get('classname', '')}::{tc.get('name', '')}"
@@ -764,8 +910,9 @@ def section(xml_path: str, label: str, logs: str | None = None, n_lines: int = E
             el = tc.find(kind)
             if el is None:
                 continue
-            what = {"crashed": "CRASHED", "timeout": "TIMED OUT", "notrun": "NOT RUN"}.get(el.get("type", ""),
-                                                                                      kind.upper())
+            what = {"crashed": "CRASHED", "timeout": "TIMED OUT", "notrun": "NOT RUN"}.get(
+                el.get("type", ""), kind.upper()
+            )
             first = (el.get("message") or "").splitlines()[:1]
             head = f"- **{what}** `{nm}`: {first[0][:300] if first else ''}"
             if log:
@@ -804,8 +951,10 @@ DIAG_TARGETS = [
 
 
 # The lines of a diagnose run that say what happened: a signal, a sanitizer's verdict, pytest's tally.
-DIAG_LINE = re.compile(r"received signal|Fatal Python error|ERROR SUMMARY|Invalid (__global__|__shared__|__local__)|"
-                       r"\d+ (passed|failed|skipped|errors?)|Device not supported")
+DIAG_LINE = re.compile(
+    r"received signal|Fatal Python error|ERROR SUMMARY|Invalid (__global__|__shared__|__local__)|"
+    r"\d+ (passed|failed|skipped|errors?)|Device not supported"
+)
 
 
 def diagnose(args) -> int:
@@ -823,11 +972,14 @@ def diagnose(args) -> int:
         what = " ".join([target, *extra])
         runs.append((f"{what}, plain", base))
         if r.debugger:
-            runs.append((f"{what}, under {os.path.basename(r.debugger)}",
-                         debugger_cmd(r.debugger, base)))
+            runs.append((f"{what}, under {os.path.basename(r.debugger)}", debugger_cmd(r.debugger, base)))
         if i == 0 and sanitizer:
-            runs.append((f"{what}, under compute-sanitizer memcheck",
-                         [sanitizer, "--tool", "memcheck", "--print-limit", "100", "--show-backtrace", "yes", *base]))
+            runs.append(
+                (
+                    f"{what}, under compute-sanitizer memcheck",
+                    [sanitizer, "--tool", "memcheck", "--print-limit", "100", "--show-backtrace", "yes", *base],
+                )
+            )
     for label, cmd in runs:
         left = args.budget_s - (time.monotonic() - t0)
         if left < 20:
@@ -835,8 +987,9 @@ def diagnose(args) -> int:
             continue
         r.n += 1
         rc, out, secs, timed_out, _ = r.spawn(cmd, min(args.backtrace_timeout_s, left - 5))
-        how = ("TIMED OUT" if timed_out else
-               f"killed by {signal_name(-rc)}" if rc is not None and rc < 0 else f"exit {rc}")
+        how = (
+            "TIMED OUT" if timed_out else f"killed by {signal_name(-rc)}" if rc is not None and rc < 0 else f"exit {rc}"
+        )
         r.section(f"diagnose: {label} ({how}, {secs:.1f}s)", "$ " + " ".join(cmd) + "\n" + out)
         got = [ln for ln in out.splitlines() if DIAG_LINE.search(ln)]
         stack = native_stop(out, frames=12).splitlines()[2:]  # the crashing thread's innermost frames
@@ -860,8 +1013,12 @@ def main(argv=None) -> int:
         p.add_argument("--marker", default="gpu", help="-m expression selecting the tests (default: gpu)")
         p.add_argument("--python", default=None, help="the interpreter (default: this one)")
         p.add_argument("--log", required=True, help="the concatenated text log to write")
-        p.add_argument("--budget-s", type=float, default=float(os.environ.get("SUITE_STEP_TIMEOUT_S", "600")) - 20,
-                       help="the whole run's time (default: $SUITE_STEP_TIMEOUT_S - 20, the suite step's limit)")
+        p.add_argument(
+            "--budget-s",
+            type=float,
+            default=float(os.environ.get("SUITE_STEP_TIMEOUT_S", "600")) - 20,
+            help="the whole run's time (default: $SUITE_STEP_TIMEOUT_S - 20, the suite step's limit)",
+        )
         p.add_argument("--test-timeout-s", type=int, default=120, help="pytest-timeout per test, when installed")
         p.add_argument("--backtrace-timeout-s", type=float, default=150)
         p.add_argument("--no-backtrace", action="store_true", help="never run cuda-gdb/gdb")
@@ -871,26 +1028,47 @@ def main(argv=None) -> int:
     common(p)
     p.add_argument("paths", nargs="+")
     p.add_argument("--xml", required=True, help="the merged junit XML to write")
-    p.add_argument("--first", action="append",
-                   help="a node id prefix whose tests run first (repeatable, in order; default: tests/gpu/)")
-    p.add_argument("--process-timeout-s", "--file-timeout-s", type=float, default=0,
-                   help="one process's own limit (default 0: none but what is left of the budget)")
-    p.add_argument("--hang-timeout-s", type=float, default=None,
-                   help="kill the process when one test runs longer (default: --test-timeout-s + 30; 0: never)")
+    p.add_argument(
+        "--first",
+        action="append",
+        help="a node id prefix whose tests run first (repeatable, in order; default: tests/gpu/)",
+    )
+    p.add_argument(
+        "--process-timeout-s",
+        "--file-timeout-s",
+        type=float,
+        default=0,
+        help="one process's own limit (default 0: none but what is left of the budget)",
+    )
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=None,
+        help="kill the process when one test runs longer (default: --test-timeout-s + 30; 0: never)",
+    )
     p.add_argument("--min-left-s", type=float, default=10, help="start no process with less of the budget left")
     p.add_argument("--max-backtraces", type=int, default=2)
-    p.add_argument("--isolate", action="store_true",
-                   help="after a crash, run every test left in a process of its own (each pays the start-up)")
-    p.add_argument("--per-file", action="store_true",
-                   help="one process per test file, after a separate --collect-only process (the old way)")
+    p.add_argument(
+        "--isolate",
+        action="store_true",
+        help="after a crash, run every test left in a process of its own (each pays the start-up)",
+    )
+    p.add_argument(
+        "--per-file",
+        action="store_true",
+        help="one process per test file, after a separate --collect-only process (the old way)",
+    )
     p.add_argument("--collect-timeout-s", type=float, default=120, help="--per-file's collection limit")
     p.add_argument("--summary", default=None, help="also write the markdown section here")
     p = sub.add_parser("diagnose", help="the crash hunt's runs (logs only)")
     common(p)
     p.add_argument("--summary", default=None, help="write one markdown line per run here")
-    p.add_argument("--target", action="append",
-                   help="'NODEID [pytest args]' to run instead of DIAG_TARGETS (repeatable); the first also "
-                        "runs under compute-sanitizer")
+    p.add_argument(
+        "--target",
+        action="append",
+        help="'NODEID [pytest args]' to run instead of DIAG_TARGETS (repeatable); the first also "
+        "runs under compute-sanitizer",
+    )
     p = sub.add_parser("section", help="print the summary's markdown for a junit XML")
     p.add_argument("xml")
     p.add_argument("--label", default="tests")
@@ -901,6 +1079,7 @@ def main(argv=None) -> int:
         return 0
     if a.work is None:
         import tempfile
+
         a.work = tempfile.mkdtemp(prefix="suite_tests_")
     if a.cmd == "diagnose":
         a.max_backtraces = 0

@@ -75,9 +75,9 @@ DIRECTIONS = ("d2h", "h2d")
 KNEE_FRACTION = 0.8
 RAW_DEFINITION = {
     "cuda": "D2H torch.empty(shape, pin_memory=True).copy_(x, non_blocking=True), "
-            "H2D torch.empty(shape, device='cuda').copy_(pinned, non_blocking=True); one allocation per call",
+    "H2D torch.empty(shape, device='cuda').copy_(pinned, non_blocking=True); one allocation per call",
     "cpu": "dst.copy_(x) into destinations allocated once before timing, torch.set_num_threads(1) "
-           "(the single-thread memcpy ceiling)",
+    "(the single-thread memcpy ceiling)",
 }
 CPU_WARNING = (
     "CPU NUMBERS, NOT GPU NUMBERS: no usable CUDA device (or --device cpu), so these are copies of "
@@ -146,8 +146,12 @@ def numa_report(pool: "co.HostPool", device: torch.device) -> dict:
             address = None
         gpu_node = _numa.pci_device_node(address) if address else None
     s = pool.stats()
-    return {**pool.numa, "bytes_by_node": s["bytes_by_node"], "gpu_numa_node": gpu_node,
-            "memory_nodes": _numa.memory_nodes()}
+    return {
+        **pool.numa,
+        "bytes_by_node": s["bytes_by_node"],
+        "gpu_numa_node": gpu_node,
+        "memory_nodes": _numa.memory_nodes(),
+    }
 
 
 def size_sweep(lo: int, hi: int) -> list[int]:
@@ -226,6 +230,7 @@ def measure_size(bench: Bench, pool: "co.HostPool", size: int, args) -> tuple[li
 
     # D2H
     if bench.cuda:
+
         def raw_d2h(_):
             return [bench.host_empty(x).copy_(x, non_blocking=True) for _ in range(calls)]
     else:
@@ -248,6 +253,7 @@ def measure_size(bench: Bench, pool: "co.HostPool", size: int, args) -> tuple[li
     host = bench.host_empty(x).copy_(x)
 
     if bench.cuda:
+
         def raw_h2d(_):
             return [bench.device_empty(x).copy_(host, non_blocking=True) for _ in range(calls)]
     else:
@@ -284,8 +290,13 @@ def knee(rows: list[dict], direction: str, method: str) -> dict | None:
     # dominate; bandwidth may still dip above it (cache effects, the CPU path's page faults).
     at = next(b for b, g in pts if g >= KNEE_FRACTION * peak)
     peak_at = max(pts, key=lambda p: p[1])[0]
-    return {"peak_gbps": peak, "peak_bytes": peak_at, "knee_bytes": at, "fraction": KNEE_FRACTION,
-            "knee_at_largest_size": at == pts[-1][0]}
+    return {
+        "peak_gbps": peak,
+        "peak_bytes": peak_at,
+        "knee_bytes": at,
+        "fraction": KNEE_FRACTION,
+        "knee_at_largest_size": at == pts[-1][0],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,8 +398,10 @@ def markdown(report: dict) -> str:
         f"{report['host']['cpu_count']} CPUs · repeats={report['args']['repeats']} (median)"
     )
     lines.append("")
-    lines.append("GB/s = 1e9 bytes/s, wall clock from a synchronized device to `co.synchronize()` + "
-                 "`torch.cuda.synchronize()`, per-call costs included. ratio = pool / raw (>1: pool faster).")
+    lines.append(
+        "GB/s = 1e9 bytes/s, wall clock from a synchronized device to `co.synchronize()` + "
+        "`torch.cuda.synchronize()`, per-call costs included. ratio = pool / raw (>1: pool faster)."
+    )
     lines.append("")
     lines.append(f"raw = {report['raw_definition']}")
     numa = report["numa"]
@@ -481,27 +494,42 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", help="directory to write bandwidth.json and bandwidth.md into")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (x4 steps) and repeats: a smoke run")
-    ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                    help="auto: CUDA when usable, else the CPU path")
+    ap.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="auto: CUDA when usable, else the CPU path"
+    )
     ap.add_argument("--min-size", type=parse_size, default=None, help="smallest size (default 64K)")
-    ap.add_argument("--max-size", type=parse_size, default=None,
-                    help="largest size (default 256M on GPU, 16M on the CPU path; --quick: 64M / 4M)")
+    ap.add_argument(
+        "--max-size",
+        type=parse_size,
+        default=None,
+        help="largest size (default 256M on GPU, 16M on the CPU path; --quick: 64M / 4M)",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="timed samples per point (default 7, --quick 3)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed samples per point (default 2)")
-    ap.add_argument("--sample-bytes", type=parse_size, default=None,
-                    help="bytes a sample moves at least (default 64M on GPU, 16M on CPU; --quick: a quarter)")
+    ap.add_argument(
+        "--sample-bytes",
+        type=parse_size,
+        default=None,
+        help="bytes a sample moves at least (default 64M on GPU, 16M on CPU; --quick: a quarter)",
+    )
     ap.add_argument("--max-calls", type=int, default=256, help="most calls in one sample (default 256)")
-    ap.add_argument("--numa-node", type=parse_numa_node, default="auto",
-                    help="NUMA node of the pool's memory: auto (default: the GPU's node where the host has "
-                         "several), none, or a node number (run once per node to compare local and remote)")
+    ap.add_argument(
+        "--numa-node",
+        type=parse_numa_node,
+        default="auto",
+        help="NUMA node of the pool's memory: auto (default: the GPU's node where the host has "
+        "several), none, or a node number (run once per node to compare local and remote)",
+    )
     ap.add_argument("--skip-overhead", action="store_true", help="skip the fixed-cost measurements")
     args = ap.parse_args(argv)
 
     gpu_ok = torch.cuda.is_available() and co.build_info()["gpu_available"]
     if args.device == "cuda" and not gpu_ok:
-        print("bandwidth.py: --device cuda but no usable CUDA device / CUDA build of ckpt_offload "
-              f"(torch.cuda.is_available()={torch.cuda.is_available()}, build_info={co.build_info()})",
-              file=sys.stderr)
+        print(
+            "bandwidth.py: --device cuda but no usable CUDA device / CUDA build of ckpt_offload "
+            f"(torch.cuda.is_available()={torch.cuda.is_available()}, build_info={co.build_info()})",
+            file=sys.stderr,
+        )
         return 2
     mode = "cuda" if (args.device in ("auto", "cuda") and gpu_ok) else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if mode == "cuda" else torch.device("cpu")

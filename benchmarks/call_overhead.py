@@ -165,13 +165,18 @@ def run(args) -> dict:
         over_base = [a - b for a, b in zip(mine, base)]
         rounds = [a / b if b > 0 else None for a, b in zip(mine, base)]
         sp = spread(rounds)
-        rows.append({
-            "arm": n,
-            "overhead_us": statistics.median(mine),
-            "over_torch_checkpoint_us": statistics.median(over_base),
-            "over_p25": pct(over_base, 0.25), "over_p75": pct(over_base, 0.75),
-            "ratio": sp["median"], "ratio_p25": sp["p25"], "ratio_p75": sp["p75"],
-        })
+        rows.append(
+            {
+                "arm": n,
+                "overhead_us": statistics.median(mine),
+                "over_torch_checkpoint_us": statistics.median(over_base),
+                "over_p25": pct(over_base, 0.25),
+                "over_p75": pct(over_base, 0.75),
+                "ratio": sp["median"],
+                "ratio_p25": sp["p25"],
+                "ratio_p75": sp["p75"],
+            }
+        )
     return {
         "benchmark": "call_overhead",
         "mode": "gpu" if cuda else "cpu",
@@ -190,26 +195,35 @@ def run(args) -> dict:
 
 def markdown(r: dict) -> str:
     a = r["args"]
-    lines = [f"# Call overhead: the fixed cost of a checkpointed block "
-             f"({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})", "",
-             f"Block Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}; {a['rounds']} rounds in shuffled "
-             f"order, each arm the fastest of {a['reps']} steps (forward, backward each); clock: {a['clock']} time; "
-             f"torch {r['torch_version']}. Plain step {r['plain_step_us']:.1f} µs. Overhead: the arm's forward + "
-             "backward less plain's, in the same round (µs, median over rounds). Ratio: the overhead over "
-             f"{BASE}'s, per round, median [p25, p75]; `{AA}` is its A/A pair.", ""]
+    lines = [
+        f"# Call overhead: the fixed cost of a checkpointed block "
+        f"({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})",
+        "",
+        f"Block Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}; {a['rounds']} rounds in shuffled "
+        f"order, each arm the fastest of {a['reps']} steps (forward, backward each); clock: {a['clock']} time; "
+        f"torch {r['torch_version']}. Plain step {r['plain_step_us']:.1f} µs. Overhead: the arm's forward + "
+        "backward less plain's, in the same round (µs, median over rounds). Ratio: the overhead over "
+        f"{BASE}'s, per round, median [p25, p75]; `{AA}` is its A/A pair.",
+        "",
+    ]
     load = r.get("load_average") or [None, None]
     if load[0] is not None:
         lines += [f"Load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {r['cpu_count']} CPUs.", ""]
     lines += ["| arm | overhead µs | over torch_checkpoint µs [p25, p75] | ratio [p25, p75] |", "|---|---:|---:|---:|"]
     for x in r["rows"]:
-        lines.append(f"| {x['arm']} | {x['overhead_us']:.1f} | {x['over_torch_checkpoint_us']:+.1f} "
-                     f"[{x['over_p25']:+.1f}, {x['over_p75']:+.1f}] | {x['ratio']:.2f} "
-                     f"[{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}] |")
+        lines.append(
+            f"| {x['arm']} | {x['overhead_us']:.1f} | {x['over_torch_checkpoint_us']:+.1f} "
+            f"[{x['over_p25']:+.1f}, {x['over_p75']:+.1f}] | {x['ratio']:.2f} "
+            f"[{x['ratio_p25']:.2f}, {x['ratio_p75']:.2f}] |"
+        )
     c = r.get("construction_us")
     if c:
-        lines += ["", f"Making a context: co.offload(...) {c['co_offload']:.1f} µs, torch's saved_tensors_hooks "
-                  f"{c['saved_tensors_hooks']:.1f} µs, save_on_cpu {c['save_on_cpu']:.1f} µs (median of "
-                  f"{a['rounds']} batches of 200)."]
+        lines += [
+            "",
+            f"Making a context: co.offload(...) {c['co_offload']:.1f} µs, torch's saved_tensors_hooks "
+            f"{c['saved_tensors_hooks']:.1f} µs, save_on_cpu {c['save_on_cpu']:.1f} µs (median of "
+            f"{a['rounds']} batches of 200).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -223,8 +237,12 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=["process", "wall"], default=None,
-                   help="default: process time on CPU (other processes do not inflate it), wall on a GPU")
+    p.add_argument(
+        "--clock",
+        choices=["process", "wall"],
+        default=None,
+        help="default: process time on CPU (other processes do not inflate it), wall on a GPU",
+    )
     p.add_argument("--quick", action="store_true", help="25 rounds, 2 warm-up (a few seconds on CPU)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

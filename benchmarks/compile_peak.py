@@ -62,10 +62,16 @@ ROUTES = ("none", "co.offload", "co.apply", "co.apply fullgraph", "plan offload"
 
 def make_model(blocks: int, dim: int, device: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[
-        torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
-        for _ in range(blocks)
-    ]).to(device).train()
+    return (
+        torch.nn.Sequential(
+            *[
+                torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+                for _ in range(blocks)
+            ]
+        )
+        .to(device)
+        .train()
+    )
 
 
 def _peaks_cpu(run_forward, run_backward):
@@ -110,10 +116,21 @@ def run_arm(route: str, compiled: bool, args, x, pool) -> dict:
     if route in ("co.apply", "co.apply fullgraph"):
         handle = co.apply(model, offload=opts)
     elif route == "plan offload":
+
         def step():
             model(x).sum().backward()
-        plan = co.plan(model, step, budget=2**40, devices=[args.device],
-                       bandwidth=math.inf, min_bytes=0, kinds=("offload",), segments=False, pool=pool)
+
+        plan = co.plan(
+            model,
+            step,
+            budget=2**40,
+            devices=[args.device],
+            bandwidth=math.inf,
+            min_bytes=0,
+            kinds=("offload",),
+            segments=False,
+            pool=pool,
+        )
         model.zero_grad(set_to_none=True)
         handle = plan.apply()
     elif route == "co.offload":
@@ -137,8 +154,15 @@ def run_arm(route: str, compiled: bool, args, x, pool) -> dict:
     kinds = sorted(set(handle.kinds)) if handle is not None else []
     if handle is not None:
         handle.remove()
-    return {"route": route, "compiled": compiled, "forward_peak": peaks[0], "step_peak": peaks[1],
-            "pool_bytes_in_use_after": pool.stats()["bytes_in_use"], "kinds": kinds, "grads": grads}
+    return {
+        "route": route,
+        "compiled": compiled,
+        "forward_peak": peaks[0],
+        "step_peak": peaks[1],
+        "pool_bytes_in_use_after": pool.stats()["bytes_in_use"],
+        "kinds": kinds,
+        "grads": grads,
+    }
 
 
 def main(argv=None) -> int:
@@ -161,14 +185,20 @@ def main(argv=None) -> int:
             torch._dynamo.reset()
             rows.append(run_arm(route, compiled, args, x, pool))
             r = rows[-1]
-            print(f"{'compiled' if compiled else 'eager':8} {route:13} forward {r['forward_peak'] / MiB:8.2f} MiB  "
-                  f"step {r['step_peak'] / MiB:8.2f} MiB", flush=True)
+            print(
+                f"{'compiled' if compiled else 'eager':8} {route:13} forward {r['forward_peak'] / MiB:8.2f} MiB  "
+                f"step {r['step_peak'] / MiB:8.2f} MiB",
+                flush=True,
+            )
     failures = []
     for r in rows:
         ref = next(b for b in rows if b["route"] == "none" and b["compiled"] == r["compiled"])
         for k, g in ref["grads"].items():
-            same = torch.equal(g, r["grads"][k]) if args.backend in ("eager", "aot_eager") else \
-                torch.allclose(g, r["grads"][k], rtol=1e-4, atol=1e-5)
+            same = (
+                torch.equal(g, r["grads"][k])
+                if args.backend in ("eager", "aot_eager")
+                else torch.allclose(g, r["grads"][k], rtol=1e-4, atol=1e-5)
+            )
             if not same:
                 failures.append(f"{r['route']} ({'compiled' if r['compiled'] else 'eager'}): gradient of {k} differs")
                 break
@@ -181,8 +211,16 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "compile_peak.md"), "w") as f:
             f.write(table)
         with open(os.path.join(args.out, "compile_peak.json"), "w") as f:
-            json.dump({"args": vars(args), "torch": torch.__version__, "machine": platform.machine(),
-                       "rows": [{k: v for k, v in r.items() if k != "grads"} for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "torch": torch.__version__,
+                    "machine": platform.machine(),
+                    "rows": [{k: v for k, v in r.items() if k != "grads"} for r in rows],
+                },
+                f,
+                indent=1,
+            )
     for line in failures:
         print("FAILED:", line, file=sys.stderr)
     return 1 if failures else 0
@@ -191,12 +229,16 @@ def main(argv=None) -> int:
 def _table(rows, args) -> str:
     where = "CPU numbers, not GPU numbers" if args.device == "cpu" else f"GPU: {torch.cuda.get_device_name()}"
     lines = [
-        f"# Device peak under whole-model torch.compile ({where})", "",
-        (f"{args.blocks} MLP blocks {args.dim} -> {4 * args.dim} -> {args.dim}, batch {args.batch}, fp32; "
-         f"backend {args.backend}; torch {torch.__version__}. Peak above the step's start, in MiB "
-         f"({'torch.profiler memory events' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}); "
-         "the step's peak with the gradients already allocated. Every arm's gradients were checked against "
-         "the same (eager or compiled) model without ckpt_offload."), "",
+        f"# Device peak under whole-model torch.compile ({where})",
+        "",
+        (
+            f"{args.blocks} MLP blocks {args.dim} -> {4 * args.dim} -> {args.dim}, batch {args.batch}, fp32; "
+            f"backend {args.backend}; torch {torch.__version__}. Peak above the step's start, in MiB "
+            f"({'torch.profiler memory events' if args.device == 'cpu' else 'torch.cuda.max_memory_allocated'}); "
+            "the step's peak with the gradients already allocated. Every arm's gradients were checked against "
+            "the same (eager or compiled) model without ckpt_offload."
+        ),
+        "",
         "| route | eager forward | compiled forward | compiled / eager | eager step | compiled step |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -204,8 +246,10 @@ def _table(rows, args) -> str:
         e = next(r for r in rows if r["route"] == route and not r["compiled"])
         c = next(r for r in rows if r["route"] == route and r["compiled"])
         ratio = c["forward_peak"] / e["forward_peak"] if e["forward_peak"] else float("nan")
-        lines.append(f"| {route} | {e['forward_peak'] / MiB:.2f} | {c['forward_peak'] / MiB:.2f} | {ratio:.3f} | "
-                     f"{e['step_peak'] / MiB:.2f} | {c['step_peak'] / MiB:.2f} |")
+        lines.append(
+            f"| {route} | {e['forward_peak'] / MiB:.2f} | {c['forward_peak'] / MiB:.2f} | {ratio:.3f} | "
+            f"{e['step_peak'] / MiB:.2f} | {c['step_peak'] / MiB:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -67,7 +67,7 @@ def tier_bandwidth(directory: str, total: int, block: int, threads: int, pinned:
     tier.reserve(n * block)  # fallocate up front: not part of the timing
     src = torch.empty(n * block, dtype=torch.uint8, pin_memory=pinned)
     src.random_(0, 256)
-    blocks = [src[i * block:(i + 1) * block] for i in range(n)]
+    blocks = [src[i * block : (i + 1) * block] for i in range(n)]
     t0 = time.perf_counter()
     spills = [tier.write(b) for b in blocks]
     for s in spills:
@@ -75,7 +75,7 @@ def tier_bandwidth(directory: str, total: int, block: int, threads: int, pinned:
     t_write = time.perf_counter() - t0
     dst = torch.empty_like(src, pin_memory=pinned)
     t0 = time.perf_counter()
-    tickets = [tier.read(s, dst[i * block:(i + 1) * block]) for i, s in enumerate(spills)]
+    tickets = [tier.read(s, dst[i * block : (i + 1) * block]) for i, s in enumerate(spills)]
     for t in tickets:
         t.wait()
     t_read = time.perf_counter() - t0
@@ -109,7 +109,8 @@ def step_times(model, tokens, ctx_factory, steps: int, warmup: int, device: str)
             with ctx:
                 logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+                logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+            )
         loss.backward()
         del loss
         if device == "cuda":
@@ -135,8 +136,9 @@ def step_overhead(args, directory: str, device: str) -> dict:
 
     none_t, _ = step_times(model, tokens, lambda: None, args.steps, args.warmup, device)
     host_pool = co.HostPool(pinned=pinned)
-    host_t, host_grads = step_times(model, tokens, lambda: co.offload(pool=host_pool, **opts), args.steps,
-                                    args.warmup, device)
+    host_t, host_grads = step_times(
+        model, tokens, lambda: co.offload(pool=host_pool, **opts), args.steps, args.warmup, device
+    )
     peak = host_pool.stats()["peak_bytes_in_use"]
     cap = max(MiB, int(peak * args.spill_fraction))
     spill_pool = co.HostPool(pinned=pinned, max_bytes=cap, spill_dir=directory)
@@ -149,9 +151,16 @@ def step_overhead(args, directory: str, device: str) -> dict:
     spill_t, spill_grads = step_times(model, tokens, spill_ctx, args.steps, args.warmup, device)
     d = spill_pool.stats()["disk"]
     runs = args.steps + args.warmup
-    same = host_grads.keys() == spill_grads.keys() and all(torch.equal(host_grads[k], spill_grads[k]) for k in host_grads)
+    same = host_grads.keys() == spill_grads.keys() and all(
+        torch.equal(host_grads[k], spill_grads[k]) for k in host_grads
+    )
     out = {
-        "model": cfg.name, "layers": cfg.layers, "dim": cfg.dim, "seq": seq, "batch": batch, "device": device,
+        "model": cfg.name,
+        "layers": cfg.layers,
+        "dim": cfg.dim,
+        "seq": seq,
+        "batch": batch,
+        "device": device,
         "step_s_no_offload": none_t,
         "step_s_host_only": host_t,
         "step_s_spill": spill_t,
@@ -169,7 +178,7 @@ def step_overhead(args, directory: str, device: str) -> dict:
         "direct_io": d["direct_io"],
         "gradients_equal_host_only": bool(same),
     }
-    del spill_pool, host_pool
+    spill_pool = host_pool = None  # the pools go now, before the report
     return out
 
 
@@ -177,26 +186,38 @@ def markdown(r: dict) -> str:
     lines = ["# Disk tier benchmark", ""]
     if r["mode"] == "cpu":
         lines += ["**CPU numbers, not GPU numbers** (the model runs on CPU tensors).", ""]
-    lines += [f"Spill directory `{r['dir']}` ({r['fs_type']}); {r.get('gpu_name') or 'no GPU'}.", "",
-              "## File tier bandwidth", "",
-              "| I/O threads | bytes | block | write GB/s | read GB/s | O_DIRECT | verified |",
-              "|---:|---:|---:|---:|---:|---|---|"]
+    lines += [
+        f"Spill directory `{r['dir']}` ({r['fs_type']}); {r.get('gpu_name') or 'no GPU'}.",
+        "",
+        "## File tier bandwidth",
+        "",
+        "| I/O threads | bytes | block | write GB/s | read GB/s | O_DIRECT | verified |",
+        "|---:|---:|---:|---:|---:|---|---|",
+    ]
     for b in r["bandwidth"]:
-        lines.append(f"| {b['io_threads']} | {b['bytes'] // MiB} MiB | {b['block_bytes'] // MiB} MiB | "
-                     f"{b['write_gbps']:.2f} | {b['read_gbps']:.2f} | {b['direct_io']} | {b['verified']} |")
+        lines.append(
+            f"| {b['io_threads']} | {b['bytes'] // MiB} MiB | {b['block_bytes'] // MiB} MiB | "
+            f"{b['write_gbps']:.2f} | {b['read_gbps']:.2f} | {b['direct_io']} | {b['verified']} |"
+        )
     s = r["step"]
-    lines += ["", f"## Step time: {s['model']} ({s['layers']} layers, dim {s['dim']}), seq {s['seq']}, "
-              f"batch {s['batch']}, {s['device']}", "",
-              "| run | step ms | vs host-only |", "|---|---:|---:|",
-              f"| no offload | {s['step_s_no_offload'] * 1e3:.1f} | |",
-              f"| host-only offload | {s['step_s_host_only'] * 1e3:.1f} | |",
-              f"| spill (pool capped at {s['spill_pool_max_bytes'] // MiB} MiB) | {s['step_s_spill'] * 1e3:.1f} | "
-              f"{s['spill_vs_host'] * 100:+.1f}% |", "",
-              f"Spilled {s['bytes_spilled_per_step'] / MiB:.1f} MiB of {s['bytes_offloaded_per_step'] / MiB:.1f} MiB "
-              f"offloaded per step; disk {s['disk_write_gbps']:.2f} GB/s write, {s['disk_read_gbps']:.2f} GB/s read; "
-              f"stalls per step: read {s['read_stall_s_per_step'] * 1e3:.2f} ms, write "
-              f"{s['write_stall_s_per_step'] * 1e3:.2f} ms; {s['reads_prefetch']} of {s['blocks_read']} reads started "
-              f"by prefetch; gradients equal to host-only: {s['gradients_equal_host_only']}."]
+    lines += [
+        "",
+        f"## Step time: {s['model']} ({s['layers']} layers, dim {s['dim']}), seq {s['seq']}, "
+        f"batch {s['batch']}, {s['device']}",
+        "",
+        "| run | step ms | vs host-only |",
+        "|---|---:|---:|",
+        f"| no offload | {s['step_s_no_offload'] * 1e3:.1f} | |",
+        f"| host-only offload | {s['step_s_host_only'] * 1e3:.1f} | |",
+        f"| spill (pool capped at {s['spill_pool_max_bytes'] // MiB} MiB) | {s['step_s_spill'] * 1e3:.1f} | "
+        f"{s['spill_vs_host'] * 100:+.1f}% |",
+        "",
+        f"Spilled {s['bytes_spilled_per_step'] / MiB:.1f} MiB of {s['bytes_offloaded_per_step'] / MiB:.1f} MiB "
+        f"offloaded per step; disk {s['disk_write_gbps']:.2f} GB/s write, {s['disk_read_gbps']:.2f} GB/s read; "
+        f"stalls per step: read {s['read_stall_s_per_step'] * 1e3:.2f} ms, write "
+        f"{s['write_stall_s_per_step'] * 1e3:.2f} ms; {s['reads_prefetch']} of {s['blocks_read']} reads started "
+        f"by prefetch; gradients equal to host-only: {s['gradients_equal_host_only']}.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -217,15 +238,21 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="a directory on the disk to test (default: a temporary one in /tmp)")
     p.add_argument("--out", default=None, help="folder for disk_tier.json and disk_tier.md")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
-    p.add_argument("--total", type=parse_size, default=None, help="bytes through the tier per run (default 2G, 256M on CPU)")
+    p.add_argument(
+        "--total", type=parse_size, default=None, help="bytes through the tier per run (default 2G, 256M on CPU)"
+    )
     p.add_argument("--block", type=parse_size, default=None, help="block size (default 64M, 16M on CPU)")
     p.add_argument("--model", default="small", help="Llama preset on a GPU (tiny, small, 1b)")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--spill-fraction", type=float, default=0.25,
-                   help="the spill pool's cap as a fraction of the host-only pool's peak (default 0.25)")
+    p.add_argument(
+        "--spill-fraction",
+        type=float,
+        default=0.25,
+        help="the spill pool's cap as a fraction of the host-only pool's peak (default 0.25)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, few steps (seconds)")
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() and _C.cuda_compiled() else "cpu")

@@ -14,7 +14,8 @@ The method (what keeps an arm measured twice at a ratio near 1.0 on a shared mac
 rounds; in each round every arm runs once, in an order drawn afresh for that round (a seeded
 shuffle: no arm always follows the same one, as a rotation would make it); an arm first runs one
 untimed step (what the arm before it left in the caches and the allocator is then its own) and
-then ``--reps`` timed steps, of which the fastest forward and the fastest backward count. The cyclic garbage collector is off
+then ``--reps`` timed steps, of which the fastest forward and the fastest backward count. The cyclic garbage collector
+is off
 while timing (collected between rounds); the model, its input and the pool are made once, before.
 An arm's overhead in a round is its time minus the plain step's time in the same round, per saved
 tensor; the table has the median over rounds with the 25th-75th percentile spread. A ratio is
@@ -31,7 +32,8 @@ The two headline ratios: ``co_keep / save_on_cpu`` and ``co_offload_compute / cl
 (per saved tensor, forward + backward). Each denominator is also run as a second, separate arm
 (interleaved like the others, not a row of the table): its ratio to the first, per round, is the
 A/A pair, printed as its median with its 25th-75th percentiles and its extremes: the noise floor
-of a ratio in this run (a ratio differs from another only by more than that spread). On CPU the ratios are printed beside those of the
+of a ratio in this run (a ratio differs from another only by more than that spread). On CPU the ratios are printed
+beside those of the
 committed reference run (``--baseline``, default ``benchmarks/results/hot_path_cpu.json``), so
 a regression shows in every CI log; nothing is asserted on time. On a GPU the host time per
 offloaded tensor is also put against the GPU time per tensor of the step (is the host falling
@@ -99,12 +101,14 @@ def variants(device: str, pool) -> dict:
         "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda),
         "clone_hook": lambda: torch.autograd.graph.saved_tensors_hooks(_clone_pack, _same),
         "co_keep": lambda: co.offload(devices=dev, pool=pool),
-        "co_offload_compute": lambda: co.offload(min_bytes=0, stream="compute", prefetch_bytes=0, devices=dev,
-                                                 pool=pool),
+        "co_offload_compute": lambda: co.offload(
+            min_bytes=0, stream="compute", prefetch_bytes=0, devices=dev, pool=pool
+        ),
         "co_offload_side": lambda: co.offload(min_bytes=0, stream="side", prefetch_bytes=0, devices=dev, pool=pool),
         "co_prefetch": lambda: co.offload(min_bytes=0, stream="side", devices=dev, pool=pool),
-        "co_batch": lambda: co.offload(min_bytes=0, stream="side", batch_below=1 << 20, prefetch_bytes=0,
-                                       devices=dev, pool=pool),
+        "co_batch": lambda: co.offload(
+            min_bytes=0, stream="side", batch_below=1 << 20, prefetch_bytes=0, devices=dev, pool=pool
+        ),
     }
 
 
@@ -290,16 +294,38 @@ def run(args) -> dict:
         num, den = per_round(pair[0], "total"), per_round(pair[1], "total")
         rounds = [a / b if b > 0 else None for a, b in zip(num, den)]
         sp = spread(rounds)
-        return {"numerator": pair[0], "denominator": pair[1], "ratio": sp["median"],
-                "numerator_us": statistics.median(num), "denominator_us": statistics.median(den),
-                "p25": sp["p25"], "p75": sp["p75"], "min": sp["min"], "max": sp["max"]}
+        return {
+            "numerator": pair[0],
+            "denominator": pair[1],
+            "ratio": sp["median"],
+            "numerator_us": statistics.median(num),
+            "denominator_us": statistics.median(den),
+            "p25": sp["p25"],
+            "p75": sp["p75"],
+            "min": sp["min"],
+            "max": sp["max"],
+        }
 
     return {
         "benchmark": "hot_path",
         "mode": "gpu" if cuda else "cpu",
         "gpu_name": torch.cuda.get_device_name(0) if cuda else None,
-        "args": {k: getattr(args, k) for k in ("device", "blocks", "dim", "batch", "rounds", "warmup", "reps", "seed",
-                                               "threads", "quick", "clock")},
+        "args": {
+            k: getattr(args, k)
+            for k in (
+                "device",
+                "blocks",
+                "dim",
+                "batch",
+                "rounds",
+                "warmup",
+                "reps",
+                "seed",
+                "threads",
+                "quick",
+                "clock",
+            )
+        },
         "method": METHOD,
         # The machine's 1-minute load average before and after: above its core count the spread widens.
         "load_average": [load_before, load_average()],
@@ -320,16 +346,24 @@ def run(args) -> dict:
 def baseline_entry(r: dict) -> dict:
     """What --write-baseline keeps of a run: the ratios, their A/A pairs, each variant's total."""
     return {
-        "benchmark": "hot_path", "mode": r["mode"], "args": r["args"],
+        "benchmark": "hot_path",
+        "mode": r["mode"],
+        "args": r["args"],
         "command": "python benchmarks/hot_path.py " + ("--quick" if r["args"]["quick"] else ""),
-        "torch_version": r["torch_version"], "method": r["method"],
+        "torch_version": r["torch_version"],
+        "method": r["method"],
         "ratios": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["ratios"].items()},
         "aa": {k: round(v["ratio"], 3) if v["ratio"] is not None else None for k, v in r["aa"].items()},
         # The A/A pairs' spread over rounds: [p25, p75] and [min, max].
-        "aa_spread": {k: {q: round(v[q], 3) if v[q] is not None else None for q in ("p25", "p75", "min", "max")}
-                      for k, v in r["aa"].items()},
-        "total_us": {x["variant"]: round(x["per_tensor"]["total"]["median_us"], 2)
-                     for x in r["results"] if x["per_tensor"] is not None},
+        "aa_spread": {
+            k: {q: round(v[q], 3) if v[q] is not None else None for q in ("p25", "p75", "min", "max")}
+            for k, v in r["aa"].items()
+        },
+        "total_us": {
+            x["variant"]: round(x["per_tensor"]["total"]["median_us"], 2)
+            for x in r["results"]
+            if x["per_tensor"] is not None
+        },
     }
 
 
@@ -343,28 +377,43 @@ def read_baseline(path: str | None, r: dict) -> dict | None:
             b = json.load(f)
     except (OSError, ValueError):
         return None
-    same = b.get("mode") == r["mode"] and b.get("method") == r["method"] and all(
-        b.get("args", {}).get(k) == r["args"][k] for k in ("blocks", "dim", "batch", "threads", "clock"))
+    same = (
+        b.get("mode") == r["mode"]
+        and b.get("method") == r["method"]
+        and all(b.get("args", {}).get(k) == r["args"][k] for k in ("blocks", "dim", "batch", "threads", "clock"))
+    )
     return b if same else None
 
 
 def markdown(r: dict) -> str:
-    lines = [f"# Hot path: fixed cost per saved tensor ({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})", ""]
+    lines = [
+        "# Hot path: fixed cost per saved tensor "
+        f"({'GPU: ' + r['gpu_name'] if r['mode'] == 'gpu' else 'CPU numbers, not GPU numbers'})",
+        "",
+    ]
     a = r["args"]
-    lines.append(f"{a['blocks']} blocks of Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}, "
-                 f"{r['saved_tensors_per_step']} saved tensors of {r['saved_tensor_bytes']} B per step, "
-                 f"{a['rounds']} rounds in shuffled order after {a['warmup']} warm-up, each arm the fastest of "
-                 f"{a['reps']} steps after an untimed one (forward, backward each)"
-                 + (f", {a['threads']} CPU thread(s)" if r["mode"] == "cpu" else "")
-                 + f"; clock: {a['clock']} time; torch {r['torch_version']}. Overhead = step time - plain step time in the same round, per "
-                 "saved tensor: median [p25, p75] in µs. Ratios: the median over rounds of the ratio in each round; "
-                 "A/A: the denominator over itself run again, median [p25, p75] (min-max).")
+    lines.append(
+        f"{a['blocks']} blocks of Linear({a['dim']}, {a['dim']}) + tanh, batch {a['batch']}, "
+        f"{r['saved_tensors_per_step']} saved tensors of {r['saved_tensor_bytes']} B per step, "
+        f"{a['rounds']} rounds in shuffled order after {a['warmup']} warm-up, each arm the fastest of "
+        f"{a['reps']} steps after an untimed one (forward, backward each)"
+        + (f", {a['threads']} CPU thread(s)" if r["mode"] == "cpu" else "")
+        + f"; clock: {a['clock']} time; torch {r['torch_version']}. Overhead = step time - plain step time in the "
+        "same round, per saved tensor: median [p25, p75] in µs. Ratios: the median over rounds of the ratio in "
+        "each round; A/A: the denominator over itself run again, median [p25, p75] (min-max)."
+    )
     load = r.get("load_average") or [None, None]
     if load[0] is not None:
         lines.append("")
-        lines.append(f"Load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {r.get('cpu_count')} CPUs"
-                     + (": the machine was busier than its cores, the spreads are wider" if max(load) > (r.get("cpu_count") or 1) else "")
-                     + ".")
+        lines.append(
+            f"Load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after, on {r.get('cpu_count')} CPUs"
+            + (
+                ": the machine was busier than its cores, the spreads are wider"
+                if max(load) > (r.get("cpu_count") or 1)
+                else ""
+            )
+            + "."
+        )
     lines.append("")
     gpu = r["mode"] == "gpu"
     head = "| variant | forward | backward | total | plain-relative step fwd / bwd ms |"
@@ -375,32 +424,50 @@ def markdown(r: dict) -> str:
     lines += [head, sep]
     for x in r["results"]:
         pt = x["per_tensor"]
-        cells = ["-"] * 3 if pt is None else [
-            f"{pt[ph]['median_us']:.2f} [{pt[ph]['p25_us']:.2f}, {pt[ph]['p75_us']:.2f}]"
-            for ph in ("forward", "backward", "total")]
-        line = f"| {x['variant']} | " + " | ".join(cells) + f" | {x['step_forward_ms']:.2f} / {x['step_backward_ms']:.2f} |"
+        cells = (
+            ["-"] * 3
+            if pt is None
+            else [
+                f"{pt[ph]['median_us']:.2f} [{pt[ph]['p25_us']:.2f}, {pt[ph]['p75_us']:.2f}]"
+                for ph in ("forward", "backward", "total")
+            ]
+        )
+        line = (
+            f"| {x['variant']} | "
+            + " | ".join(cells)
+            + f" | {x['step_forward_ms']:.2f} / {x['step_backward_ms']:.2f} |"
+        )
         if gpu:
-            line += (f" {x['host_forward_us_per_tensor']:.2f} | {x['gpu_step_us_per_tensor']:.2f} | "
-                     f"{'YES' if x['host_behind_gpu'] else 'no'} |")
+            line += (
+                f" {x['host_forward_us_per_tensor']:.2f} | {x['gpu_step_us_per_tensor']:.2f} | "
+                f"{'YES' if x['host_behind_gpu'] else 'no'} |"
+            )
         lines.append(line)
     lines.append("")
     base = r.get("baseline")
     for key, v in r["ratios"].items():
         ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}"
         aa = r["aa"][v["denominator"]]
-        aa_text = "n/a" if aa["ratio"] is None else (f"{aa['ratio']:.2f} [{aa['p25']:.2f}, {aa['p75']:.2f}] "
-                                                      f"({aa['min']:.2f}-{aa['max']:.2f})")
+        aa_text = (
+            "n/a"
+            if aa["ratio"] is None
+            else (f"{aa['ratio']:.2f} [{aa['p25']:.2f}, {aa['p75']:.2f}] ({aa['min']:.2f}-{aa['max']:.2f})")
+        )
         spread_text = "" if v["ratio"] is None else f" [{v['p25']:.2f}, {v['p75']:.2f}]"
         was = ""
         if base is not None:
             old = base.get("ratios", {}).get(key)
             was = f"; last committed: {old:.2f}" if isinstance(old, (int, float)) else "; last committed: n/a"
-        lines.append(f"- **{key}**: {v['numerator']} / {v['denominator']} = {v['numerator_us']:.2f} / "
-                     f"{v['denominator_us']:.2f} µs = **{ratio}**{spread_text} (target ≤ 1.0; A/A {v['denominator']} / "
-                     f"itself again = {aa_text}{was})")
+        lines.append(
+            f"- **{key}**: {v['numerator']} / {v['denominator']} = {v['numerator_us']:.2f} / "
+            f"{v['denominator_us']:.2f} µs = **{ratio}**{spread_text} (target ≤ 1.0; A/A {v['denominator']} / "
+            f"itself again = {aa_text}{was})"
+        )
     if base is not None:
-        lines.append(f"- last committed run: `{base.get('command', '').strip()}` "
-                     f"({os.path.relpath(r['baseline_path'], os.path.dirname(_HERE))}; torch {base.get('torch_version')})")
+        lines.append(
+            f"- last committed run: `{base.get('command', '').strip()}` "
+            f"({os.path.relpath(r['baseline_path'], os.path.dirname(_HERE))}; torch {base.get('torch_version')})"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -418,16 +485,27 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5, help="timed steps per arm and round, the fastest counts (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the rounds' shuffled orders")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU (default 1)")
-    p.add_argument("--clock", choices=["process", "wall"], default=None,
-                   help="process: CPU time of this process (default on CPU: immune to other processes' load); "
-                   "wall: the wall clock (default and forced on a GPU, whose time is not CPU time)")
+    p.add_argument(
+        "--clock",
+        choices=["process", "wall"],
+        default=None,
+        help="process: CPU time of this process (default on CPU: immune to other processes' load); "
+        "wall: the wall clock (default and forced on a GPU, whose time is not CPU time)",
+    )
     p.add_argument("--quick", action="store_true", help="16 blocks, 40 rounds, 2 warm-up: a smoke run (seconds)")
     p.add_argument("--out", default=None, help="directory for hot_path.json and hot_path.md")
-    p.add_argument("--baseline", default=DEFAULT_BASELINE,
-                   help="the committed reference run whose ratios are printed beside this run's (when measured "
-                   "the same way); '' for none")
-    p.add_argument("--write-baseline", default=None, metavar="PATH",
-                   help="also write this run's ratios, A/A pairs and per-variant totals to PATH as the reference")
+    p.add_argument(
+        "--baseline",
+        default=DEFAULT_BASELINE,
+        help="the committed reference run whose ratios are printed beside this run's (when measured "
+        "the same way); '' for none",
+    )
+    p.add_argument(
+        "--write-baseline",
+        default=None,
+        metavar="PATH",
+        help="also write this run's ratios, A/A pairs and per-variant totals to PATH as the reference",
+    )
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be at least 1, got {args.reps}")

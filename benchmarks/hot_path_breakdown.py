@@ -46,10 +46,12 @@ def per_call_us(fn, arg, calls: int, repeats: int) -> float:
 
 def _pairs(pack, unpack, ts):
     """Packs every tensor of ``ts`` then unpacks them in reverse (as forward then backward)."""
+
     def run(_):
         saved = [pack(t) for t in ts]
         for s in reversed(saved):
             unpack(s)
+
     return run
 
 
@@ -124,16 +126,27 @@ def table(calls: int, repeats: int) -> list:
         with reused:
             pass
 
-    rows.append(("per step: co.offload entry + exit (context reused)", per_call_us(enter_exit, None, calls, repeats) - base))
-    rows.append(("per step: making co.offload(devices=..., pool=...)",
-                 per_call_us(lambda _: co.offload(devices=["cpu"], pool=pool), None, max(1, calls // 4), repeats) - base))
+    rows.append(
+        ("per step: co.offload entry + exit (context reused)", per_call_us(enter_exit, None, calls, repeats) - base)
+    )
+    rows.append(
+        (
+            "per step: making co.offload(devices=..., pool=...)",
+            per_call_us(lambda _: co.offload(devices=["cpu"], pool=pool), None, max(1, calls // 4), repeats) - base,
+        )
+    )
     identity = torch.autograd.graph.saved_tensors_hooks(hot_path._same, hot_path._same)
 
     def hooks_enter_exit(_):
         with identity:
             pass
 
-    rows.append(("per step: torch's saved_tensors_hooks entry + exit", per_call_us(hooks_enter_exit, None, calls, repeats) - base))
+    rows.append(
+        (
+            "per step: torch's saved_tensors_hooks entry + exit",
+            per_call_us(hooks_enter_exit, None, calls, repeats) - base,
+        )
+    )
 
     # torch's own hooks, for the same tensors.
     def save_on_cpu_pack(t):  # what torch.autograd.graph.save_on_cpu's pack does on CPU
@@ -143,8 +156,12 @@ def table(calls: int, repeats: int) -> list:
 
     rows.append(("save_on_cpu pack (its Python function)", per_call_us(save_on_cpu_pack, act, calls, repeats) - base))
     rows.append(("clone hook pack (t.clone())", per_call_us(hot_path._clone_pack, act, calls, repeats) - base))
-    rows.append(("t.detach() (what a kept tensor's alias costs through the op)",
-                 per_call_us(torch.Tensor.detach, act, calls, repeats) - base))
+    rows.append(
+        (
+            "t.detach() (what a kept tensor's alias costs through the op)",
+            per_call_us(torch.Tensor.detach, act, calls, repeats) - base,
+        )
+    )
     gc.collect()
     return rows
 

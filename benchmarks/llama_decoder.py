@@ -112,10 +112,8 @@ class DecoderConfig:
 #: fraction of a second on an H200.
 DECODER_CONFIGS = {
     "tiny": DecoderConfig("tiny", vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=176, max_seq=1024),
-    "small": DecoderConfig("small", vocab=32000, dim=1024, layers=8, heads=16, kv_heads=4, ffn_dim=2816,
-                         max_seq=8192),
-    "1b": DecoderConfig("1b", vocab=32000, dim=2048, layers=22, heads=32, kv_heads=4, ffn_dim=5632,
-                      max_seq=8192),
+    "small": DecoderConfig("small", vocab=32000, dim=1024, layers=8, heads=16, kv_heads=4, ffn_dim=2816, max_seq=8192),
+    "1b": DecoderConfig("1b", vocab=32000, dim=2048, layers=22, heads=32, kv_heads=4, ffn_dim=5632, max_seq=8192),
 }
 
 

@@ -114,18 +114,41 @@ from ckpt_offload.planner.simulator import singles  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 
-ARMS = ("none", "checkpoint", "checkpoint_aa", "hf_offload", "torchtune", "co_checkpoint",
-        "co_checkpoint_offload", "co_offload", "co_plan", "co_checkpoint_offload_fp8", "co_offload_fp8",
-        "co_checkpoint_tile", "co_checkpoint_offload_tile", "co_checkpoint_offload_tile_norms")
+ARMS = (
+    "none",
+    "checkpoint",
+    "checkpoint_aa",
+    "hf_offload",
+    "torchtune",
+    "co_checkpoint",
+    "co_checkpoint_offload",
+    "co_offload",
+    "co_plan",
+    "co_checkpoint_offload_fp8",
+    "co_offload_fp8",
+    "co_checkpoint_tile",
+    "co_checkpoint_offload_tile",
+    "co_checkpoint_offload_tile_norms",
+)
 #: The run with the same computation and no copies (same implementation where there is one).
-BASELINE = {"none": None, "checkpoint": None, "checkpoint_aa": "checkpoint", "hf_offload": "checkpoint",
-            "torchtune": "checkpoint", "co_checkpoint": "checkpoint", "co_checkpoint_offload": "co_checkpoint",
-            "co_offload": "none", "co_plan": "checkpoint",
-            # Low-precision storage against the same recipe stored exactly: what the narrower copies save.
-            "co_checkpoint_offload_fp8": "co_checkpoint_offload", "co_offload_fp8": "co_offload",
-            # Tiling against the same recipe without tiles: its extra time (target: <= 5% at >= 64K tokens).
-            "co_checkpoint_tile": "co_checkpoint", "co_checkpoint_offload_tile": "co_checkpoint_offload",
-            "co_checkpoint_offload_tile_norms": "co_checkpoint_offload_tile"}
+BASELINE = {
+    "none": None,
+    "checkpoint": None,
+    "checkpoint_aa": "checkpoint",
+    "hf_offload": "checkpoint",
+    "torchtune": "checkpoint",
+    "co_checkpoint": "checkpoint",
+    "co_checkpoint_offload": "co_checkpoint",
+    "co_offload": "none",
+    "co_plan": "checkpoint",
+    # Low-precision storage against the same recipe stored exactly: what the narrower copies save.
+    "co_checkpoint_offload_fp8": "co_checkpoint_offload",
+    "co_offload_fp8": "co_offload",
+    # Tiling against the same recipe without tiles: its extra time (target: <= 5% at >= 64K tokens).
+    "co_checkpoint_tile": "co_checkpoint",
+    "co_checkpoint_offload_tile": "co_checkpoint_offload",
+    "co_checkpoint_offload_tile_norms": "co_checkpoint_offload_tile",
+}
 DESCRIPTIONS = {
     "none": "no checkpointing",
     "checkpoint": "torch.utils.checkpoint.checkpoint(use_reentrant=False) per layer",
@@ -144,9 +167,11 @@ DESCRIPTIONS = {
 }
 #: Arms that tile (co.tile / co.tiled_cross_entropy): parameter gradients are summed over tiles, so
 #: they are held to TILED_RTOL instead of bit-identity (docs/api.md, "Sequence-tiled recompute").
-TILED_ARMS = {"co_checkpoint_tile": {"offload": False, "norms": False},
-              "co_checkpoint_offload_tile": {"offload": True, "norms": False},
-              "co_checkpoint_offload_tile_norms": {"offload": True, "norms": True}}
+TILED_ARMS = {
+    "co_checkpoint_tile": {"offload": False, "norms": False},
+    "co_checkpoint_offload_tile": {"offload": True, "norms": False},
+    "co_checkpoint_offload_tile_norms": {"offload": True, "norms": True},
+}
 TILED_RTOL = {"cuda": 2e-2, "cpu": 1e-5}
 #: Arms that store activations in a narrower dtype (co.offload's store_dtype): not bit-exact by
 #: design, so their gradients are held to this relative error instead of GRAD_RTOL, and reported.
@@ -158,25 +183,51 @@ CHECKPOINT_ARMS = ("checkpoint", "checkpoint_aa", "co_checkpoint")
 #: order; a wrong tensor restored gives an O(1) relative error. CPU float32 runs are exact.
 GRAD_RTOL = {"cuda": 2e-2, "cpu": 1e-5}
 
-CPU_WARNING = ("CPU NUMBERS, NOT GPU NUMBERS: --quick / no usable CUDA device. Tiny shapes on CPU tensors; "
-               "offloads go to a pageable pool (devices=['cpu'], min_bytes=0), save_on_cpu keeps CPU tensors, "
-               "CUDA-only parts are skipped with the reason. Only the gradient checks and byte counts mean "
-               "something.")
+CPU_WARNING = (
+    "CPU NUMBERS, NOT GPU NUMBERS: --quick / no usable CUDA device. Tiny shapes on CPU tensors; "
+    "offloads go to a pageable pool (devices=['cpu'], min_bytes=0), save_on_cpu keeps CPU tensors, "
+    "CUDA-only parts are skipped with the reason. Only the gradient checks and byte counts mean "
+    "something."
+)
 
 GPU_SHAPE = {"vocab": 32000, "dim": 4096, "heads": 32, "kv_heads": 8, "ffn_dim": 14336, "rope_theta": 500000.0}
 CPU_SHAPE = {"vocab": 256, "dim": 64, "heads": 4, "kv_heads": 2, "ffn_dim": 176, "rope_theta": 10000.0}
-GPU_DEFAULTS = {"seq_lens": [8192, 16384, 32768], "rounds": 4, "steps": 5, "chunk": 4096, "dtype": "bfloat16",
-                "budget_s": 170.0, "tile": 4096}
-CPU_QUICK = {"seq_lens": [64, 128], "rounds": 3, "steps": 2, "chunk": 32, "dtype": "float32", "budget_s": 60.0,
-             "layers": 3, "tile": 16}
+GPU_DEFAULTS = {
+    "seq_lens": [8192, 16384, 32768],
+    "rounds": 4,
+    "steps": 5,
+    "chunk": 4096,
+    "dtype": "bfloat16",
+    "budget_s": 170.0,
+    "tile": 4096,
+}
+CPU_QUICK = {
+    "seq_lens": [64, 128],
+    "rounds": 3,
+    "steps": 2,
+    "chunk": 32,
+    "dtype": "float32",
+    "budget_s": 60.0,
+    "layers": 3,
+    "tile": 16,
+}
 
 
 # --------------------------------------------------------------------------------------- model
 
+
 def make_config(shape: dict, layers: int, max_seq: int) -> DecoderConfig:
-    return DecoderConfig("8b-class" if shape is GPU_SHAPE else "tiny", vocab=shape["vocab"], dim=shape["dim"],
-                         layers=layers, heads=shape["heads"], kv_heads=shape["kv_heads"], ffn_dim=shape["ffn_dim"],
-                         max_seq=max_seq, rope_theta=shape["rope_theta"])
+    return DecoderConfig(
+        "8b-class" if shape is GPU_SHAPE else "tiny",
+        vocab=shape["vocab"],
+        dim=shape["dim"],
+        layers=layers,
+        heads=shape["heads"],
+        kv_heads=shape["kv_heads"],
+        ffn_dim=shape["ffn_dim"],
+        max_seq=max_seq,
+        rope_theta=shape["rope_theta"],
+    )
 
 
 def hidden_states(model: LlamaDecoder, tokens: torch.Tensor, checkpoint_fn=None) -> torch.Tensor:
@@ -199,19 +250,24 @@ def chunked_loss(model: LlamaDecoder, h: torch.Tensor, targets: torch.Tensor, ch
     non-reentrant checkpoint: only ``h`` is saved, one chunk's logits exist at a time."""
     total = None
     for i in range(0, h.shape[1], chunk):
-        part = torch_checkpoint.checkpoint(_chunk_loss, h[:, i:i + chunk], targets[:, i:i + chunk], model.norm,
-                                           model.lm_head, use_reentrant=False)
+        part = torch_checkpoint.checkpoint(
+            _chunk_loss, h[:, i : i + chunk], targets[:, i : i + chunk], model.norm, model.lm_head, use_reentrant=False
+        )
         total = part if total is None else total + part
     return total / targets.numel()
 
 
 # --------------------------------------------------------------------------------------- torchtune
 
+
 def find_torchtune_wheel(root: str = ROOT) -> str | None:
     """The newest ``torchtune-*.whl`` in ``root/.whl/`` (an ignored folder of the checkout)."""
     folder = os.path.join(root, ".whl")
-    wheels = sorted(f for f in os.listdir(folder) if f.startswith("torchtune-") and f.endswith(".whl")) \
-        if os.path.isdir(folder) else []
+    wheels = (
+        sorted(f for f in os.listdir(folder) if f.startswith("torchtune-") and f.endswith(".whl"))
+        if os.path.isdir(folder)
+        else []
+    )
     return os.path.join(folder, wheels[-1]) if wheels else None
 
 
@@ -222,7 +278,9 @@ _TT_STUBS = {
     "import torchao": "class torchao:\n    __version__ = '0'",
     "from torchao.dtypes.nf4tensor import NF4Tensor": "class NF4Tensor:\n    pass",
     "from torchtune.modules import TiedLinear": "class TiedLinear:\n    pass",
-    "from torchtune.utils import get_logger": "import logging\ndef get_logger(level):\n    return logging.getLogger('torchtune')",
+    "from torchtune.utils import get_logger": (
+        "import logging\ndef get_logger(level):\n    return logging.getLogger('torchtune')"
+    ),
 }
 
 
@@ -239,8 +297,12 @@ def load_torchtune_offloading(wheel: str):
     try:
         import psutil  # noqa: F401
     except ImportError:
-        source = source.replace("import psutil\n", "class psutil:\n    @staticmethod\n    def virtual_memory():\n"
-                                "        class _V:\n            percent = 0.0\n        return _V()\n", 1)
+        source = source.replace(
+            "import psutil\n",
+            "class psutil:\n    @staticmethod\n    def virtual_memory():\n"
+            "        class _V:\n            percent = 0.0\n        return _V()\n",
+            1,
+        )
     spec = importlib.util.spec_from_loader("_torchtune_activation_offloading", loader=None)
     module = importlib.util.module_from_spec(spec)
     exec(compile(source, f"{wheel}!{_TT_MODULE}", "exec"), module.__dict__)  # noqa: S102 - a local wheel
@@ -249,6 +311,7 @@ def load_torchtune_offloading(wheel: str):
 
 # --------------------------------------------------------------------------------------- arms
 
+
 class Skipped(Exception):
     """An arm that cannot run here; the message is the reason its row shows."""
 
@@ -256,8 +319,12 @@ class Skipped(Exception):
 def _cpu_options(pool=None, stream: str = "side") -> dict:
     """Offload options for CPU tensors. ``stream="compute"``: copies inline, so that a source is freed
     when its copy is made, whatever else keeps the machine busy (the per-token table's peaks)."""
-    return {"devices": ["cpu"], "min_bytes": 0, "pool": pool if pool is not None else co.HostPool(pinned=False),
-            "stream": stream}
+    return {
+        "devices": ["cpu"],
+        "min_bytes": 0,
+        "pool": pool if pool is not None else co.HostPool(pinned=False),
+        "stream": stream,
+    }
 
 
 class Arm:
@@ -265,13 +332,14 @@ class Arm:
     ``enter``/``exit`` around each round (the plan installs itself), where its bytes go, and the
     head + loss it runs (``chunked_loss`` unless the arm tiles it)."""
 
-    def __init__(self, name, context=None, checkpoint_fn=None, pool=None, counter=None, enter=None, exit=None,
-                 loss_fn=None):
+    def __init__(
+        self, name, context=None, checkpoint_fn=None, pool=None, counter=None, enter=None, exit=None, loss_fn=None
+    ):
         self.name = name
         self.context = context or contextlib.nullcontext
         self.checkpoint_fn = checkpoint_fn
-        self.pool = pool          # a co.HostPool whose bytes_in_use counts this arm's offloads
-        self.counter = counter    # hf_offload's SaveCounter
+        self.pool = pool  # a co.HostPool whose bytes_in_use counts this arm's offloads
+        self.counter = counter  # hf_offload's SaveCounter
         self.enter = enter or (lambda: None)
         self.exit = exit or (lambda: None)
         self.loss_fn = loss_fn or chunked_loss
@@ -314,14 +382,28 @@ def tiled_arm(name: str, model, on_gpu: bool, tile: int, cpu_stream: str = "side
         while handles:
             handles.pop().remove()
 
-    arm = Arm(name, checkpoint_fn=functools.partial(co.checkpoint, offload=options), enter=enter, exit=exit_,
-              pool=co.default_pool() if how["offload"] else None, loss_fn=tiled_loss)
+    arm = Arm(
+        name,
+        checkpoint_fn=functools.partial(co.checkpoint, offload=options),
+        enter=enter,
+        exit=exit_,
+        pool=co.default_pool() if how["offload"] else None,
+        loss_fn=tiled_loss,
+    )
     arm.info["tile"] = tile
     return arm
 
 
-def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_cache: dict,
-              tile: int | None = None, cpu_stream: str = "side") -> Arm:
+def build_arm(
+    name: str,
+    model,
+    tokens,
+    chunk: int,
+    device: torch.device,
+    plan_cache: dict,
+    tile: int | None = None,
+    cpu_stream: str = "side",
+) -> Arm:
     on_gpu = device.type == "cuda"
     torch_ckpt = functools.partial(torch_checkpoint.checkpoint, use_reentrant=False)
     if name == "none":
@@ -334,12 +416,15 @@ def build_arm(name: str, model, tokens, chunk: int, device: torch.device, plan_c
     if name == "torchtune":
         wheel = find_torchtune_wheel()
         if wheel is None:
-            raise Skipped("skipped: no torchtune-*.whl in .whl/ of the checkout (pip download torchtune --no-deps "
-                          "-d .whl)")
+            raise Skipped(
+                "skipped: no torchtune-*.whl in .whl/ of the checkout (pip download torchtune --no-deps -d .whl)"
+            )
         module = load_torchtune_offloading(wheel)
         if not on_gpu:
-            raise Skipped(f"skipped: OffloadActivations needs CUDA (its constructor takes torch.cuda streams); "
-                          f"loaded from {os.path.basename(wheel)}")
+            raise Skipped(
+                f"skipped: OffloadActivations needs CUDA (its constructor takes torch.cuda streams); "
+                f"loaded from {os.path.basename(wheel)}"
+            )
         # One instance entered every step, as torchtune's recipes do (its streams live as long).
         ctx = module.OffloadActivations()
         arm = Arm(name, context=lambda: ctx, checkpoint_fn=torch_ckpt)
@@ -407,14 +492,20 @@ def plan_arm(model, tokens, chunk, device, plan_cache) -> Arm:
     kinds = {}
     for kind in plan.choices.values():
         kinds[kind] = kinds.get(kind, 0) + 1
-    arm.info.update(budget_bytes=budget, checkpoint_predicted_peak_bytes=ck,
-                    checkpoint_offload_predicted_peak_bytes=ck_off, predicted_peak_bytes=plan.predicted_peak_bytes,
-                    predicted_step_s=plan.predicted_step_seconds, choices=kinds,
-                    planning_s=time.perf_counter() - t0)
+    arm.info.update(
+        budget_bytes=budget,
+        checkpoint_predicted_peak_bytes=ck,
+        checkpoint_offload_predicted_peak_bytes=ck_off,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        predicted_step_s=plan.predicted_step_seconds,
+        choices=kinds,
+        planning_s=time.perf_counter() - t0,
+    )
     return arm
 
 
 # --------------------------------------------------------------------------------------- measuring
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -441,8 +532,9 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def run_step(model, tokens, arm: Arm, chunk: int, device: torch.device, measure: dict | None = None,
-             keep_grads: bool = False) -> float:
+def run_step(
+    model, tokens, arm: Arm, chunk: int, device: torch.device, measure: dict | None = None, keep_grads: bool = False
+) -> float:
     """One forward + backward of ``arm``; returns its time in seconds (CUDA events on a GPU).
     With ``measure``: fills resident-after-forward, bytes moved, the loss. ``keep_grads``: the
     gradients are zeroed in place, not freed, so the step allocates none (the per-token table)."""
@@ -514,8 +606,13 @@ def compare_with_reference(model, ref: dict | None, rtol: float) -> dict | None:
     worst, same, name_worst = 0.0, True, None
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     if grads.keys() != ref.keys():
-        return {"ok": False, "bit_identical": False, "max_rel_err": float("inf"), "rtol": rtol,
-                "note": "different parameters have gradients"}
+        return {
+            "ok": False,
+            "bit_identical": False,
+            "max_rel_err": float("inf"),
+            "rtol": rtol,
+            "note": "different parameters have gradients",
+        }
     for n, g in grads.items():
         r = ref[n].to(g.device, non_blocking=False)
         if not torch.equal(g, r):
@@ -523,8 +620,7 @@ def compare_with_reference(model, ref: dict | None, rtol: float) -> dict | None:
             err = ((g.float() - r.float()).norm() / r.float().norm().clamp_min(1e-30)).item()
             if err > worst:
                 worst, name_worst = err, n
-    return {"ok": worst <= rtol, "bit_identical": same, "max_rel_err": worst, "worst_param": name_worst,
-            "rtol": rtol}
+    return {"ok": worst <= rtol, "bit_identical": same, "max_rel_err": worst, "worst_param": name_worst, "rtol": rtol}
 
 
 def _summary(times: list[float]) -> dict:
@@ -532,6 +628,7 @@ def _summary(times: list[float]) -> dict:
 
 
 # --------------------------------------------------------------------------------------- time model
+
 
 def layer_flops(cfg_shape: dict, seq: int) -> tuple[float, float]:
     """(matmul FLOPs, attention FLOPs) of one layer's forward + backward + recompute-free step at
@@ -623,15 +720,25 @@ def choose_layers(args, shape: dict, n_arms: int, cal: dict | None = None) -> tu
             layers[seq] -= 1
             break
     per_seq = {str(s): est(layers[s], s) for s in args.seq_lens}
-    why = {"share_s": share, "steps_per_arm": steps, "arm_weight": weight, "offload_factor": factor,
-           "per_seq_step_s": per_seq, "predicted_timed_s": total(),
-           "below_200ms": [s for s, t in per_seq.items() if t < 0.2],
-           "assumes": ("FLOP model scaled by a measured one-layer calibration" if cal else
-                       f"{args.est_tflops:g} TFLOPS matmul, {args.est_attn_tflops:g} TFLOPS attention (estimate)")}
+    why = {
+        "share_s": share,
+        "steps_per_arm": steps,
+        "arm_weight": weight,
+        "offload_factor": factor,
+        "per_seq_step_s": per_seq,
+        "predicted_timed_s": total(),
+        "below_200ms": [s for s, t in per_seq.items() if t < 0.2],
+        "assumes": (
+            "FLOP model scaled by a measured one-layer calibration"
+            if cal
+            else f"{args.est_tflops:g} TFLOPS matmul, {args.est_attn_tflops:g} TFLOPS attention (estimate)"
+        ),
+    }
     return layers, why
 
 
 # --------------------------------------------------------------------------------------- one length
+
 
 def run_length(seq: int, layers: int, args, device, dtype, report, deadline: float) -> tuple[dict, int]:
     """Every arm at one length: warm-up step (memory, bytes, gradients), then the timed rounds.
@@ -643,10 +750,15 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
     tokens = random_tokens(cfg.vocab, 1, seq, seed=args.seed, device=device)
     elt = torch.empty((), dtype=dtype).element_size()
     theory = layers * seq * cfg.dim * elt
-    result = {"seq_len": seq, "layers": layers, "num_parameters": model.num_parameters(),
-              "theory_resident_bytes": theory,
-              "theory_note": "layers x seq x hidden x bytes: the layer inputs checkpointing keeps",
-              "arms": {}, "status": 0}
+    result = {
+        "seq_len": seq,
+        "layers": layers,
+        "num_parameters": model.num_parameters(),
+        "theory_resident_bytes": theory,
+        "theory_note": "layers x seq x hidden x bytes: the layer inputs checkpointing keeps",
+        "arms": {},
+        "status": 0,
+    }
     status = 0
     rtol = GRAD_RTOL[device.type]
     arms: dict = {}
@@ -708,8 +820,10 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
             row["grads"] = dict(g or {"ok": None, "note": "no reference arm ran"}, reference=ref_name)
             if g is not None and not g["ok"]:
                 status = 1
-                print(f"long_context: seq {seq} {name}: gradients differ from {ref_name} "
-                      f"(max relative error {g['max_rel_err']:.3e} > {arm_rtol:g})")
+                print(
+                    f"long_context: seq {seq} {name}: gradients differ from {ref_name} "
+                    f"(max relative error {g['max_rel_err']:.3e} > {arm_rtol:g})"
+                )
         arms[name] = arm
         model.zero_grad(set_to_none=True)
     del ref_grads  # before timing: the timed peaks hold nothing but the arm's own memory
@@ -719,11 +833,13 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
     times = {name: [] for name in arms}
     peaks = {name: 0 for name in arms}
     rounds_done = 0
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         predicted = sum(args.steps * statistics.median(times[n] or [rows[n]["warmup_step_s"]]) for n in arms)
         if rounds_done and time.perf_counter() + predicted > deadline:
-            result["rounds_note"] = (f"stopped after {rounds_done} of {args.rounds} rounds: the next would end past "
-                                     f"--budget-s {args.budget_s:g} s")
+            result["rounds_note"] = (
+                f"stopped after {rounds_done} of {args.rounds} rounds: the next would end past "
+                f"--budget-s {args.budget_s:g} s"
+            )
             break
         gc.collect()  # once per round: a full collection costs ~0.1-1 s in a process that imported dynamo
         gc.disable()
@@ -752,8 +868,9 @@ def run_length(seq: int, layers: int, args, device, dtype, report, deadline: flo
     for name, arm in arms.items():
         row = rows[name]
         row.update(_summary(times[name]), step_times_s=times[name])
-        row["per_round_median_s"] = [statistics.median(times[name][i:i + args.steps])
-                                     for i in range(0, len(times[name]), args.steps)]
+        row["per_round_median_s"] = [
+            statistics.median(times[name][i : i + args.steps]) for i in range(0, len(times[name]), args.steps)
+        ]
         if on_gpu:
             row["peak_bytes"] = peaks[name] or row.get("warmup_peak_bytes")
             row["peak_above_weights_bytes"] = row["peak_bytes"] - base_alloc
@@ -798,6 +915,7 @@ def finish_ratios(rows: dict) -> None:
 
 # --------------------------------------------------------------------------------------- max sequence
 
+
 def fit_linear(points: list[tuple[int, int]]) -> tuple[float, float] | None:
     """Least-squares ``peak = a + b * seq`` through ``(seq, peak)`` points; None under 2 lengths."""
     if len({s for s, _ in points}) < 2:
@@ -819,12 +937,32 @@ def predict_max_seq(fit: tuple[float, float], cap_bytes: int, multiple: int = 10
     return max(0, s)
 
 
-MAX_SEQ_ARMS = ("none", "checkpoint", "hf_offload", "torchtune", "co_checkpoint", "co_checkpoint_offload",
-                "co_offload", "co_checkpoint_offload_tile", "co_checkpoint_offload_tile_norms", "co_checkpoint_tile")
+MAX_SEQ_ARMS = (
+    "none",
+    "checkpoint",
+    "hf_offload",
+    "torchtune",
+    "co_checkpoint",
+    "co_checkpoint_offload",
+    "co_offload",
+    "co_checkpoint_offload_tile",
+    "co_checkpoint_offload_tile_norms",
+    "co_checkpoint_tile",
+)
 #: Which verifications the time budget goes to first: the recipe this project recommends and the
 #: ones a user compares it with.
-VERIFY_ORDER = ("co_checkpoint_offload_tile", "checkpoint", "co_checkpoint_offload", "hf_offload", "torchtune",
-                "co_checkpoint", "none", "co_offload", "co_checkpoint_offload_tile_norms", "co_checkpoint_tile")
+VERIFY_ORDER = (
+    "co_checkpoint_offload_tile",
+    "checkpoint",
+    "co_checkpoint_offload",
+    "hf_offload",
+    "torchtune",
+    "co_checkpoint",
+    "none",
+    "co_offload",
+    "co_checkpoint_offload_tile_norms",
+    "co_checkpoint_tile",
+)
 #: Offloaded bytes may take at most this share of the host's memory (pinned memory cannot swap).
 HOST_SHARE = 0.6
 
@@ -842,9 +980,15 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
     under HOST_SHARE of the host's memory for the bytes an arm offloads), then, in VERIFY_ORDER
     while the time budget allows, one step under ``set_per_process_memory_fraction`` at the
     prediction (at most two tries: the prediction, then 90% of it)."""
-    out = {"layers": layers, "caps_gb": args.caps_gb, "arms": {},
-           "method": (f"peak = a + b*seq fitted at 3 lengths on {layers} layers; the cap's length verified by one "
-                      f"step under torch.cuda.set_per_process_memory_fraction while the time budget allows")}
+    out = {
+        "layers": layers,
+        "caps_gb": args.caps_gb,
+        "arms": {},
+        "method": (
+            f"peak = a + b*seq fitted at 3 lengths on {layers} layers; the cap's length verified by one "
+            f"step under torch.cuda.set_per_process_memory_fraction while the time budget allows"
+        ),
+    }
     if device.type != "cuda":
         out["status"] = "skipped: CPU run (needs torch.cuda.set_per_process_memory_fraction and max_memory_allocated)"
         return out
@@ -915,10 +1059,12 @@ def max_seq_search(args, device, dtype, layers: int, seq0: int, deadline: float)
                 ref = lengths[-1]
                 est = step_s[(name, ref)] * (
                     estimate_step_s(GPU_SHAPE, layers, attempt, args.est_tflops, args.est_attn_tflops, name != "none")
-                    / estimate_step_s(GPU_SHAPE, layers, ref, args.est_tflops, args.est_attn_tflops, name != "none"))
+                    / estimate_step_s(GPU_SHAPE, layers, ref, args.est_tflops, args.est_attn_tflops, name != "none")
+                )
                 if time.perf_counter() + 2 * est > deadline:
-                    cell["verified"] = (f"not verified: a step at {attempt} takes ~{est:.0f} s (estimate), past "
-                                        f"--budget-s")
+                    cell["verified"] = (
+                        f"not verified: a step at {attempt} takes ~{est:.0f} s (estimate), past --budget-s"
+                    )
                     break
                 ok = _try_under_cap(model, name, attempt, int(cap_gb * 1e9), total, args, device)
                 cell.setdefault("tries", []).append({"seq": attempt, "fits": ok})
@@ -958,8 +1104,13 @@ def _try_under_cap(model, name, seq, cap, total, args, device) -> bool:
 
 #: The arms of the memory-per-token table: Hugging Face's gradient checkpointing (torch's checkpoint
 #: per layer), ours with the inputs offloaded, and the tiled recipes.
-PER_TOKEN_ARMS = ("checkpoint", "co_checkpoint_offload", "co_checkpoint_tile", "co_checkpoint_offload_tile",
-                  "co_checkpoint_offload_tile_norms")
+PER_TOKEN_ARMS = (
+    "checkpoint",
+    "co_checkpoint_offload",
+    "co_checkpoint_tile",
+    "co_checkpoint_offload_tile",
+    "co_checkpoint_offload_tile_norms",
+)
 #: The per-token model at the 8B-class proportions (32 query / 8 key-value heads, SwiGLU 3.5x the
 #: hidden size, a vocabulary 7.8x it, as 32000 is of 4096) at a hidden size a CPU steps in seconds.
 #: The lengths lie within one of the ranges torch's CPU flash attention splits queries the same in
@@ -967,8 +1118,14 @@ PER_TOKEN_ARMS = ("checkpoint", "co_checkpoint_offload", "co_checkpoint_tile", "
 #: peaks are not one line (measured: a step of ~1 MB between 512 and 768 tokens at hidden 64).
 #: Small tiles and loss chunks, so that the moments of the step whose peak does not grow with the
 #: sequence (one tile's working set, one chunk's logits) weigh little beside those that do.
-PER_TOKEN_FULL = {"layers": 32, "dim": 256, "seq_lens": [1024, 1536, 2048], "tile": 16, "chunk": 16,
-                  "dtype": "bfloat16"}
+PER_TOKEN_FULL = {
+    "layers": 32,
+    "dim": 256,
+    "seq_lens": [1024, 1536, 2048],
+    "tile": 16,
+    "chunk": 16,
+    "dtype": "bfloat16",
+}
 PER_TOKEN_QUICK = {"layers": 2, "dim": 64, "seq_lens": [256, 512], "tile": 16, "chunk": 32, "dtype": "bfloat16"}
 #: The memory caps the table predicts the longest sequence under (GB: 1e9 bytes).
 PREDICT_CAPS_GB = (40.0, 80.0, 141.0)
@@ -981,9 +1138,14 @@ LOSS_BYTES_PER_LOGIT = 2 + 4 + 4 + 2
 def per_token_shape(dim: int) -> dict:
     """GPU_SHAPE's proportions at hidden size ``dim`` (a multiple of 64)."""
     scale = dim / GPU_SHAPE["dim"]
-    return {"vocab": max(64, round(GPU_SHAPE["vocab"] * scale / 64) * 64), "dim": dim, "heads": GPU_SHAPE["heads"],
-            "kv_heads": GPU_SHAPE["kv_heads"], "ffn_dim": round(GPU_SHAPE["ffn_dim"] * scale),
-            "rope_theta": GPU_SHAPE["rope_theta"]}
+    return {
+        "vocab": max(64, round(GPU_SHAPE["vocab"] * scale / 64) * 64),
+        "dim": dim,
+        "heads": GPU_SHAPE["heads"],
+        "kv_heads": GPU_SHAPE["kv_heads"],
+        "ffn_dim": round(GPU_SHAPE["ffn_dim"] * scale),
+        "rope_theta": GPU_SHAPE["rope_theta"],
+    }
 
 
 def profiler_peak_bytes(step) -> int:
@@ -1007,9 +1169,13 @@ def profiler_peak_bytes(step) -> int:
 
 def per_token_settings(args) -> dict:
     base = dict(PER_TOKEN_QUICK if args.quick and not args.per_token else PER_TOKEN_FULL)
-    for key, value in (("layers", args.per_token_layers), ("dim", args.per_token_dim),
-                       ("seq_lens", args.per_token_seq_lens), ("tile", args.per_token_tile),
-                       ("chunk", args.per_token_chunk)):
+    for key, value in (
+        ("layers", args.per_token_layers),
+        ("dim", args.per_token_dim),
+        ("seq_lens", args.per_token_seq_lens),
+        ("tile", args.per_token_tile),
+        ("chunk", args.per_token_chunk),
+    ):
         if value is not None:
             base[key] = sorted(set(value)) if key == "seq_lens" else value
     return base
@@ -1046,7 +1212,8 @@ def per_token_table(args) -> dict:
                     # place: the peak is activations and temporaries, not the gradients' allocation.
                     run_step(model, tokens, arm, st["chunk"], device, measure, keep_grads=True)
                     peak = profiler_peak_bytes(
-                        lambda m=model, t=tokens, a=arm: run_step(m, t, a, st["chunk"], device, keep_grads=True))
+                        lambda m=model, t=tokens, a=arm: run_step(m, t, a, st["chunk"], device, keep_grads=True)
+                    )
                 finally:
                     arm.exit()
             except Exception as e:  # noqa: BLE001
@@ -1056,8 +1223,10 @@ def per_token_table(args) -> dict:
             status[name] = "ok"
             points[name].append((seq, peak))
             moved[name].append((seq, measure.get("bytes_moved_d2h") or 0))
-            print(f"long_context: per token: seq {seq} {name}: peak {peak:,} bytes, moved "
-                  f"{moved[name][-1][1]:,} bytes", flush=True)
+            print(
+                f"long_context: per token: seq {seq} {name}: peak {peak:,} bytes, moved {moved[name][-1][1]:,} bytes",
+                flush=True,
+            )
         del model, tokens
         gc.collect()
     width = st["dim"] * elt
@@ -1074,20 +1243,35 @@ def per_token_table(args) -> dict:
         (s0, p0), (s1, p1) = points[name][-2:]
         b = (p1 - p0) / (s1 - s0)
         host = fit_linear(moved[name])
-        arms[name] = {"status": "ok", "description": DESCRIPTIONS[name], "points": points[name],
-                      "bytes_moved_points": moved[name], "bytes_per_token": b, "fit_bytes_per_token": b_fit,
-                      "intercept_bytes": a, "fit_max_residual": residual, "widths_per_token": b / width,
-                      "host_bytes_per_token": host[1] if host else 0.0,
-                      "host_widths_per_token": (host[1] if host else 0.0) / width}
-    out = {"settings": st, "shape": shape, "elapsed_s": None, "arms": arms,
-           "method": (f"{st['layers']}-layer decoder at hidden {st['dim']} ({shape['heads']} query / "
-                      f"{shape['kv_heads']} KV heads, SwiGLU {shape['ffn_dim']}, vocabulary {shape['vocab']}), "
-                      f"{st['dtype']}, batch 1, on the CPU; peak of torch-allocated memory of one forward + backward "
-                      f"(after a warm-up step) from "
-                      f"torch.profiler memory events at {st['seq_lens']} tokens, bytes per token = the slope between "
-                      f"the two longest (fit residual: of the least-squares line through all); widths = "
-                      f"b / (hidden x {elt} bytes); tiled arms: MLP tiles of {st['tile']} positions, loss tiles of "
-                      f"{st['chunk']} tokens (the other arms: chunks of {st['chunk']} tokens)")}
+        arms[name] = {
+            "status": "ok",
+            "description": DESCRIPTIONS[name],
+            "points": points[name],
+            "bytes_moved_points": moved[name],
+            "bytes_per_token": b,
+            "fit_bytes_per_token": b_fit,
+            "intercept_bytes": a,
+            "fit_max_residual": residual,
+            "widths_per_token": b / width,
+            "host_bytes_per_token": host[1] if host else 0.0,
+            "host_widths_per_token": (host[1] if host else 0.0) / width,
+        }
+    out = {
+        "settings": st,
+        "shape": shape,
+        "elapsed_s": None,
+        "arms": arms,
+        "method": (
+            f"{st['layers']}-layer decoder at hidden {st['dim']} ({shape['heads']} query / "
+            f"{shape['kv_heads']} KV heads, SwiGLU {shape['ffn_dim']}, vocabulary {shape['vocab']}), "
+            f"{st['dtype']}, batch 1, on the CPU; peak of torch-allocated memory of one forward + backward "
+            f"(after a warm-up step) from "
+            f"torch.profiler memory events at {st['seq_lens']} tokens, bytes per token = the slope between "
+            f"the two longest (fit residual: of the least-squares line through all); widths = "
+            f"b / (hidden x {elt} bytes); tiled arms: MLP tiles of {st['tile']} positions, loss tiles of "
+            f"{st['chunk']} tokens (the other arms: chunks of {st['chunk']} tokens)"
+        ),
+    }
     out["prediction"] = predict_8b(arms, args)
     out["elapsed_s"] = time.perf_counter() - t0
     return out
@@ -1103,16 +1287,32 @@ def predict_8b(arms: dict, args) -> dict:
     chunk = GPU_DEFAULTS["chunk"]
     tile = args.tile if args.tile and not args.quick else GPU_DEFAULTS["tile"]
     loss_chunk = chunk * GPU_SHAPE["vocab"] * LOSS_BYTES_PER_LOGIT
-    untiled_of = {"co_checkpoint_tile": "checkpoint", "co_checkpoint_offload_tile": "co_checkpoint_offload",
-                  "co_checkpoint_offload_tile_norms": "co_checkpoint_offload"}
-    out = {"layers": PREDICT_LAYERS, "shape": dict(GPU_SHAPE), "dtype": "bfloat16", "weights_bytes": weights,
-           "grads_bytes": weights, "loss_chunk_bytes": loss_chunk, "loss_chunk_tokens": chunk, "tile": tile,
-           "host_gb": args.host_gb, "host_share": HOST_SHARE, "caps_gb": list(PREDICT_CAPS_GB), "arms": {},
-           "assumes": (f"per token: the CPU-measured widths x {dim} x {elt} bytes; fixed: weights + gradients "
-                       f"({2 * weights / 1e9:.1f} GB), one loss chunk of {chunk} tokens x vocabulary "
-                       f"{GPU_SHAPE['vocab']} x {LOSS_BYTES_PER_LOGIT} bytes ({loss_chunk / 1e9:.2f} GB), tiled arms "
-                       f"one tile of {tile} positions x the widths tiling removed; no optimizer state; host: "
-                       f"{HOST_SHARE:.0%} of {args.host_gb:g} GB for offloaded bytes (--host-gb)")}
+    untiled_of = {
+        "co_checkpoint_tile": "checkpoint",
+        "co_checkpoint_offload_tile": "co_checkpoint_offload",
+        "co_checkpoint_offload_tile_norms": "co_checkpoint_offload",
+    }
+    out = {
+        "layers": PREDICT_LAYERS,
+        "shape": dict(GPU_SHAPE),
+        "dtype": "bfloat16",
+        "weights_bytes": weights,
+        "grads_bytes": weights,
+        "loss_chunk_bytes": loss_chunk,
+        "loss_chunk_tokens": chunk,
+        "tile": tile,
+        "host_gb": args.host_gb,
+        "host_share": HOST_SHARE,
+        "caps_gb": list(PREDICT_CAPS_GB),
+        "arms": {},
+        "assumes": (
+            f"per token: the CPU-measured widths x {dim} x {elt} bytes; fixed: weights + gradients "
+            f"({2 * weights / 1e9:.1f} GB), one loss chunk of {chunk} tokens x vocabulary "
+            f"{GPU_SHAPE['vocab']} x {LOSS_BYTES_PER_LOGIT} bytes ({loss_chunk / 1e9:.2f} GB), tiled arms "
+            f"one tile of {tile} positions x the widths tiling removed; no optimizer state; host: "
+            f"{HOST_SHARE:.0%} of {args.host_gb:g} GB for offloaded bytes (--host-gb)"
+        ),
+    }
     base = None
     for name, r in arms.items():
         if r.get("status") != "ok":
@@ -1125,19 +1325,28 @@ def predict_8b(arms: dict, args) -> dict:
         if src in arms and arms[src].get("status") == "ok":
             tile_ws = max(0.0, arms[src]["widths_per_token"] - r["widths_per_token"]) * dim * elt * tile
         fixed += tile_ws
-        row = {"bytes_per_token": per_token, "host_bytes_per_token": host_per_token, "fixed_bytes": fixed,
-               "tile_working_set_bytes": tile_ws, "caps": {}}
+        row = {
+            "bytes_per_token": per_token,
+            "host_bytes_per_token": host_per_token,
+            "fixed_bytes": fixed,
+            "tile_working_set_bytes": tile_ws,
+            "caps": {},
+        }
         for cap in PREDICT_CAPS_GB:
             s = predict_max_seq((fixed, per_token), int(cap * 1e9)) or 0  # None: no bytes per token measured
             host_bytes = host_per_token * s
-            row["caps"][str(cap)] = {"max_seq": s, "host_bytes": host_bytes,
-                                     "disk_tier": host_bytes > HOST_SHARE * args.host_gb * 1e9}
+            row["caps"][str(cap)] = {
+                "max_seq": s,
+                "host_bytes": host_bytes,
+                "disk_tier": host_bytes > HOST_SHARE * args.host_gb * 1e9,
+            }
         out["arms"][name] = row
         if name == "checkpoint":
             base = row
-    for name, row in out["arms"].items():
-        row["per_token_ratio_to_checkpoint"] = (base["bytes_per_token"] / row["bytes_per_token"]
-                                                if base and row["bytes_per_token"] > 0 else None)
+    for row in out["arms"].values():
+        row["per_token_ratio_to_checkpoint"] = (
+            base["bytes_per_token"] / row["bytes_per_token"] if base and row["bytes_per_token"] > 0 else None
+        )
         for cap, cell in row["caps"].items():
             b = base["caps"][cap]["max_seq"] if base else None
             cell["ratio_to_checkpoint"] = cell["max_seq"] / b if b else None
@@ -1146,10 +1355,14 @@ def predict_8b(arms: dict, args) -> dict:
 
 def format_per_token(pt: dict) -> list:
     """The memory-per-token section of the markdown report."""
-    lines = ["## Memory per token (CPU-measured) and the longest sequence of the 8B-class stack", "",
-             f"Measured: {pt['method']}. {pt['elapsed_s']:.0f} s.", "",
-             "| arm | bytes / token | widths / token | x checkpoint | fit residual | host bytes / token |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Memory per token (CPU-measured) and the longest sequence of the 8B-class stack",
+        "",
+        f"Measured: {pt['method']}. {pt['elapsed_s']:.0f} s.",
+        "",
+        "| arm | bytes / token | widths / token | x checkpoint | fit residual | host bytes / token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     arms = pt["arms"]
     ck = arms.get("checkpoint", {}).get("bytes_per_token")
     for name, r in arms.items():
@@ -1157,14 +1370,21 @@ def format_per_token(pt: dict) -> list:
             lines.append(f"| {name} | {r.get('status')} | | | | |")
             continue
         ratio = f"{ck / r['bytes_per_token']:.2f}" if ck else "-"
-        lines.append(f"| {name} | {r['bytes_per_token']:,.0f} | {r['widths_per_token']:.2f} | {ratio} | "
-                     f"{r['fit_max_residual']:.1e} | {r['host_bytes_per_token']:,.0f} |")
+        lines.append(
+            f"| {name} | {r['bytes_per_token']:,.0f} | {r['widths_per_token']:.2f} | {ratio} | "
+            f"{r['fit_max_residual']:.1e} | {r['host_bytes_per_token']:,.0f} |"
+        )
     pr = pt["prediction"]
     caps = pr["caps_gb"]
-    lines += ["", f"Predicted for {pr['layers']} layers of hidden {pr['shape']['dim']} (bf16): {pr['assumes']}.", "",
-              "| arm | GB / 1K tokens | fixed GB | " + " | ".join(f"{c:g} GB: longest seq (x ckpt), host GB"
-                                                              for c in caps) + " |",
-              "|---|---:|---:|" + "---:|" * len(caps)]
+    lines += [
+        "",
+        f"Predicted for {pr['layers']} layers of hidden {pr['shape']['dim']} (bf16): {pr['assumes']}.",
+        "",
+        "| arm | GB / 1K tokens | fixed GB | "
+        + " | ".join(f"{c:g} GB: longest seq (x ckpt), host GB" for c in caps)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(caps),
+    ]
     for name, row in pr["arms"].items():
         cells = []
         for c in caps:
@@ -1172,13 +1392,17 @@ def format_per_token(pt: dict) -> list:
             ratio = "-" if cell["ratio_to_checkpoint"] is None else f"{cell['ratio_to_checkpoint']:.2f}x"
             disk = " **disk tier**" if cell["disk_tier"] else ""
             cells.append(f"{cell['max_seq']:,} ({ratio}), {cell['host_bytes'] / 1e9:.0f}{disk}")
-        lines.append(f"| {name} | {row['bytes_per_token'] * 1024 / 1e9:.3f} | {row['fixed_bytes'] / 1e9:.1f} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {name} | {row['bytes_per_token'] * 1024 / 1e9:.3f} | {row['fixed_bytes'] / 1e9:.1f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines.append("")
     return lines
 
 
 # --------------------------------------------------------------------------------------- report
+
 
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
@@ -1205,8 +1429,10 @@ def format_markdown(report: dict) -> str:
     lines = ["# Long-context benchmark: checkpoint and offload recipes" + (" (CPU)" if cpu else ""), ""]
     if cpu:
         lines += [f"> **{CPU_WARNING}**", ""]
-    lines.append(f"{report.get('gpu_name') or 'CPU'} · torch {report['torch_version']} · ckpt_offload "
-                 f"{report['build_info'].get('version')} · {report['date']} · {report['elapsed_s']:.0f} s")
+    lines.append(
+        f"{report.get('gpu_name') or 'CPU'} · torch {report['torch_version']} · ckpt_offload "
+        f"{report['build_info'].get('version')} · {report['date']} · {report['elapsed_s']:.0f} s"
+    )
     lines.append(f"Model: {report['model_note']}. Loss: {report['loss_note']}. Step: {report['step_note']}.")
     lw = report["layers_why"]
     lines.append(f"Layers: {report['layers_per_seq']} ({lw})")
@@ -1216,24 +1442,37 @@ def format_markdown(report: dict) -> str:
         if "skipped" in res:
             lines += [f"## seq {res['seq_len']}: {res['skipped']}", ""]
             continue
-        lines.append(f"## seq {res['seq_len']} · {res['layers']} layers · {res['num_parameters'] / 1e6:.1f} M "
-                     f"parameters · {res.get('rounds_done')} rounds" + (f" ({res['rounds_note']})"
-                                                                       if res.get("rounds_note") else ""))
+        lines.append(
+            f"## seq {res['seq_len']} · {res['layers']} layers · {res['num_parameters'] / 1e6:.1f} M "
+            f"parameters · {res.get('rounds_done')} rounds"
+            + (f" ({res['rounds_note']})" if res.get("rounds_note") else "")
+        )
         lines.append("")
         lines.append(f"Theory (checkpointing keeps the layer inputs): {_gib(res['theory_resident_bytes'])}.")
         lines.append("")
-        lines.append("| arm | median ms (min-max) | x checkpoint | x baseline | peak | resident after fwd "
-                     "(/ theory) | moved D2H /step | pinned host | RSS growth | grads vs reference |")
+        lines.append(
+            "| arm | median ms (min-max) | x checkpoint | x baseline | peak | resident after fwd "
+            "(/ theory) | moved D2H /step | pinned host | RSS growth | grads vs reference |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for name, r in res["arms"].items():
             if r.get("status") != "ok":
                 lines.append(f"| {name} | {r.get('status')} |" + " |" * 8)
                 continue
             g = r.get("grads") or {}
-            gcell = ("reference" if g.get("note") == "this arm is the reference" else
-                     ("-" if g.get("ok") is None else
-                      ("= (bit-identical)" if g.get("bit_identical") else
-                       f"{'ok' if g['ok'] else 'WRONG'} ({g['max_rel_err']:.1e} rel)")))
+            gcell = (
+                "reference"
+                if g.get("note") == "this arm is the reference"
+                else (
+                    "-"
+                    if g.get("ok") is None
+                    else (
+                        "= (bit-identical)"
+                        if g.get("bit_identical")
+                        else f"{'ok' if g['ok'] else 'WRONG'} ({g['max_rel_err']:.1e} rel)"
+                    )
+                )
+            )
             res_cell = _gib(r.get("resident_after_forward_bytes"))
             if r.get("resident_over_theory"):
                 res_cell += f" ({r['resident_over_theory']:.3f})"
@@ -1243,15 +1482,18 @@ def format_markdown(report: dict) -> str:
                 f"{_ratio(r.get('ratio_to_checkpoint'), r.get('noise_floor'))} | "
                 f"{_ratio(r.get('ratio_to_baseline'), r.get('noise_floor'))}{'' if not base else ' vs ' + base} | "
                 f"{_gib(r.get('peak_bytes'))} | {res_cell} | {_gib(r.get('bytes_moved_d2h'))} | "
-                f"{_gib(r.get('pinned_host_bytes'))} | {_gib(r.get('host_rss_growth_bytes'))} | {gcell} |")
+                f"{_gib(r.get('pinned_host_bytes'))} | {_gib(r.get('host_rss_growth_bytes'))} | {gcell} |"
+            )
         plan = res["arms"].get("co_plan") or {}
         if plan.get("budget_bytes"):
             lines.append("")
-            lines.append(f"co_plan: budget {_gib(plan['budget_bytes'])} of saved activations (checkpoint "
-                         f"{_gib(plan['checkpoint_predicted_peak_bytes'])}, checkpoint+offload "
-                         f"{_gib(plan['checkpoint_offload_predicted_peak_bytes'])}, predicted); choices "
-                         f"{plan['choices']}; predicted step {_ms(plan['predicted_step_s'])} ms, measured "
-                         f"{_ms(plan.get('median_s'))} ms.")
+            lines.append(
+                f"co_plan: budget {_gib(plan['budget_bytes'])} of saved activations (checkpoint "
+                f"{_gib(plan['checkpoint_predicted_peak_bytes'])}, checkpoint+offload "
+                f"{_gib(plan['checkpoint_offload_predicted_peak_bytes'])}, predicted); choices "
+                f"{plan['choices']}; predicted step {_ms(plan['predicted_step_s'])} ms, measured "
+                f"{_ms(plan.get('median_s'))} ms."
+            )
         lines.append("")
     ms = report.get("max_seq") or {}
     lines.append("## Max trainable sequence under a memory cap")
@@ -1301,11 +1543,14 @@ def write_plot(report: dict, path: str) -> str | None:
             label = None if name in labelled else name
             labelled.add(name)
             y = r.get("peak_bytes") if not cpu else r.get("bytes_moved_d2h") or 0
-            ax.scatter(r["median_s"] * 1e3, (y or 0) / GiB, marker=markers[i % len(markers)],
-                       color=f"C{i}", label=label)
+            ax.scatter(
+                r["median_s"] * 1e3, (y or 0) / GiB, marker=markers[i % len(markers)], color=f"C{i}", label=label
+            )
             ax.annotate(str(res["seq_len"]), (r["median_s"] * 1e3, (y or 0) / GiB), fontsize=6)
     ax.set_xlabel("median step time (ms)" + (" - CPU times" if cpu else ""))
-    ax.set_ylabel("bytes moved to the host per step (GiB) - CPU: no device memory" if cpu else "peak device memory (GiB)")
+    ax.set_ylabel(
+        "bytes moved to the host per step (GiB) - CPU: no device memory" if cpu else "peak device memory (GiB)"
+    )
     ax.set_title(f"{report.get('gpu_name') or 'CPU (not GPU numbers)'} · long context · label = seq len")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -1323,6 +1568,7 @@ def write_outputs(report: dict, out: str) -> None:
 
 # --------------------------------------------------------------------------------------- main
 
+
 def _float_list(text: str) -> list[float]:
     try:
         return [float(v) for v in text.replace(" ", "").split(",") if v]
@@ -1339,32 +1585,56 @@ def _arm_list(text: str) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes, every arm's code path, seconds")
     p.add_argument("--out", default=None, help="write long_context.json, .md and .png into this folder")
     p.add_argument("--seq-lens", type=positive_int_list, default=None, help="default 8192,16384,32768")
-    p.add_argument("--layers", type=int, default=None,
-                   help="layers at every length (default: the most the budget allows, per length)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers at every length (default: the most the budget allows, per length)",
+    )
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per arm per round (default 5)")
     p.add_argument("--chunk", type=int, default=None, help="tokens per loss chunk (default 4096)")
-    p.add_argument("--tile", type=int, default=None,
-                   help="positions per MLP tile of the tiled arms (default 4096, the hidden size; CPU 16)")
-    p.add_argument("--per-token", action="store_true",
-                   help="only the CPU memory-per-token table at the 8B-class proportions (see the module docstring)")
+    p.add_argument(
+        "--tile",
+        type=int,
+        default=None,
+        help="positions per MLP tile of the tiled arms (default 4096, the hidden size; CPU 16)",
+    )
+    p.add_argument(
+        "--per-token",
+        action="store_true",
+        help="only the CPU memory-per-token table at the 8B-class proportions (see the module docstring)",
+    )
     p.add_argument("--per-token-layers", type=int, default=None, help="layers of the per-token model (default 32)")
     p.add_argument("--per-token-dim", type=int, default=None, help="hidden size of the per-token model (default 256)")
-    p.add_argument("--per-token-seq-lens", type=positive_int_list, default=None,
-                   help="lengths the per-token peaks are measured at (default 1024,1536,2048)")
+    p.add_argument(
+        "--per-token-seq-lens",
+        type=positive_int_list,
+        default=None,
+        help="lengths the per-token peaks are measured at (default 1024,1536,2048)",
+    )
     p.add_argument("--per-token-tile", type=int, default=None, help="MLP tile of the per-token model (default 32)")
     p.add_argument("--per-token-chunk", type=int, default=None, help="loss chunk of the per-token model (default 64)")
-    p.add_argument("--host-gb", type=float, default=128.0,
-                   help="host memory the predictions assume for the GPU machine, GB (default 128); "
-                        f"{HOST_SHARE:.0%} of it may hold offloaded bytes")
+    p.add_argument(
+        "--host-gb",
+        type=float,
+        default=128.0,
+        help="host memory the predictions assume for the GPU machine, GB (default 128); "
+        f"{HOST_SHARE:.0%} of it may hold offloaded bytes",
+    )
     p.add_argument("--arms", type=_arm_list, default=list(ARMS), help="comma-separated subset of " + ",".join(ARMS))
-    p.add_argument("--caps-gb", type=_float_list, default=[80.0, 40.0],
-                   help="memory caps of the max-sequence search, GB (default 80,40; empty: no search)")
+    p.add_argument(
+        "--caps-gb",
+        type=_float_list,
+        default=[80.0, 40.0],
+        help="memory caps of the max-sequence search, GB (default 80,40; empty: no search)",
+    )
     p.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 170 s)")
     p.add_argument("--est-tflops", type=float, default=600.0, help="matmul TFLOPS the layer count assumes")
     p.add_argument("--est-attn-tflops", type=float, default=400.0, help="attention TFLOPS the layer count assumes")
@@ -1420,15 +1690,20 @@ def main(argv=None) -> int:
             cal = calibrate(args, device, dtype, shape)
             layers, arithmetic = choose_layers(args, shape, len(args.arms), cal)
             arithmetic["calibration"] = cal
-            why = (f"the timed part within 75% of --budget-s {args.budget_s:g} ({arithmetic['share_s']:.0f} s): "
-                   f"{arithmetic['steps_per_arm']} steps x {arithmetic['arm_weight']:.1f} arm-equivalents (co_offload "
-                   f"counts {arithmetic['offload_factor']:.1f}, measured) x the step, layers added where the step is "
-                   f"shortest; predicted steps "
-                   f"{ {k: round(v, 3) for k, v in arithmetic['per_seq_step_s'].items()} } s, timed part "
-                   f"{arithmetic['predicted_timed_s']:.0f} s; at least {MIN_LAYERS} layers (with one, nothing "
-                   f"overlaps a reload); {arithmetic['assumes']}"
-                   + (f"; step under 200 ms at {arithmetic['below_200ms']}: raise --budget-s for more layers"
-                      if arithmetic["below_200ms"] else ""))
+            why = (
+                f"the timed part within 75% of --budget-s {args.budget_s:g} ({arithmetic['share_s']:.0f} s): "
+                f"{arithmetic['steps_per_arm']} steps x {arithmetic['arm_weight']:.1f} arm-equivalents (co_offload "
+                f"counts {arithmetic['offload_factor']:.1f}, measured) x the step, layers added where the step is "
+                f"shortest; predicted steps "
+                f"{ {k: round(v, 3) for k, v in arithmetic['per_seq_step_s'].items()} } s, timed part "
+                f"{arithmetic['predicted_timed_s']:.0f} s; at least {MIN_LAYERS} layers (with one, nothing "
+                f"overlaps a reload); {arithmetic['assumes']}"
+                + (
+                    f"; step under 200 ms at {arithmetic['below_200ms']}: raise --budget-s for more layers"
+                    if arithmetic["below_200ms"]
+                    else ""
+                )
+            )
         report = {
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),  # noqa: UP017
             "mode": "gpu" if on_gpu else "cpu",
@@ -1436,22 +1711,32 @@ def main(argv=None) -> int:
             "gpu_name": torch.cuda.get_device_name(device) if on_gpu else None,
             "torch_version": torch.__version__,
             "build_info": co.build_info(),
-            "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                     "python": platform.python_version(), "cpus": os.cpu_count()},
+            "host": {
+                "hostname": socket.gethostname(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+            },
             "args": vars(args),
             "arms": {a: DESCRIPTIONS[a] for a in args.arms},
             "baselines": {a: BASELINE[a] for a in args.arms},
-            "model_note": (f"{'8B-class' if not args.quick else 'tiny CPU'} decoder layers: hidden {shape['dim']}, "
-                           f"{shape['heads']} query / {shape['kv_heads']} KV heads, SwiGLU {shape['ffn_dim']}, "
-                           f"RMSNorm, RoPE, SDPA; {args.dtype}; batch 1"),
-            "loss_note": (f"vocabulary {shape['vocab']}; LM head + float32 cross-entropy in {args.chunk}-token "
-                          f"chunks, each under torch.utils.checkpoint (logits never exceed one chunk), outside "
-                          f"every arm's context; the tiled arms: co.tiled_cross_entropy in tiles of {args.chunk} "
-                          f"tokens, their MLPs in tiles of {args.tile} positions"),
+            "model_note": (
+                f"{'8B-class' if not args.quick else 'tiny CPU'} decoder layers: hidden {shape['dim']}, "
+                f"{shape['heads']} query / {shape['kv_heads']} KV heads, SwiGLU {shape['ffn_dim']}, "
+                f"RMSNorm, RoPE, SDPA; {args.dtype}; batch 1"
+            ),
+            "loss_note": (
+                f"vocabulary {shape['vocab']}; LM head + float32 cross-entropy in {args.chunk}-token "
+                f"chunks, each under torch.utils.checkpoint (logits never exceed one chunk), outside "
+                f"every arm's context; the tiled arms: co.tiled_cross_entropy in tiles of {args.chunk} "
+                f"tokens, their MLPs in tiles of {args.tile} positions"
+            ),
             "step_note": "forward + backward, no optimizer step (same for every arm; adds only weight memory)",
-            "timing_note": (f"{'CUDA events' if on_gpu else 'perf_counter (CPU)'} per step, gc disabled, "
-                            f"{args.rounds} rounds x {args.steps} steps per arm interleaved round-robin after one "
-                            f"warm-up step per arm (memory, bytes, gradients); median and min-max"),
+            "timing_note": (
+                f"{'CUDA events' if on_gpu else 'perf_counter (CPU)'} per step, gc disabled, "
+                f"{args.rounds} rounds x {args.steps} steps per arm interleaved round-robin after one "
+                f"warm-up step per arm (memory, bytes, gradients); median and min-max"
+            ),
             "layers_per_seq": {str(k): v for k, v in layers.items()},
             "layers_why": why,
             "layers_arithmetic": arithmetic,
@@ -1463,7 +1748,9 @@ def main(argv=None) -> int:
         if on_gpu:
             raw = raw_copy_bandwidth(64 * MiB, device)
             report["raw_bandwidth"] = raw
-            print(f"long_context: raw pinned copy 64 MiB: D2H {raw['d2h_gbps']:.1f} GB/s, H2D {raw['h2d_gbps']:.1f} GB/s")
+            print(
+                f"long_context: raw pinned copy 64 MiB: D2H {raw['d2h_gbps']:.1f} GB/s, H2D {raw['h2d_gbps']:.1f} GB/s"
+            )
         # leave time for the max-sequence search after the timed lengths
         reserve = 0.15 * args.budget_s if (on_gpu and args.caps_gb) else 0.0
         last = None
@@ -1472,15 +1759,30 @@ def main(argv=None) -> int:
             # the calibrated prediction; else the previous length's time scaled by the FLOP model
             # (CPU: tiny shapes, host-bound: as is)
             if arithmetic is not None:
-                predicted = (arithmetic["steps_per_arm"] * arithmetic["arm_weight"]
-                             * arithmetic["per_seq_step_s"][str(seq)])
+                predicted = (
+                    arithmetic["steps_per_arm"] * arithmetic["arm_weight"] * arithmetic["per_seq_step_s"][str(seq)]
+                )
             else:
-                predicted = 0.0 if last is None else last[1] * (1.0 if not on_gpu else (
-                    estimate_step_s(shape, layers[seq], seq, args.est_tflops, args.est_attn_tflops, True)
-                    / estimate_step_s(shape, layers[last[0]], last[0], args.est_tflops, args.est_attn_tflops, True)))
+                predicted = (
+                    0.0
+                    if last is None
+                    else last[1]
+                    * (
+                        1.0
+                        if not on_gpu
+                        else (
+                            estimate_step_s(shape, layers[seq], seq, args.est_tflops, args.est_attn_tflops, True)
+                            / estimate_step_s(
+                                shape, layers[last[0]], last[0], args.est_tflops, args.est_attn_tflops, True
+                            )
+                        )
+                    )
+                )
             if (last is not None or arithmetic is not None) and now + predicted > deadline - reserve:
-                msg = (f"seq {seq} skipped: predicted {predicted:.0f} s would end past --budget-s {args.budget_s:g} "
-                       f"(less {reserve:.0f} s kept for the max-sequence search)")
+                msg = (
+                    f"seq {seq} skipped: predicted {predicted:.0f} s would end past --budget-s {args.budget_s:g} "
+                    f"(less {reserve:.0f} s kept for the max-sequence search)"
+                )
                 report["results"].append({"seq_len": seq, "layers": layers[seq], "skipped": msg})
                 report["skipped"].append(msg)
                 print(f"long_context: {msg}")
@@ -1497,8 +1799,11 @@ def main(argv=None) -> int:
                 write_outputs(report, args.out)  # after every length: a timeout keeps what was measured
         deepest = max(layers.values())
         seq0 = min(s for s in args.seq_lens if layers[s] == deepest)
-        report["max_seq"] = max_seq_search(args, device, dtype, deepest, seq0, deadline) if args.caps_gb else \
-            {"status": "skipped: --caps-gb is empty"}
+        report["max_seq"] = (
+            max_seq_search(args, device, dtype, deepest, seq0, deadline)
+            if args.caps_gb
+            else {"status": "skipped: --caps-gb is empty"}
+        )
         if report["max_seq"].get("status"):
             print(f"long_context: max sequence: {report['max_seq']['status']}")
         if not on_gpu and set(PER_TOKEN_ARMS) <= set(args.arms):
@@ -1517,17 +1822,30 @@ def main(argv=None) -> int:
 def run_per_token(args) -> int:
     """``--per-token``: the memory-per-token table alone, written as ``long_context_per_token_cpu``."""
     torch.set_num_threads(1)
-    report = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),  # noqa: UP017
-              "mode": "cpu", "torch_version": torch.__version__, "build_info": co.build_info(),
-              "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                       "python": platform.python_version(), "cpus": os.cpu_count()},
-              "command": "python3 benchmarks/long_context.py " + " ".join(sys.argv[1:]), "args": vars(args)}
+    report = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),  # noqa: UP017
+        "mode": "cpu",
+        "torch_version": torch.__version__,
+        "build_info": co.build_info(),
+        "host": {
+            "hostname": socket.gethostname(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "command": "python3 benchmarks/long_context.py " + " ".join(sys.argv[1:]),
+        "args": vars(args),
+    }
     report["per_token"] = pt = per_token_table(args)
     _print_per_token(pt)
     failed = [n for n, r in pt["arms"].items() if r.get("status") != "ok"]
     if args.out:
-        md = ["# Long-context memory per token (CPU-measured, 8B-class proportions)", "",
-              f"CPU numbers: {report['date']}, torch {report['torch_version']}, `{report['command']}`.", ""]
+        md = [
+            "# Long-context memory per token (CPU-measured, 8B-class proportions)",
+            "",
+            f"CPU numbers: {report['date']}, torch {report['torch_version']}, `{report['command']}`.",
+            "",
+        ]
         md += format_per_token(pt)
         save_report(args.out, "long_context_per_token_cpu", report, "\n".join(md) + "\n")
         print(f"long_context: wrote long_context_per_token_cpu.json and .md to {args.out}")
@@ -1541,25 +1859,34 @@ def _print_per_token(pt: dict) -> None:
             print(f"  {name:<34} {r.get('status')}")
             continue
         row = pt["prediction"]["arms"].get(name, {})
-        caps = "  ".join(f"{c}GB {cell['max_seq']:>9,} ({(cell['ratio_to_checkpoint'] or 0):.2f}x)"
-                         f"{' disk' if cell['disk_tier'] else ''}" for c, cell in row.get("caps", {}).items())
-        print(f"  {name:<34} {r['bytes_per_token']:>10,.0f} B/token = {r['widths_per_token']:6.2f} widths  "
-              f"(fit residual {r['fit_max_residual']:.1e})  8B-class: {caps}")
+        caps = "  ".join(
+            f"{c}GB {cell['max_seq']:>9,} ({(cell['ratio_to_checkpoint'] or 0):.2f}x)"
+            f"{' disk' if cell['disk_tier'] else ''}"
+            for c, cell in row.get("caps", {}).items()
+        )
+        print(
+            f"  {name:<34} {r['bytes_per_token']:>10,.0f} B/token = {r['widths_per_token']:6.2f} widths  "
+            f"(fit residual {r['fit_max_residual']:.1e})  8B-class: {caps}"
+        )
 
 
 def _print_length(res: dict) -> None:
-    print(f"seq {res['seq_len']} · {res['layers']} layers · {res.get('rounds_done')} rounds · theory "
-          f"{_gib(res['theory_resident_bytes'])}")
+    print(
+        f"seq {res['seq_len']} · {res['layers']} layers · {res.get('rounds_done')} rounds · theory "
+        f"{_gib(res['theory_resident_bytes'])}"
+    )
     for name, r in res["arms"].items():
         if r.get("status") != "ok":
             print(f"  {name:<22} {r.get('status')}")
             continue
         g = r.get("grads") or {}
-        print(f"  {name:<22} {_ms(r.get('median_s')):>9} ms ({_ms(r.get('min_s'))}-{_ms(r.get('max_s'))})  "
-              f"x ckpt {_ratio(r.get('ratio_to_checkpoint'), r.get('noise_floor'))}  "
-              f"x {r.get('baseline') or '-'} {_ratio(r.get('ratio_to_baseline'), r.get('noise_floor'))}  "
-              f"peak {_gib(r.get('peak_bytes'))}  moved {_gib(r.get('bytes_moved_d2h'))}  "
-              f"grads {'reference' if g.get('note') else ('=' if g.get('bit_identical') else g.get('ok'))}")
+        print(
+            f"  {name:<22} {_ms(r.get('median_s')):>9} ms ({_ms(r.get('min_s'))}-{_ms(r.get('max_s'))})  "
+            f"x ckpt {_ratio(r.get('ratio_to_checkpoint'), r.get('noise_floor'))}  "
+            f"x {r.get('baseline') or '-'} {_ratio(r.get('ratio_to_baseline'), r.get('noise_floor'))}  "
+            f"peak {_gib(r.get('peak_bytes'))}  moved {_gib(r.get('bytes_moved_d2h'))}  "
+            f"grads {'reference' if g.get('note') else ('=' if g.get('bit_identical') else g.get('ok'))}"
+        )
 
 
 if __name__ == "__main__":

@@ -93,8 +93,14 @@ from overlap_strategies import (  # noqa: E402, F401 - BASELINE, OUR_OPTIONS: th
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-GPU_DEFAULTS = {"model": "1b", "seq_lens": [512, 1024, 2048, 4096], "batch": 1, "steps": 6, "warmup": 2,
-                "dtype": "bfloat16"}
+GPU_DEFAULTS = {
+    "model": "1b",
+    "seq_lens": [512, 1024, 2048, 4096],
+    "batch": 1,
+    "steps": 6,
+    "warmup": 2,
+    "dtype": "bfloat16",
+}
 GPU_QUICK = {"model": "small", "seq_lens": [512, 1024], "batch": 1, "steps": 3, "warmup": 1, "dtype": "bfloat16"}
 CPU_DEFAULTS = {"model": "tiny", "seq_lens": [64, 128, 256], "batch": 2, "steps": 5, "warmup": 2, "dtype": "float32"}
 CPU_QUICK = {"model": "tiny", "seq_lens": [64, 128], "batch": 2, "steps": 3, "warmup": 1, "dtype": "float32"}
@@ -105,31 +111,50 @@ def _strategy_list(text: str) -> list[str]:
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"--strategies: unknown strategy {unknown or text!r}; choose from {', '.join(STRATEGIES)}")
+            f"--strategies: unknown strategy {unknown or text!r}; choose from {', '.join(STRATEGIES)}"
+        )
     return names
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="a short smoke run (CPU: ~seconds)")
-    p.add_argument("--seq-lens", type=positive_int_list, default=None,
-                   help="comma-separated sequence lengths, e.g. 512,1024,2048,4096")
+    p.add_argument(
+        "--seq-lens",
+        type=positive_int_list,
+        default=None,
+        help="comma-separated sequence lengths, e.g. 512,1024,2048,4096",
+    )
     p.add_argument("--batch", type=int, default=None, help="batch size")
     p.add_argument("--steps", type=int, default=None, help="timed steps per strategy")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps before timing (>= 1; the first measures memory, bytes and gradients)")
-    p.add_argument("--model", choices=tuple(DECODER_CONFIGS), default=None,
-                   help="Llama preset (GPU default 1b, CPU default tiny)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps before timing (>= 1; the first measures memory, bytes and gradients)",
+    )
+    p.add_argument(
+        "--model", choices=tuple(DECODER_CONFIGS), default=None, help="Llama preset (GPU default 1b, CPU default tiny)"
+    )
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="GPU default bfloat16, CPU float32")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--strategies", type=_strategy_list, default=list(STRATEGIES),
-                   help="comma-separated subset (none and checkpoint always run): " + ",".join(STRATEGIES))
+    p.add_argument(
+        "--strategies",
+        type=_strategy_list,
+        default=list(STRATEGIES),
+        help="comma-separated subset (none and checkpoint always run): " + ",".join(STRATEGIES),
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="skip a sequence length when it is predicted to end after this many seconds from the "
-                        "start (its rows say 'skipped')")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="skip a sequence length when it is predicted to end after this many seconds from the "
+        "start (its rows say 'skipped')",
+    )
     p.add_argument("--out", default=None, help="write overlap.json, overlap.md, overlap.png into this folder")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
@@ -138,8 +163,10 @@ def parse_args(argv=None):
     if args.device == "auto":
         args.device = "cuda" if gpu else "cpu"
     elif args.device == "cuda" and not gpu:
-        p.error("--device cuda: no usable CUDA device here (torch.cuda.is_available() is False or ckpt_offload "
-                "was built without CUDA); use --device cpu or auto")
+        p.error(
+            "--device cuda: no usable CUDA device here (torch.cuda.is_available() is False or ckpt_offload "
+            "was built without CUDA); use --device cpu or auto"
+        )
     on_gpu = args.device == "cuda"
     defaults = (GPU_QUICK if args.quick else GPU_DEFAULTS) if on_gpu else (CPU_QUICK if args.quick else CPU_DEFAULTS)
     for key, value in defaults.items():
@@ -166,6 +193,7 @@ def _progress(total: int, disable: bool):
 
         return tqdm(total=total, desc="overlap", unit="run", leave=False, dynamic_ncols=True)
     except ImportError:
+
         class _Null:
             @staticmethod
             def write(s):
@@ -190,16 +218,18 @@ def _print_row(row: dict, write) -> None:
     host = row.get("host") or {}
     g = (row.get("grads") or {}).get("vs_none") or {}
     vr = (row.get("grads") or {}).get("vs_reference")
-    write(f"  {row['strategy']:<28} {row['median_step_s'] * 1e3:9.2f} ms  x{fmt(row.get('ratio_to_checkpoint'))}"
-          f"  peak {mib(row.get('peak_above_start_bytes'))} MiB  host req {mib(host.get('bytes_requested'))} MiB"
-          f"  grads vs none {'=' if g.get('bit_identical') else fmt(g.get('max_abs_diff'), '.1e')}"
-          + ("" if vr is None else f", vs {row['grads']['reference']} {'=' if vr['bit_identical'] else 'DIFF'}"))
+    write(
+        f"  {row['strategy']:<28} {row['median_step_s'] * 1e3:9.2f} ms  x{fmt(row.get('ratio_to_checkpoint'))}"
+        f"  peak {mib(row.get('peak_above_start_bytes'))} MiB  host req {mib(host.get('bytes_requested'))} MiB"
+        f"  grads vs none {'=' if g.get('bit_identical') else fmt(g.get('max_abs_diff'), '.1e')}"
+        + ("" if vr is None else f", vs {row['grads']['reference']} {'=' if vr['bit_identical'] else 'DIFF'}")
+    )
 
 
 def main(argv=None) -> int:
     """Runs the benchmark; returns the exit status. Example::
 
-        main(["--quick", "--out", "/tmp/overlap"])       # CPU: a few seconds
+    main(["--quick", "--out", "/tmp/overlap"])       # CPU: a few seconds
     """
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -224,18 +254,24 @@ def main(argv=None) -> int:
             "torch_version": torch.__version__,
             "build_info": co.build_info(),
             "co_profile_available": hasattr(co, "profile"),
-            "host": {"hostname": socket.gethostname(), "platform": platform.platform(),
-                     "python": platform.python_version(), "cpus": os.cpu_count(),
-                     "torch_threads": torch.get_num_threads()},
+            "host": {
+                "hostname": socket.gethostname(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+            },
             "args": {k: v for k, v in vars(args).items()},
             "model": {**cfg.as_dict(), "num_parameters": model.num_parameters()},
             "strategies": {s: DESCRIPTIONS[s] for s in args.strategies},
             "raw_bandwidth": {},
             "results": [],
         }
-        print(f"overlap: {report['gpu_name'] or 'CPU'} · model {cfg.name} ({model.num_parameters() / 1e6:.1f} M "
-              f"params) · {args.dtype} · batch {args.batch} · seq {args.seq_lens} · {args.steps} steps "
-              f"(+{args.warmup} warmup)" + ("" if on_gpu else " · CPU numbers, not GPU numbers"))
+        print(
+            f"overlap: {report['gpu_name'] or 'CPU'} · model {cfg.name} ({model.num_parameters() / 1e6:.1f} M "
+            f"params) · {args.dtype} · batch {args.batch} · seq {args.seq_lens} · {args.steps} steps "
+            f"(+{args.warmup} warmup)" + ("" if on_gpu else " · CPU numbers, not GPU numbers")
+        )
         bar = _progress(len(args.seq_lens) * len(args.strategies), args.no_progress)
         last = None  # (seq, seconds) of the previous length, to predict the next one
         for seq in args.seq_lens:
@@ -244,9 +280,15 @@ def main(argv=None) -> int:
             predicted = 0.0 if last is None else last[1] * 1.25 * seq / last[0]
             if args.budget_s is not None and elapsed + predicted > args.budget_s:
                 for name in args.strategies:
-                    report["results"].append({"seq_len": seq, "batch": args.batch, "strategy": name,
-                                              "status": f"skipped: --budget-s {args.budget_s:g} s would be "
-                                                        f"exceeded (predicted {elapsed + predicted:.0f} s)"})
+                    report["results"].append(
+                        {
+                            "seq_len": seq,
+                            "batch": args.batch,
+                            "strategy": name,
+                            "status": f"skipped: --budget-s {args.budget_s:g} s would be "
+                            f"exceeded (predicted {elapsed + predicted:.0f} s)",
+                        }
+                    )
                 bar.update(len(args.strategies))
                 bar.write(f"seq {seq}: {report['results'][-1]['status']}")
                 continue
@@ -287,13 +329,17 @@ def main(argv=None) -> int:
                 g = (rows.get(name) or {}).get("grads") or {}
                 vr = g.get("vs_reference")
                 if vr is not None and not vr["bit_identical"] and g.get("reference_repeatable"):
-                    bar.write(f"overlap: {name} at seq {seq}: gradients differ from {g['reference']} "
-                              f"(max abs diff {vr['max_abs_diff']:.3e})")
+                    bar.write(
+                        f"overlap: {name} at seq {seq}: gradients differ from {g['reference']} "
+                        f"(max abs diff {vr['max_abs_diff']:.3e})"
+                    )
                     status = 1
             report["results"].extend(public_row(r) for r in rows.values())
             del rows, ref_grads
-            bar.write(f"seq {seq} (raw copy of {mib(act_bytes)} MiB: D2H {raw['d2h_gbps']:.2f} GB/s, "
-                  f"H2D {raw['h2d_gbps']:.2f} GB/s{'' if on_gpu else ', CPU memcpy'})")
+            bar.write(
+                f"seq {seq} (raw copy of {mib(act_bytes)} MiB: D2H {raw['d2h_gbps']:.2f} GB/s, "
+                f"H2D {raw['h2d_gbps']:.2f} GB/s{'' if on_gpu else ', CPU memcpy'})"
+            )
             for r in [r for r in report["results"] if r["seq_len"] == seq]:
                 _print_row(r, bar.write)
             last = (seq, time.perf_counter() - t_seq)
@@ -306,14 +352,18 @@ def main(argv=None) -> int:
         report["elapsed_s"] = time.perf_counter() - t_start
         for p in report["headline"]["per_seq"]:
             o, h = p["ours_overhead"], p["hf_overhead"]
-            print(f"headline seq {p['seq_len']}: co_checkpoint_side_prefetch vs checkpoint "
-                  f"{'-' if o is None else f'{o * 100:+.1f}%'}, hf_offload "
-                  f"{'-' if h is None else f'{h * 100:+.1f}%'}" + ("" if on_gpu else " (CPU times)"))
+            print(
+                f"headline seq {p['seq_len']}: co_checkpoint_side_prefetch vs checkpoint "
+                f"{'-' if o is None else f'{o * 100:+.1f}%'}, hf_offload "
+                f"{'-' if h is None else f'{h * 100:+.1f}%'}" + ("" if on_gpu else " (CPU times)")
+            )
         if args.out:
             write_outputs(report, args.out)
             written = ["overlap.json", "overlap.md"] + ([] if report.get("plot") else ["overlap.png"])
-            print(f"wrote {', '.join(written)} to {args.out}" + (f" (overlap.png {report['plot']})"
-                                                                   if report.get("plot") else ""))
+            print(
+                f"wrote {', '.join(written)} to {args.out}"
+                + (f" (overlap.png {report['plot']})" if report.get("plot") else "")
+            )
         print(f"overlap: done in {report['elapsed_s']:.1f} s")
     finally:
         torch.set_num_threads(old_threads)

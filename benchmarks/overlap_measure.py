@@ -23,6 +23,7 @@ from overlap_strategies import BASELINE, OURS, REFERENCES, MiB, Strategy
 
 import ckpt_offload as co
 
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -59,8 +60,11 @@ def raw_copy_bandwidth(nbytes: int, device: torch.device, min_bytes_moved: int =
     calls = max(2, min(max_calls, math.ceil(min_bytes_moved / max(nbytes, 1))))
     if not on_gpu:
         calls = max(2, min(calls, 16))
-    out = {"bytes": nbytes, "calls": calls,
-           "method": "pinned copy_(non_blocking=True)" if on_gpu else "CPU memcpy copy_ (pageable)"}
+    out = {
+        "bytes": nbytes,
+        "calls": calls,
+        "method": "pinned copy_(non_blocking=True)" if on_gpu else "CPU memcpy copy_ (pageable)",
+    }
     for direction, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
         for _ in range(2):
             dst.copy_(src, non_blocking=on_gpu)
@@ -209,9 +213,13 @@ def run_strategy(model, tokens, strategy: Strategy, device: torch.device, args) 
             host["context_stats"] = measure["context_stats"]
     elif strategy.name in ("hf_offload", "torchtune"):
         requested = measure.get("saved_bytes")
-        host = {"kind": "torch pinned host allocator" if on_gpu else "save_on_cpu, pageable (no copy on CPU)",
-                "bytes_requested": requested, "tensors": measure.get("saved_tensors"),
-                "d2h_bytes_per_step": requested, "h2d_bytes_per_step": requested}
+        host = {
+            "kind": "torch pinned host allocator" if on_gpu else "save_on_cpu, pageable (no copy on CPU)",
+            "bytes_requested": requested,
+            "tensors": measure.get("saved_tensors"),
+            "d2h_bytes_per_step": requested,
+            "h2d_bytes_per_step": requested,
+        }
         final_host = _host_stats() if host_before is not None else None
         if final_host:
             reserved = final_host.get("allocated_bytes.peak")
@@ -219,8 +227,9 @@ def run_strategy(model, tokens, strategy: Strategy, device: torch.device, args) 
                 bytes_reserved=final_host.get("allocated_bytes.current"),
                 peak_bytes_reserved=reserved,
                 num_backend_allocs=final_host.get("num_host_alloc"),
-                backend_allocs_after_first_step=(final_host.get("num_host_alloc", 0)
-                                                 - (host_after_first or {}).get("num_host_alloc", 0)),
+                backend_allocs_after_first_step=(
+                    final_host.get("num_host_alloc", 0) - (host_after_first or {}).get("num_host_alloc", 0)
+                ),
                 reserved_over_requested=(reserved / requested) if reserved and requested else None,
             )
     row["host"] = host or None
@@ -288,9 +297,8 @@ def finish_rows(rows: dict, raw: dict, device: torch.device) -> None:
                 copy_s = d2h / (raw["d2h_gbps"] * 1e9) + h2d / (raw["h2d_gbps"] * 1e9)
                 row["copy_seconds_at_raw_bandwidth"] = copy_s
                 row["hidden_fraction"] = min(1.0, max(0.0, 1.0 - (t - tb) / copy_s))
-                row["hidden_method"] = (
-                    f"estimate: 1 - (t - t_{base}) / (bytes / raw bandwidth)"
-                    + (" (CPU: worker-thread memcpy)" if device.type != "cuda" else "")
+                row["hidden_method"] = f"estimate: 1 - (t - t_{base}) / (bytes / raw bandwidth)" + (
+                    " (CPU: worker-thread memcpy)" if device.type != "cuda" else ""
                 )
             if name in OURS:
                 bw["note"] = row.get("profile_note") or "needs co.profile()"

@@ -42,15 +42,17 @@ def headline(results: list[dict], cpu: bool) -> dict:
         ours, hf = rows.get("co_checkpoint_side_prefetch", {}), rows.get("hf_offload", {})
         o = (ours.get("ratio_to_checkpoint") - 1.0) if ours.get("ratio_to_checkpoint") else None
         h = (hf.get("ratio_to_checkpoint") - 1.0) if hf.get("ratio_to_checkpoint") else None
-        per_seq.append({
-            "seq_len": seq,
-            "ours_strategy": "co_checkpoint_side_prefetch",
-            "ours_status": ours.get("status", "not run"),
-            "ours_overhead": o,
-            "hf_overhead": h,
-            "ours_over_hf_overhead": (o / h) if (o is not None and h and h > 0) else None,
-            "less_than_half_of_hf": (o < 0.5 * h) if (o is not None and h is not None and h > 0) else None,
-        })
+        per_seq.append(
+            {
+                "seq_len": seq,
+                "ours_strategy": "co_checkpoint_side_prefetch",
+                "ours_status": ours.get("status", "not run"),
+                "ours_overhead": o,
+                "hf_overhead": h,
+                "ours_over_hf_overhead": (o / h) if (o is not None and h and h > 0) else None,
+                "less_than_half_of_hf": (o < 0.5 * h) if (o is not None and h is not None and h > 0) else None,
+            }
+        )
     out = {"per_seq": per_seq, "cpu": cpu}
     if per_seq:
         last = per_seq[-1]
@@ -63,15 +65,22 @@ def headline(results: list[dict], cpu: bool) -> dict:
             "within_3pct_of_checkpoint": (last["ours_overhead"] <= 0.03) if last["ours_overhead"] is not None else None,
             "less_than_half_hf_overhead_at_every_length": (
                 all(p["less_than_half_of_hf"] for p in per_seq)
-                if all(p["less_than_half_of_hf"] is not None for p in per_seq) else None),
+                if all(p["less_than_half_of_hf"] is not None for p in per_seq)
+                else None
+            ),
             "bandwidth_at_least_90pct_of_raw": (
                 min(bw["d2h_fraction_of_raw"], bw["h2d_fraction_of_raw"]) >= 0.9
-                if bw.get("d2h_fraction_of_raw") and bw.get("h2d_fraction_of_raw") else None),
-            "reserved_at_most_1_1x_requested": (host["reserved_over_requested"] <= 1.1
-                                                if host.get("reserved_over_requested") else None),
-            "zero_backend_allocs_after_first_step": (host["backend_allocs_after_first_step"] == 0
-                                                     if host.get("backend_allocs_after_first_step") is not None
-                                                     else None),
+                if bw.get("d2h_fraction_of_raw") and bw.get("h2d_fraction_of_raw")
+                else None
+            ),
+            "reserved_at_most_1_1x_requested": (
+                host["reserved_over_requested"] <= 1.1 if host.get("reserved_over_requested") else None
+            ),
+            "zero_backend_allocs_after_first_step": (
+                host["backend_allocs_after_first_step"] == 0
+                if host.get("backend_allocs_after_first_step") is not None
+                else None
+            ),
         }
         out["targets"] = targets
     return out
@@ -90,12 +99,14 @@ def format_markdown(report: dict) -> str:
     lines.append(
         f"{report.get('gpu_name') or 'CPU'} · torch {report['torch_version']} · ckpt_offload "
         f"{report['build_info'].get('version')} (cuda_compiled={report['build_info'].get('cuda_compiled')}, pool "
-        f"{report['build_info'].get('pool_backend')}) · {report['date']}")
+        f"{report['build_info'].get('pool_backend')}) · {report['date']}"
+    )
     lines.append(
         f"Model `{m['name']}` ({m['num_parameters'] / 1e6:.1f} M parameters, {m['layers']} layers, dim {m['dim']}, "
         f"{m['heads']}/{m['kv_heads']} heads, SwiGLU {m['ffn_dim']}, vocab {m['vocab']}) · {report['args']['dtype']}"
         f" · batch {report['args']['batch']} · {report['args']['steps']} timed steps after "
-        f"{report['args']['warmup']} warmup · times are medians{' (CPU times)' if cpu else ''}")
+        f"{report['args']['warmup']} warmup · times are medians{' (CPU times)' if cpu else ''}"
+    )
     lines.append("")
 
     hl = report.get("headline") or {}
@@ -104,26 +115,32 @@ def format_markdown(report: dict) -> str:
     if cpu:
         lines.append("CPU run: the overheads below are CPU step-time ratios, not the GPU targets.")
         lines.append("")
-    lines.append("| seq len | co_checkpoint_side_prefetch overhead vs checkpoint | hf_offload overhead | "
-                 "ours / HF overhead | ours < half of HF |")
+    lines.append(
+        "| seq len | co_checkpoint_side_prefetch overhead vs checkpoint | hf_offload overhead | "
+        "ours / HF overhead | ours < half of HF |"
+    )
     lines.append("|---:|---:|---:|---:|---|")
     for p in hl.get("per_seq", []):
         o = "-" if p["ours_overhead"] is None else f"{p['ours_overhead'] * 100:+.1f}%"
         if p["ours_overhead"] is None and p["ours_status"] != "ok":
             o = p["ours_status"]
         h = "-" if p["hf_overhead"] is None else f"{p['hf_overhead'] * 100:+.1f}%"
-        lines.append(f"| {p['seq_len']} | {o} | {h} | {fmt(p['ours_over_hf_overhead'], '.2f')} | "
-                     f"{_yes(p['less_than_half_of_hf'])} |")
+        lines.append(
+            f"| {p['seq_len']} | {o} | {h} | {fmt(p['ours_over_hf_overhead'], '.2f')} | "
+            f"{_yes(p['less_than_half_of_hf'])} |"
+        )
     t = hl.get("targets")
     if t:
         lines.append("")
-        lines.append(f"Issue-4 targets at seq len {t['at_seq_len']}"
-                     f"{' (CPU run: indicative only for the byte counts)' if cpu else ''}: "
-                     f"within 3% of checkpoint: {_yes(t['within_3pct_of_checkpoint'])}; "
-                     f"< half of HF's overhead at every length: {_yes(t['less_than_half_hf_overhead_at_every_length'])}; "
-                     f">= 90% of raw bandwidth: {_yes(t['bandwidth_at_least_90pct_of_raw'])}; "
-                     f"reserved <= 1.1x requested: {_yes(t['reserved_at_most_1_1x_requested'])}; "
-                     f"zero backend allocations after step 1: {_yes(t['zero_backend_allocs_after_first_step'])}.")
+        lines.append(
+            f"Issue-4 targets at seq len {t['at_seq_len']}"
+            f"{' (CPU run: indicative only for the byte counts)' if cpu else ''}: "
+            f"within 3% of checkpoint: {_yes(t['within_3pct_of_checkpoint'])}; "
+            f"< half of HF's overhead at every length: {_yes(t['less_than_half_hf_overhead_at_every_length'])}; "
+            f">= 90% of raw bandwidth: {_yes(t['bandwidth_at_least_90pct_of_raw'])}; "
+            f"reserved <= 1.1x requested: {_yes(t['reserved_at_most_1_1x_requested'])}; "
+            f"zero backend allocations after step 1: {_yes(t['zero_backend_allocs_after_first_step'])}."
+        )
     lines.append("")
 
     by_seq: dict = {}
@@ -133,12 +150,16 @@ def format_markdown(report: dict) -> str:
         raw = report["raw_bandwidth"].get(str(seq)) or {}
         lines.append(f"## seq len {seq}")
         lines.append("")
-        lines.append(f"Raw copy ({raw.get('method', '-')}, {mib(raw.get('bytes'))} MiB = one layer input): "
-                     f"D2H {fmt(raw.get('d2h_gbps'), '.2f')} GB/s, H2D {fmt(raw.get('h2d_gbps'), '.2f')} GB/s.")
+        lines.append(
+            f"Raw copy ({raw.get('method', '-')}, {mib(raw.get('bytes'))} MiB = one layer input): "
+            f"D2H {fmt(raw.get('d2h_gbps'), '.2f')} GB/s, H2D {fmt(raw.get('h2d_gbps'), '.2f')} GB/s."
+        )
         lines.append("")
-        lines.append("| strategy | step ms | x checkpoint | peak MiB | resident after fwd MiB | host reserved / "
-                     "requested MiB | backend allocs after step 1 | D2H GB/s (of raw) | H2D GB/s (of raw) | "
-                     "copy hidden | grads vs none: max abs diff | = same-checkpointing run |")
+        lines.append(
+            "| strategy | step ms | x checkpoint | peak MiB | resident after fwd MiB | host reserved / "
+            "requested MiB | backend allocs after step 1 | D2H GB/s (of raw) | H2D GB/s (of raw) | "
+            "copy hidden | grads vs none: max abs diff | = same-checkpointing run |"
+        )
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for r in by_seq[seq]:
             if r["status"] != "ok":
@@ -176,11 +197,14 @@ def format_markdown(report: dict) -> str:
                 f"| {r['strategy']} | {r['median_step_s'] * 1e3:.2f} | {fmt(r.get('ratio_to_checkpoint'))} | "
                 f"{mib(r.get('peak_above_start_bytes'))} | {mib(r.get('resident_after_forward_bytes'))} | {host_s} | "
                 f"{'-' if allocs is None else allocs} | {bw_cell('d2h')} | {bw_cell('h2d')} | {hidden} | {diff} | "
-                f"{same} |")
+                f"{same} |"
+            )
         lines.append("")
-    lines.append("Columns: benchmarks/README.md, section overlap.py. Peak MiB is max_memory_allocated above what "
-                 "was allocated when the strategy started (weights, reference gradients). \"(est.)\": hidden "
-                 "fraction estimated from step times and the raw bandwidth (no co.profile()).")
+    lines.append(
+        "Columns: benchmarks/README.md, section overlap.py. Peak MiB is max_memory_allocated above what "
+        'was allocated when the strategy started (weights, reference gradients). "(est.)": hidden '
+        "fraction estimated from step times and the raw bandwidth (no co.profile())."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -220,8 +244,10 @@ def write_plot(report: dict, path: str) -> str | None:
     ax2.set_title("host bytes per step (CPU: no device memory)" if cpu else "peak device memory")
     ax1.legend(fontsize=7)
     m = report["model"]
-    fig.suptitle(f"{report.get('gpu_name') or 'CPU (not GPU numbers)'} · {m['name']} · batch "
-                 f"{report['args']['batch']} · {report['args']['dtype']}")
+    fig.suptitle(
+        f"{report.get('gpu_name') or 'CPU (not GPU numbers)'} · {m['name']} · batch "
+        f"{report['args']['batch']} · {report['args']['dtype']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -45,7 +45,7 @@ DESCRIPTIONS = {
     "co_checkpoint_compute": 'co.checkpoint(offload={"stream": "compute", "prefetch_bytes": 0}) per layer',
     "co_checkpoint_side_prefetch": 'co.checkpoint(offload={"stream": "side"}) per layer (default prefetch)',
     "co_checkpoint_side_batched": 'co.checkpoint(offload={"stream": "side", "batch_below": 262144, '
-                                  '"min_bytes": 4096}) per layer',
+    '"min_bytes": 4096}) per layer',
 }
 #: The run with the same computation and no copies: the reference for the gradients' bit identity,
 #: the step-time overhead and the hidden-copy estimate.
@@ -148,8 +148,9 @@ class Strategy:
     """How one strategy runs a step: a context around the forward, an optional per-layer
     checkpoint function, and (ours) the fresh pool it offloads into."""
 
-    def __init__(self, name, context_factory=None, checkpoint_fn=None, pool=None, options=None, counter=None,
-                 cleanup=None):
+    def __init__(
+        self, name, context_factory=None, checkpoint_fn=None, pool=None, options=None, counter=None, cleanup=None
+    ):
         self.name = name
         self.context_factory = context_factory or contextlib.nullcontext
         self.checkpoint_fn = checkpoint_fn
@@ -194,8 +195,9 @@ def build_strategy(name: str, device: torch.device, model=None) -> Strategy:
         return Strategy(name, checkpoint_fn=torch_ckpt)
     if name == "hf_offload":
         counter = SaveCounter()
-        return Strategy(name, checkpoint_fn=hf_checkpoint_fn(counter, on_gpu, device.type if on_gpu else "cuda"),
-                        counter=counter)
+        return Strategy(
+            name, checkpoint_fn=hf_checkpoint_fn(counter, on_gpu, device.type if on_gpu else "cuda"), counter=counter
+        )
     if name == "torchtune":
         try:
             import torchtune.training  # noqa: F401

@@ -79,10 +79,14 @@ def _baseline_units(cm, name, budget):
 
 def _choices(units):
     """``recompute[0-3]{recompute[0-1] keep[2] recompute[3]}``: each unit, a nested segment's inner ones in braces."""
+
     def one(u):
         text = f"{u.kind}[{u.start}-{u.end}]" if u.end > u.start else u.kind
-        return text + ("{" + " ".join(one(v) if v.end > v.start or v.inner else f"{v.kind}[{v.start}]"
-                                      for v in u.inner) + "}" if u.inner else "")
+        return text + (
+            "{" + " ".join(one(v) if v.end > v.start or v.inner else f"{v.kind}[{v.start}]" for v in u.inner) + "}"
+            if u.inner
+            else ""
+        )
 
     return ",".join(one(u) for u in units)
 
@@ -130,8 +134,12 @@ def main(argv=None) -> int:
     def measure(units, prefetch):
         key = (tuple(units), prefetch)
         if key not in measured_cache:
-            handle = install_units(model, first._named_blocks, units,
-                                   {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch})
+            handle = install_units(
+                model,
+                first._named_blocks,
+                units,
+                {"devices": [device], "min_bytes": cm.min_bytes, "prefetch_bytes": prefetch},
+            )
             try:
                 secs, tl = _measure(step, device, steps)
             finally:
@@ -159,22 +167,43 @@ def main(argv=None) -> int:
                 choices = _choices(units)
             sim = simulate(cm, units, prefetch)
             secs, peak = measure(units, prefetch)
-            rows.append({"budget_bytes": budget, "strategy": name, "choices": choices, "prefetch_bytes": prefetch,
-                         "predicted_peak_bytes": sim.peak_bytes, "predicted_step_s": sim.step_s,
-                         "measured_peak_bytes": peak, "measured_step_s": secs,
-                         "fits_predicted": sim.peak_bytes <= budget, "fits_measured": peak <= budget})
-            print(f"  {budget / 2**20:9.2f} MiB  {name:<20} pred {sim.peak_bytes / 2**20:8.2f} MiB "
-                  f"{sim.step_s * 1e3:9.2f} ms | meas {peak / 2**20:8.2f} MiB {secs * 1e3:9.2f} ms", file=sys.stderr)
+            rows.append(
+                {
+                    "budget_bytes": budget,
+                    "strategy": name,
+                    "choices": choices,
+                    "prefetch_bytes": prefetch,
+                    "predicted_peak_bytes": sim.peak_bytes,
+                    "predicted_step_s": sim.step_s,
+                    "measured_peak_bytes": peak,
+                    "measured_step_s": secs,
+                    "fits_predicted": sim.peak_bytes <= budget,
+                    "fits_measured": peak <= budget,
+                }
+            )
+            print(
+                f"  {budget / 2**20:9.2f} MiB  {name:<20} pred {sim.peak_bytes / 2**20:8.2f} MiB "
+                f"{sim.step_s * 1e3:9.2f} ms | meas {peak / 2**20:8.2f} MiB {secs * 1e3:9.2f} ms",
+                file=sys.stderr,
+            )
 
     result = {
         "mode": "gpu" if device == "cuda" else "cpu",
         "gpu_name": torch.cuda.get_device_name(0) if device == "cuda" else None,
         "model": {"name": size, **cfg.as_dict()},
         "bandwidth": vars(cm.bandwidth),
-        "no_plan": {"predicted_peak_bytes": full, "measured_peak_bytes": base_tl.peak_bytes,
-                    "predicted_step_s": first.baseline["predicted_step_seconds"], "measured_step_s": base_s},
-        "smallest_budget_bytes": low, "budgets": budgets, "rows": rows, "skipped_rows": skipped,
-        "elapsed_s": time.time() - start, "steps": steps,
+        "no_plan": {
+            "predicted_peak_bytes": full,
+            "measured_peak_bytes": base_tl.peak_bytes,
+            "predicted_step_s": first.baseline["predicted_step_seconds"],
+            "measured_step_s": base_s,
+        },
+        "smallest_budget_bytes": low,
+        "budgets": budgets,
+        "rows": rows,
+        "skipped_rows": skipped,
+        "elapsed_s": time.time() - start,
+        "steps": steps,
     }
     result["headline"] = _headline(rows)
     text = _markdown(result)
@@ -193,12 +222,19 @@ def _headline(rows):
         plan = next((r for r in here if r["strategy"] == "plan"), None)
         others = [r for r in here if r["strategy"] != "plan" and r["fits_measured"]]
         best = min(others, key=lambda r: r["measured_step_s"]) if others else None
-        out.append({"budget_bytes": b, "plan_fits": plan["fits_measured"] if plan else None,
-                    "plan_peak_error": (plan["measured_peak_bytes"] / plan["predicted_peak_bytes"] - 1)
-                    if plan and plan["predicted_peak_bytes"] else None,
-                    "best_baseline": best["strategy"] if best else None,
-                    "plan_vs_best_baseline_time": (plan["measured_step_s"] / best["measured_step_s"])
-                    if plan and best else None})
+        out.append(
+            {
+                "budget_bytes": b,
+                "plan_fits": plan["fits_measured"] if plan else None,
+                "plan_peak_error": (plan["measured_peak_bytes"] / plan["predicted_peak_bytes"] - 1)
+                if plan and plan["predicted_peak_bytes"]
+                else None,
+                "best_baseline": best["strategy"] if best else None,
+                "plan_vs_best_baseline_time": (plan["measured_step_s"] / best["measured_step_s"])
+                if plan and best
+                else None,
+            }
+        )
     return out
 
 
@@ -208,28 +244,39 @@ def _markdown(r):
     if r["mode"] == "cpu":
         lines += ["**CPU numbers, not GPU numbers**: bytes exact, times indicative.", ""]
     m, bw = r["model"], r["bandwidth"]
-    lines.append(f"TinyTransformer {m['name']} ({m['layers']} layers, dim {m['dim']}, seq {m['seq']}, batch "
-                 f"{m['batch']}) · link D2H {bw['d2h'] / 1e9:.2f} GB/s, H2D {bw['h2d'] / 1e9:.2f} GB/s, latency "
-                 f"{bw['latency'] * 1e6:.0f} µs · no plan: {r['no_plan']['measured_peak_bytes'] / mib:.2f} MiB, "
-                 f"{r['no_plan']['measured_step_s'] * 1e3:.1f} ms · smallest budget "
-                 f"{r['smallest_budget_bytes'] / mib:.2f} MiB · {r['elapsed_s']:.0f} s")
-    lines += ["", "| budget MiB | strategy | pred peak MiB | meas peak MiB | fits | pred ms | meas ms | choices |",
-              "|---:|---|---:|---:|---|---:|---:|---|"]
+    lines.append(
+        f"TinyTransformer {m['name']} ({m['layers']} layers, dim {m['dim']}, seq {m['seq']}, batch "
+        f"{m['batch']}) · link D2H {bw['d2h'] / 1e9:.2f} GB/s, H2D {bw['h2d'] / 1e9:.2f} GB/s, latency "
+        f"{bw['latency'] * 1e6:.0f} µs · no plan: {r['no_plan']['measured_peak_bytes'] / mib:.2f} MiB, "
+        f"{r['no_plan']['measured_step_s'] * 1e3:.1f} ms · smallest budget "
+        f"{r['smallest_budget_bytes'] / mib:.2f} MiB · {r['elapsed_s']:.0f} s"
+    )
+    lines += [
+        "",
+        "| budget MiB | strategy | pred peak MiB | meas peak MiB | fits | pred ms | meas ms | choices |",
+        "|---:|---|---:|---:|---|---:|---:|---|",
+    ]
     for row in r["rows"]:
         fits = "yes" if row["fits_measured"] else "NO"
-        lines.append(f"| {row['budget_bytes'] / mib:.2f} | {row['strategy']} | "
-                     f"{row['predicted_peak_bytes'] / mib:.2f} | "
-                     f"{row['measured_peak_bytes'] / mib:.2f} | {fits} | {row['predicted_step_s'] * 1e3:.1f} | "
-                     f"{row['measured_step_s'] * 1e3:.1f} | {row['choices']} |")
+        lines.append(
+            f"| {row['budget_bytes'] / mib:.2f} | {row['strategy']} | "
+            f"{row['predicted_peak_bytes'] / mib:.2f} | "
+            f"{row['measured_peak_bytes'] / mib:.2f} | {fits} | {row['predicted_step_s'] * 1e3:.1f} | "
+            f"{row['measured_step_s'] * 1e3:.1f} | {row['choices']} |"
+        )
     if r["skipped_rows"]:
         lines.append(f"\n{r['skipped_rows']} rows skipped: --budget-s reached.")
-    lines += ["", "| budget MiB | plan fits | plan peak error | best fitting baseline | plan time / its time |",
-              "|---:|---|---:|---|---:|"]
+    lines += [
+        "",
+        "| budget MiB | plan fits | plan peak error | best fitting baseline | plan time / its time |",
+        "|---:|---|---:|---|---:|",
+    ]
     for h in r["headline"]:
         err = "-" if h["plan_peak_error"] is None else f"{h['plan_peak_error'] * 100:+.1f}%"
         ratio = "-" if h["plan_vs_best_baseline_time"] is None else f"{h['plan_vs_best_baseline_time']:.2f}"
-        lines.append(f"| {h['budget_bytes'] / mib:.2f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} "
-                     f"| {ratio} |")
+        lines.append(
+            f"| {h['budget_bytes'] / mib:.2f} | {h['plan_fits']} | {err} | {h['best_baseline'] or '-'} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -248,9 +295,14 @@ def _plot(r, path):
         if not rows:
             continue
         xs = [x["budget_bytes"] / mib for x in rows]
-        line, = a.plot(xs, [x["measured_step_s"] * 1e3 for x in rows], marker="o", label=f"{name} measured")
-        a.plot(xs, [x["predicted_step_s"] * 1e3 for x in rows], linestyle="--", color=line.get_color(),
-               label=f"{name} predicted")
+        (line,) = a.plot(xs, [x["measured_step_s"] * 1e3 for x in rows], marker="o", label=f"{name} measured")
+        a.plot(
+            xs,
+            [x["predicted_step_s"] * 1e3 for x in rows],
+            linestyle="--",
+            color=line.get_color(),
+            label=f"{name} predicted",
+        )
         b.plot(xs, [x["measured_peak_bytes"] / mib for x in rows], marker="o", color=line.get_color(), label=name)
     lim = [min(r["budgets"]) / mib, max(r["budgets"]) / mib]
     b.plot(lim, lim, color="black", linewidth=0.8, linestyle=":", label="budget")

@@ -80,16 +80,26 @@ OFFLOAD_ARMS = [a for a in ARMS if a != "none"]
 LOSSY_ARMS = [a for a in ARMS if ARMS[a] not in (None, "no offload")]
 #: Arms trained with --train-steps (the A/A arm would repeat exact's numbers bit for bit).
 TRAIN_ARMS = ["exact"] + LOSSY_ARMS
-STAT_KEYS = ("tensors_offloaded", "bytes_offloaded", "bytes_stored", "tensors_converted",
-             "tensors_deduplicated", "bytes_deduplicated", "tensors_kept", "bytes_kept")
+STAT_KEYS = (
+    "tensors_offloaded",
+    "bytes_offloaded",
+    "bytes_stored",
+    "tensors_converted",
+    "tensors_deduplicated",
+    "bytes_deduplicated",
+    "tensors_kept",
+    "bytes_kept",
+)
 
 
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() and co._C.cuda_compiled() else "cpu"
     if name == "cuda" and not (torch.cuda.is_available() and co._C.cuda_compiled()):
-        raise SystemExit("--device cuda: no usable GPU (torch.cuda.is_available() and a CUDA build of ckpt_offload "
-                         "are both needed); use --device cpu")
+        raise SystemExit(
+            "--device cuda: no usable GPU (torch.cuda.is_available() and a CUDA build of ckpt_offload "
+            "are both needed); use --device cpu"
+        )
     return name
 
 
@@ -187,7 +197,7 @@ def measure(args, cfg, device: str, clock: Clock) -> dict:
     round_medians: dict[str, list[float]] = {a: [] for a in ARMS}
     names = list(ARMS)
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for arm in order:
             ts = [timed(arm, args.warmup + r * args.steps + j) for j in range(args.steps)]
             times[arm] += ts
@@ -225,8 +235,9 @@ def measure(args, cfg, device: str, clock: Clock) -> dict:
             row["store_error"] = store_error.get(arm, {})
             errs = row["store_error"]
             n = sum(e["tensors"] for e in errs.values())
-            row["activation_rel_error_mean"] = (sum(e["mean_rel_error"] * e["tensors"] for e in errs.values()) / n
-                                                if n else None)
+            row["activation_rel_error_mean"] = (
+                sum(e["mean_rel_error"] * e["tensors"] for e in errs.values()) / n if n else None
+            )
             row["activation_rel_error_max"] = max((e["max_rel_error"] for e in errs.values()), default=None)
         rows[arm] = row
     return rows
@@ -247,7 +258,7 @@ def train(args, cfg, device: str) -> dict:
         out[arm] = {"losses": losses}
     base = out["exact"]["losses"]
     tail = max(1, len(base) // 10)
-    for arm, r in out.items():
+    for r in out.values():
         d = [a - b for a, b in zip(r["losses"], base)]
         r["first_loss"] = r["losses"][0]
         r["final_loss"] = r["losses"][-1]
@@ -270,16 +281,22 @@ def markdown(r: dict) -> str:
     threads = "" if r.get("cpu_threads") is None else f", {r['cpu_threads']} CPU thread(s)"
     lines = [f"# Low-precision storage of offloaded activations ({r['device'].upper()})", ""]
     if r["device"] == "cpu":
-        lines += ["**CPU numbers, not GPU numbers**: the 'offload' is a copy into host memory on the same CPU and "
-                  "the conversion runs on the CPU; only the bytes and the errors carry over to a GPU.", ""]
-    lines += [f"TinyTransformer fp32: {c['layers']} layers, dim {c['dim']}, heads {c['heads']}, seq {c['seq']}, "
-              f"batch {c['batch']}, vocab {c['vocab']}, dropout {c['dropout']}; {r['device_name']}; "
-              f"`co.offload(devices=['{r['device']}'], min_bytes={a['min_bytes']}, store_dtype=...)` around the "
-              f"forward and loss. {a['rounds']} rounds x {a['steps']} steps per arm after {a['warmup']} warm-up "
-              f"steps, arms interleaved; {r['clock']} clock{threads}; gradients over {a['batches']} batches.", "",
-              "| arm | offloaded / step | stored / step | stored / offloaded | stored / exact's | converted | "
-              "median step ms | vs exact | A/A | grad rel err (mean) | grad rel err (max) | activation rel err |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "**CPU numbers, not GPU numbers**: the 'offload' is a copy into host memory on the same CPU and "
+            "the conversion runs on the CPU; only the bytes and the errors carry over to a GPU.",
+            "",
+        ]
+    lines += [
+        f"TinyTransformer fp32: {c['layers']} layers, dim {c['dim']}, heads {c['heads']}, seq {c['seq']}, "
+        f"batch {c['batch']}, vocab {c['vocab']}, dropout {c['dropout']}; {r['device_name']}; "
+        f"`co.offload(devices=['{r['device']}'], min_bytes={a['min_bytes']}, store_dtype=...)` around the "
+        f"forward and loss. {a['rounds']} rounds x {a['steps']} steps per arm after {a['warmup']} warm-up "
+        f"steps, arms interleaved; {r['clock']} clock{threads}; gradients over {a['batches']} batches.",
+        "",
+        "| arm | offloaded / step | stored / step | stored / offloaded | stored / exact's | converted | "
+        "median step ms | vs exact | A/A | grad rel err (mean) | grad rel err (max) | activation rel err |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for arm, x in r["arms"].items():
         t = f"{x['median_step_s'] * 1e3:.2f}"
         ratio = f"{x['time_ratio_to_exact']:.3f}"
@@ -290,59 +307,92 @@ def markdown(r: dict) -> str:
         ge = "0 (bit-identical)" if x["grad_bit_identical"] else f"{x['grad_rel_error_mean']:.2e}"
         gm = "0" if x["grad_bit_identical"] else f"{x['grad_rel_error_max']:.2e}"
         ae = "" if x["activation_rel_error_mean"] is None else f"{x['activation_rel_error_mean']:.2e}"
-        lines.append(f"| {arm} | {fmt_bytes(x['bytes_offloaded'])} | {fmt_bytes(x['bytes_stored'])} | "
-                     f"{x['stored_ratio']:.4f} | {x['stored_vs_exact_arm']:.4f} | {x['tensors_converted']} | {t} | "
-                     f"{ratio} | {aa} | {ge} | {gm} | {ae} |")
+        lines.append(
+            f"| {arm} | {fmt_bytes(x['bytes_offloaded'])} | {fmt_bytes(x['bytes_stored'])} | "
+            f"{x['stored_ratio']:.4f} | {x['stored_vs_exact_arm']:.4f} | {x['tensors_converted']} | {t} | "
+            f"{ratio} | {aa} | {ge} | {gm} | {ae} |"
+        )
     ex = r["arms"]["exact"]
     lossy = r["arms"][LOSSY_ARMS[0]]
     if lossy["bytes_offloaded"] != ex["bytes_offloaded"]:
-        lines += ["", f"The lossy arms offload {fmt_bytes(lossy['bytes_offloaded'])} per step against exact's "
-                  f"{fmt_bytes(ex['bytes_offloaded'])}: converted views whose spans only overlap are not deduplicated "
-                  f"against each other (exact storage deduplicated {ex['tensors_deduplicated']} tensors, "
-                  f"{fmt_bytes(ex['bytes_deduplicated'])}), so `stored / exact's` is the host memory and link "
-                  "traffic actually saved."]
+        lines += [
+            "",
+            f"The lossy arms offload {fmt_bytes(lossy['bytes_offloaded'])} per step against exact's "
+            f"{fmt_bytes(ex['bytes_offloaded'])}: converted views whose spans only overlap are not deduplicated "
+            f"against each other (exact storage deduplicated {ex['tensors_deduplicated']} tensors, "
+            f"{fmt_bytes(ex['bytes_deduplicated'])}), so `stored / exact's` is the host memory and link "
+            "traffic actually saved.",
+        ]
     if r.get("train"):
         tr = r["train"]
-        lines += ["", f"## Training: {a['train_steps']} Adam steps (lr {a['lr']}), same initial weights and batches", "",
-                  "| arm | first loss | final loss | final - exact | max abs diff over steps | "
-                  "mean diff, last steps |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"## Training: {a['train_steps']} Adam steps (lr {a['lr']}), same initial weights and batches",
+            "",
+            "| arm | first loss | final loss | final - exact | max abs diff over steps | mean diff, last steps |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for arm, x in tr.items():
-            lines.append(f"| {arm} | {x['first_loss']:.5f} | {x['final_loss']:.5f} | {x['final_loss_diff']:+.2e} | "
-                         f"{x['max_abs_loss_diff']:.2e} | {x['tail_mean_loss_diff']:+.2e} ({x['tail_steps']}) |")
-    lines += ["", "Columns: *offloaded / step*: `bytes_offloaded` (what exact storage of the offloaded tensors holds); "
-              "*stored / step*: `bytes_stored`; *converted*: `tensors_converted`; *vs exact*: median step time over "
-              "the exact arm's; *A/A*: the exact_aa arm's ratio (noise floor); *grad rel err*: "
-              "||g - g_none|| / ||g_none|| over all parameters, per batch; *activation rel err*: mean of "
-              "`store_error`'s per-tensor ||x - stored(x)|| / ||x||."]
+            lines.append(
+                f"| {arm} | {x['first_loss']:.5f} | {x['final_loss']:.5f} | {x['final_loss_diff']:+.2e} | "
+                f"{x['max_abs_loss_diff']:.2e} | {x['tail_mean_loss_diff']:+.2e} ({x['tail_steps']}) |"
+            )
+    lines += [
+        "",
+        "Columns: *offloaded / step*: `bytes_offloaded` (what exact storage of the offloaded tensors holds); "
+        "*stored / step*: `bytes_stored`; *converted*: `tensors_converted`; *vs exact*: median step time over "
+        "the exact arm's; *A/A*: the exact_aa arm's ratio (noise floor); *grad rel err*: "
+        "||g - g_none|| / ||g_none|| over all parameters, per batch; *activation rel err*: mean of "
+        "`store_error`'s per-tensor ||x - stored(x)|| / ||x||.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--preset", default=None, help="TinyTransformer preset (tiny, small, medium); "
-                   "default medium on a GPU, small on CPU, tiny with --quick")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="TinyTransformer preset (tiny, small, medium); default medium on a GPU, small on CPU, tiny with --quick",
+    )
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--dropout", type=float, default=0.0,
-                   help="dropout probability (default 0; with dropout the masks are seeded alike in every arm)")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="dropout probability (default 0; with dropout the masks are seeded alike in every arm)",
+    )
     p.add_argument("--min-bytes", type=int, default=0, help="co.offload's min_bytes (default 0: offload everything)")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5; 3 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="steps per arm per round (default 3; 1 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default 2; 1 with --quick)")
     p.add_argument("--batches", type=int, default=None, help="batches for the gradient error (default 4; 2 --quick)")
-    p.add_argument("--train-steps", type=int, default=None, help="Adam steps per arm (default 200 on a GPU, "
-                   "50 on CPU, 20 with --quick; 0 skips training)")
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="Adam steps per arm (default 200 on a GPU, 50 on CPU, 20 with --quick; 0 skips training)",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--clock", choices=["auto", "wall", "process"], default="auto",
-                   help="auto: wall on a GPU (synchronized), the process's CPU time on CPU")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU only: torch's intra-op threads while measuring (default 1: idle threads spinning "
-                        "for work would count in the process clock, and vary with the machine's load; 0 leaves "
-                        "torch's setting)")
+    p.add_argument(
+        "--clock",
+        choices=["auto", "wall", "process"],
+        default="auto",
+        help="auto: wall on a GPU (synchronized), the process's CPU time on CPU",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU only: torch's intra-op threads while measuring (default 1: idle threads spinning "
+        "for work would count in the process clock, and vary with the machine's load; 0 leaves "
+        "torch's setting)",
+    )
     p.add_argument("--quick", action="store_true", help="CPU, tiny shapes, few steps (seconds)")
     p.add_argument("--out", default=None, help="folder for store_dtype.json and store_dtype.md")
     args = p.parse_args(argv)
@@ -355,8 +405,12 @@ def parse_args(argv=None):
     for name in ("rounds", "steps", "batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1")
-    if args.warmup < 0 or (args.train_steps is not None and args.train_steps < 0) or args.min_bytes < 0 \
-            or args.threads < 0:
+    if (
+        args.warmup < 0
+        or (args.train_steps is not None and args.train_steps < 0)
+        or args.min_bytes < 0
+        or args.threads < 0
+    ):
         p.error("--warmup, --train-steps, --min-bytes and --threads must not be negative")
     return args
 
@@ -415,8 +469,10 @@ def verdict(rows: dict) -> int:
             print(f"ERROR: the {arm} arm's gradients differ from the no-offload run's", file=sys.stderr)
             rc = 1
         if rows[arm]["bytes_stored"] != rows[arm]["bytes_offloaded"]:
-            print(f"ERROR: the {arm} arm stored {rows[arm]['bytes_stored']} bytes of {rows[arm]['bytes_offloaded']}",
-                  file=sys.stderr)
+            print(
+                f"ERROR: the {arm} arm stored {rows[arm]['bytes_stored']} bytes of {rows[arm]['bytes_offloaded']}",
+                file=sys.stderr,
+            )
             rc = 1
     if ex["tensors_converted"] != 0:
         print("ERROR: exact storage converted tensors", file=sys.stderr)

@@ -90,7 +90,9 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder):
         raise ModuleNotFoundError(
             f"{name} was renamed in ckpt_offload 0.2.0: import from {new} instead (the public names are "
             f"also at the top level: co.offload, co.checkpoint, co.apply, co.DEFAULT_MIN_BYTES, ...; see "
-            "CHANGELOG.md)", name=name)
+            "CHANGELOG.md)",
+            name=name,
+        )
 
 
 if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):

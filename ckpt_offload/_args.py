@@ -19,8 +19,7 @@ DEVICE_TYPES = ("cpu", "cuda")
 INT64_MAX = 2**63 - 1
 
 
-def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
-              allow_none: bool = False):
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None, allow_none: bool = False):
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -39,8 +38,22 @@ def check_native_int(name: str, value, *, minimum: int = 0, allow_none: bool = F
     return check_int(name, value, minimum=minimum, maximum=INT64_MAX, allow_none=allow_none)
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(name: str, value) -> int:
@@ -74,7 +87,8 @@ def parse_bytes(name: str, value) -> int:
             if size.denominator != 1:
                 raise ValueError(
                     f"{name}: {value!r} is {float(size)} bytes, not a whole number of bytes; write a size "
-                    f"that is (e.g. {math.ceil(size)} for the next whole byte)")
+                    f"that is (e.g. {math.ceil(size)} for the next whole byte)"
+                )
             return int(size)
         raise ValueError(f"{name}: cannot read {value!r} as bytes; write e.g. '2GiB', '512MiB', '1.5GB' or an int")
     raise TypeError(f"{name} must be a number of bytes or a string such as '2GiB', got {type(value).__name__}")
@@ -89,8 +103,9 @@ def check_bytes(name: str, value, *, minimum: int = 0, allow_none: bool = False)
         return check_native_int(name, value, minimum=minimum, allow_none=allow_none)
     except TypeError:
         want = "an int or None" if allow_none else "an int"
-        raise TypeError(f"{name} must be {want} (or a size string such as '512MiB'), got "
-                        f"{type(value).__name__} ({value!r})") from None
+        raise TypeError(
+            f"{name} must be {want} (or a size string such as '512MiB'), got {type(value).__name__} ({value!r})"
+        ) from None
 
 
 def check_choice(name: str, value, choices: Iterable[str]):
@@ -194,12 +209,14 @@ def suggest_keywords(route: str):
     """Decorates a public function (or a class's ``__init__``) so that a keyword it does not take
     raises :func:`check_keywords`'s TypeError (the closest valid name, every option) instead of
     Python's bare "unexpected keyword argument". A set difference per call with keywords."""
+
     def decorate(function):
         parameters = inspect.signature(function).parameters.values()
         if any(p.kind is p.VAR_KEYWORD for p in parameters):
             return function  # it reads its own keywords
-        valid = tuple(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                      and p.name != "self")
+        valid = tuple(
+            p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+        )
         valid_set = frozenset(valid)
 
         @functools.wraps(function)

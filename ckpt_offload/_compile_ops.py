@@ -154,42 +154,56 @@ _TORCH_KEYWORDS_TRACED = frozenset({"preserve_rng_state", "determinism_check", "
 _SELECTIVE_KEYWORDS = frozenset({"context_fn", "respect_saved_tensors_hooks"})
 
 _UNTRACED = "ckpt_offload's checkpoint under torch.compile(fullgraph=True) cannot trace {what}: {why}. {fix}"
-_ELSEWHERE = ("or compile without fullgraph (the default): each block is then compiled as a graph of its own, "
-              "run inside its checkpoint, where {what} applies.")
+_ELSEWHERE = (
+    "or compile without fullgraph (the default): each block is then compiled as a graph of its own, "
+    "run inside its checkpoint, where {what} applies."
+)
 
 
 def untraced_reason(options, use_reentrant: bool, torch_kwargs: dict) -> str | None:
     """Why a checkpoint with these settings cannot take :func:`traced_checkpoint` -- the keyword,
     why, and what to do (Note [Keywords under fullgraph=True]) -- or None when it can."""
     if use_reentrant:
-        return _UNTRACED.format(what="use_reentrant=True", why="torch's reentrant checkpoint has no traced form",
-                                fix="Use use_reentrant=False (the default).")
+        return _UNTRACED.format(
+            what="use_reentrant=True",
+            why="torch's reentrant checkpoint has no traced form",
+            fix="Use use_reentrant=False (the default).",
+        )
     if torch_kwargs.get("debug"):
         return _UNTRACED.format(
-            what="debug=True", why="torch's own checkpoint refuses debug=True inside a compiled graph",
-            fix="Drop debug (or pass debug=False) under fullgraph=True, " + _ELSEWHERE.format(what="debug=True"))
+            what="debug=True",
+            why="torch's own checkpoint refuses debug=True inside a compiled graph",
+            fix="Drop debug (or pass debug=False) under fullgraph=True, " + _ELSEWHERE.format(what="debug=True"),
+        )
     extra = sorted(set(torch_kwargs) - _TORCH_KEYWORDS_TRACED - _SELECTIVE_KEYWORDS)
     if extra:
-        return _UNTRACED.format(what=f"the checkpoint keyword(s) {extra}", why="ckpt_offload does not trace them",
-                                fix="Drop them under fullgraph=True, " + _ELSEWHERE.format(what="they"))
+        return _UNTRACED.format(
+            what=f"the checkpoint keyword(s) {extra}",
+            why="ckpt_offload does not trace them",
+            fix="Drop them under fullgraph=True, " + _ELSEWHERE.format(what="they"),
+        )
     if options is not None and "context_fn" in torch_kwargs:
         return _UNTRACED.format(
             what="context_fn= (a selective-checkpoint policy) together with offload=",
             why="in a compiled graph the tensors the policy saves would stay on the device, where ckpt_offload "
-                "puts them in the pool",
+            "puts them in the pool",
             fix="Drop offload= (torch's selective checkpoint alone traces), "
-                + _ELSEWHERE.format(what="the policy's saved tensors are offloaded, as"))
+            + _ELSEWHERE.format(what="the policy's saved tensors are offloaded, as"),
+        )
     if options is not None and options.store_dtype is not None:
         return _UNTRACED.format(
             what=f"offload={{'store_dtype': {options.store_dtype}}}",
             why="a traced checkpoint computes the block's forward from its reloaded input, so a lossy copy would "
-                "change the forward itself, where store_dtype rounds only what the recompute in backward reads",
+            "change the forward itself, where store_dtype rounds only what the recompute in backward reads",
             fix="Drop store_dtype under fullgraph=True (the inputs are then stored exactly), "
-                + _ELSEWHERE.format(what="store_dtype"))
+            + _ELSEWHERE.format(what="store_dtype"),
+        )
     if options is not None and _traced_key(options) is None:
-        return _UNTRACED.format(what="this checkpoint's pool", why="it was not numbered for compiled graphs when "
-                                "the blocks were wrapped (in another process?)",
-                                fix="Wrap the blocks again in this process (handle.remove(), then co.apply).")
+        return _UNTRACED.format(
+            what="this checkpoint's pool",
+            why="it was not numbered for compiled graphs when the blocks were wrapped (in another process?)",
+            fix="Wrap the blocks again in this process (handle.remove(), then co.apply).",
+        )
     return None
 
 

@@ -107,8 +107,8 @@ def _unescape(field: str) -> str:
     # mountinfo writes space, tab, newline and backslash in paths as octal escapes (\040).
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1:i + 4].isdigit():
-            out.append(chr(int(field[i + 1:i + 4], 8)))
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
             i += 4
         else:
             out.append(field[i])
@@ -148,7 +148,7 @@ def _cgroup_dirs(root: str) -> list[tuple[int, str, str]]:
         if mount_root == "/":
             rel = path
         elif path == mount_root or path.startswith(mount_root.rstrip("/") + "/"):
-            rel = path[len(mount_root.rstrip("/")):]
+            rel = path[len(mount_root.rstrip("/")) :]
         else:
             rel = ""  # outside the mount's view ("/../x"): the nearest cgroup this process sees
         if ".." in rel.split("/"):
@@ -169,8 +169,14 @@ _FILES = {  # version -> (limit files, usage file, reclaimable fields of memory.
 def _bound(version: int, directory: str, file: str, limit: int, usage: int | None, reclaimable: int | None) -> dict:
     usage = usage if usage is not None else 0  # unknown usage: the limit alone bounds
     reclaimable = min(reclaimable or 0, usage)
-    return {"version": version, "path": directory.rstrip("/") + "/" + file, "limit": limit, "usage": usage,
-            "reclaimable": reclaimable, "headroom": max(0, min(limit, limit - usage + reclaimable))}
+    return {
+        "version": version,
+        "path": directory.rstrip("/") + "/" + file,
+        "limit": limit,
+        "usage": usage,
+        "reclaimable": reclaimable,
+        "headroom": max(0, min(limit, limit - usage + reclaimable)),
+    }
 
 
 def cgroup_headroom(root: str | None = None) -> dict | None:

@@ -115,8 +115,10 @@ def resolve(numa_node) -> tuple[int | None, str]:
         if rank not in (None, str(index)) and index == 0 and _device_count() > 1:
             # Under torchrun a pool made before torch.cuda.set_device(local_rank) would take GPU 0's
             # node for every rank: no binding is better than the wrong node.
-            return None, (f"LOCAL_RANK={rank} but the current device is GPU 0: call torch.cuda.set_device("
-                          "local_rank) before making the pool")
+            return None, (
+                f"LOCAL_RANK={rank} but the current device is GPU 0: call torch.cuda.set_device("
+                "local_rank) before making the pool"
+            )
         node = pci_device_node(address)
         if node is None:
             return None, f"sysfs gives GPU {index} ({address}) no NUMA node"

@@ -27,8 +27,13 @@ def field_docs(path: str, class_name: str, keys) -> dict:
     body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name)
     docs = {}
     for node, after in itertools.pairwise(body):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return {k: docs[k] for k in keys if k in docs}
 
@@ -49,8 +54,13 @@ def args_section(docs: dict, indent: int = 8) -> str:
     """
     lines = []
     for name, text in docs.items():
-        lines += textwrap.wrap(f"{name}: {_rst(text)}", 100, initial_indent=" " * indent,
-                               subsequent_indent=" " * (indent + 4), break_on_hyphens=False)
+        lines += textwrap.wrap(
+            f"{name}: {_rst(text)}",
+            100,
+            initial_indent=" " * indent,
+            subsequent_indent=" " * (indent + 4),
+            break_on_hyphens=False,
+        )
     return "\n".join(lines)
 
 

@@ -53,7 +53,9 @@ def _merge_by_class(into: dict, more: dict) -> None:
             into[cls] = dict(e)
             continue
         n = have["tensors"] + e["tensors"]
-        have["mean_rel_error"] = (have["mean_rel_error"] * have["tensors"] + e["mean_rel_error"] * e["tensors"]) / max(n, 1)
+        have["mean_rel_error"] = (have["mean_rel_error"] * have["tensors"] + e["mean_rel_error"] * e["tensors"]) / max(
+            n, 1
+        )
         have["max_rel_error"] = max(have["max_rel_error"], e["max_rel_error"])
         have["tensors"] = n
 

@@ -73,15 +73,20 @@ class Unit:
             if not isinstance(v, Unit) or v.kind not in INNER_KINDS:
                 raise ValueError(f"inner units must be Unit objects of kind {INNER_KINDS}, got {v!r}")
             if v.start != expect:
-                raise ValueError(f"inner units must cover blocks {self.start}..{self.end} in order; expected one "
-                                 f"starting at {expect}, got {v}")
+                raise ValueError(
+                    f"inner units must cover blocks {self.start}..{self.end} in order; expected one "
+                    f"starting at {expect}, got {v}"
+                )
             expect = v.end + 1
         if expect != self.end + 1:
-            raise ValueError(f"inner units cover blocks {self.start}..{expect - 1}, "
-                             f"the segment {self.start}..{self.end}")
+            raise ValueError(
+                f"inner units cover blocks {self.start}..{expect - 1}, the segment {self.start}..{self.end}"
+            )
         if len(inner) == 1 and inner[0].kind == "recompute":
-            raise ValueError(f"an inner checkpoint around the whole segment {self.start}..{self.end} recomputes it "
-                             "twice and saves nothing: leave inner empty")
+            raise ValueError(
+                f"an inner checkpoint around the whole segment {self.start}..{self.end} recomputes it "
+                "twice and saves nothing: leave inner empty"
+            )
         # Equal plans compare equal: only-"keep" parts are the flat segment.
         object.__setattr__(self, "inner", inner if any(v.kind == "recompute" for v in inner) else ())
 

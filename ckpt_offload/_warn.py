@@ -37,8 +37,12 @@ def _user_frame():
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not (name.startswith(_LIBRARY_DIRS) or "/transformers/" in name or "/accelerate/" in name
-                or name.startswith("<frozen")):
+        if not (
+            name.startswith(_LIBRARY_DIRS)
+            or "/transformers/" in name
+            or "/accelerate/" in name
+            or name.startswith("<frozen")
+        ):
             return frame
         frame = frame.f_back
     return None
@@ -84,9 +88,14 @@ def warn_at_user_line(message, key: str | None, category=UserWarning, caller=Non
             _warned_sites.add(site)
     if callable(message):
         message = message()
-    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno,
-                           module=frame.f_globals.get("__name__"),
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=frame.f_globals.setdefault("__warningregistry__", {}),
+    )
     mirror_to_logger(message)
 
 
@@ -94,7 +103,8 @@ FULLGRAPH_MESSAGE = (
     "ckpt_offload inside a torch.compile(fullgraph=True) graph: this route's offload contexts and "
     "checkpoints are C++ objects and hooks that Dynamo cannot put in one graph. What compiles with "
     "fullgraph=True: blocks checkpointed one by one with their inputs offloaded or kept -- co.apply(model, "
-    "offload=...) without segments or selective checkpoint keywords, co.hf.enable(model, offload=...), or a plan whose kinds are only 'keep', "
+    "offload=...) without segments or selective checkpoint keywords, co.hf.enable(model, offload=...), or a "
+    "plan whose kinds are only 'keep', "
     "'recompute' and 'recompute_offload' (segments=False) -- traced into the graph, the offload and reload "
     "as ops in it. Otherwise: torch.compile without fullgraph (the default): the graph breaks at each block "
     "co.apply, a plan or co.hf wrapped, and each block's own forward is compiled as a graph of its own, run "

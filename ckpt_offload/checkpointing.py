@@ -26,8 +26,15 @@ from ckpt_offload._warn import graph_break_if_compiling, hooks_disabled_reason, 
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OFFLOAD_KEYS, OffloadOptions, as_options, check_offloads_something, pool_free_key
 
-__all__ = ["checkpoint", "checkpoint_sequential", "run_checkpoint", "context_for", "TORCH_KEYWORDS",
-           "check_checkpoint_keywords", "check_reentrant"]
+__all__ = [
+    "checkpoint",
+    "checkpoint_sequential",
+    "run_checkpoint",
+    "context_for",
+    "TORCH_KEYWORDS",
+    "check_checkpoint_keywords",
+    "check_reentrant",
+]
 
 _CHECKPOINT_PARAMETERS = inspect.signature(torch_checkpoint.checkpoint).parameters
 # Keywords of torch's checkpoint that this torch has (the rest of **kwargs go to the function).
@@ -57,8 +64,11 @@ _HAS_RESPECT_HOOKS = "respect_saved_tensors_hooks" in _CHECKPOINT_PARAMETERS
 _CachingMode = getattr(torch_checkpoint, "_CachingTorchDispatchMode", None)
 _Policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
 # Offload decision -> the save decision of the same strength.
-_AS_SAVE = {} if _Policy is None or not hasattr(_Policy, "MUST_CPU_OFFLOAD") else {
-    _Policy.MUST_CPU_OFFLOAD: _Policy.MUST_SAVE, _Policy.PREFER_CPU_OFFLOAD: _Policy.PREFER_SAVE}
+_AS_SAVE = (
+    {}
+    if _Policy is None or not hasattr(_Policy, "MUST_CPU_OFFLOAD")
+    else {_Policy.MUST_CPU_OFFLOAD: _Policy.MUST_SAVE, _Policy.PREFER_CPU_OFFLOAD: _Policy.PREFER_SAVE}
+)
 
 
 def _respecting_hooks(torch_kwargs: dict) -> dict:
@@ -85,13 +95,17 @@ class _OffloadAsSave:
         if decision.__class__ is _Policy and decision in _AS_SAVE:
             if self.to_pool:
                 return _AS_SAVE[decision]
-            warn_at_user_line(lambda: (
-                f"co.checkpoint(offload=...): the context_fn's policy returned CheckpointPolicy.{decision.name} for "
-                f"{op}, but with respect_saved_tensors_hooks=False (or a torch without it) the tensors torch's "
-                "selective checkpoint keeps bypass the pool, so torch recomputes that output in backward (its "
-                "eager meaning of the offload policies). Leave respect_saved_tensors_hooks unset to keep it in "
-                "the pool, or use co.selective_offload_context(policy) as the context_fn."),
-                key="sac-offload-recomputed")
+            warn_at_user_line(
+                lambda: (
+                    "co.checkpoint(offload=...): the context_fn's policy returned "
+                    f"CheckpointPolicy.{decision.name} for "
+                    f"{op}, but with respect_saved_tensors_hooks=False (or a torch without it) the tensors torch's "
+                    "selective checkpoint keeps bypass the pool, so torch recomputes that output in backward (its "
+                    "eager meaning of the offload policies). Leave respect_saved_tensors_hooks unset to keep it in "
+                    "the pool, or use co.selective_offload_context(policy) as the context_fn."
+                ),
+                key="sac-offload-recomputed",
+            )
         return decision
 
 
@@ -239,8 +253,9 @@ def _as_positional(function, args, kwargs, before=None):
     return run, tensors
 
 
-def run_checkpoint(function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict,
-                   collector: StatsCollector | None = None):
+def run_checkpoint(
+    function, args, kwargs, options, use_reentrant: bool, torch_kwargs: dict, collector: StatsCollector | None = None
+):
     """Runs ``function(*args, **kwargs)`` under torch's checkpoint; with ``options`` (co.offload
     options: an :class:`~ckpt_offload.OffloadOptions`) the tensors the checkpoint keeps
     wait in the host pool -- also those inside ``kwargs`` and containers."""
@@ -358,8 +373,7 @@ def _check_function_keywords(function, kwargs: dict) -> None:
         )
 
 
-def checkpoint_sequential(functions, segments, input, offload=False, use_reentrant: bool | None = None,
-                          **kwargs):
+def checkpoint_sequential(functions, segments, input, offload=False, use_reentrant: bool | None = None, **kwargs):
     """Like ``torch.utils.checkpoint.checkpoint_sequential``: splits ``functions`` (an
     ``nn.Sequential`` or a list of modules/functions run one after another) into ``segments``
     chunks, checkpoints every chunk but the last, and returns the output. ``segments="sqrt"`` is
@@ -376,8 +390,9 @@ def checkpoint_sequential(functions, segments, input, offload=False, use_reentra
     try:
         functions = list(functions)
     except TypeError:
-        raise TypeError(f"functions must be an nn.Sequential or a list of callables, got {type(functions).__name__}") \
-            from None
+        raise TypeError(
+            f"functions must be an nn.Sequential or a list of callables, got {type(functions).__name__}"
+        ) from None
     if not functions:
         raise ValueError("functions is empty")
     for i, f in enumerate(functions):

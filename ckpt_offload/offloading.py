@@ -70,25 +70,31 @@ _NOOP_KEY = "co.offload-offloaded-nothing"  # its warning's key (once per contex
 
 # What the native entry and exit return (Note [Native activation], csrc/torch/activation.cpp).
 _BUSY, _NOT_ACTIVE = _C.Activation.BUSY, _C.Activation.NOT_ACTIVE
-_REPORT_NOOP, _REPORT_FULL, _REPORT_DISK_FULL = (int(_C.ExitReport.NOOP), int(_C.ExitReport.FULL),
-                                                 int(_C.ExitReport.DISK_FULL))
+_REPORT_NOOP, _REPORT_FULL, _REPORT_DISK_FULL = (
+    int(_C.ExitReport.NOOP),
+    int(_C.ExitReport.FULL),
+    int(_C.ExitReport.DISK_FULL),
+)
 _REPORT_HOST_LIMITS = int(_C.ExitReport.FALLBACK) | int(_C.ExitReport.SHARE)
 # An exit that could not pop its own entry still exits, having repaired the stack as Note [Exits
 # that cannot pop] (csrc/torch/activation.cpp) says; what is said about each repair.
 _REPAIRED = {
     _C.Activation.OTHER_THREAD: (
         "on a different thread than the one that entered it (saved-tensor hooks are per thread): its hooks stay "
-        "on that thread's stack, offloading nothing, until the next co.offload enters or exits there"),
+        "on that thread's stack, offloading nothing, until the next co.offload enters or exits there"
+    ),
     _C.Activation.OTHER_BACKWARD: (
         "inside a backward it was not entered in (or outside the backward it was entered in): autograd keeps a "
         "separate hooks stack for each backward; its hooks offload nothing from now on and are dropped when they "
-        "can be"),
+        "can be"
+    ),
     _C.Activation.OUT_OF_ORDER: (
         "while a saved-tensor hooks context entered after it (another co.offload, a co.checkpoint region, "
         "torch's save_on_cpu, ...) is still active: its own hooks were taken out from under that context, which "
-        "stays in force"),
+        "stays in force"
+    ),
     _C.Activation.NOT_ON_STACK: "where its hooks are not on the saved-tensor hooks stack: its hooks offload nothing "
-                                "from now on",
+    "from now on",
 }
 
 
@@ -118,7 +124,8 @@ class offload:
 
     Never offloaded (kept and counted in :meth:`stats`): parameters, buffers and views of them
     (``nn.Linear`` saves ``weight.t()``; a buffer is recognised when the module that owns it, or an
-    ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other devices, sparse / nested / quantized
+    ancestor, is running its forward), autocast's cached casts of parameters (``autocast_cast``), tensors on other
+    devices, sparse / nested / quantized
     / conjugate-view tensors, ``__torch_dispatch__`` tensor subclasses other than DTensor (a DTensor, what
     tensor parallelism saves, is offloaded through its local tensor and rebuilt with its mesh and placements
     on unpack), tensors with no data of their own (``no_data``: ZeroTensors,
@@ -255,7 +262,8 @@ class offload:
                 raise RuntimeError(
                     "co.offload().__exit__ called on a context that was never entered, so nothing was "
                     "offloaded and there is nothing to end: use `with co.offload(...) as ctx:` (or call "
-                    "ctx.__enter__() first)")
+                    "ctx.__enter__() first)"
+                )
             return
         if done is _BUSY:
             return  # another thread is entering/exiting it
@@ -288,8 +296,9 @@ class offload:
         that has something to say; ``caller``: the frame that called ``__exit__``."""
         counts = self._packer.exit_counts()  # _C.ExitCounts
         if why & _REPORT_NOOP:
-            self._warn_if_offloaded_nothing(counts.too_small_tensors, counts.too_small_bytes, counts.device_tensors,
-                                            caller)
+            self._warn_if_offloaded_nothing(
+                counts.too_small_tensors, counts.too_small_bytes, counts.device_tensors, caller
+            )
             if why == _REPORT_NOOP:
                 return
         if why & _REPORT_FULL:
@@ -330,8 +339,9 @@ class offload:
         self._hooks.noop_checks = 0
         # Built only where it is shown: a fresh context per step would otherwise format it at
         # every exit for a line that has warned already.
-        warn_at_user_line(functools.partial(self._offloaded_nothing_message, small, size, other_device),
-                          key=_NOOP_KEY, caller=caller)
+        warn_at_user_line(
+            functools.partial(self._offloaded_nothing_message, small, size, other_device), key=_NOOP_KEY, caller=caller
+        )
 
     def _offloaded_nothing_message(self, small: int, size: int, other_device: int) -> str:
         reasons = []
@@ -341,14 +351,19 @@ class offload:
                 "(kept_by_reason['too_small']): lower it, e.g. co.offload(min_bytes=0) or "
                 "offload={'min_bytes': 0} (docs/api.md, 'Choosing min_bytes'); tensors under min_bytes "
                 "are never offloaded, batched or not, so to copy many small ones cheaply lower min_bytes "
-                "and add batch_below= (e.g. min_bytes=4096, batch_below='256KiB')")
+                "and add batch_below= (e.g. min_bytes=4096, batch_below='256KiB')"
+            )
         if other_device:
             reasons.append(
                 f"{other_device} saved tensors were on a device this context does not offload "
                 f"(devices={list(self.devices)}; kept_by_reason['device']): add their device type, "
-                "e.g. devices=['cpu'] for CPU tensors")
-        return ("co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
-                + "; ".join(reasons) + ". (Warned once per context and line.)")
+                "e.g. devices=['cpu'] for CPU tensors"
+            )
+        return (
+            "co.offload(): this context saw saved tensors but offloaded none of them, so it frees no memory: "
+            + "; ".join(reasons)
+            + ". (Warned once per context and line.)"
+        )
 
     def _warn_pool_was_full(self, count: int, kept: int) -> None:
         self._warned_full = True
@@ -416,7 +431,8 @@ class offload:
         return (
             f"co.offload(min_bytes={self.min_bytes}, stream={self.stream!r}, devices={list(self.devices)}, "
             f"on_full={self.on_full!r}, prefetch_bytes={self.prefetch_bytes}, batch_below={self.batch_below}"
-            + (f", store_dtype={self.store_dtype}" if self.store_dtype is not None else "") + ")"
+            + (f", store_dtype={self.store_dtype}" if self.store_dtype is not None else "")
+            + ")"
         )
 
 
@@ -438,12 +454,14 @@ KEEP_DEDUP_DOC = (
     "Keep the table of offloaded storages from one entry of this context to the next (default `False`: each "
     "entry starts afresh), so that a tensor saved in several entries -- an input every checkpointed layer "
     "receives -- is stored once. The table holds no tensor. `co.checkpoint` uses this for the context it "
-    "shares across layers.")
+    "shares across layers."
+)
 
 
 def _option_reader(name: str) -> property:
-    return property(lambda self: getattr(self.options, name),
-                    doc=f"This context's ``{name}`` option (``ctx.options.{name}``).")
+    return property(
+        lambda self: getattr(self.options, name), doc=f"This context's ``{name}`` option (``ctx.options.{name}``)."
+    )
 
 
 # ctx.min_bytes, ctx.stream, ...: read from ctx.options, not copied into every context made

@@ -22,8 +22,17 @@ from ckpt_offload._runtime import _C, cuda_compiled, default_devices, usable_dev
 from ckpt_offload._warn import warn_at_user_line
 from ckpt_offload.pool import HostPool
 
-__all__ = ["OffloadOptions", "as_options", "OFFLOAD_KEYS", "DEFAULT_MIN_BYTES", "DEFAULT_PREFETCH_BYTES",
-           "DEFAULT_BATCH_BYTES", "STREAM_MODES", "STORE_DTYPES", "ON_FULL_POLICIES"]
+__all__ = [
+    "OffloadOptions",
+    "as_options",
+    "OFFLOAD_KEYS",
+    "DEFAULT_MIN_BYTES",
+    "DEFAULT_PREFETCH_BYTES",
+    "DEFAULT_BATCH_BYTES",
+    "STREAM_MODES",
+    "STORE_DTYPES",
+    "ON_FULL_POLICIES",
+]
 
 #: Tensors whose bytes are fewer than this stay on the device by default. Small saved tensors
 #: (layer-norm statistics, biases' inputs of tiny layers) free little memory and each costs a
@@ -77,8 +86,13 @@ def check_offloads_something(devices, route: str) -> None:
 
 #: The byte-valued options of co.offload and how each is bounded: each takes an int or a size
 #: string such as ``"512KiB"`` (ckpt_offload._args.parse_bytes).
-BYTE_OPTIONS = {"min_bytes": {}, "prefetch_bytes": {"allow_none": True}, "batch_below": {},
-                "batch_bytes": {"minimum": 1}, "store_min_bytes": {}}
+BYTE_OPTIONS = {
+    "min_bytes": {},
+    "prefetch_bytes": {"allow_none": True},
+    "batch_below": {},
+    "batch_bytes": {"minimum": 1},
+    "store_min_bytes": {},
+}
 
 
 def check_not_devices(name: str, value) -> None:
@@ -98,8 +112,12 @@ def check_not_devices(name: str, value) -> None:
 
 
 #: The names ``store_dtype=`` (and ``co.plan``'s ``lossy=``) takes for the storage dtypes.
-STORE_DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn,
-                     "fp8_e5m2": torch.float8_e5m2}
+STORE_DTYPE_NAMES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def store_dtype_named(name: str) -> torch.dtype:
@@ -108,32 +126,45 @@ def store_dtype_named(name: str) -> torch.dtype:
     by_name = {**STORE_DTYPE_NAMES, **{str(d).removeprefix("torch."): d for d in STORE_DTYPES}}
     got = by_name.get(name.strip().lower())
     if got is None:
-        raise ValueError(f"store_dtype: unknown name {name!r}; accepted: None, {', '.join(map(repr, by_name))} "
-                         f"or a torch.dtype ({', '.join(str(d) for d in STORE_DTYPES)})")
+        raise ValueError(
+            f"store_dtype: unknown name {name!r}; accepted: None, {', '.join(map(repr, by_name))} "
+            f"or a torch.dtype ({', '.join(str(d) for d in STORE_DTYPES)})"
+        )
     return got
 
 
 def _without_effect(options) -> bool:
     """True when _warn_if_without_effect has something to say about ``options``."""
     return (options.store_dtype is None and bool(options.measure_error or options.store_min_bytes)) or (
-        options.stream == "compute" and bool(options.prefetch_bytes))
+        options.stream == "compute" and bool(options.prefetch_bytes)
+    )
 
 
 def _warn_if_without_effect(options) -> None:
     """Options that would silently do nothing: a warning that names what makes them work."""
     if options.store_dtype is None:
-        given = [k for k, on in (("measure_error=True", options.measure_error),
-                                 (f"store_min_bytes={options.store_min_bytes}", options.store_min_bytes)) if on]
+        given = [
+            k
+            for k, on in (
+                ("measure_error=True", options.measure_error),
+                (f"store_min_bytes={options.store_min_bytes}", options.store_min_bytes),
+            )
+            if on
+        ]
         if given:
             warn_at_user_line(
                 f"co.offload(): {' and '.join(given)} without store_dtype does nothing: only converted tensors "
                 "are measured or exempted, and without store_dtype every tensor is stored exactly. Set "
-                "store_dtype (e.g. store_dtype=torch.bfloat16), or drop the option.", key="co.offload-store-options")
+                "store_dtype (e.g. store_dtype=torch.bfloat16), or drop the option.",
+                key="co.offload-store-options",
+            )
     if options.stream == "compute" and options.prefetch_bytes:
         warn_at_user_line(
             f"co.offload(): prefetch_bytes={options.prefetch_bytes} does nothing with stream='compute' (reloads run "
             "on the compute stream when backward asks for them; nothing is prefetched). Use stream='side' to "
-            "prefetch, or drop prefetch_bytes.", key="co.offload-prefetch-compute")
+            "prefetch, or drop prefetch_bytes.",
+            key="co.offload-prefetch-compute",
+        )
 
 
 def check_store_dtype(store_dtype) -> str:
@@ -148,8 +179,10 @@ def check_store_dtype(store_dtype) -> str:
         return ""
     accepted = "None (exact), " + ", ".join(str(d) for d in STORE_DTYPES)
     if not isinstance(store_dtype, torch.dtype):
-        raise TypeError(f"store_dtype must be None, a torch.dtype ({accepted}) or one of the names "
-                        f"{', '.join(map(repr, STORE_DTYPE_NAMES))}, got {type(store_dtype).__name__}")
+        raise TypeError(
+            f"store_dtype must be None, a torch.dtype ({accepted}) or one of the names "
+            f"{', '.join(map(repr, STORE_DTYPE_NAMES))}, got {type(store_dtype).__name__}"
+        )
     if store_dtype not in STORE_DTYPES:
         raise ValueError(f"store_dtype must be None or one of {accepted}; got {store_dtype}")
     return str(store_dtype).removeprefix("torch.")
@@ -220,7 +253,8 @@ class OffloadOptions:
     and copy time of fp32, with the rounding error of `t.to(store_dtype).to(t.dtype)`.
     `torch.float8_e4m3fn` / `torch.float8_e5m2`: a quarter of fp32's bytes, with a per-tensor scale
     (the absolute maximum of the tensor's own finite elements / the format's largest value) stored with
-    it; infinities and NaN come back as themselves; fp16 / bf16 tensors are converted too. Not bit-exact: an accuracy trade-off ("Low-precision storage" in docs/api.md);
+    it; infinities and NaN come back as themselves; fp16 / bf16 tensors are converted too. Not bit-exact: an accuracy
+    trade-off ("Low-precision storage" in docs/api.md);
     `stats()` counts `bytes_stored` against `bytes_offloaded`. Integer, bool and complex tensors, and
     tensors already at or below the storage width, are stored exactly. Converted tensors are copied one
     by one (never batched). A saved tensor whose span is exactly an earlier converted one's (same
@@ -294,8 +328,7 @@ class OffloadOptions:
 
     def to_dict(self) -> dict:
         """The options that differ from the defaults, as a dict ``offload={...}`` accepts."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
 
     def packer_kwargs(self) -> dict:
         """What the native packer receives (its argument list, the one at the C++ boundary); the
@@ -322,7 +355,6 @@ class OffloadOptions:
         return f"OffloadOptions({given})"
 
 
-
 #: The option names, in the order of :class:`OffloadOptions`' fields.
 OFFLOAD_KEYS = tuple(f.name for f in dataclasses.fields(OffloadOptions))
 #: The options ``co.offload`` and ``OffloadOptions`` take by position: ``min_bytes``; the rest are
@@ -338,20 +370,26 @@ def _positional(route: str, args: tuple) -> dict:
     DeprecationWarning that spells the call with keywords) the options that were positional before."""
     named = POSITIONAL_KEYS + DEPRECATED_POSITIONAL_KEYS
     if len(args) > len(named):
-        raise TypeError(f"{route} takes one positional option (min_bytes), got {len(args)}; pass the others by "
-                        f"keyword: {', '.join(OFFLOAD_KEYS[1:])}")
+        raise TypeError(
+            f"{route} takes one positional option (min_bytes), got {len(args)}; pass the others by "
+            f"keyword: {', '.join(OFFLOAD_KEYS[1:])}"
+        )
     given = dict(zip(named, args))
     if len(args) > len(POSITIONAL_KEYS):
         spelled = ", ".join(f"{k}={v!r}" for k, v in given.items())
         warn_at_user_line(
             f"{route}: the options after min_bytes by position are deprecated and go in 0.3.0; pass them by "
-            f"keyword: {route.removesuffix('()')}({spelled})", key=f"{route}-positional", category=DeprecationWarning)
+            f"keyword: {route.removesuffix('()')}({spelled})",
+            key=f"{route}-positional",
+            category=DeprecationWarning,
+        )
     return given
 
 
 def _unknown_message(route: str, unknown) -> str:
-    hints = [f"{k!r} (did you mean {closest(k, OFFLOAD_KEYS)!r}?)" if closest(k, OFFLOAD_KEYS) else repr(k)
-             for k in unknown]
+    hints = [
+        f"{k!r} (did you mean {closest(k, OFFLOAD_KEYS)!r}?)" if closest(k, OFFLOAD_KEYS) else repr(k) for k in unknown
+    ]
     return f"{route}: unknown co.offload option(s) {', '.join(hints)}; allowed: {list(OFFLOAD_KEYS)}"
 
 
@@ -378,7 +416,6 @@ def _init_naming_unknown_options(init):
 
 
 OffloadOptions.__init__ = _init_naming_unknown_options(OffloadOptions.__init__)
-
 
 
 @functools.cache

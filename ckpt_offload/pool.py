@@ -105,9 +105,15 @@ def _node_share(node_max_bytes, host_fraction, local_world_size) -> dict:
             f"ranks leave {share} bytes per rank, under the minimum of {MIN_MAX_BYTES}; raise node_max_bytes "
             "(or host_fraction)" + (" or the container's memory limit" if bounded_by.startswith("cgroup") else "")
         )
-    return {"max_bytes": share, "node_max_bytes": node, "local_world_size": ranks,
-            "host_fraction": None if node_max_bytes is not None else host_fraction,
-            "bounded_by": bounded_by, "available_bytes": mem["available_bytes"], "cgroup": cg}
+    return {
+        "max_bytes": share,
+        "node_max_bytes": node,
+        "local_world_size": ranks,
+        "host_fraction": None if node_max_bytes is not None else host_fraction,
+        "bounded_by": bounded_by,
+        "available_bytes": mem["available_bytes"],
+        "cgroup": cg,
+    }
 
 
 def pinned_available() -> bool:
@@ -228,20 +234,37 @@ class HostPool:
             node_max_bytes = check_bytes("node_max_bytes", node_max_bytes, minimum=1, allow_none=True)
             if host_fraction is not None:
                 if node_max_bytes is not None:
-                    raise ValueError("pass node_max_bytes or host_fraction, not both: node_max_bytes is the node's "
-                                     "budget in bytes, host_fraction a fraction of the host's available memory")
-                if isinstance(host_fraction, bool) or not isinstance(host_fraction, (int, float)) \
-                        or not 0 < host_fraction <= 1:
+                    raise ValueError(
+                        "pass node_max_bytes or host_fraction, not both: node_max_bytes is the node's "
+                        "budget in bytes, host_fraction a fraction of the host's available memory"
+                    )
+                if (
+                    isinstance(host_fraction, bool)
+                    or not isinstance(host_fraction, (int, float))
+                    or not 0 < host_fraction <= 1
+                ):
                     raise ValueError(f"host_fraction must be a number in (0, 1], got {host_fraction!r}")
-            self._share = _node_share(node_max_bytes, DEFAULT_HOST_FRACTION if host_fraction is None
-                                      else float(host_fraction), local_world_size)
+            self._share = _node_share(
+                node_max_bytes,
+                DEFAULT_HOST_FRACTION if host_fraction is None else float(host_fraction),
+                local_world_size,
+            )
             max_bytes = self._share["max_bytes"]
         else:
-            given = [n for n, v in (("node_max_bytes", node_max_bytes), ("host_fraction", host_fraction),
-                                    ("local_world_size", local_world_size)) if v is not None]
+            given = [
+                n
+                for n, v in (
+                    ("node_max_bytes", node_max_bytes),
+                    ("host_fraction", host_fraction),
+                    ("local_world_size", local_world_size),
+                )
+                if v is not None
+            ]
             if given:
-                raise ValueError(f"{given[0]} needs max_bytes='auto' (the pool's share of the node); pass "
-                                 f"co.HostPool(max_bytes='auto', {given[0]}=...)")
+                raise ValueError(
+                    f"{given[0]} needs max_bytes='auto' (the pool's share of the node); pass "
+                    f"co.HostPool(max_bytes='auto', {given[0]}=...)"
+                )
         self._warned_fallback = False
         # Sizes may be strings ("8GiB"); from here on they are ints.
         max_bytes = _check_cap("max_bytes", max_bytes, MIN_MAX_BYTES, "no cap")
@@ -250,14 +273,23 @@ class HostPool:
         check_native_int("spill_io_threads", spill_io_threads, minimum=1, allow_none=True)
         spill_staging_bytes = check_bytes("spill_staging_bytes", spill_staging_bytes, minimum=1, allow_none=True)
         if spill_dir is None:
-            given = [n for n, v in (("spill_max_bytes", spill_max_bytes), ("spill_file_bytes", spill_file_bytes),
-                                    ("spill_io_threads", spill_io_threads),
-                                    ("spill_staging_bytes", spill_staging_bytes)) if v is not None]
+            given = [
+                n
+                for n, v in (
+                    ("spill_max_bytes", spill_max_bytes),
+                    ("spill_file_bytes", spill_file_bytes),
+                    ("spill_io_threads", spill_io_threads),
+                    ("spill_staging_bytes", spill_staging_bytes),
+                )
+                if v is not None
+            ]
             if given:
                 raise ValueError(f"{given[0]} needs spill_dir: pass spill_dir='/path/on/local/disk' to spill to disk")
         else:
             if not isinstance(spill_dir, (str, os.PathLike)):
-                raise TypeError(f"spill_dir must be a path (str or os.PathLike) or None, got {type(spill_dir).__name__}")
+                raise TypeError(
+                    f"spill_dir must be a path (str or os.PathLike) or None, got {type(spill_dir).__name__}"
+                )
             spill_dir = os.fspath(spill_dir)
             if not max_bytes:
                 raise ValueError(
@@ -265,7 +297,9 @@ class HostPool:
                     "pass e.g. co.HostPool(max_bytes=8 << 30, spill_dir=...)"
                 )
             if not os.path.isdir(spill_dir):
-                raise ValueError(f"spill_dir={spill_dir!r} is not an existing directory; create it (on a local disk) first")
+                raise ValueError(
+                    f"spill_dir={spill_dir!r} is not an existing directory; create it (on a local disk) first"
+                )
         check_optional_bool("pinned", pinned)
         segment_bytes = check_bytes("segment_bytes", segment_bytes, minimum=1, allow_none=True)
         if backend is not None:
@@ -303,8 +337,7 @@ class HostPool:
             # Staging blocks carry offloads the cap refused to disk, and read-backs the pool has
             # no room for: the same backend (pinned copies stay asynchronous), no cap of its own
             # (the throttle bounds it), small segments.
-            self._staging = _C.HostPool(backend=backend, max_bytes=0, segment_bytes=16 << 20,
-                                        numa_node=self._numa_node)
+            self._staging = _C.HostPool(backend=backend, max_bytes=0, segment_bytes=16 << 20, numa_node=self._numa_node)
             # The pool spills while this object lives (contexts hold it); blocks already on disk
             # keep what they need to come back.
             self._spill = _C.attach_spill(
@@ -370,13 +403,18 @@ class HostPool:
             if self._share["local_world_size"] > 1 and not _first_on_node("share-full"):
                 return
             sh = self._share
-            where = (f"what exceeds it goes to spill_dir={self.spill_dir!r} (on disk) instead"
-                     if self._tier is not None else
-                     "what exceeds it stays on the device (kept_by_reason['pool_full']); pass spill_dir= to "
-                     "send it to a local disk instead")
-            budget = (f"node_max_bytes={sh['node_max_bytes']}" if sh["host_fraction"] is None else
-                      f"host_fraction={sh['host_fraction']} of the host's available memory = {sh['node_max_bytes']} "
-                      "bytes")
+            where = (
+                f"what exceeds it goes to spill_dir={self.spill_dir!r} (on disk) instead"
+                if self._tier is not None
+                else "what exceeds it stays on the device (kept_by_reason['pool_full']); pass spill_dir= to "
+                "send it to a local disk instead"
+            )
+            budget = (
+                f"node_max_bytes={sh['node_max_bytes']}"
+                if sh["host_fraction"] is None
+                else f"host_fraction={sh['host_fraction']} of the host's available memory = {sh['node_max_bytes']} "
+                "bytes"
+            )
             warn_at_user_line(
                 f"co.HostPool(max_bytes='auto'): this rank's pool reached its share of the node's host memory "
                 f"({budget}, divided between LOCAL_WORLD_SIZE={sh['local_world_size']} local ranks: "
@@ -541,6 +579,7 @@ def _first_on_node(what: str) -> bool:
     if parent_started is None or me_started is None:
         return True
     import fcntl  # after /proc answered: Linux
+
     name = f"ckpt_offload-{what}-{ppid}-{parent_started}-{os.environ.get('MASTER_PORT', '')}"
     path = os.path.join(tempfile.gettempdir(), name)
     ours = f"{os.getpid()} {me_started}"

@@ -39,8 +39,14 @@ from ckpt_offload._args import suggest_keywords
 from ckpt_offload.offloading import offload as offload_context
 from ckpt_offload.options import OffloadOptions, as_options, check_offloads_something
 
-__all__ = ["selective_offload_context", "SelectiveOffload", "OFFLOAD_POLICIES", "SELECTIVE_SAVE_OPS",
-           "selective_policy", "offload_policy"]
+__all__ = [
+    "selective_offload_context",
+    "SelectiveOffload",
+    "OFFLOAD_POLICIES",
+    "SELECTIVE_SAVE_OPS",
+    "selective_policy",
+    "offload_policy",
+]
 
 # torch's selective checkpoint (2.4+); without it plans have no "selective"
 CheckpointPolicy = getattr(torch_checkpoint, "CheckpointPolicy", None)
@@ -91,7 +97,8 @@ class _Kept:
             raise RuntimeError(
                 "co.selective_offload_context: an output the policy saved was modified in place after it was "
                 "saved, so backward would use the wrong values. Clone it before modifying it, or pass "
-                "allow_cache_entry_mutation=True if the in-place change is meant to be seen by backward.")
+                "allow_cache_entry_mutation=True if the in-place change is meant to be seen by backward."
+            )
         return self.value
 
 
@@ -175,12 +182,14 @@ class _Cached(TorchDispatchMode):
             raise RuntimeError(
                 f"co.selective_offload_context: {func} (call {index}) ran in the recompute but not in the forward. "
                 "The checkpointed function must run the same ops in backward as in forward (no randomness in "
-                "control flow, no global state that changed in between).")
+                "control flow, no global state that changed in between)."
+            )
         if entry is _CONSUMED:
             raise RuntimeError(
                 "co.selective_offload_context: trying to backward an extra time through a selectively checkpointed "
                 "region; each region can be differentiated once (its cached outputs are released as the recompute "
-                "uses them).")
+                "uses them)."
+            )
         if entry is _RECOMPUTE:
             return func(*args, **kwargs)
         self.cache[func][index] = _CONSUMED  # released now, not when the graph dies
@@ -257,7 +266,8 @@ class SelectiveOffload:
             return decision
         raise TypeError(
             f"co.selective_offload_context: policy_fn returned {decision!r} for {func}; it must return a "
-            f"torch.utils.checkpoint.CheckpointPolicy ({_policy_names()}) or a bool (True: save, False: recompute)")
+            f"torch.utils.checkpoint.CheckpointPolicy ({_policy_names()}) or a bool (True: save, False: recompute)"
+        )
 
     def stats(self) -> dict:
         """What went to the pool, over every region this object served: ``co.offload().stats()``'s keys
@@ -274,8 +284,9 @@ class SelectiveOffload:
 
 
 @suggest_keywords("co.selective_offload_context")
-def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
-                              allow_cache_entry_mutation: bool = False) -> SelectiveOffload:
+def selective_offload_context(
+    policy_fn: Callable[..., Any], offload=True, *, allow_cache_entry_mutation: bool = False
+) -> SelectiveOffload:
     """A ``context_fn`` for selective activation checkpointing in which the outputs the policy marks
     ``CheckpointPolicy.MUST_CPU_OFFLOAD`` / ``PREFER_CPU_OFFLOAD`` wait in the host pool between
     forward and backward, the ones marked ``MUST_SAVE`` / ``PREFER_SAVE`` stay on the device, and
@@ -323,20 +334,23 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
     if CheckpointPolicy is None or not OFFLOAD_POLICIES:
         raise RuntimeError(
             "co.selective_offload_context needs torch.utils.checkpoint.CheckpointPolicy.MUST_CPU_OFFLOAD, which "
-            f"this torch ({torch.__version__}) does not have")
+            f"this torch ({torch.__version__}) does not have"
+        )
     if not callable(policy_fn):
         raise TypeError(
             f"policy_fn must be callable as policy_fn(ctx, op, *args, **kwargs) returning a CheckpointPolicy; got "
             f"{type(policy_fn).__name__}. For a list of ops to offload, write "
             "lambda ctx, op, *a, **k: CheckpointPolicy.MUST_CPU_OFFLOAD if op in ops else "
-            "CheckpointPolicy.PREFER_RECOMPUTE")
+            "CheckpointPolicy.PREFER_RECOMPUTE"
+        )
     if not isinstance(allow_cache_entry_mutation, bool):
         raise TypeError(f"allow_cache_entry_mutation must be True or False, got {allow_cache_entry_mutation!r}")
     if offload is None or offload is False:
         raise ValueError(
             "co.selective_offload_context: offload must say where the offload-marked outputs go (True, a dict of "
             "co.offload options or a co.OffloadOptions); for torch's own selective checkpoint without offload use "
-            "torch.utils.checkpoint.create_selective_checkpoint_contexts")
+            "torch.utils.checkpoint.create_selective_checkpoint_contexts"
+        )
     options = as_options(offload)
     check_offloads_something(options.devices, "co.selective_offload_context(offload=...)")
     return SelectiveOffload(policy_fn, options, allow_cache_entry_mutation)
@@ -348,12 +362,22 @@ def selective_offload_context(policy_fn: Callable[..., Any], offload=True, *,
 # whose recompute costs the most per byte they produce (Korthikanti et al. 2022 keep the matmuls and
 # recompute attention's cheap pointwise ops).
 SELECTIVE_SAVE_OPS = tuple(
-    op for op in (
+    op
+    for op in (
         getattr(torch.ops.aten, name, None)
-        for name in ("mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu")
-    ) if op is not None
+        for name in (
+            "mm",
+            "addmm",
+            "bmm",
+            "baddbmm",
+            "convolution",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+    )
+    if op is not None
 )
 _SAVE_OPS = set(SELECTIVE_SAVE_OPS)
 

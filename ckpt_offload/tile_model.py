@@ -75,8 +75,10 @@ class TileOptions:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TileOptions.{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.mlp or self.norms or self.head):
-            raise ValueError("TileOptions with mlp=False, norms=False and head=False tiles nothing; pass tile=False "
-                             "(or leave tile out) instead")
+            raise ValueError(
+                "TileOptions with mlp=False, norms=False and head=False tiles nothing; pass tile=False "
+                "(or leave tile out) instead"
+            )
 
     def tiled_kwargs(self) -> dict:
         """What :class:`~ckpt_offload.tiling.Tiled` takes for the blocks' parts."""
@@ -85,6 +87,7 @@ class TileOptions:
 
 # A misspelled field names the right one (the dataclass's own __init__ would not).
 TileOptions.__init__ = suggest_keywords("co.TileOptions")(TileOptions.__init__)
+
 
 def as_tile_options(value, name: str = "tile") -> TileOptions | None:
     """``tile=`` of a route as :class:`TileOptions` (None: no tiling). Raises naming ``name``.
@@ -111,13 +114,16 @@ def as_tile_options(value, name: str = "tile") -> TileOptions | None:
         if unknown:
             from ckpt_offload._args import closest
 
-            hints = [f"{k!r}" + (f" (did you mean {closest(k, fields)!r}?)" if closest(k, fields) else "")
-                     for k in unknown]
+            hints = [
+                f"{k!r}" + (f" (did you mean {closest(k, fields)!r}?)" if closest(k, fields) else "") for k in unknown
+            ]
             raise TypeError(f"{name}: unknown option(s) {', '.join(hints)}; TileOptions takes {sorted(fields)}")
         return TileOptions(**value)
-    raise TypeError(f"{name} must be True/False/None, an int (positions per tile), a size string ('32MiB': bytes "
-                    f"per tile), a dict of TileOptions fields or a co.TileOptions; got {type(value).__name__} "
-                    f"({value!r})")
+    raise TypeError(
+        f"{name} must be True/False/None, an int (positions per tile), a size string ('32MiB': bytes "
+        f"per tile), a dict of TileOptions fields or a co.TileOptions; got {type(value).__name__} "
+        f"({value!r})"
+    )
 
 
 # --- installing ----------------------------------------------------------------------------------
@@ -171,11 +177,12 @@ class TiledForward:
 
 def _install(module, name, options: TileOptions, dim: int, token_wise, route: str):
     if _MARK in module.__dict__:
-        raise RuntimeError(f"{route}: {name or type(module).__name__} is already tiled; call .remove() on the handle "
-                           "that tiled it first")
+        raise RuntimeError(
+            f"{route}: {name or type(module).__name__} is already tiled; call .remove() on the handle "
+            "that tiled it first"
+        )
     original = module.__dict__.get("forward")
-    tiled = Tiled(_OwnForward(module, original), dim=dim, token_wise=token_wise, name=route,
-                  **options.tiled_kwargs())
+    tiled = Tiled(_OwnForward(module, original), dim=dim, token_wise=token_wise, name=route, **options.tiled_kwargs())
     TiledForward(module, tiled, original).install()
     return tiled
 
@@ -220,8 +227,9 @@ class TileHandle:
                     errors[cls] = dict(e)
                     continue
                 n = have["tensors"] + e["tensors"]
-                have["mean_rel_error"] = (have["mean_rel_error"] * have["tensors"]
-                                          + e["mean_rel_error"] * e["tensors"]) / max(n, 1)
+                have["mean_rel_error"] = (
+                    have["mean_rel_error"] * have["tensors"] + e["mean_rel_error"] * e["tensors"]
+                ) / max(n, 1)
                 have["max_rel_error"] = max(have["max_rel_error"], e["max_rel_error"])
                 have["bit_identical"] = have["bit_identical"] and e["bit_identical"]
                 have["tensors"] = n
@@ -272,8 +280,11 @@ def _is_mlp(attr: str, module) -> bool:
 
 
 def _is_norm(module) -> bool:
-    return (bool(_NORM_CLASS.search(type(module).__name__)) and not list(module.children())
-            and mixing_reason(module) is None)
+    return (
+        bool(_NORM_CLASS.search(type(module).__name__))
+        and not list(module.children())
+        and mixing_reason(module) is None
+    )
 
 
 def find_mlps(named_blocks) -> list:
@@ -334,7 +345,8 @@ def tile_blocks(model, named_blocks, options: TileOptions, route: str) -> TileHa
         raise ValueError(
             f"{route}(tile=...): found no MLP{what} in the blocks ({block}): a token-wise child named 'mlp' / "
             "'feed_forward' / 'ffn' or whose class is named like an MLP. Tile the module yourself with "
-            "co.tile(block.<its MLP>, tile=...), or leave tile= out.")
+            "co.tile(block.<its MLP>, tile=...), or leave tile= out."
+        )
     modules, names, kinds, tiled = [], [], [], []
     try:
         for name, module, kind in found:
@@ -380,8 +392,16 @@ def _fuse_hf_head(model, options, route):
 
 
 @suggest_keywords("co.tile")
-def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: int = -2, token_wise=None,
-         measure_error: bool = False) -> TileHandle:
+def tile(
+    module: torch.nn.Module,
+    tile=None,
+    *,
+    tiles=None,
+    modules=None,
+    dim: int = -2,
+    token_wise=None,
+    measure_error: bool = False,
+) -> TileHandle:
     """Runs ``module`` (or the submodules ``modules`` selects) tiled along the sequence, in place:
     its ``forward`` becomes a :func:`~ckpt_offload.tiled` call of its own forward. Parameters,
     ``state_dict()`` keys and hooks do not change; the returned handle's ``remove()`` undoes it.
@@ -408,8 +428,9 @@ def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: i
         handle.remove()
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"module must be an nn.Module (use co.tiled(function) for a function), got "
-                        f"{type(module).__name__}")
+        raise TypeError(
+            f"module must be an nn.Module (use co.tiled(function) for a function), got {type(module).__name__}"
+        )
     options = TileOptions(tile=tile, tiles=tiles, measure_error=measure_error)
     check_int("dim", dim)
     if modules is None:
@@ -427,8 +448,10 @@ def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: i
     elif callable(modules) and not isinstance(modules, (str, type)):
         found = [(n, m, "module") for n, m in module.named_modules() if modules(n, m)]
     else:
-        raise TypeError(f"modules must be None, 'mlp', an nn.Module subclass or a predicate modules(name, module) -> "
-                        f"bool; got {modules!r}")
+        raise TypeError(
+            f"modules must be None, 'mlp', an nn.Module subclass or a predicate modules(name, module) -> "
+            f"bool; got {modules!r}"
+        )
     outer = []
     for name, sub, kind in found:
         if not any(name.startswith(o + ".") for o, _, _ in outer if o):
@@ -437,7 +460,7 @@ def tile(module: torch.nn.Module, tile=None, *, tiles=None, modules=None, dim: i
         raise ValueError(f"co.tile: modules={modules!r} selects nothing in {type(module).__name__}")
     installed, tiled = [], []
     try:
-        for name, sub, kind in outer:
+        for name, sub, _kind in outer:
             tiled.append(_install(sub, name, options, dim, token_wise, "co.tile"))
             installed.append(sub)
     except BaseException:

@@ -30,8 +30,10 @@ LIBRARY_HEADERS = ["cusparse.h", "cublas_v2.h", "cusolverDn.h", "curand.h", "cuf
 
 
 def is_toolkit(path):
-    return bool(path) and os.path.exists(os.path.join(path, "bin", "nvcc")) and os.path.exists(
-        os.path.join(path, "include", "cuda_runtime.h")
+    return (
+        bool(path)
+        and os.path.exists(os.path.join(path, "bin", "nvcc"))
+        and os.path.exists(os.path.join(path, "include", "cuda_runtime.h"))
     )
 
 
@@ -99,11 +101,16 @@ def torch_compile_flags(with_cuda, torch_include_root=None):
     flags = []
     for d in cpp_extension.include_paths():
         if torch_include_root:
-            d = torch_include_root + d[len(installed_root):]
+            d = torch_include_root + d[len(installed_root) :]
         flags.append("-I" + d)
     # As setup.py compiles (-fvisibility=hidden: pybind11 warns about class visibility without it).
-    flags += ["-I" + sysconfig.get_paths()["include"], STD_FLAG, "-fvisibility=hidden", "-DTORCH_EXTENSION_NAME=_C",
-              "-DTORCH_API_INCLUDE_EXTENSION_H"]
+    flags += [
+        "-I" + sysconfig.get_paths()["include"],
+        STD_FLAG,
+        "-fvisibility=hidden",
+        "-DTORCH_EXTENSION_NAME=_C",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+    ]
     if with_cuda:
         home = cpp_extension.CUDA_HOME
         if not home or not is_toolkit(home):
@@ -178,14 +185,22 @@ def decide_cuda(forced, problems, gpu):
         return False, "ckpt_offload: CKPT_OFFLOAD_CUDA=0: building the C++-only engine", None
     if forced == "1":
         if problems:
-            return False, None, (
-                "ckpt_offload: CUDA build impossible: " + "; ".join(problems)
-                + ". Unset CKPT_OFFLOAD_CUDA (or set it to 0) to build the C++-only core."
+            return (
+                False,
+                None,
+                (
+                    "ckpt_offload: CUDA build impossible: "
+                    + "; ".join(problems)
+                    + ". Unset CKPT_OFFLOAD_CUDA (or set it to 0) to build the C++-only core."
+                ),
             )
         return True, "ckpt_offload: CKPT_OFFLOAD_CUDA=1: building the CUDA engine", None
     if problems:
         return False, "ckpt_offload: building the C++-only core: " + "; ".join(problems), None
     if not gpu:
         return False, NO_GPU_MESSAGE, None
-    return True, (f"ckpt_offload: building the CUDA engine (GPU found by {gpu}; CKPT_OFFLOAD_CUDA=0 builds the "
-                  "C++-only one)"), None
+    return (
+        True,
+        (f"ckpt_offload: building the CUDA engine (GPU found by {gpu}; CKPT_OFFLOAD_CUDA=0 builds the C++-only one)"),
+        None,
+    )

@@ -83,8 +83,9 @@ def check_wheel(path: str) -> list[str]:
         for n in names
         if not (n.startswith("ckpt_offload/") or n.startswith(dist_info))
     ]
-    problems += [f"{n}: a test or benchmark file in the wheel"
-                 for n in names if {"tests", "benchmarks"} & set(n.split("/"))]
+    problems += [
+        f"{n}: a test or benchmark file in the wheel" for n in names if {"tests", "benchmarks"} & set(n.split("/"))
+    ]
     if not any(fnmatch.fnmatch(n, "ckpt_offload/_C.*.so") for n in names):
         problems.append("ckpt_offload/_C.*.so: the compiled extension is missing")
     modules = [f for f in source_files() if f.startswith("ckpt_offload/")]

@@ -2,7 +2,7 @@
 # One entry point for a fresh machine (Python 3.11, the version CI runs; a C++ compiler; nvcc optional):
 #   bash scripts/dev.sh test   # install everything, build, native tests (ASan+UBSan), Python tests
 #   bash scripts/dev.sh ci     # `test`, the hot path's ratios beside the committed ones (printed,
-#                              # never asserted), then the release checks: native tests under TSan,
+#                              # never asserted), then the release checks: lint, native tests under TSan,
 #                              # the torch 2.11 header check, the sdist check (CI runs this: .ci/run)
 #   bash scripts/dev.sh demo   # install everything, build, run the demo
 #   bash scripts/dev.sh setup  # install everything and build only
@@ -59,7 +59,7 @@ setup() {
   # Together with their dependencies (pandas, pyarrow, datasets) they add about a minute here.
   if ! DS_BUILD_OPS=0 with_progress pip.log 40 "$VENV/bin/python" -m pip install --upgrade pip "setuptools>=77" build \
       "$TORCH_SPEC" numpy ninja pytest pytest-xdist hypothesis matplotlib tqdm transformers accelerate peft \
-      deepspeed trl; then
+      deepspeed trl "ruff==0.17.6" "clang-format==19.1.7"; then
     echo "ckpt_offload: installing the dependencies failed; the full log is in pip.log" >&2
     exit 1
   fi
@@ -109,6 +109,8 @@ run_hot_path() {
 # The release checks CI adds: slower, and about the build and the package more than the code.
 run_release_checks() {
   local start=$SECONDS
+  echo "== lint: ruff (lint and format) and clang-format, the repository's settings (scripts/lint.sh)"
+  PYTHON="$VENV/bin/python" bash scripts/lint.sh
   echo "== native tests (C++ core under ThreadSanitizer; cannot share a build with ASan)"
   BUILD_DIR=build-native-tsan CMAKE_ARGS="-DCKPT_OFFLOAD_SANITIZE=OFF -DCKPT_OFFLOAD_TSAN=ON" \
     bash scripts/native_tests.sh

@@ -16,8 +16,9 @@ from torch.profiler import ProfilerActivity, profile
 
 def demo(part="block"):
     cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=8, vocab=61, batch=2)
-    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                            seed=0).train()
+    model = TinyTransformer(
+        vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq, seed=0
+    ).train()
     batch = make_batch(cfg, seed=1)
     blocks = list(model.blocks)
     if part == "mlp":
@@ -28,9 +29,19 @@ def demo(part="block"):
 def gpt2(part="block"):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
-        attn_implementation="eager", use_cache=False)).train()
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            vocab_size=64,
+            n_positions=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="eager",
+            use_cache=False,
+        )
+    ).train()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     blocks = list(model.transformer.h)
     return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in blocks] if part == "mlp" else blocks
@@ -39,10 +50,21 @@ def gpt2(part="block"):
 def llama(part="block"):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
-        vocab_size=64, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        use_cache=False)).train()
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+            max_position_embeddings=16,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            use_cache=False,
+        )
+    ).train()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
     blocks = list(model.model.layers)
     return model, (lambda m: m(input_ids=ids, labels=ids).loss), [b.mlp for b in blocks] if part == "mlp" else blocks
@@ -79,8 +101,15 @@ def wrap(route, model, loss_fn, pool, **kwargs):
     if route == "co.hf.enable":
         return co.hf.enable(model, offload=opts, **kwargs)
     kinds = {"plan offload": ("offload",), "plan recompute_offload": ("recompute_offload",)}[route]
-    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf, kinds=kinds,
-                   segments=False, offload=opts)
+    plan = co.plan(
+        model,
+        lambda: loss_fn(model).backward(),
+        budget=2**40,
+        bandwidth=math.inf,
+        kinds=kinds,
+        segments=False,
+        offload=opts,
+    )
     model.zero_grad(set_to_none=True)
     return plan.apply()
 
@@ -118,8 +147,12 @@ def forward_peak(forward) -> int:
 
 def mlp_blocks(n=6, dim=128):
     torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
-                                                     torch.nn.Linear(4 * dim, dim)) for _ in range(n)]).train()
+    return torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+            for _ in range(n)
+        ]
+    ).train()
 
 
 class EagerProbe:

@@ -141,8 +141,9 @@ def stream(request):
     return request.param
 
 
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
-                                                          pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)])])
+@pytest.fixture(
+    params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason=GPU_REASON)])]
+)
 def device(request):
     """Runs a behaviour test on CPU tensors and, marked `gpu` (skipped without a GPU), on CUDA.
     Offload it with `co.offload(devices=[device.type], ...)`. GPU-only files define their own."""

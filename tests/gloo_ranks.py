@@ -46,8 +46,7 @@ def rendezvous_store(world_size: int):
 
     from torch.distributed import TCPStore
 
-    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(seconds=300))
+    return TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300))
 
 
 class Launch(list):

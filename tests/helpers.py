@@ -61,9 +61,8 @@ def cuda_device():
     torch.cuda.synchronize(dev)
 
 
-
-
 # Contexts
+
 
 def exit_from_another_thread(ctx) -> None:
     """Exits ``ctx`` (entered on this thread) from a new thread, which must warn that it is a
@@ -83,15 +82,22 @@ def exit_from_another_thread(ctx) -> None:
 
 # Child processes
 
+
 def outside_the_tree() -> dict:
     """subprocess.run arguments for a `python -c` child that imports the ckpt_offload these tests
     imported: `python -c` puts its cwd first on sys.path, where a checkout's ckpt_offload/ (without
     a built _C) would shadow the installed package."""
     import tempfile
 
-    return {"cwd": tempfile.gettempdir(),
-            "env": dict(os.environ, PYTHONPATH=os.pathsep.join(
-                p for p in (os.path.dirname(os.path.dirname(co.__file__)), os.environ.get("PYTHONPATH")) if p))}
+    return {
+        "cwd": tempfile.gettempdir(),
+        "env": dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                p for p in (os.path.dirname(os.path.dirname(co.__file__)), os.environ.get("PYTHONPATH")) if p
+            ),
+        ),
+    }
 
 
 def run_child(cmd: list, timeout: float = 120):
@@ -110,6 +116,7 @@ def run_python(script: str, *args: str, timeout: float = 120):
 
 
 # Autograd
+
 
 def grads_of(module) -> dict:
     """The parameters' gradients of ``module`` (cloned), by name; those without one left out."""
@@ -187,25 +194,43 @@ class Scribble(torch.autograd.Function):
 def gpt2():
     import transformers
 
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def llama():
     import transformers
 
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
-                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def bert():
     import transformers
 
-    cfg = transformers.BertConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                                  vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+    cfg = transformers.BertConfig(
+        num_hidden_layers=4,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     return transformers.BertForMaskedLM(cfg)
 
 
@@ -214,7 +239,7 @@ def batch():
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
-    mask[1, T - 2:] = 0  # padding, so every layer receives a real attention mask
+    mask[1, T - 2 :] = 0  # padding, so every layer receives a real attention mask
     return {"input_ids": ids, "attention_mask": mask, "labels": ids}
 
 
@@ -260,8 +285,17 @@ def train(tmp_path, model, callbacks=(), **args):
     import transformers
 
     targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], max_steps=3, per_device_train_batch_size=2, use_cpu=True,
-        logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True, **args,
+        output_dir=str(tmp_path),
+        report_to=[],
+        max_steps=3,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **args,
     )
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=list(callbacks))
     trainer.train()

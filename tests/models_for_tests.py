@@ -25,8 +25,11 @@ class MLP(nn.Module):
     def __init__(self, dim=64, hidden=256, dtype=torch.float32):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(dim, hidden, dtype=dtype), nn.GELU(), nn.Linear(hidden, hidden, dtype=dtype),
-            nn.ReLU(), nn.Linear(hidden, dim, dtype=dtype),
+            nn.Linear(dim, hidden, dtype=dtype),
+            nn.GELU(),
+            nn.Linear(hidden, hidden, dtype=dtype),
+            nn.ReLU(),
+            nn.Linear(hidden, dim, dtype=dtype),
         )
 
     def forward(self, x):

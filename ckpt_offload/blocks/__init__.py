@@ -20,6 +20,15 @@ from ckpt_offload.blocks.select import select_blocks
 from ckpt_offload.selective import SELECTIVE_SAVE_OPS, selective_policy
 
 __all__ = [
-    "SELECTIVE_SAVE_OPS", "BlockForward", "CheckpointHandle", "InContext", "active_handle", "apply",
-    "check_not_applied", "install_units", "running_stats", "select_blocks", "selective_policy",
+    "SELECTIVE_SAVE_OPS",
+    "BlockForward",
+    "CheckpointHandle",
+    "InContext",
+    "active_handle",
+    "apply",
+    "check_not_applied",
+    "install_units",
+    "running_stats",
+    "select_blocks",
+    "selective_policy",
 ]

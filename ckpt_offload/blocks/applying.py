@@ -29,8 +29,15 @@ __all__ = ["apply"]
 # cost of one input's device bytes from that block's forward through the loss, where the logits
 # often set the peak. Not measured on a GPU against that cost yet, so the default stays, and the
 # memory formula in docs/api.md holds exactly. See docs/api.md, "The last block's input".
-def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=False, segments=None, tile=None,
-          **checkpoint_kwargs):
+def apply(
+    model: torch.nn.Module,
+    layers=None,
+    every_n_layers: int = 1,
+    offload=False,
+    segments=None,
+    tile=None,
+    **checkpoint_kwargs,
+):
     """Checkpoints the repeated blocks of ``model``: block ``i`` recomputes in backward when
     ``i % every_n_layers == 0`` (Hugging Face's rule), optionally with its inputs offloaded.
 
@@ -76,8 +83,9 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
     check_int("every_n_layers", every_n_layers, minimum=1)
     options = as_options(offload)
     tiles = as_tile_options(tile)
-    check_checkpoint_keywords(checkpoint_kwargs, "co.apply",
-                              own=("layers", "every_n_layers", "offload", "segments", "tile"))
+    check_checkpoint_keywords(
+        checkpoint_kwargs, "co.apply", own=("layers", "every_n_layers", "offload", "segments", "tile")
+    )
     use_reentrant = check_reentrant(checkpoint_kwargs.pop("use_reentrant", None), options)
     if options is not None:
         check_offloads_something(options.devices, "co.apply(offload=...)")
@@ -92,10 +100,18 @@ def apply(model: torch.nn.Module, layers=None, every_n_layers: int = 1, offload=
     named = select_blocks(model, layers)
     units = [Unit(i, i, kind if i % every_n_layers == 0 else "keep") for i in range(len(named))]
     # co.apply's checkpoints are co.checkpoint's (no profiler range of the planner's).
-    handle = install_units(model, named, units, options, every_n_layers=every_n_layers, use_reentrant=use_reentrant,
-                           torch_kwargs=checkpoint_kwargs, ranged=False, route="co.apply")
+    handle = install_units(
+        model,
+        named,
+        units,
+        options,
+        every_n_layers=every_n_layers,
+        use_reentrant=use_reentrant,
+        torch_kwargs=checkpoint_kwargs,
+        ranged=False,
+        route="co.apply",
+    )
     return _with_tiles(handle, model, named, tiles)
-
 
 
 def _segment_units(n: int, segments) -> list:

@@ -37,8 +37,10 @@ def unchained_reason(out) -> str | None:
 
     if isinstance(out, Mapping):
         keys = ", ".join(repr(k) for k in list(out)[:4])
-        return (f"returns a dict ({keys}) that the model unpacks before the next block, while a segment hands "
-                "a block's output (or its first element) to the next block as its first argument")
+        return (
+            f"returns a dict ({keys}) that the model unpacks before the next block, while a segment hands "
+            "a block's output (or its first element) to the next block as its first argument"
+        )
     return None
 
 
@@ -88,5 +90,8 @@ def running_stats(module):
     forward (BatchNorm and the like in training mode, tracking them)."""
     from torch.nn.modules.batchnorm import _NormBase
 
-    return [f"{n}." if n else "" for n, m in module.named_modules()
-            if isinstance(m, _NormBase) and m.training and m.track_running_stats]
+    return [
+        f"{n}." if n else ""
+        for n, m in module.named_modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats
+    ]

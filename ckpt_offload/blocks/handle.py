@@ -25,8 +25,15 @@ class CheckpointHandle:
         handle.remove()                             # every block has its own forward back
     """
 
-    def __init__(self, model: torch.nn.Module, blocks: list, names: list, kinds: list, every_n_layers: int = 1,
-                 collector: StatsCollector | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        blocks: list,
+        names: list,
+        kinds: list,
+        every_n_layers: int = 1,
+        collector: StatsCollector | None = None,
+    ):
         self._model = model
         self._blocks = blocks
         self.names = names  #: qualified names of the wrapped blocks
@@ -106,9 +113,11 @@ def check_not_applied(model: torch.nn.Module, named_blocks=(), route: str = "co.
         raise RuntimeError(
             f"{route}: the model is already wrapped by co.apply, co.hf.enable or a plan (ckpt_offload is already "
             f"applied to it){why}. Call .remove() on the handle it returned (model._ckpt_offload_handle.remove()) "
-            "first")
+            "first"
+        )
     for name, block in named_blocks:
         if "_ckpt_offload_wrapped" in block.__dict__:
             raise RuntimeError(
                 f"{route}: block {name!r} is already wrapped by co.apply or a plan{why}; call .remove() on that "
-                "handle first")
+                "handle first"
+            )

@@ -20,9 +20,20 @@ from ckpt_offload.options import OffloadOptions, as_options
 __all__ = ["install_units"]
 
 
-def install_units(model, named_blocks, units, options: OffloadOptions | None, allow=frozenset(), *,
-                  every_n_layers: int = 1, use_reentrant: bool = False, torch_kwargs=None,
-                  ranged: bool = True, route: str = "a plan", store_dtype=None) -> CheckpointHandle:
+def install_units(
+    model,
+    named_blocks,
+    units,
+    options: OffloadOptions | None,
+    allow=frozenset(),
+    *,
+    every_n_layers: int = 1,
+    use_reentrant: bool = False,
+    torch_kwargs=None,
+    ranged: bool = True,
+    route: str = "a plan",
+    store_dtype=None,
+) -> CheckpointHandle:
     """Wraps the blocks of ``named_blocks`` as ``units`` (:class:`~ckpt_offload._units.Unit`) say;
     returns the :class:`CheckpointHandle`.
 
@@ -49,18 +60,27 @@ def install_units(model, named_blocks, units, options: OffloadOptions | None, al
         if u.kind == "selective_offload":
             offload = None  # the checkpoint's input stays; the policy's outputs go to the pool
         if u.end > u.start:
-            members = named_blocks[u.start:u.end + 1]
-            seg = _Segment([b for _, b in members], [n for n, _ in members], offload, u, collector,
-                           allow=frozenset(allow))
+            members = named_blocks[u.start : u.end + 1]
+            seg = _Segment(
+                [b for _, b in members], [n for n, _ in members], offload, u, collector, allow=frozenset(allow)
+            )
             runs = [_SegmentFirst(seg)] + [_SegmentLater(seg, j) for j in range(1, len(members))]
         else:
             members = [named_blocks[u.start]]
             if u.kind == "offload":
                 runs = [_Offload(offload, collector)]
             else:
-                runs = [_Checkpoint(offload, use_reentrant, torch_kwargs, collector, ranged=ranged,
-                                    selective=u.kind in ("selective", "selective_offload"),
-                                    selective_offload=options if u.kind == "selective_offload" else None)]
+                runs = [
+                    _Checkpoint(
+                        offload,
+                        use_reentrant,
+                        torch_kwargs,
+                        collector,
+                        ranged=ranged,
+                        selective=u.kind in ("selective", "selective_offload"),
+                        selective_offload=options if u.kind == "selective_offload" else None,
+                    )
+                ]
         for j, ((name, block), run) in enumerate(zip(members, runs)):
             BlockForward(block, run).install()
             wrapped.append(block)

@@ -21,8 +21,16 @@ class _Checkpoint:
     forward under :func:`~ckpt_offload.checkpointing.run_checkpoint` (its input offloaded with
     ``options``), counted in the handle's collector."""
 
-    def __init__(self, options, use_reentrant=False, torch_kwargs=None, collector=None, ranged=False,
-                 selective=False, selective_offload=None):
+    def __init__(
+        self,
+        options,
+        use_reentrant=False,
+        torch_kwargs=None,
+        collector=None,
+        ranged=False,
+        selective=False,
+        selective_offload=None,
+    ):
         self.options = options
         self.use_reentrant = use_reentrant
         self.torch_kwargs = dict(torch_kwargs or {})
@@ -105,4 +113,3 @@ class InContext:
 
     def describe(self) -> str:
         return f"inside {self.context!r}"
-

@@ -85,18 +85,25 @@ class _Segment:
         out = compiled_forward(own_forward(self.blocks[j]), self.callback)(*args, **kwargs)
         changed = [what for (what, t), v in zip(watch, before) if t._version != v]
         if changed:
-            buffers = [w[len("buffer "):] for w in changed if w != "input"]
+            buffers = [w[len("buffer ") :] for w in changed if w != "input"]
             # BatchNorm's kernels update running_mean/var without bumping their version counter:
             # only num_batches_tracked shows it; name the statistics too.
-            stats = [repr(f"{name}{stat}") for name in running_stats(self.blocks[j])
-                     for stat in ("running_mean", "running_var")]
+            stats = [
+                repr(f"{name}{stat}")
+                for name in running_stats(self.blocks[j])
+                for stat in ("running_mean", "running_var")
+            ]
             buffers = [b for b in stats if b not in buffers] + buffers
-            why = ("writes its input in place: its recompute would read the written value" if "input" in changed
-                   else f"updates its buffer(s) {', '.join(buffers)} in forward (running statistics): its recompute "
-                   "would update them a second time")
+            why = (
+                "writes its input in place: its recompute would read the written value"
+                if "input" in changed
+                else f"updates its buffer(s) {', '.join(buffers)} in forward (running statistics): its recompute "
+                "would update them a second time"
+            )
             raise RuntimeError(
                 f"a segment recomputes {self.names[j]} in backward, but it {why}. Keep this block out of segments "
-                "(co.plan excludes such blocks by itself; co.plan(..., allow_inexact=...) allows them)")
+                "(co.plan excludes such blocks by itself; co.plan(..., allow_inexact=...) allows them)"
+            )
         return out
 
     def _reset(self):
@@ -116,9 +123,12 @@ class _Segment:
                 if j:
                     why = unchained_reason(outs[-1])
                     if why is not None:
-                        self._refuse(p.start - base, f"follows {self.names[p.start - base - 1]}, which {why}",
-                                     fix="checkpoint these blocks one by one (co.apply(model, ...) without "
-                                     "segments=; co.plan offers no segments over them)")
+                        self._refuse(
+                            p.start - base,
+                            f"follows {self.names[p.start - base - 1]}, which {why}",
+                            fix="checkpoint these blocks one by one (co.apply(model, ...) without "
+                            "segments=; co.plan offers no segments over them)",
+                        )
                 args, kwargs = (a, kw) if j == 0 else next_args(outs[-1], a, kw, self.key)
                 if p.kind == "keep" and forward:
                     outs.append(self._checked(p.start - base, args, kwargs))
@@ -144,9 +154,13 @@ class _Segment:
             f"a plan segment ({self.names[0]} .. {self.names[-1]}) runs its blocks one after another, each with the "
             f"previous one's output as its first argument and the other arguments the first block got; "
             f"{self.names[j]} {why}. "
-            + (fix[0].upper() + fix[1:] if fix else "Plan without segments (co.plan(..., segments=False)), or "
-               "apply without segments, for this model")
-            + ".")
+            + (
+                fix[0].upper() + fix[1:]
+                if fix
+                else "Plan without segments (co.plan(..., segments=False)), or apply without segments, for this model"
+            )
+            + "."
+        )
 
     def later(self, j, original, args, kwargs):
         if self.outs is None:

@@ -85,4 +85,3 @@ def select_blocks(model: torch.nn.Module, layers, route: str = "co.apply"):
             "(for example layers=type(model.layers[0])) or a predicate layers=lambda name, module: ..."
         )
     return outer
-

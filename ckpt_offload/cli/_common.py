@@ -79,7 +79,8 @@ def _size(text: str) -> int:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(
             f"expected a number of bytes or a size such as '64KiB' or '1.5MB', got {text!r}"
-            + (f" ({str(e).removeprefix('size: ')})" if "whole number" in str(e) else "")) from None
+            + (f" ({str(e).removeprefix('size: ')})" if "whole number" in str(e) else "")
+        ) from None
 
 
 def load_script(spec: str, parser):
@@ -152,7 +153,9 @@ EXIT_WRITE_FAILED = 3
 
 def write_failed(what: str, error: OSError) -> int:
     """Prints why ``what`` could not be written and returns :data:`EXIT_WRITE_FAILED`."""
-    print(f"ckpt_offload: cannot write {what}: {error.strerror or error} "
-          f"({getattr(error, 'filename', None) or what}); the results above are complete, only the files are missing",
-          file=sys.stderr)
+    print(
+        f"ckpt_offload: cannot write {what}: {error.strerror or error} "
+        f"({getattr(error, 'filename', None) or what}); the results above are complete, only the files are missing",
+        file=sys.stderr,
+    )
     return EXIT_WRITE_FAILED

@@ -17,7 +17,14 @@ import re
 import sys
 
 from ckpt_offload.cli._common import (  # noqa: F401
-    EXIT_WRITE_FAILED, _check_out, _non_negative_int, _positive_int, _size, load_script, write_failed)
+    EXIT_WRITE_FAILED,
+    _check_out,
+    _non_negative_int,
+    _positive_int,
+    _size,
+    load_script,
+    write_failed,
+)
 from ckpt_offload.cli.plan import add_plan_parser, run_plan
 
 __all__ = ["main", "build_parser"]
@@ -113,9 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MIN_BYTES,
         help=f"co.offload(min_bytes=...): smaller saved tensors stay on the device (default: {DEFAULT_MIN_BYTES})",
     )
-    demo.add_argument(
-        "--stream", choices=STREAM_MODES, default="side", help="co.offload(stream=...) (default: side)"
-    )
+    demo.add_argument("--stream", choices=STREAM_MODES, default="side", help="co.offload(stream=...) (default: side)")
     demo.add_argument(
         "--seed", type=_non_negative_int, default=0, help="seed for weights, data and dropout (default: 0)"
     )
@@ -209,9 +214,11 @@ def _info() -> int:
     if info["cuda_compiled"] and info["gpu_available"]:
         print("co.offload() with defaults here: offloads CUDA tensors (devices=['cuda'])")
     else:
-        print("co.offload() with defaults here: offloads NOTHING (no usable CUDA GPU"
-              + ("" if info["cuda_compiled"] else "; this build has no CUDA")
-              + "); pass devices=['cpu'] to offload CPU tensors into the host pool")
+        print(
+            "co.offload() with defaults here: offloads NOTHING (no usable CUDA GPU"
+            + ("" if info["cuda_compiled"] else "; this build has no CUDA")
+            + "); pass devices=['cpu'] to offload CPU tensors into the host pool"
+        )
 
     pool = default_pool()
     stats = pool.stats()
@@ -259,8 +266,10 @@ def _profile(args, parser) -> int:
 
     _check_out(args.out, parser)
     if args.script is not None and args.size is not None:
-        parser.error("--size picks the built-in model's preset; with --script your FUNCTION builds its own "
-                     "model and sizes: drop --size (or drop --script to profile the built-in model)")
+        parser.error(
+            "--size picks the built-in model's preset; with --script your FUNCTION builds its own "
+            "model and sizes: drop --size (or drop --script to profile the built-in model)"
+        )
     args.size = args.size or "small"
     step_fn = load_script(args.script, parser) if args.script is not None else None
     model, pools = None, None  # a script's steps use their own pools: the default one is reported
@@ -343,8 +352,12 @@ def _demo(args, parser) -> int:
             return write_failed(f"demo.json in {args.out!r}", e)
         print(f"wrote {path}")
     recipe = result.get("recipe") or {}
-    ok = result["grads_match"] and result["losses_match"] and recipe.get("grads_match", True) \
+    ok = (
+        result["grads_match"]
+        and result["losses_match"]
+        and recipe.get("grads_match", True)
         and recipe.get("losses_match", True)
+    )
     return 0 if ok else 1
 
 

@@ -91,31 +91,70 @@ def add_plan_parser(sub, configs, default_min_bytes):
     sizes = "; ".join(f"{n}: dim {c.dim}, {c.layers} layers, seq {c.seq}, batch {c.batch}" for n, c in configs.items())
     import argparse
 
-    p = sub.add_parser("plan", help="plan keep/offload/recompute per block for a memory budget, apply and check it",
-                       description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "plan",
+        help="plan keep/offload/recompute per block for a memory budget, apply and check it",
+        description=PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     from ckpt_offload.cli._common import _non_negative_int, _positive_int, _size
 
-    p.add_argument("--budget", required=True, type=_budget_arg,
-                   help="device memory for saved activations at peak, e.g. 20MiB, 2GiB")
-    p.add_argument("--size", choices=tuple(configs), default=None,
-                   help=f"built-in model preset (default: small). {sizes}")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)")
-    p.add_argument("--script", metavar="FILE.py:FUNCTION", default=None,
-                   help="plan your own model: FUNCTION() returns (model, step)")
-    p.add_argument("--bandwidth", default=None, type=_bandwidth_arg,
-                   help="host link bytes/s both ways (e.g. 25GB/s, inf, 0) instead of measuring it")
-    p.add_argument("--min-bytes", type=_size, default=None,
-                   help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)")
+    p.add_argument(
+        "--budget",
+        required=True,
+        type=_budget_arg,
+        help="device memory for saved activations at peak, e.g. 20MiB, 2GiB",
+    )
+    p.add_argument(
+        "--size", choices=tuple(configs), default=None, help=f"built-in model preset (default: small). {sizes}"
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="where the built-in model runs (default: cuda if a GPU is usable, else cpu)",
+    )
+    p.add_argument(
+        "--script",
+        metavar="FILE.py:FUNCTION",
+        default=None,
+        help="plan your own model: FUNCTION() returns (model, step)",
+    )
+    p.add_argument(
+        "--bandwidth",
+        default=None,
+        type=_bandwidth_arg,
+        help="host link bytes/s both ways (e.g. 25GB/s, inf, 0) instead of measuring it",
+    )
+    p.add_argument(
+        "--min-bytes",
+        type=_size,
+        default=None,
+        help=f"offloaded tensors' minimum size (default: co.offload's, {default_min_bytes}; 0 on cpu)",
+    )
     p.add_argument("--no-segments", action="store_true", help="no segments of blocks checkpointed as one")
-    p.add_argument("--lossy", default=None, metavar="DTYPE", type=_lossy_arg,
-                   help="allow offloaded activations stored narrower where that pays (co.plan(lossy=...)): bf16, "
-                        "fp16, fp8 (e4m3fn) or fp8_e5m2; not bit-exact (default: exact storage only)")
-    p.add_argument("--levels", type=int, choices=(1, 2, 3), default=2,
-                   help="how deep segments may nest (co.plan(levels=...)): 1 flat segments, 2 (default) a "
-                        "segment whose recompute checkpoints inner segments, 3 one more level (slower search)")
-    p.add_argument("--out", metavar="DIR", default="ckpt_offload_plan",
-                   help="folder for plan.json and plan_memory.png (default: ./ckpt_offload_plan)")
+    p.add_argument(
+        "--lossy",
+        default=None,
+        metavar="DTYPE",
+        type=_lossy_arg,
+        help="allow offloaded activations stored narrower where that pays (co.plan(lossy=...)): bf16, "
+        "fp16, fp8 (e4m3fn) or fp8_e5m2; not bit-exact (default: exact storage only)",
+    )
+    p.add_argument(
+        "--levels",
+        type=int,
+        choices=(1, 2, 3),
+        default=2,
+        help="how deep segments may nest (co.plan(levels=...)): 1 flat segments, 2 (default) a "
+        "segment whose recompute checkpoints inner segments, 3 one more level (slower search)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="ckpt_offload_plan",
+        help="folder for plan.json and plan_memory.png (default: ./ckpt_offload_plan)",
+    )
     p.add_argument("--seed", type=_non_negative_int, default=0, help="built-in model: seed (default: 0)")
     p.add_argument("--steps", type=_positive_int, default=3, help="timed steps per measurement (default: 3)")
     p.set_defaults(_parser=p)  # its errors print its own usage
@@ -164,8 +203,11 @@ def plot_memory(path, predicted, measured, baseline=None, budget=None, title="")
         return [t / end for t, _ in tl], [b / 2**20 for _, b in tl]
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for tl, label, style in ((baseline, "measured, no plan", ":"), (predicted, "predicted (simulator)", "--"),
-                             (measured, "measured with the plan", "-")):
+    for tl, label, style in (
+        (baseline, "measured, no plan", ":"),
+        (predicted, "predicted (simulator)", "--"),
+        (measured, "measured with the plan", "-"),
+    ):
         if tl:
             x, y = norm(tl)
             ax.step(x, y, where="post", linestyle=style, label=label)
@@ -190,8 +232,10 @@ def run_plan(args, parser) -> int:
 
     _check_out(args.out, parser)  # before minutes of measuring, not after
     if args.script is not None and args.size is not None:
-        parser.error("--size picks the built-in model's preset; with --script your FUNCTION builds its own "
-                     "model: drop --size (or drop --script to plan for the built-in model)")
+        parser.error(
+            "--size picks the built-in model's preset; with --script your FUNCTION builds its own "
+            "model: drop --size (or drop --script to plan for the built-in model)"
+        )
     args.size = args.size or "small"
     if args.script is not None:
         from ckpt_offload.cli._common import load_script as _load_script
@@ -220,8 +264,16 @@ def run_plan(args, parser) -> int:
         offload = {"devices": [device]} if min_bytes is None else {"devices": [device], "min_bytes": min_bytes}
         # Measuring (three runs of the step, the link's bandwidth) and the search: minutes on a CPU.
         with heartbeat(f"planning {what} for {args.budget} of saved activations (measuring, then searching)"):
-            plan = co.plan(model, step, budget=budget, bandwidth=args.bandwidth, offload=offload,
-                           segments=not args.no_segments, levels=args.levels, lossy=args.lossy)
+            plan = co.plan(
+                model,
+                step,
+                budget=budget,
+                bandwidth=args.bandwidth,
+                offload=offload,
+                segments=not args.no_segments,
+                levels=args.levels,
+                lossy=args.lossy,
+            )
     except InfeasibleBudget as e:
         parser.error(str(e))
     except (TypeError, ValueError) as e:
@@ -238,18 +290,26 @@ def run_plan(args, parser) -> int:
         handle.remove()
     model.zero_grad(set_to_none=True)
     ok = plan_mem.peak_bytes <= budget
-    print(f"measured with the plan: peak {plan_mem.peak_bytes / 2**20:.2f} MiB (predicted "
-          f"{plan.predicted_peak_bytes / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB: "
-          f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms "
-          f"(predicted {plan.predicted_step_seconds * 1e3:.2f} ms)")
+    print(
+        f"measured with the plan: peak {plan_mem.peak_bytes / 2**20:.2f} MiB (predicted "
+        f"{plan.predicted_peak_bytes / 2**20:.2f} MiB, budget {budget / 2**20:.2f} MiB: "
+        f"{'within' if ok else 'OVER'}), step {plan_s * 1e3:.2f} ms "
+        f"(predicted {plan.predicted_step_seconds * 1e3:.2f} ms)"
+    )
     print(f"measured without: peak {base_mem.peak_bytes / 2**20:.2f} MiB, step {base_s * 1e3:.2f} ms")
     result = {
-        "model": what, "device": device, "budget_bytes": budget, "choices": plan.choices,
-        "prefetch_bytes": plan.prefetch_bytes, "predicted_peak_bytes": plan.predicted_peak_bytes,
-        "predicted_step_seconds": plan.predicted_step_seconds, "measured_peak_bytes": plan_mem.peak_bytes,
-        "measured_step_seconds": plan_s, "baseline": dict(plan.baseline, measured_peak_bytes=base_mem.peak_bytes,
-                                                            measured_step_seconds=base_s),
-        "bandwidth": vars(plan.costs.bandwidth), "within_budget": ok,
+        "model": what,
+        "device": device,
+        "budget_bytes": budget,
+        "choices": plan.choices,
+        "prefetch_bytes": plan.prefetch_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_step_seconds": plan.predicted_step_seconds,
+        "measured_peak_bytes": plan_mem.peak_bytes,
+        "measured_step_seconds": plan_s,
+        "baseline": dict(plan.baseline, measured_peak_bytes=base_mem.peak_bytes, measured_step_seconds=base_s),
+        "bandwidth": vars(plan.costs.bandwidth),
+        "within_budget": ok,
         "lossy": None if plan.lossy is None else str(plan.lossy).removeprefix("torch."),
         "store_dtypes": {k: str(v).removeprefix("torch.") for k, v in plan.store_dtypes.items()},
         "predicted_host_bytes": plan.predicted_host_bytes,
@@ -259,8 +319,14 @@ def run_plan(args, parser) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "plan.json"), "w") as f:
             json.dump(result, f, indent=1, default=float)
-        plotted = plot_memory(png, plan.simulation.timeline, plan_mem.timeline, base_mem.timeline, budget,
-                              f"{what}: budget {budget / 2**20:.1f} MiB")
+        plotted = plot_memory(
+            png,
+            plan.simulation.timeline,
+            plan_mem.timeline,
+            base_mem.timeline,
+            budget,
+            f"{what}: budget {budget / 2**20:.1f} MiB",
+        )
     except OSError as e:
         return write_failed(f"the plan files in {args.out!r}", e)
     if plotted:

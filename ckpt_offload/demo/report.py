@@ -56,9 +56,7 @@ def format_report(r: dict) -> str:
     base, off, pool = r["baseline"], r["offload"], r["pool"]
     saved = base["saved_per_step"]
     s1 = off["stats_first_step"]
-    reasons = ", ".join(
-        f"{k} {v}" for k, v in sorted(s1["kept_by_reason"].items()) if k not in ("parameter", "buffer")
-    )
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s1["kept_by_reason"].items()) if k not in ("parameter", "buffer"))
     devices = "default (cuda)" if c["offload_devices"] is None else c["offload_devices"]
     lines = [
         f"ckpt_offload demo: TinyTransformer '{c['size']}' (vocab {c['vocab']}, dim {c['dim']}, "
@@ -208,27 +206,37 @@ def _recipe_lines(r: dict) -> list:
     peak_now = None if held is None or block is None else held + block
     lines = [
         "recommended: checkpointed blocks with their inputs offloaded -- co.apply(model, offload=True)",
-        (f"  saved activations on the device at peak: {peak(peak_now)} = {_mib(held)} of inputs (co.profile) + "
-         f"~{_mib(block)} for the block being recomputed; copied to the pool per step: "
-         f"{_mib(rc['bytes_offloaded_per_step'])}"),
-        (f"  step time: {_x(rc['time_ratio_vs_checkpoint'])} checkpointing alone (the copies' cost), "
-         f"{_x(rc['time_ratio_vs_baseline'])} the baseline (checkpointing alone: "
-         f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)"),
-        "  gradients on step 1 and every loss: " + ("bit-identical to the baseline"
-                                                     if rc["grads_match"] and rc["losses_match"] else "MISMATCH"),
+        (
+            f"  saved activations on the device at peak: {peak(peak_now)} = {_mib(held)} of inputs (co.profile) + "
+            f"~{_mib(block)} for the block being recomputed; copied to the pool per step: "
+            f"{_mib(rc['bytes_offloaded_per_step'])}"
+        ),
+        (
+            f"  step time: {_x(rc['time_ratio_vs_checkpoint'])} checkpointing alone (the copies' cost), "
+            f"{_x(rc['time_ratio_vs_baseline'])} the baseline (checkpointing alone: "
+            f"{_x(rc['checkpoint_ratio_vs_baseline'])}, the recompute)"
+        ),
+        "  gradients on step 1 and every loss: "
+        + ("bit-identical to the baseline" if rc["grads_match"] and rc["losses_match"] else "MISMATCH"),
         *_nothing_copied_lines(r),
         "contrast: offload every saved tensor -- with co.offload(): around the forward",
-        (f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
-         f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}"),
+        (
+            f"  saved activations on the device at peak: {peak(rc['offload_everything_device_saved_peak_bytes'])}; "
+            f"copied to the pool per step: {_mib(r['bytes_offloaded_to_pool'])}"
+        ),
         f"  step time: {_x(rc['offload_everything_ratio_vs_baseline'])} the baseline",
     ]
     if rc.get("max_memory_allocated") is not None:
-        lines.append(f"torch.cuda.max_memory_allocated: baseline {_mib(r['baseline']['max_memory_allocated'])}, "
-                     f"checkpoint {_mib(rc['checkpoint_max_memory_allocated'])}, recommended "
-                     f"{_mib(rc['max_memory_allocated'])}, "
-                     f"offload everything {_mib(r['offload']['max_memory_allocated'])}")
-    lines.append(f"bandwidth arithmetic (D2H {bw['d2h_gbps']:.1f} GB/s, H2D {bw['h2d_gbps']:.1f} GB/s, "
-                 f"{bw['bandwidth_source']}):")
+        lines.append(
+            f"torch.cuda.max_memory_allocated: baseline {_mib(r['baseline']['max_memory_allocated'])}, "
+            f"checkpoint {_mib(rc['checkpoint_max_memory_allocated'])}, recommended "
+            f"{_mib(rc['max_memory_allocated'])}, "
+            f"offload everything {_mib(r['offload']['max_memory_allocated'])}"
+        )
+    lines.append(
+        f"bandwidth arithmetic (D2H {bw['d2h_gbps']:.1f} GB/s, H2D {bw['h2d_gbps']:.1f} GB/s, "
+        f"{bw['bandwidth_source']}):"
+    )
     for name, label in (("offload_everything", "offload everything"), ("recipe", "recommended")):
         a = bw[name]
         if a["copy_over_compute"] is None:
@@ -239,10 +247,13 @@ def _recipe_lines(r: dict) -> list:
             verdict = "the copies fit behind the compute"
         lines.append(
             f"  {label}: {_mib(a['d2h_bytes'])} out + {_mib(a['h2d_bytes'])} back = {_ms(a['copy_s'])} of copies vs "
-            f"{_ms(a['compute_s'])} of compute ({a['compute_of']} step): {_x(a['copy_over_compute'])}; {verdict}")
+            f"{_ms(a['compute_s'])} of compute ({a['compute_of']} step): {_x(a['copy_over_compute'])}; {verdict}"
+        )
     if r["cpu_only"]:
-        lines.append("  (CPU run: the bandwidth is memcpy in one RAM and the times are CPU times; on a GPU the same "
-                     "arithmetic with PCIe bandwidth decides)")
+        lines.append(
+            "  (CPU run: the bandwidth is memcpy in one RAM and the times are CPU times; on a GPU the same "
+            "arithmetic with PCIe bandwidth decides)"
+        )
     return lines
 
 

@@ -164,8 +164,10 @@ def _warnings_above(bar):
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
-        bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"),
-                  file=getattr(bar, "fp", None) or sys.stderr)
+        bar.write(
+            warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"),
+            file=getattr(bar, "fp", None) or sys.stderr,
+        )
 
     warnings.showwarning = show
     try:
@@ -175,8 +177,18 @@ def _warnings_above(bar):
         bar.close()
 
 
-def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: int = 0, progress: bool = False,
-           pool=None, apply_kwargs=None, label=None) -> dict:
+def _train(
+    cfg,
+    batches,
+    device: str,
+    seed: int,
+    offload_ctx=None,
+    min_bytes: int = 0,
+    progress: bool = False,
+    pool=None,
+    apply_kwargs=None,
+    label=None,
+) -> dict:
     """One training run. With ``offload_ctx`` every forward runs inside it; with ``apply_kwargs``
     the blocks are checkpointed by ``co.apply(model, **apply_kwargs)``; either way the first step
     (left out of the step-time figures) runs under co.profile for the device peak of saved
@@ -184,6 +196,7 @@ def _train(cfg, batches, device: str, seed: int, offload_ctx=None, min_bytes: in
     losses, times, first-step grads, counts."""
     from ckpt_offload.blocks.applying import apply
     from ckpt_offload.profiling import profile
+
     torch.manual_seed(seed)  # dropout draws: identical sequence in every run
     model = TinyTransformer(**cfg.model_kwargs(), seed=seed).to(device)
     model.train()
@@ -332,8 +345,16 @@ def run_demo(
     recipe_options = {"pool": recipe_pool, "min_bytes": min_bytes, "stream": stream, "prefetch_bytes": prefetch_bytes}
     if devices is not None:
         recipe_options["devices"] = devices
-    rec = _train(cfg, batches, device, seed, progress=progress, pool=recipe_pool,
-                 apply_kwargs={"offload": recipe_options}, label="recipe")
+    rec = _train(
+        cfg,
+        batches,
+        device,
+        seed,
+        progress=progress,
+        pool=recipe_pool,
+        apply_kwargs={"offload": recipe_options},
+        label="recipe",
+    )
     synchronize()
     recipe_pool.synchronize()
 
@@ -345,8 +366,8 @@ def run_demo(
     saved = base["saved_per_step"]
     s1 = off["stats_first_step"]
     kept_bytes_by_reason = s1["kept_bytes_by_reason"]
-    kept_activation_bytes = s1["bytes_kept"] - kept_bytes_by_reason.get("parameter", 0) - kept_bytes_by_reason.get(
-        "buffer", 0
+    kept_activation_bytes = (
+        s1["bytes_kept"] - kept_bytes_by_reason.get("parameter", 0) - kept_bytes_by_reason.get("buffer", 0)
     )
     kept_activation_tensors = (
         s1["tensors_kept"] - s1["kept_by_reason"].get("parameter", 0) - s1["kept_by_reason"].get("buffer", 0)
@@ -468,8 +489,11 @@ def _bandwidth_arithmetic(base, ckpt, rec, off, device) -> dict:
     measured = d2h > 0 and h2d > 0
     if not measured:
         d2h = h2d = STATED_GBPS
-    source = ("measured by co.profile on step 1" + (" (CPU memcpy, not a host link)" if device == "cpu" else "")
-              if measured else f"stated: {STATED_GBPS:g} GB/s, no copy was timed")
+    source = (
+        "measured by co.profile on step 1" + (" (CPU memcpy, not a host link)" if device == "cpu" else "")
+        if measured
+        else f"stated: {STATED_GBPS:g} GB/s, no copy was timed"
+    )
     out = {"d2h_gbps": d2h, "h2d_gbps": h2d, "bandwidth_source": source}
     for name, run, compute in (("offload_everything", off, base), ("recipe", rec, ckpt)):
         s1 = run["stats_first_step"]

@@ -24,17 +24,47 @@ from ckpt_offload.planner.solver import InfeasibleBudget
 from ckpt_offload.planner.timing import measure_bandwidth
 
 __all__ = [
-    "plan", "Plan", "parse_bytes", "parse_bandwidth", "Bandwidth", "BlockCost", "CostModel", "Storage",
-    "measure_costs", "measure_bandwidth", "saved_activation_peak", "SavedTimeline", "KINDS", "SEGMENT_KINDS",
-    "INNER_KINDS", "choice_names", "SimResult", "Unit", "simulate", "InfeasibleBudget",
+    "plan",
+    "Plan",
+    "parse_bytes",
+    "parse_bandwidth",
+    "Bandwidth",
+    "BlockCost",
+    "CostModel",
+    "Storage",
+    "measure_costs",
+    "measure_bandwidth",
+    "saved_activation_peak",
+    "SavedTimeline",
+    "KINDS",
+    "SEGMENT_KINDS",
+    "INNER_KINDS",
+    "choice_names",
+    "SimResult",
+    "Unit",
+    "simulate",
+    "InfeasibleBudget",
 ]
 
 # The solver's and the simulator's internals were exported here in 0.1.0; they stay reachable
 # (with a DeprecationWarning) for one release, and from their modules for good.
-__getattr__ = _deprecated_names(__name__, {
-    name: ((f"ckpt_offload.planner.{name} is deprecated (an internal of the planner) and goes in 0.3.0: "
-            f"import it from ckpt_offload.planner.{module}"),
-           lambda name=name, module=module: getattr(_importlib.import_module(f"ckpt_offload.planner.{module}"), name))
-    for name, module in {"chain_dp": "solver", "chain_exhaustive": "solver", "rotor": "solver",
-                         "baselines": "solver", "solve": "solver", "singles": "simulator"}.items()
-})
+__getattr__ = _deprecated_names(
+    __name__,
+    {
+        name: (
+            (
+                f"ckpt_offload.planner.{name} is deprecated (an internal of the planner) and goes in 0.3.0: "
+                f"import it from ckpt_offload.planner.{module}"
+            ),
+            lambda name=name, module=module: getattr(_importlib.import_module(f"ckpt_offload.planner.{module}"), name),
+        )
+        for name, module in {
+            "chain_dp": "solver",
+            "chain_exhaustive": "solver",
+            "rotor": "solver",
+            "baselines": "solver",
+            "solve": "solver",
+            "singles": "simulator",
+        }.items()
+    },
+)

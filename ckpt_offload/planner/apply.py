@@ -11,7 +11,15 @@ from ckpt_offload.blocks.handle import CheckpointHandle
 __all__ = []
 
 # PlanHandle, 0.1.0's class of a plan's handle, is co.CheckpointHandle since 0.2.0 (co.apply's).
-__getattr__ = deprecated_names(__name__, {
-    "PlanHandle": (("ckpt_offload.planner.apply.PlanHandle is deprecated and goes in 0.3.0: use co.CheckpointHandle "
-                    "(plan.apply() returns one)"), lambda: CheckpointHandle),
-})
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "PlanHandle": (
+            (
+                "ckpt_offload.planner.apply.PlanHandle is deprecated and goes in 0.3.0: use co.CheckpointHandle "
+                "(plan.apply() returns one)"
+            ),
+            lambda: CheckpointHandle,
+        ),
+    },
+)

@@ -39,7 +39,6 @@ INEXACT_REASONS = {
 UNCHAINED = "unchained"
 
 
-
 @dataclass
 class Storage:
     """One saved storage of a block: ``nbytes``, the first and last pack position (index in the
@@ -200,4 +199,3 @@ class CostModel:
     def compute_s(self) -> float:
         """Seconds of compute of a step without any plan (what the simulator predicts for it)."""
         return self.pre_s + self.mid_s + self.post_s + sum(b.forward_s + b.backward_s for b in self.blocks)
-

@@ -93,4 +93,3 @@ def converted_inputs(b: BlockCost, store_dtype) -> list:
         n = stored_bytes(name, span, store_dtype)
         out.append(None if n is None else (span, n))
     return out
-

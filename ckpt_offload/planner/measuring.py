@@ -13,8 +13,9 @@ from ckpt_offload.planner.timing import measure_bandwidth, measure_times
 __all__ = ["measure_costs"]
 
 
-def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth | None = None,
-                  min_bytes: int = 0) -> CostModel:
+def measure_costs(
+    step, named_blocks, device: str = "cpu", bandwidth: Bandwidth | None = None, min_bytes: int = 0
+) -> CostModel:
     """Measures a :class:`CostModel` for ``step`` (one forward + backward) over ``named_blocks``
     (``[(name, module), ...]`` in execution order). Runs the step three times: a warm-up, one
     instrumented for bytes, one timed; the last also gives the baseline step time.
@@ -47,7 +48,18 @@ def measure_costs(step, named_blocks, device: str = "cpu", bandwidth: Bandwidth 
         bandwidth = measure_bandwidth(device, (32 << 20) if device == "cuda" else (2 << 20))
     bw = bandwidth
     rng = torch.get_rng_state().nbytes if device == "cpu" else 0
-    return CostModel(blocks=blocks, bandwidth=bw, min_bytes=min_bytes, pre_bytes=pre_b, post_bytes=post_b,
-                     pre_s=pre_s, mid_s=mid_s, post_s=post_s, baseline_step_s=total, device=device,
-                     checkpoint_bytes=rng, call_order=[] if in_order else call_order,
-                     call_blocks=[] if in_order else [r.cost for r in calls])
+    return CostModel(
+        blocks=blocks,
+        bandwidth=bw,
+        min_bytes=min_bytes,
+        pre_bytes=pre_b,
+        post_bytes=post_b,
+        pre_s=pre_s,
+        mid_s=mid_s,
+        post_s=post_s,
+        baseline_step_s=total,
+        device=device,
+        checkpoint_bytes=rng,
+        call_order=[] if in_order else call_order,
+        call_blocks=[] if in_order else [r.cost for r in calls],
+    )

@@ -39,7 +39,7 @@ def _held(cm, p, first):
 
 
 def _fwd(cm, start, end):
-    return sum(b.forward_s for b in cm.blocks[start:end + 1])
+    return sum(b.forward_s for b in cm.blocks[start : end + 1])
 
 
 def nested_terms(cm, u, _cache=None):
@@ -110,21 +110,30 @@ def fronts(cm, levels=2, max_segment=None, max_points=None):
                 for held, peak, extra, parts in pruned[t]:
                     h = _held(cm, Unit(t, t, "keep"), t == s)
                     states.setdefault(t + 1, []).append(
-                        (held + h, max(peak, held + h), extra + cm.blocks[t].forward_s, parts + (Unit(t, t, "keep"),)))
+                        (held + h, max(peak, held + h), extra + cm.blocks[t].forward_s, parts + (Unit(t, t, "keep"),))
+                    )
                     for u in range(t, last):
                         for wx, e, inner in prev[(t, u)]:
                             h = _held(cm, Unit(t, u, "recompute", inner=inner), t == s)
                             states.setdefault(u + 1, []).append(
-                                (held + h, max(peak, held + h + wx), extra + e + _fwd(cm, t, u),
-                                 parts + (Unit(t, u, "recompute", inner=inner),)))
+                                (
+                                    held + h,
+                                    max(peak, held + h + wx),
+                                    extra + e + _fwd(cm, t, u),
+                                    parts + (Unit(t, u, "recompute", inner=inner),),
+                                )
+                            )
             for e in range(s, last):
                 # A last part that is an inner checkpoint is counted here as if the segment's
                 # recompute ran it; torch stops before it, which makes it exactly as good as its
                 # parts run as "keep" parts of this segment (the same bytes, the same runs, one
                 # random state less): those are here, so nothing is lost (the exhaustive search,
                 # which counts the early stop, checks it).
-                points = [(peak, extra, parts) for _, peak, extra, parts in states.get(e + 1, [])
-                          if not (len(parts) == 1 and parts[0].kind == "recompute")]
+                points = [
+                    (peak, extra, parts)
+                    for _, peak, extra, parts in states.get(e + 1, [])
+                    if not (len(parts) == 1 and parts[0].kind == "recompute")
+                ]
                 front = _pareto2([(wx, x, Unit(s, e, "recompute", inner=parts).inner) for wx, x, parts in points])
                 cur[(s, e)] = _thin(front, max_points)
         prev = cur

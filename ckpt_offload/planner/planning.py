@@ -49,8 +49,12 @@ def parse_lossy(value):
 
     if value is None:
         return None
-    accepted = ("None (exact storage only), a storage dtype (" + ", ".join(str(d) for d in STORE_DTYPES)
-                + ") or one of " + ", ".join(f"{k!r}" for k in LOSSY_NAMES))
+    accepted = (
+        "None (exact storage only), a storage dtype ("
+        + ", ".join(str(d) for d in STORE_DTYPES)
+        + ") or one of "
+        + ", ".join(f"{k!r}" for k in LOSSY_NAMES)
+    )
     if isinstance(value, str):
         got = LOSSY_NAMES.get(value.strip().lower())
         if got is None:
@@ -82,8 +86,10 @@ def parse_bandwidth(value) -> Bandwidth | None:
                 return math.inf
             v = v[:-2] if v.lower().endswith("/s") else v
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v < 0:
-            raise ValueError(f"bandwidth{key} must be bytes per second >= 0, got {original!r}: a copy rate cannot "
-                             "be negative; write e.g. '25GB/s', 'inf' (no copy cost), or None to measure it")
+            raise ValueError(
+                f"bandwidth{key} must be bytes per second >= 0, got {original!r}: a copy rate cannot "
+                "be negative; write e.g. '25GB/s', 'inf' (no copy cost), or None to measure it"
+            )
         try:
             return float(parse_bytes(f"bandwidth{key}", v))
         except (TypeError, ValueError) as e:
@@ -106,8 +112,10 @@ def parse_bandwidth(value) -> Bandwidth | None:
         if issue is not None:
             issue = float(issue)
             if not 0 <= issue <= lat:
-                raise ValueError(f"bandwidth['issue'] must be seconds between 0 and bandwidth['latency'] ({lat}), "
-                                 f"got {value.get('issue')!r}: a copy holds its queue no longer than it takes")
+                raise ValueError(
+                    f"bandwidth['issue'] must be seconds between 0 and bandwidth['latency'] ({lat}), "
+                    f"got {value.get('issue')!r}: a copy holds its queue no longer than it takes"
+                )
         convert = value.get("convert")
         if convert is not None:
             convert = one("['convert']", convert)
@@ -145,9 +153,24 @@ class Plan:
             ``planner/tiles.py``): ``untiled_minimum``, ``tiled_minimum``, ``extra_s``.
     """
 
-    def __init__(self, model, named_blocks, costs: CostModel, units, prefetch_bytes, budget, offload_options,
-                 sim: SimResult, baseline: dict, source: str, allow_inexact=frozenset(), lossy=None,
-                 tiles=(), tile_options=None, tile_info=None):
+    def __init__(
+        self,
+        model,
+        named_blocks,
+        costs: CostModel,
+        units,
+        prefetch_bytes,
+        budget,
+        offload_options,
+        sim: SimResult,
+        baseline: dict,
+        source: str,
+        allow_inexact=frozenset(),
+        lossy=None,
+        tiles=(),
+        tile_options=None,
+        tile_info=None,
+    ):
         self.model = model
         self.tiles = [named_blocks[i][0] for i in tiles]
         self._tiled = list(tiles)
@@ -186,12 +209,17 @@ class Plan:
             step()
             handle.remove()
         """
-        handle = install_units(self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact,
-                               store_dtype=self.lossy)
+        handle = install_units(
+            self.model, self._named_blocks, self.units, self.offload_options, self.allow_inexact, store_dtype=self.lossy
+        )
         if self._tiled:
             try:
-                handle.tiles = tile_blocks(self.model, [self._named_blocks[i] for i in self._tiled],
-                                           dataclasses.replace(self.tile_options, head=False), "a plan")
+                handle.tiles = tile_blocks(
+                    self.model,
+                    [self._named_blocks[i] for i in self._tiled],
+                    dataclasses.replace(self.tile_options, head=False),
+                    "a plan",
+                )
             except BaseException:
                 handle.remove()
                 raise
@@ -201,9 +229,11 @@ class Plan:
         """A table: per block its choice, device bytes kept through forward, bytes sent to the pool,
         extra compute, copy time; then totals against no plan."""
         cm = self.costs
-        lines = [f"plan for {len(cm.blocks)} blocks, budget {_fmt(self.budget)} of saved activations "
-                 f"(prefetch window {_fmt(self.prefetch_bytes)}, chosen by {self.source})",
-                 f"{'block':<28} {'choice':<26} {'device':>11} {'pool':>11} {'recompute':>10} {'copies':>10}"]
+        lines = [
+            f"plan for {len(cm.blocks)} blocks, budget {_fmt(self.budget)} of saved activations "
+            f"(prefetch window {_fmt(self.prefetch_bytes)}, chosen by {self.source})",
+            f"{'block':<28} {'choice':<26} {'device':>11} {'pool':>11} {'recompute':>10} {'copies':>10}",
+        ]
         for u, info in zip(self.units, self.simulation.units):
             label = self._named_blocks[u.start][0]
             if u.end > u.start:
@@ -213,30 +243,40 @@ class Plan:
                 kind += " +tile"
             if u.store:
                 kind += f" [{_dtype_name(self.lossy)}]"
-            lines.append(f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
-                         f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms")
+            lines.append(
+                f"{label:<28} {kind:<26} {_fmt(info['device_bytes']):>11} {_fmt(info['pool_bytes']):>11} "
+                f"{info['recompute_s'] * 1e3:>8.2f}ms {info['copy_s'] * 1e3:>8.2f}ms"
+            )
             lines += self._inner_lines(u, 1)
         b = self.baseline
         base_s = b["predicted_step_seconds"]
         slow = (self.predicted_step_seconds / base_s - 1) * 100 if base_s else 0
-        lines.append(f"peak of saved activations: {_fmt(self.predicted_peak_bytes)} predicted "
-                     f"(no plan: {_fmt(b['peak_bytes'])}, {self.predicted_peak_bytes / max(b['peak_bytes'], 1):.0%})")
-        lines.append(f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
-                     f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
-                     f"{slow:+.1f}%)")
+        lines.append(
+            f"peak of saved activations: {_fmt(self.predicted_peak_bytes)} predicted "
+            f"(no plan: {_fmt(b['peak_bytes'])}, {self.predicted_peak_bytes / max(b['peak_bytes'], 1):.0%})"
+        )
+        lines.append(
+            f"step time: {self.predicted_step_seconds * 1e3:.2f} ms predicted (no plan: "
+            f"{base_s * 1e3:.2f} ms predicted, {b['step_seconds'] * 1e3:.2f} ms measured; "
+            f"{slow:+.1f}%)"
+        )
         if self.tile_options is not None:
             lines.append(self._tile_line())
         if self.store_dtypes:
             conv = sum(info.get("convert_s", 0.0) for info in self.simulation.units)
-            lines.append(f"lossy: blocks {', '.join(self.store_dtypes)} store their offloaded floating-point "
-                         f"activations as {_dtype_name(self.lossy)} (not bit-exact; host bytes "
-                         f"{_fmt(self.predicted_host_bytes)}, conversions {conv * 1e3:.2f} ms)")
+            lines.append(
+                f"lossy: blocks {', '.join(self.store_dtypes)} store their offloaded floating-point "
+                f"activations as {_dtype_name(self.lossy)} (not bit-exact; host bytes "
+                f"{_fmt(self.predicted_host_bytes)}, conversions {conv * 1e3:.2f} ms)"
+            )
         elif self.lossy is not None:
-            lines.append(f"lossy: {_dtype_name(self.lossy)} storage was allowed, and no block gains from it: "
-                         "the plan is exact")
+            lines.append(
+                f"lossy: {_dtype_name(self.lossy)} storage was allowed, and no block gains from it: the plan is exact"
+            )
         if self.excluded:
-            lines.append("excluded, since their recompute would not be exact (co.plan(..., allow_inexact=...) "
-                         "allows them):")
+            lines.append(
+                "excluded, since their recompute would not be exact (co.plan(..., allow_inexact=...) allows them):"
+            )
             for name, ex in self.excluded.items():
                 by_why = {}
                 for kind, why in ex.items():
@@ -257,10 +297,12 @@ class Plan:
         if not self.tiles:
             return f"tiles: none of {n} blocks: the budget fits without tiling"
         parts = "MLP and norms" if self.tile_options.norms else "MLP"
-        return (f"tiles: {len(self.tiles)} of {n} blocks tiled ({parts}), the fewest that fit the budget (the smallest "
-                f"peak without tiles: {_fmt(info.get('untiled_minimum') or 0)}; with these tiles the plan's: "
-                f"{_fmt(self.predicted_peak_bytes)}); the tiles add {info.get('extra_s', 0.0) * 1e3:.2f} ms of "
-                "compute (each tile's forward again in backward, measured)")
+        return (
+            f"tiles: {len(self.tiles)} of {n} blocks tiled ({parts}), the fewest that fit the budget (the smallest "
+            f"peak without tiles: {_fmt(info.get('untiled_minimum') or 0)}; with these tiles the plan's: "
+            f"{_fmt(self.predicted_peak_bytes)}); the tiles add {info.get('extra_s', 0.0) * 1e3:.2f} ms of "
+            "compute (each tile's forward again in backward, measured)"
+        )
 
     def _inner_lines(self, u, depth):
         """A nested segment's inner checkpoints, one indented line each (the segment's line holds
@@ -279,8 +321,10 @@ class Plan:
 
     def __repr__(self):
         lossy = f", lossy={ {k: _dtype_name(v) for k, v in self.store_dtypes.items()} }" if self.store_dtypes else ""
-        return (f"Plan(peak={_fmt(self.predicted_peak_bytes)}, step={self.predicted_step_seconds * 1e3:.2f} ms, "
-                f"choices={self.choices}{lossy})")
+        return (
+            f"Plan(peak={_fmt(self.predicted_peak_bytes)}, step={self.predicted_step_seconds * 1e3:.2f} ms, "
+            f"choices={self.choices}{lossy})"
+        )
 
 
 def _dtype_name(dtype) -> str:
@@ -294,9 +338,26 @@ def _model_device(model) -> str:
 
 
 @suggest_keywords("co.plan")
-def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, bandwidth=None, *,
-         min_bytes=None, kinds=KINDS, segments: bool = True, levels: int = 2, prefetch_bytes=None,
-         costs: CostModel | None = None, pool=None, allow_inexact=False, lossy=None, offload=None, tile=None):
+def plan(
+    model: torch.nn.Module,
+    step,
+    budget=None,
+    devices=None,
+    layers=None,
+    bandwidth=None,
+    *,
+    min_bytes=None,
+    kinds=KINDS,
+    segments: bool = True,
+    levels: int = 2,
+    prefetch_bytes=None,
+    costs: CostModel | None = None,
+    pool=None,
+    allow_inexact=False,
+    lossy=None,
+    offload=None,
+    tile=None,
+):
     """Measures ``step`` and picks, per block of ``model``, keep / offload / recompute /
     recompute_offload / selective / selective_offload (and segments of blocks recomputed as one)
     so that the device peak of saved activations fits ``budget`` with the least predicted step time.
@@ -345,7 +406,8 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
             "recompute_offload", single or segment) is then also offered storing what it offloads
             in that dtype (``co.offload(store_dtype=...)``), beside the exact one, and the solver
             takes a lossy one only where that makes the predicted step faster or is what brings
-            the peak under the budget (at equal time and peak, the exact one). A lossy choice sends fewer bytes over the link and keeps fewer on the host
+            the peak under the budget (at equal time and peak, the exact one). A lossy choice sends fewer bytes over the
+            link and keeps fewer on the host
             (half of fp32 for bf16/fp16, a quarter for fp8) at the cost of a conversion each way
             on the device and of the rounding error in the gradients of that block and of the
             blocks before it; integer, bool and already-narrow tensors stay exact. The cost model
@@ -391,13 +453,16 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not callable(step):
-        raise TypeError(f"step must be a function of no arguments running forward and backward, got "
-                        f"{type(step).__name__}")
+        raise TypeError(
+            f"step must be a function of no arguments running forward and backward, got {type(step).__name__}"
+        )
     if budget is None:
         warnings.warn(
             "co.plan without budget= is deprecated and the 2GiB it falls back to goes in 0.3.0: pass the device "
             "memory saved activations may take, e.g. co.plan(model, step, budget='2GiB')",
-            DeprecationWarning, stacklevel=2)
+            DeprecationWarning,
+            stacklevel=2,
+        )
         budget = "2GiB"
     budget_bytes = parse_bytes("budget", budget)
     tiles = as_tile_options(tile)
@@ -419,13 +484,17 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
     except ValueError as e:
         if "found no" not in str(e):
             raise
-        what = ("the blocks it plans are the largest list of identical blocks (an nn.ModuleList or nn.Sequential "
-                "of 2 or more modules of one class), and there is none" if layers is None
-                else f"layers={layers!r} selects no submodule")
+        what = (
+            "the blocks it plans are the largest list of identical blocks (an nn.ModuleList or nn.Sequential "
+            "of 2 or more modules of one class), and there is none"
+            if layers is None
+            else f"layers={layers!r} selects no submodule"
+        )
         raise ValueError(
             f"co.plan found no blocks to plan in {type(model).__name__}: {what}. Pass layers=<the block class> (for "
             "example layers=type(model.layers[0])) or a predicate layers=lambda name, module: ... selecting the "
-            "blocks whose saved activations the plan chooses for") from None
+            "blocks whose saved activations the plan chooses for"
+        ) from None
     _check_not_wrapped(model, named)
     if costs is None:
         state = [(b, b.detach().clone()) for b in model.buffers()]
@@ -464,39 +533,79 @@ def plan(model: torch.nn.Module, step, budget=None, devices=None, layers=None, b
         if all(k in ex for k in kinds):
             raise ValueError(
                 f"co.plan: block {name!r} can have none of kinds={kinds}: {'; '.join(sorted(set(ex.values())))}. "
-                "Add 'keep' (or 'offload') to kinds, or pass allow_inexact=True to allow it anyway")
+                "Add 'keep' (or 'offload') to kinds, or pass allow_inexact=True to allow it anyway"
+            )
     tiled, tile_info, plan_costs = [], None, costs
     try:
         if tiles is None:
-            best = solve(costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes,
-                         segments=segments, levels=levels)
+            best = solve(
+                costs,
+                budget_bytes - SLACK_BYTES,
+                kinds=kinds,
+                prefetch_bytes=prefetch_bytes,
+                segments=segments,
+                levels=levels,
+            )
         else:
             tiled_costs = dataclasses.replace(
                 measure_tiled_costs(step, model, named, tiles, device, costs.bandwidth, min_bytes),
-                bandwidth=costs.bandwidth, min_bytes=min_bytes, store_dtype=store_dtype, excluded=costs.excluded)
+                bandwidth=costs.bandwidth,
+                min_bytes=min_bytes,
+                store_dtype=store_dtype,
+                excluded=costs.excluded,
+            )
             best, tiled, plan_costs, tile_info = solve_with_tiles(
-                costs, tiled_costs, budget_bytes - SLACK_BYTES, kinds=kinds, prefetch_bytes=prefetch_bytes,
-                segments=segments, levels=levels)
+                costs,
+                tiled_costs,
+                budget_bytes - SLACK_BYTES,
+                kinds=kinds,
+                prefetch_bytes=prefetch_bytes,
+                segments=segments,
+                levels=levels,
+            )
     except InfeasibleBudget as e:
         smallest = e.minimum + SLACK_BYTES
         raise InfeasibleBudget(
-            budget_bytes, smallest,
+            budget_bytes,
+            smallest,
             f"budget={_fmt(budget_bytes)} is below the smallest peak of saved activations any plan reaches here"
             f"{' with every block tiled' if tiles is not None else ''}, {_fmt(smallest)} ({smallest} bytes): pass "
-            f"budget >= {smallest} (a smaller batch or sequence lowers it)") from None
+            f"budget >= {smallest} (a smaller batch or sequence lowers it)",
+        ) from None
     if getattr(getattr(model, "config", None), "use_cache", False) is True and any(
-            u.kind in ("recompute", "recompute_offload", "selective", "selective_offload") for u in best.units):
+        u.kind in ("recompute", "recompute_offload", "selective", "selective_offload") for u in best.units
+    ):
         warnings.warn(
             "co.plan: model.config.use_cache is True, so recomputed key/value tensors stay alive until the end "
             "of backward and the measured peak exceeds the prediction; set model.config.use_cache = False for "
-            "training (as gradient_checkpointing_enable does)", stacklevel=2)
+            "training (as gradient_checkpointing_enable does)",
+            stacklevel=2,
+        )
     sim = simulate(plan_costs, best.units, best.prefetch_bytes)
     base_sim = simulate(costs, singles(["keep"] * len(named)), 0)
-    baseline = {"step_seconds": costs.baseline_step_s, "peak_bytes": base_sim.peak_bytes,
-                "predicted_step_seconds": base_sim.step_s}
+    baseline = {
+        "step_seconds": costs.baseline_step_s,
+        "peak_bytes": base_sim.peak_bytes,
+        "predicted_step_seconds": base_sim.step_s,
+    }
     options = opts.replace(devices=dev_types)
-    return Plan(model, named, plan_costs, best.units, best.prefetch_bytes, budget_bytes, options, sim, baseline,
-                best.source, allow, lossy=store_dtype, tiles=tiled, tile_options=tiles, tile_info=tile_info)
+    return Plan(
+        model,
+        named,
+        plan_costs,
+        best.units,
+        best.prefetch_bytes,
+        budget_bytes,
+        options,
+        sim,
+        baseline,
+        best.source,
+        allow,
+        lossy=store_dtype,
+        tiles=tiled,
+        tile_options=tiles,
+        tile_info=tile_info,
+    )
 
 
 def _plan_offload(offload, **loose) -> OffloadOptions:
@@ -514,7 +623,8 @@ def _plan_offload(offload, **loose) -> OffloadOptions:
     if offload is False:
         raise ValueError(
             "co.plan(offload=False): a plan chooses per block whether to offload; to plan without offloading, "
-            "pass kinds=('keep', 'recompute', 'selective')")
+            "pass kinds=('keep', 'recompute', 'selective')"
+        )
     opts = as_options(True if offload is None else offload, name="co.plan offload")
     given = {k: v for k, v in loose.items() if v is not None}
     if given:
@@ -522,26 +632,32 @@ def _plan_offload(offload, **loose) -> OffloadOptions:
         warnings.warn(
             f"co.plan({', '.join(f'{k}=' for k in given)}) is deprecated and goes in 0.3.0: pass the plan's offload "
             f"options in offload=, e.g. co.plan(model, step, budget=..., offload={{{spelled}}})",
-            DeprecationWarning, stacklevel=3)
+            DeprecationWarning,
+            stacklevel=3,
+        )
         try:
             loose_opts = OffloadOptions(**given)  # the same checks and spelling ("1MiB" -> 1048576)
         except (TypeError, ValueError) as e:
             raise type(e)(f"co.plan: {e}") from None
-        stated = set(offload) if isinstance(offload, dict) else set(given) if isinstance(offload, OffloadOptions) \
-            else set()
+        stated = (
+            set(offload) if isinstance(offload, dict) else set(given) if isinstance(offload, OffloadOptions) else set()
+        )
         for name in given:
             if name in stated and getattr(loose_opts, name) != getattr(opts, name):
                 raise TypeError(
                     f"co.plan got {name} twice with different values: {name}={getattr(loose_opts, name)!r} as an "
-                    f"argument and {getattr(opts, name)!r} in offload=; give it once, in offload=")
+                    f"argument and {getattr(opts, name)!r} in offload=; give it once, in offload="
+                )
     if opts.store_dtype is not None:
         raise ValueError(
             f"co.plan: offload= sets store_dtype={opts.store_dtype}, which a plan chooses per block: pass "
-            f"lossy={opts.store_dtype} instead (blocks store narrower where that pays, the rest exactly)")
+            f"lossy={opts.store_dtype} instead (blocks store narrower where that pays, the rest exactly)"
+        )
     if opts.stream != "side":
         raise ValueError(
             f"co.plan: offload= sets stream={opts.stream!r}; a plan's time model has copies on queues of their own, "
-            "which is stream='side' (the default): leave stream out")
+            "which is stream='side' (the default): leave stream out"
+        )
     return opts.replace(**given) if given else opts
 
 
@@ -555,12 +671,15 @@ def _allowed_reasons(allow_inexact) -> set:
     try:
         reasons = set(allow_inexact)
     except TypeError:
-        raise TypeError(f"allow_inexact must be True, False or a collection of {sorted(INEXACT_REASONS)}, got "
-                        f"{type(allow_inexact).__name__}") from None
+        raise TypeError(
+            f"allow_inexact must be True, False or a collection of {sorted(INEXACT_REASONS)}, got "
+            f"{type(allow_inexact).__name__}"
+        ) from None
     bad = sorted(str(r) for r in reasons - set(INEXACT_REASONS))
     if bad:
-        raise ValueError(f"allow_inexact: unknown reason(s) {bad}; allowed: {sorted(INEXACT_REASONS)} "
-                         "(or True for all)")
+        raise ValueError(
+            f"allow_inexact: unknown reason(s) {bad}; allowed: {sorted(INEXACT_REASONS)} (or True for all)"
+        )
     return reasons
 
 
@@ -583,8 +702,12 @@ def _excluded(costs, allow) -> list:
 
 
 def _check_not_wrapped(model, named=()):
-    check_not_applied(model, named, "co.plan", why="; measuring it would measure those checkpoints, not the model "
-                      "(every block would be 'keep')")
+    check_not_applied(
+        model,
+        named,
+        "co.plan",
+        why="; measuring it would measure those checkpoints, not the model (every block would be 'keep')",
+    )
 
 
 __all__ += ["InfeasibleBudget"]

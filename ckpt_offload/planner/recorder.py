@@ -40,12 +40,13 @@ def _written(func, args, kwargs):
             v = args[i]
         out += [t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
     return out
+
+
 _NO_COMPUTE = {torch.ops.aten.detach, torch.ops.aten.alias, torch.ops.aten.lift_fresh}
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
 
 
 def _storage_key(t: torch.Tensor):
@@ -146,7 +147,6 @@ class _BlockRecord:
                 inexact.setdefault("state_write", f"{op} writes a tensor made outside the block in place")
 
 
-
 def measure_bytes(step, named_blocks, device, min_bytes):
     """Run 1: saved tensors per block (saved_tensors_hooks), fresh storages and selective outputs
     (a dispatch mode)."""
@@ -170,11 +170,18 @@ class _BytesRun:
         self.outside = {"pre": {}, "post": {}}
         # grad: a block ran with gradients enabled; requires_grad: a block's output needs a gradient;
         # backward: a gradient reached one
-        self.state = state = {"current": None, "done": set(), "started": False, "grad": False,
-                              "requires_grad": False, "backward": False}
+        self.state = state = {
+            "current": None,
+            "done": set(),
+            "started": False,
+            "grad": False,
+            "requires_grad": False,
+            "backward": False,
+        }
 
         def reached(_):
             state["backward"] = True
+
         self.reached = reached
         self.rec_mode = _Recorder(sync)
 
@@ -194,11 +201,15 @@ class _BytesRun:
             key = hidden_key(module)
             given = args[0] if args else kwargs.get(key, last)
             if given is last:
-                why = (f"is followed by {named_blocks[i][0]}, which the model calls by keyword without "
-                       f"{key}= (its forward's first parameter), while a segment passes the hidden state so")
+                why = (
+                    f"is followed by {named_blocks[i][0]}, which the model calls by keyword without "
+                    f"{key}= (its forward's first parameter), while a segment passes the hidden state so"
+                )
             elif given is not hidden(out):
-                why = (f"is followed by {named_blocks[i][0]}, whose first argument is not its output (or the "
-                       "output's first element), while a segment passes exactly that")
+                why = (
+                    f"is followed by {named_blocks[i][0]}, whose first argument is not its output (or the "
+                    "output's first element), while a segment passes exactly that"
+                )
         if why is not None:
             self.unchained.setdefault(i - 1, why)
 
@@ -219,7 +230,8 @@ class _BytesRun:
         r.own = set()
         r.arg_keys = {}
         named_args = [(f"input {j}", a) for j, a in enumerate(args)] + [
-            (f"argument {name!r}", v) for name, v in kwargs.items()]
+            (f"argument {name!r}", v) for name, v in kwargs.items()
+        ]
         for where, a in named_args:
             for t in tensors_in(a):
                 k = _storage_key(t)
@@ -228,7 +240,8 @@ class _BytesRun:
         for prefix in running_stats(module):
             # BatchNorm's kernels write running_mean/var without an op that says so
             r.cost.inexact.setdefault(
-                "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward")
+                "state_write", f"{named_blocks[i][0]}.{prefix}running_mean/running_var are updated in forward"
+            )
         r.state_names = {}
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             k = _storage_key(t)
@@ -336,21 +349,29 @@ class _BytesRun:
         state, outside = self.state, self.outside
         missing = [named_blocks[i][0] for i in range(len(recs)) if i not in state["done"]]
         if missing:
-            raise ValueError(f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
-                             "that step() calls, or a step that runs the model's forward and backward")
+            raise ValueError(
+                f"co.plan: step() never ran block(s) {missing[:4]}: pass layers= selecting blocks "
+                "that step() calls, or a step that runs the model's forward and backward"
+            )
         if not state["grad"]:
-            raise ValueError("co.plan: step() ran the blocks with gradients disabled (under torch.no_grad() or "
-                             "torch.inference_mode()), so they save nothing for backward and there is nothing to plan: "
-                             "pass a training step, e.g. lambda: loss_fn(model(x)).backward(), run with gradients "
-                             "enabled")
+            raise ValueError(
+                "co.plan: step() ran the blocks with gradients disabled (under torch.no_grad() or "
+                "torch.inference_mode()), so they save nothing for backward and there is nothing to plan: "
+                "pass a training step, e.g. lambda: loss_fn(model(x)).backward(), run with gradients "
+                "enabled"
+            )
         if not state["requires_grad"]:
-            raise ValueError("co.plan: no output of the blocks requires a gradient (their parameters are frozen and "
-                             "their inputs need none), so backward never reaches them and there is nothing to plan: "
-                             "plan a step that trains parameters of the blocks (or whose input requires grad)")
+            raise ValueError(
+                "co.plan: no output of the blocks requires a gradient (their parameters are frozen and "
+                "their inputs need none), so backward never reaches them and there is nothing to plan: "
+                "plan a step that trains parameters of the blocks (or whose input requires grad)"
+            )
         if not state["backward"]:
-            raise ValueError("co.plan: step() never ran backward through the blocks, so what they save for backward "
-                             "cannot be measured: pass a step that runs forward and backward, e.g. "
-                             "lambda: loss_fn(model(x)).backward()")
+            raise ValueError(
+                "co.plan: step() never ran backward through the blocks, so what they save for backward "
+                "cannot be measured: pass a step that runs forward and backward, e.g. "
+                "lambda: loss_fn(model(x)).backward()"
+            )
         for r in calls:
             r._fraction_dropped = (1.0 - r.saved_op_s / r.op_s) if r.op_s > 0 else 1.0
         for i, r in enumerate(recs):
@@ -391,5 +412,3 @@ def _joined(name, costs) -> BlockCost:
             out.inexact.setdefault(k, v)
     out.calls = len(costs)
     return out
-
-

@@ -38,8 +38,9 @@ __all__ = ["saved_activation_peak", "SavedTimeline"]
 
 # The range names are written once: the copy ranges in C++ (csrc/torch/runtime.h), the
 # recompute range where plans open it (ckpt_offload/blocks/recompute_range.py).
-_RELOAD_RANGES = tuple(_C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch",
-                                                    "reload_convert"))
+_RELOAD_RANGES = tuple(
+    _C.COPY_RANGES[k] for k in ("reload", "prefetch", "reload_batch", "prefetch_batch", "reload_convert")
+)
 _RECOMPUTE = RECOMPUTE_RANGE
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
 
@@ -130,8 +131,10 @@ def _trace_events(prof):
 def _saved_timeline(events, device: str) -> SavedTimeline:
     """The saved-activation timeline of one profiled step, from its trace events."""
     code = _device_type_code(device)
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == code),
-                 key=lambda e: e["ts"])
+    mem = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type") == code),
+        key=lambda e: e["ts"],
+    )
     ranges = [e for e in events if e.get("ph") == "X" and not _on_device_lane(e)]
     bwd = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in ranges if str(e.get("name", "")).startswith(_BACKWARD_PREFIX)]
     t_bwd = min(a for a, _ in bwd) if bwd else float("inf")

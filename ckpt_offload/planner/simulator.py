@@ -2,7 +2,8 @@
 
 Three queues: the compute stream, a device-to-host (D2H) and a host-to-device (H2D) copy queue, each
 copy holding its queue for ``issue + bytes / bandwidth`` and ending ``latency + bytes / bandwidth``
-after it starts (the latency is a delay, not queue time: Note [Copy latency is a delay]). Forward: offloaded storages are copied after their
+after it starts (the latency is a delay, not queue time: Note [Copy latency is a delay]). Forward: offloaded storages
+are copied after their
 block's forward and leave the device when their copy is done (the copy *backlog* is device memory).
 Backward walks the blocks in reverse, saved tensor by saved tensor (the pack order the cost model
 recorded), and reproduces the engine's prefetcher: every unpack of an offloaded storage starts the
@@ -129,8 +130,9 @@ class _Step:
         self.blocks, self.bw, self.min_bytes = costs.blocks, costs.bandwidth, costs.min_bytes
         self.events = []  # (time, order, delta)
         self.d2h, self.h2d = _Queue(self.bw, "d2h"), _Queue(self.bw, "h2d")
-        self.infos = [dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0, convert_s=0.0)
-                      for _ in units]
+        self.infos = [
+            dict(device_bytes=0, pool_bytes=0, recompute_s=0.0, copy_s=0.0, stall_s=0.0, convert_s=0.0) for _ in units
+        ]
         self.feasible = True
         self.store = getattr(costs, "store_dtype", None)
         if self.store is None and any(u.store for u in units):
@@ -443,12 +445,19 @@ class _Step:
         self.t += b.selective_recompute_s
         info["recompute_s"] = b.selective_recompute_s
         kept = {si for si in b.selective_saved if si >= 0}
-        only = [(use, n) for n, si, use in zip(b.selective, b.selective_saved,
-                                              b.selective_last_use or [0] * len(b.selective)) if si < 0]
+        only = [
+            (use, n)
+            for n, si, use in zip(b.selective, b.selective_saved, b.selective_last_use or [0] * len(b.selective))
+            if si < 0
+        ]
         for pos in range(len(b.packs) + 1):
             self.mem(self.t, -sum(n for use, n in only if use == pos))
-            self.mem(self.t, sum(s.nbytes for si, s in enumerate(b.storages)
-                                 if s.first == pos and si not in kept and not s.is_input))
+            self.mem(
+                self.t,
+                sum(
+                    s.nbytes for si, s in enumerate(b.storages) if s.first == pos and si not in kept and not s.is_input
+                ),
+            )
         self.mem(self.t, -sum(n for use, n in only if use > len(b.packs)))
         self.block_backward(ui, u.kind, u.start, info, skip_input=True)
         self.mem(self.t, -b.input_bytes - self.cb)
@@ -485,7 +494,7 @@ def call_units(costs, units):
         ui = unit_of[order[p]]
         u = units[ui]
         size = u.end - u.start + 1
-        if size > 1 and order[p:p + size] != list(range(u.start, u.end + 1)):
+        if size > 1 and order[p : p + size] != list(range(u.start, u.end + 1)):
             return None
         out.append(_shift(u, p - u.start))
         owners.append(ui)
@@ -503,8 +512,10 @@ def _simulate_calls(costs, units, prefetch_bytes):
     per_call, owners = mapped
     calls = dataclasses.replace(costs, blocks=list(costs.call_blocks), call_order=[], call_blocks=[], excluded=[])
     r = simulate(calls, per_call, prefetch_bytes)
-    infos = [{"device_bytes": 0, "pool_bytes": 0, "recompute_s": 0.0, "copy_s": 0.0, "stall_s": 0.0, "convert_s": 0.0}
-             for _ in units]
+    infos = [
+        {"device_bytes": 0, "pool_bytes": 0, "recompute_s": 0.0, "copy_s": 0.0, "stall_s": 0.0, "convert_s": 0.0}
+        for _ in units
+    ]
     for ui, info in zip(owners, r.units):
         for k, v in info.items():
             infos[ui][k] += v
@@ -534,8 +545,9 @@ def _check_units(units, n):
         if not isinstance(u, Unit):
             raise TypeError(f"units must be Unit objects, got {type(u).__name__}")
         if u.start != expect:
-            raise ValueError(f"units must cover blocks 0..{n - 1} in order; expected a unit starting at {expect}, "
-                             f"got {u}")
+            raise ValueError(
+                f"units must cover blocks 0..{n - 1} in order; expected a unit starting at {expect}, got {u}"
+            )
         expect = u.end + 1
     if expect != n:
         raise ValueError(f"units cover {expect} blocks, the model has {n}")

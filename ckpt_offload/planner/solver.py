@@ -33,8 +33,17 @@ from ckpt_offload.planner.lossy import converted_inputs, converted_packs
 from ckpt_offload.planner.nested import fronts, nested_terms, structures
 from ckpt_offload.planner.simulator import KINDS, OFFLOADING_KINDS, SEGMENT_KINDS, STORE_KINDS, Unit, simulate, singles
 
-__all__ = ["Candidate", "solve", "chain_dp", "chain_exhaustive", "chain_cost", "baselines", "rotor",
-           "chen_units", "InfeasibleBudget"]
+__all__ = [
+    "Candidate",
+    "solve",
+    "chain_dp",
+    "chain_exhaustive",
+    "chain_cost",
+    "baselines",
+    "rotor",
+    "chen_units",
+    "InfeasibleBudget",
+]
 
 
 class InfeasibleBudget(ValueError):
@@ -69,7 +78,7 @@ def _unit_terms(cm, u, prefetch):
     extra_s: recompute seconds; bwd_s: its backward compute (what a reload of the unit before it
     hides behind); d2h: what it copies to the host (and reloads); fwd_s: its blocks' forward."""
     terms = _terms6(cm, u)
-    fwd = sum(b.forward_s for b in cm.blocks[u.start:u.end + 1])
+    fwd = sum(b.forward_s for b in cm.blocks[u.start : u.end + 1])
     if u.store:
         held, work, extra, bwd, d_bytes, d_copies = terms
         d_bytes, d_copies, conv_bytes, work_extra = store_terms(cm, u)
@@ -135,7 +144,7 @@ def _lossy_variants(cm, units):
 
 
 def _terms6(cm, u):
-    bs = cm.blocks[u.start:u.end + 1]
+    bs = cm.blocks[u.start : u.end + 1]
     first = bs[0]
     mb = cm.min_bytes
 
@@ -169,8 +178,14 @@ def _terms6(cm, u):
     sel = sum(b.selective)
     sel_only = sum(n for n, si in zip(b.selective, b.selective_saved) if si < 0)
     o = [n for n in b.selective if off(n)] if u.kind == "selective_offload" else []
-    return (inp + sel - sum(o) + cb, inp + cb + not_input + sel_only, b.selective_recompute_s,
-            bwd + b.selective_recompute_s, sum(o), len(o))
+    return (
+        inp + sel - sum(o) + cb,
+        inp + cb + not_input + sel_only,
+        b.selective_recompute_s,
+        bwd + b.selective_recompute_s,
+        sum(o),
+        len(o),
+    )
 
 
 def allowed(cm, u) -> bool:
@@ -182,8 +197,9 @@ def allowed(cm, u) -> bool:
     if u.start == u.end:
         return u.kind not in ex[u.start]
     # "segment": block i does not hand its output to block i+1 as a segment would (UNCHAINED).
-    return (all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1))
-            and all("segment" not in ex[i] for i in range(u.start, u.end)))
+    return all(u.kind not in ex[i] and "recompute" not in ex[i] for i in range(u.start, u.end + 1)) and all(
+        "segment" not in ex[i] for i in range(u.start, u.end)
+    )
 
 
 def _unit_options(n, kinds, max_segment, inners=None):
@@ -194,7 +210,7 @@ def _unit_options(n, kinds, max_segment, inners=None):
     for i in range(n):
         opts = [Unit(i, i, k) for k in kinds]
         for j in range(i + 1, min(n, i + max_segment)):
-            for inner in (inners.get((i, j), ((),)) if inners else ((),)):
+            for inner in inners.get((i, j), ((),)) if inners else ((),):
                 opts += [Unit(i, j, k, inner=inner) for k in SEGMENT_KINDS if k in kinds]
         out.append(opts)
     return out
@@ -256,8 +272,8 @@ def _advance(cm, state, u, prefetch, terms):
     backlog = max(0.0, backlog - fwd) + (bw.copy_seconds(d_bytes, d_copies, "d2h") if d_copies else 0.0)
     in_flight = 0 if backlog <= 0 or math.isinf(bw.d2h) else backlog * bw.d2h
     base = cm.pre_bytes
-    peak = max(peak, base + held + h + in_flight)                 # end of this unit's forward
-    peak = max(peak, base + held + work + min(prefetch, offl))    # start of this unit's backward
+    peak = max(peak, base + held + h + in_flight)  # end of this unit's forward
+    peak = max(peak, base + held + work + min(prefetch, offl))  # start of this unit's backward
     offl = min(prefetch, offl + d_bytes)
     return (held + h, backlog, d_bytes, d_copies, offl, peak, time)
 
@@ -271,8 +287,9 @@ def _finish(cm, state):
     return peak, time + cm.mid_s + cm.post_s
 
 
-def chain_dp(cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, objective="time",
-             max_points=None, _options=None):
+def chain_dp(
+    cm, budget, prefetch=0, kinds=KINDS, max_segment=None, levels=1, objective="time", max_points=None, _options=None
+):
     """The dynamic program: the units with the least chain-model time whose chain-model peak is at
     most ``budget``, or None. States after each block are pruned to the Pareto front of (held,
     backlog, previous reload, offloaded, peak, time); ties keep the smaller peak. ``levels`` > 1
@@ -358,8 +375,15 @@ def _pareto(front, by_peak=False):
     for s, units in items:
         dominated = False
         for k, _ in kept:
-            if (k[0] <= s[0] and k[1] <= s[1] and k[2] <= s[2] and k[3] <= s[3] and k[4] <= s[4]
-                    and k[5] <= s[5] and (by_peak or k[6] <= s[6])):
+            if (
+                k[0] <= s[0]
+                and k[1] <= s[1]
+                and k[2] <= s[2]
+                and k[3] <= s[3]
+                and k[4] <= s[4]
+                and k[5] <= s[5]
+                and (by_peak or k[6] <= s[6])
+            ):
                 dominated = True
                 break
         if not dominated:
@@ -549,8 +573,15 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
     cands = []
     if getattr(cm, "store_dtype", None) is not None:
         try:
-            exact = solve(dataclasses.replace(cm, store_dtype=None), budget, kinds, exhaustive_max_blocks,
-                          prefetch_bytes, segments, levels)
+            exact = solve(
+                dataclasses.replace(cm, store_dtype=None),
+                budget,
+                kinds,
+                exhaustive_max_blocks,
+                prefetch_bytes,
+                segments,
+                levels,
+            )
             cands.append(evaluate(cm, exact.units, exact.prefetch_bytes, exact.source))
         except InfeasibleBudget:
             pass
@@ -603,9 +634,11 @@ def solve(cm, budget, kinds=KINDS, exhaustive_max_blocks=4, prefetch_bytes=None,
         return best
     smallest = minimum_peak(cm, kinds, windows, cands, segments, levels=0)  # cands hold the least-peak ones
     raise InfeasibleBudget(
-        budget, smallest,
+        budget,
+        smallest,
         f"budget={_fmt(budget)} is below the smallest peak of saved activations any plan reaches here, "
-        f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)")
+        f"{_fmt(smallest)} ({smallest} bytes): pass budget >= {smallest} (a smaller batch or sequence lowers it)",
+    )
 
 
 def least_peak_candidates(cm, kinds, windows, segments, levels, options=None):
@@ -614,8 +647,7 @@ def least_peak_candidates(cm, kinds, windows, segments, levels, options=None):
     n = len(cm.blocks)
     out = []
     for p in windows:
-        for units in least_peak_plans(cm, p, kinds, n if segments else 1, levels if segments else 1,
-                                      _options=options):
+        for units in least_peak_plans(cm, p, kinds, n if segments else 1, levels if segments else 1, _options=options):
             out.append(evaluate(cm, units, p, "least_peak"))
     finite = sorted((c for c in out if math.isfinite(c.step_s)), key=lambda c: (c.peak_bytes, c.step_s))
     out += [_lower_peak(cm, c, kinds) for c in finite[:3]]

@@ -29,8 +29,9 @@ from ckpt_offload.tile_model import TileOptions, tile_blocks
 __all__ = ["measure_tiled_costs", "mixed_costs", "tile_order", "solve_with_tiles"]
 
 
-def measure_tiled_costs(step, model, named_blocks, options: TileOptions, device: str, bandwidth,
-                        min_bytes: int) -> CostModel:
+def measure_tiled_costs(
+    step, model, named_blocks, options: TileOptions, device: str, bandwidth, min_bytes: int
+) -> CostModel:
     """The cost model of ``step`` with every block's MLP (and norms) tiled as ``options`` say (installed
     for the measurement only; the head is never fused here: ``step`` is the caller's).
 
@@ -57,8 +58,10 @@ def mixed_costs(untiled: CostModel, tiled: CostModel, which) -> CostModel:
     blocks = [t if i in which else u for i, (u, t) in enumerate(zip(untiled.blocks, tiled.blocks))]
     calls = untiled.call_blocks
     if calls and len(tiled.call_blocks) == len(calls):
-        calls = [t if untiled.call_order[k] in which else u
-                 for k, (u, t) in enumerate(zip(untiled.call_blocks, tiled.call_blocks))]
+        calls = [
+            t if untiled.call_order[k] in which else u
+            for k, (u, t) in enumerate(zip(untiled.call_blocks, tiled.call_blocks))
+        ]
     return dataclasses.replace(untiled, blocks=blocks, call_blocks=calls)
 
 
@@ -105,9 +108,11 @@ def solve_with_tiles(untiled: CostModel, tiled: CostModel, budget: int, **solve_
     found, cm = attempt(n)
     if isinstance(found, InfeasibleBudget):
         raise InfeasibleBudget(
-            budget, found.minimum,
+            budget,
+            found.minimum,
             f"budget is below the smallest peak of saved activations any plan reaches here even with every block "
-            f"tiled, {found.minimum} bytes (without tiles: {untiled_min} bytes)") from None
+            f"tiled, {found.minimum} bytes (without tiles: {untiled_min} bytes)",
+        ) from None
     lo, hi, chosen = 1, n, (n, found, cm)
     while lo < hi:  # the smallest k that fits: fits(n) holds, fits(0) does not
         mid = (lo + hi) // 2
@@ -118,6 +123,9 @@ def solve_with_tiles(untiled: CostModel, tiled: CostModel, budget: int, **solve_
             hi, chosen = mid, (mid, got, cm)
     k, best, cm = chosen
     which = sorted(order[:k])
-    extra = sum((tiled.blocks[i].forward_s + tiled.blocks[i].backward_s)
-                - (untiled.blocks[i].forward_s + untiled.blocks[i].backward_s) for i in which)
+    extra = sum(
+        (tiled.blocks[i].forward_s + tiled.blocks[i].backward_s)
+        - (untiled.blocks[i].forward_s + untiled.blocks[i].backward_s)
+        for i in which
+    )
     return best, which, cm, {"untiled_minimum": untiled_min, "tiled_minimum": best.peak_bytes, "extra_s": extra}

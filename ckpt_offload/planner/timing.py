@@ -43,6 +43,7 @@ def measure_times(step, named_blocks, device):
             if arr[c] is None:
                 sync()
                 arr[c] = time.perf_counter()
+
         return hook
 
     def pre_hook(i):
@@ -59,6 +60,7 @@ def measure_times(step, named_blocks, device):
                     break
             sync()
             fwd_start[c] = time.perf_counter()
+
         return hook
 
     def post_hook(i):
@@ -73,6 +75,7 @@ def measure_times(step, named_blocks, device):
                 if t.requires_grad:
                     t.register_hook(stamp(bwd_start, c))
                     break
+
         return hook
 
     handles = []
@@ -159,7 +162,6 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> Bandwidth:
     return Bandwidth(d2h=d2h, h2d=h2d, latency=latency, issue=issue)
 
 
-
 def measure_conversion(device: str = "cpu", store_dtype=torch.bfloat16, nbytes: int = 4 << 20) -> float:
     """Bytes (of the full-width tensor) per second ckpt_offload's own conversion to ``store_dtype``
     and back runs at on ``device``, one way: an fp32 tensor of ``nbytes`` converted down and up
@@ -186,4 +188,3 @@ def measure_conversion(device: str = "cpu", store_dtype=torch.bfloat16, nbytes: 
         sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * x.nbytes / max(best, 1e-9)
-

@@ -176,8 +176,7 @@ class profile:
         from ckpt_offload.pool import HostPool
 
         pools_error = TypeError(
-            "pools must be None, a ckpt_offload.HostPool or a list of them, "
-            f"got {type(pools).__name__} ({pools!r})"
+            f"pools must be None, a ckpt_offload.HostPool or a list of them, got {type(pools).__name__} ({pools!r})"
         )
         if pools is None:
             pools = []

@@ -66,6 +66,7 @@ def to_dict(report: ProfileReport) -> dict:
         }
     )
 
+
 def export_json(report: ProfileReport, path) -> str:
     """Writes :func:`to_dict` to ``path``; returns the path.
 

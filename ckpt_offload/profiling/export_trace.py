@@ -136,9 +136,7 @@ def chrome_trace(report: ProfileReport) -> dict:
             "members": c.get("members", 1),
             "id": c["id"],
         }
-        label = ("D2H " if d2h else ("H2D prefetch " if c.get("prefetch") else "H2D ")) + (
-            module or f"#{c['handle']}"
-        )
+        label = ("D2H " if d2h else ("H2D prefetch " if c.get("prefetch") else "H2D ")) + (module or f"#{c['handle']}")
         pid = pid_of(c["device"])
         x(
             label,
@@ -166,10 +164,20 @@ def chrome_trace(report: ProfileReport) -> dict:
             events.append({"name": "thread_name", "ph": "M", "pid": pool_pid, "tid": tid, "args": {"name": name}})
         for d in recs:
             dur = max(0.0, d["end_us"] - d["start_us"])
-            label = ("prefetch " if d.get("prefetch") else "") + f"{name} " + (
-                (report.handle(d["handle"]) or {}).get("module") or f"#{d['handle']}")
-            x(label, kind, pool_pid, tid, d["start_us"], d["end_us"],
-              {"bytes": d["bytes"], "handle": d["handle"], "GB/s": round(gbps(d["bytes"], dur / 1e6), 4)})
+            label = (
+                ("prefetch " if d.get("prefetch") else "")
+                + f"{name} "
+                + ((report.handle(d["handle"]) or {}).get("module") or f"#{d['handle']}")
+            )
+            x(
+                label,
+                kind,
+                pool_pid,
+                tid,
+                d["start_us"],
+                d["end_us"],
+                {"bytes": d["bytes"], "handle": d["handle"], "GB/s": round(gbps(d["bytes"], dur / 1e6), 4)},
+            )
     for m in r["memory"]:
         events.append(
             {

@@ -30,9 +30,7 @@ def plot_memory(report: ProfileReport, path) -> str:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
-        raise ImportError(
-            f"plot_memory needs matplotlib ({e}); install it with `pip install matplotlib`"
-        ) from e
+        raise ImportError(f"plot_memory needs matplotlib ({e}); install it with `pip install matplotlib`") from e
     mem = sorted(report.records["memory"], key=lambda m: m["t_us"])
     ts = [m["t_us"] / 1e3 for m in mem]
     mib = 1 / (1 << 20)
@@ -45,8 +43,9 @@ def plot_memory(report: ProfileReport, path) -> str:
         ax.step(ts, [(a or 0) * mib for a in allocated], where="post", label="device allocator total")
     ax.step(ts, [m["pool_bytes_in_use"] * mib for m in mem], where="post", label="host pool in use", linestyle="--")
     if any(m.get("disk_bytes_in_use") for m in mem):
-        ax.step(ts, [m.get("disk_bytes_in_use", 0) * mib for m in mem], where="post", label="spilled to disk",
-                linestyle=":")
+        ax.step(
+            ts, [m.get("disk_bytes_in_use", 0) * mib for m in mem], where="post", label="spilled to disk", linestyle=":"
+        )
     ax.set_xlabel("time since profile start (ms)")
     ax.set_ylabel("MiB")
     title = "ckpt_offload memory timeline"

@@ -357,9 +357,12 @@ class ProfileReport:
                 pass
             os.remove(probe)
         except OSError as e:
-            raise type(e)(e.errno, f"ProfileReport.save: cannot write into the folder {folder!r} "
-                          f"({e.strerror or e}); pass a folder you can create and write to, e.g. "
-                          "prof.save('ckpt_offload_profile')") from e
+            raise type(e)(
+                e.errno,
+                f"ProfileReport.save: cannot write into the folder {folder!r} "
+                f"({e.strerror or e}); pass a folder you can create and write to, e.g. "
+                "prof.save('ckpt_offload_profile')",
+            ) from e
         paths = {}
         summary = self.summary()
         try:

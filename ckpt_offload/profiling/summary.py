@@ -155,8 +155,7 @@ def format_summary(report: ProfileReport, by: str = "module", top: int | None = 
     kept = [(k, n, t["kept_bytes_by_reason"].get(k, 0)) for k, n in t["kept_by_reason"].items() if n]
     if kept:
         lines.append(
-            f"kept on the device ({t['tensors_kept']}): "
-            + ", ".join(f"{k} {n} ({fmt_bytes(b)})" for k, n, b in kept)
+            f"kept on the device ({t['tensors_kept']}): " + ", ".join(f"{k} {n} ({fmt_bytes(b)})" for k, n, b in kept)
         )
     else:
         lines.append("kept on the device: none")

@@ -41,14 +41,28 @@ class _HeadLoss:
         if self.upcast:
             logits = logits.float()
         return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=self.ignore_index,
-            reduction=self.reduction, label_smoothing=self.label_smoothing)
+            logits.reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+        )
 
 
 @suggest_keywords("co.tiled_cross_entropy")
-def tiled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, tile=None, tiles=None,
-                        ignore_index: int = -100, reduction: str = "mean", upcast: bool = True,
-                        label_smoothing: float = 0.0, measure_error: bool = False) -> torch.Tensor:
+def tiled_cross_entropy(
+    hidden: torch.Tensor,
+    head,
+    labels: torch.Tensor,
+    *,
+    tile=None,
+    tiles=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    upcast: bool = True,
+    label_smoothing: float = 0.0,
+    measure_error: bool = False,
+) -> torch.Tensor:
     """``F.cross_entropy(head(hidden).float(), labels)`` without the full logits: the tokens are cut
     into tiles, each tile's logits computed, reduced to its loss and dropped; backward recomputes
     each tile's logits and differentiates them (:func:`tiled` with ``reduce="sum"``). The logits of
@@ -92,8 +106,10 @@ def tiled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, til
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a tensor of class indices, got {type(labels).__name__}")
     if tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must have the shape of hidden without its last dimension, "
-                         f"{tuple(hidden.shape[:-1])}; got {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must have the shape of hidden without its last dimension, "
+            f"{tuple(hidden.shape[:-1])}; got {tuple(labels.shape)}"
+        )
     if reduction not in _CE_REDUCTIONS:
         raise ValueError(f"reduction must be one of {_CE_REDUCTIONS}, got {reduction!r}")
     check_int("ignore_index", ignore_index)
@@ -106,17 +122,28 @@ def tiled_cross_entropy(hidden: torch.Tensor, head, labels: torch.Tensor, *, til
         vocab = _vocab_of(head)
         if vocab is None:
             if nbytes is not None:
-                raise ValueError(f"tile={tile!r} gives bytes of logits per tile, but the vocabulary of head "
-                                 f"({type(head).__name__}) cannot be read (it is not a Linear); pass tile= as a token "
-                                 "count")
+                raise ValueError(
+                    f"tile={tile!r} gives bytes of logits per tile, but the vocabulary of head "
+                    f"({type(head).__name__}) cannot be read (it is not a Linear); pass tile= as a token "
+                    "count"
+                )
             tokens = 1024
         else:
             tokens = max(1, (nbytes or _DEFAULT_HEAD_TILE_BYTES) // (vocab * (4 if upcast else hidden.element_size())))
     per_tile = "none" if reduction == "none" else "sum"
-    wrapper = Tiled(_HeadLoss(head, ignore_index, per_tile, upcast, label_smoothing), tokens, tiles=count, dim=0,
-                    split={1: 0}, reduce=None if reduction == "none" else "sum", out_dim=0,
-                    params=_params_of(head), token_wise=True, measure_error=measure_error,
-                    name="co.tiled_cross_entropy")
+    wrapper = Tiled(
+        _HeadLoss(head, ignore_index, per_tile, upcast, label_smoothing),
+        tokens,
+        tiles=count,
+        dim=0,
+        split={1: 0},
+        reduce=None if reduction == "none" else "sum",
+        out_dim=0,
+        params=_params_of(head),
+        token_wise=True,
+        measure_error=measure_error,
+        name="co.tiled_cross_entropy",
+    )
     if _owner_module(head) is not None:
         wrapper._found = []  # a module: its parameters are known (Note [Parameters a tiled function reads])
     out = wrapper(flat_h, flat_y)

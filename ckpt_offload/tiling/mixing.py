@@ -12,10 +12,20 @@ __all__ = ["mixing_reason"]
 # Modules whose output at one position depends on other positions. A tiled call of them would be
 # wrong, not just inexact.
 def _mixing_types() -> tuple:
-    types = [torch.nn.MultiheadAttention, torch.nn.RNNBase, torch.nn.Transformer,
-             torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer, torch.nn.TransformerEncoder,
-             torch.nn.TransformerDecoder, torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase,
-             torch.nn.GroupNorm, torch.nn.modules.pooling._MaxPoolNd, torch.nn.modules.pooling._AvgPoolNd]
+    types = [
+        torch.nn.MultiheadAttention,
+        torch.nn.RNNBase,
+        torch.nn.Transformer,
+        torch.nn.TransformerEncoderLayer,
+        torch.nn.TransformerDecoderLayer,
+        torch.nn.TransformerEncoder,
+        torch.nn.TransformerDecoder,
+        torch.nn.modules.conv._ConvNd,
+        torch.nn.modules.batchnorm._NormBase,
+        torch.nn.GroupNorm,
+        torch.nn.modules.pooling._MaxPoolNd,
+        torch.nn.modules.pooling._AvgPoolNd,
+    ]
     return tuple(types)
 
 

@@ -75,13 +75,17 @@ def _out_dim(p, call) -> int:
 def _buffer_for(part, call) -> torch.Tensor:
     d = _out_dim(part, call)
     if not 0 <= d < part.dim():
-        raise ValueError(f"co.tiled: out_dim={call.out_dim} is not a dimension of the function's output (shape "
-                         f"{tuple(part.shape)}); pass out_dim= (the output's token dimension) or reduce='sum' for "
-                         "outputs without one")
+        raise ValueError(
+            f"co.tiled: out_dim={call.out_dim} is not a dimension of the function's output (shape "
+            f"{tuple(part.shape)}); pass out_dim= (the output's token dimension) or reduce='sum' for "
+            "outputs without one"
+        )
     if part.shape[d] != call.tiles[0][1]:
-        raise ValueError(f"co.tiled: the function's output has {part.shape[d]} positions along out_dim={call.out_dim} "
-                         f"for a tile of {call.tiles[0][1]}; a token-wise function returns one row per input row. "
-                         "Pass out_dim= (the output's token dimension) or reduce='sum' (outputs summed over tiles)")
+        raise ValueError(
+            f"co.tiled: the function's output has {part.shape[d]} positions along out_dim={call.out_dim} "
+            f"for a tile of {call.tiles[0][1]}; a token-wise function returns one row per input row. "
+            "Pass out_dim= (the output's token dimension) or reduce='sum' (outputs summed over tiles)"
+        )
     shape = list(part.shape)
     shape[d] = call.n
     return part.new_empty(shape)
@@ -108,8 +112,8 @@ class _TiledCompute(torch.autograd.Function):
     def forward(ctx, token, call, *flat):
         ctx.call = call
         ctx.saver = token.grad_fn  # the _SaveInputs node: its saved tensors are this call's inputs
-        ctx.params = flat[call.n_tensors:]
-        outs = _run_tiles(call, flat[:call.n_tensors])
+        ctx.params = flat[call.n_tensors :]
+        outs = _run_tiles(call, flat[: call.n_tensors])
         undiff = [o for o in outs if not _float(o)]
         if undiff:
             ctx.mark_non_differentiable(*undiff)
@@ -130,7 +134,8 @@ def _check_versions(call, params) -> None:
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"a parameter of shape {list(p.shape)} read by a co.tiled function (parameter {i}) is at version "
                 f"{p._version}; expected version {v} instead. Its backward recomputes each tile with the parameters "
-                "as they are now, so an in-place change between forward and backward would give a wrong gradient.")
+                "as they are now, so an in-place change between forward and backward would give a wrong gradient."
+            )
 
 
 def _tile_backward(call: _Call, saved, params, grads):
@@ -138,10 +143,10 @@ def _tile_backward(call: _Call, saved, params, grads):
     _check_versions(call, params)
     n_t = call.n_tensors
     # The inputs as leaves of the recompute: split tensors are cut per tile, the rest is shared.
-    whole = [t.detach().requires_grad_(t.requires_grad) if d is None and _float(t) else t
-             for t, d in zip(saved, call.dims)]
-    split_grads = [torch.empty_like(t) if d is not None and t.requires_grad else None
-                   for t, d in zip(saved, call.dims)]
+    whole = [
+        t.detach().requires_grad_(t.requires_grad) if d is None and _float(t) else t for t, d in zip(saved, call.dims)
+    ]
+    split_grads = [torch.empty_like(t) if d is not None and t.requires_grad else None for t, d in zip(saved, call.dims)]
     shared_acc = [None] * n_t
     param_acc = [None] * len(params)
     with contextlib.ExitStack() as stack:
@@ -166,8 +171,11 @@ def _tile_backward(call: _Call, saved, params, grads):
                 diff_grads.append(g if call.reduce == "sum" else g.narrow(_out_dim(o, call), start, length))
             del outs
             wanted = [x for x in tile_inputs if x.requires_grad] + params
-            got = list(torch.autograd.grad(diff_outs, wanted, diff_grads, allow_unused=True)) \
-                if diff_outs and wanted else [None] * len(wanted)
+            got = (
+                list(torch.autograd.grad(diff_outs, wanted, diff_grads, allow_unused=True))
+                if diff_outs and wanted
+                else [None] * len(wanted)
+            )
             del diff_outs
             it = iter(got)
             for i, x in enumerate(tile_inputs):
@@ -188,7 +196,6 @@ def _tile_backward(call: _Call, saved, params, grads):
     if call.owner is not None:
         call.owner._count("tiles_recomputed", len(call.tiles))
     return out
-
 
 
 def _accumulate(acc, g, incoming):

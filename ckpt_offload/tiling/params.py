@@ -56,7 +56,8 @@ def find_params(name: str, function, call, tensors, known: set) -> list:
             f"{name}: the function reads a tensor that requires grad and is neither one of its arguments "
             f"nor a parameter (shape {list(t.shape)}, made by {type(t.grad_fn).__name__}): tiled, its "
             "gradient would be lost, since backward recomputes each tile from the saved arguments only. Pass it "
-            "to the function as an argument (e.g. co.tiled(f)(x, that_tensor)).")
+            "to the function as an argument (e.g. co.tiled(f)(x, that_tensor))."
+        )
     return list(watch.leaves.values())
 
 
@@ -64,8 +65,9 @@ def _check_params(params) -> list:
     try:
         out = list(params)
     except TypeError:
-        raise TypeError(f"params must be an iterable of tensors (e.g. module.parameters()), got "
-                        f"{type(params).__name__}") from None
+        raise TypeError(
+            f"params must be an iterable of tensors (e.g. module.parameters()), got {type(params).__name__}"
+        ) from None
     for i, p in enumerate(out):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"params[{i}] must be a tensor (a parameter), got {type(p).__name__}")

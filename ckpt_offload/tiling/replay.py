@@ -19,8 +19,11 @@ def _autocast_state(device_type: str):
     state = {}
     for dev in {device_type, "cpu"}:
         if torch.amp.is_autocast_available(dev):
-            state[dev] = {"enabled": torch.is_autocast_enabled(dev), "dtype": torch.get_autocast_dtype(dev),
-                          "cache_enabled": torch.is_autocast_cache_enabled()}
+            state[dev] = {
+                "enabled": torch.is_autocast_enabled(dev),
+                "dtype": torch.get_autocast_dtype(dev),
+                "cache_enabled": torch.is_autocast_cache_enabled(),
+            }
     return state
 
 

@@ -29,8 +29,12 @@ class _ErrorClass:
         self.bit_identical = self.bit_identical and torch.equal(tiled_value, untiled_value)
 
     def as_dict(self) -> dict:
-        return {"tensors": self.tensors, "mean_rel_error": self.sum_rel / max(self.tensors, 1),
-                "max_rel_error": self.max_rel, "bit_identical": self.bit_identical}
+        return {
+            "tensors": self.tensors,
+            "mean_rel_error": self.sum_rel / max(self.tensors, 1),
+            "max_rel_error": self.max_rel,
+            "bit_identical": self.bit_identical,
+        }
 
 
 def _measure_forward(call, tensors, outs) -> None:
@@ -68,5 +72,5 @@ def _measure_backward(call, saved, params, grads, tiled_grads) -> None:
         for x, got in zip(inputs, tiled_grads):
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 owner._errors.setdefault("input_grad", _ErrorClass()).add(got, next(it))
-        for got in tiled_grads[len(inputs):]:
+        for got in tiled_grads[len(inputs) :]:
             owner._errors.setdefault("param_grad", _ErrorClass()).add(got, next(it))

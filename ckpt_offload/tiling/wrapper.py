@@ -34,7 +34,8 @@ TILED_COMPILE_MESSAGE = (
     "co.tiled: the tiled call runs its tiles in eager code (an autograd function whose backward "
     "recomputes each tile), so Dynamo breaks the graph there and compiles the tiled function itself, "
     "once per tile shape. Under fullgraph=True the tiles are traced into the graph instead, each "
-    "under torch's checkpoint.")
+    "under torch's checkpoint."
+)
 
 
 _REDUCES = (None, "sum")
@@ -59,26 +60,44 @@ class Tiled:
         print(tiled_mlp.stats()["tiles"])                            # 8
     """
 
-    def __init__(self, function, tile=None, *, tiles=None, dim: int = -2, split=None, reduce=None,
-                 out_dim=None, params=None, token_wise=None, preserve_rng_state: bool = True,
-                 measure_error: bool = False, name: str = "co.tiled"):
+    def __init__(
+        self,
+        function,
+        tile=None,
+        *,
+        tiles=None,
+        dim: int = -2,
+        split=None,
+        reduce=None,
+        out_dim=None,
+        params=None,
+        token_wise=None,
+        preserve_rng_state: bool = True,
+        measure_error: bool = False,
+        name: str = "co.tiled",
+    ):
         if not callable(function):
-            raise TypeError(f"{name}: function must be callable (a module or a function of tensors), got "
-                            f"{type(function).__name__}")
+            raise TypeError(
+                f"{name}: function must be callable (a module or a function of tensors), got {type(function).__name__}"
+            )
         self.tile, self.tile_bytes, self.tiles = _check_tile(tile, tiles)
         self.dim = check_int("dim", dim)
         self.split = _check_split(split)
         if reduce not in _REDUCES:
-            raise ValueError(f"reduce must be None (outputs concatenated along out_dim) or 'sum' (outputs summed over "
-                             f"tiles, e.g. a loss with reduction='sum'); got {reduce!r}")
+            raise ValueError(
+                f"reduce must be None (outputs concatenated along out_dim) or 'sum' (outputs summed over "
+                f"tiles, e.g. a loss with reduction='sum'); got {reduce!r}"
+            )
         self.reduce = reduce
         self.out_dim = check_int("out_dim", out_dim, allow_none=True)
         for arg, value in (("preserve_rng_state", preserve_rng_state), ("measure_error", measure_error)):
             if not isinstance(value, bool):
                 raise TypeError(f"{arg} must be True or False, got {value!r}")
         if token_wise not in (None, True):
-            raise ValueError("token_wise must be None (refuse modules known to mix tokens) or True (your promise "
-                             f"that the function treats every position on its own); got {token_wise!r}")
+            raise ValueError(
+                "token_wise must be None (refuse modules known to mix tokens) or True (your promise "
+                f"that the function treats every position on its own); got {token_wise!r}"
+            )
         self.function = function
         self.module = _owner_module(function)
         if token_wise is None and self.module is not None:
@@ -88,7 +107,8 @@ class Tiled:
                     f"{name}: {type(self.module).__name__} mixes tokens: {why}. A tiled call computes each tile "
                     "of the sequence on its own, so the output at one position could not depend on other tiles: "
                     "tile only token-wise parts (an MLP, a norm, the LM head and its loss). If this module is "
-                    "token-wise all the same, pass token_wise=True (your promise).")
+                    "token-wise all the same, pass token_wise=True (your promise)."
+                )
         self.params = None if params is None else _check_params(params)
         self.preserve_rng_state = preserve_rng_state
         self.measure_error = measure_error
@@ -142,8 +162,15 @@ class Tiled:
             self._errors = {}
 
     def __repr__(self) -> str:
-        size = (f"tile={self.tile}" if self.tile is not None else f"tile={self.tile_bytes}B"
-                if self.tile_bytes is not None else f"tiles={self.tiles}" if self.tiles is not None else "tile='auto'")
+        size = (
+            f"tile={self.tile}"
+            if self.tile is not None
+            else f"tile={self.tile_bytes}B"
+            if self.tile_bytes is not None
+            else f"tiles={self.tiles}"
+            if self.tiles is not None
+            else "tile='auto'"
+        )
         what = type(self.module).__name__ if self.module is not None else getattr(self.function, "__name__", "function")
         return f"Tiled({what}, {size}, dim={self.dim})"
 
@@ -164,15 +191,19 @@ class Tiled:
         """``(x, its tiled dimension, its length there, positions per tile)``."""
         if not args or not isinstance(args[0], torch.Tensor):
             got = "no positional argument" if not args else type(args[0]).__name__
-            raise TypeError(f"{self.name}: the first positional argument is the tensor to tile (e.g. hidden states "
-                            f"(batch, seq, hidden)); got {got}")
+            raise TypeError(
+                f"{self.name}: the first positional argument is the tensor to tile (e.g. hidden states "
+                f"(batch, seq, hidden)); got {got}"
+            )
         x = args[0]
         if x.dim() == 0:
             raise ValueError(f"{self.name}: the first argument is a 0-dimensional tensor: there is nothing to tile")
         d = self.dim + x.dim() if self.dim < 0 else self.dim
         if not 0 <= d < x.dim():
-            raise ValueError(f"dim={self.dim} is not a dimension of the first argument (shape {tuple(x.shape)}); "
-                             f"pass the sequence dimension, e.g. dim=1 for (batch, seq, hidden)")
+            raise ValueError(
+                f"dim={self.dim} is not a dimension of the first argument (shape {tuple(x.shape)}); "
+                f"pass the sequence dimension, e.g. dim=1 for (batch, seq, hidden)"
+            )
         n = x.shape[d]
         per_position = (x.numel() // n if n else 0) * x.element_size()
         per = _positions_per_tile(n, per_position, x.shape[-1], self.tile, self.tile_bytes, self.tiles)
@@ -271,24 +302,37 @@ class Tiled:
 
         parts = []
         for start, length in _tiles(n, per):
-            tile_tensors = [t if dd is None else t.narrow(dd, start, length).contiguous()
-                            for t, dd in zip(tensors, dims)]
+            tile_tensors = [
+                t if dd is None else t.narrow(dd, start, length).contiguous() for t, dd in zip(tensors, dims)
+            ]
             parts.append(torch_checkpoint.checkpoint(region, *tile_tensors, use_reentrant=False))
         single = isinstance(parts[0], torch.Tensor)
         cols = [[p] if single else list(p) for p in parts]
         out_dim = self.out_dim if self.out_dim is not None else self.dim
         if self.reduce == "sum":
-            outs = [sum(c[j] for c in cols[1:]) + cols[0][j] if len(cols) > 1 else cols[0][j]
-                    for j in range(len(cols[0]))]
+            outs = [
+                sum(c[j] for c in cols[1:]) + cols[0][j] if len(cols) > 1 else cols[0][j] for j in range(len(cols[0]))
+            ]
         else:
             outs = [torch.cat([c[j] for c in cols], dim=out_dim) for j in range(len(cols[0]))]
         return outs[0] if single else tuple(outs)
 
 
-
 @suggest_keywords("co.tiled")
-def tiled(function, tile=None, *, tiles=None, dim: int = -2, split=None, reduce=None, out_dim=None, params=None,
-          token_wise=None, preserve_rng_state: bool = True, measure_error: bool = False) -> Tiled:
+def tiled(
+    function,
+    tile=None,
+    *,
+    tiles=None,
+    dim: int = -2,
+    split=None,
+    reduce=None,
+    out_dim=None,
+    params=None,
+    token_wise=None,
+    preserve_rng_state: bool = True,
+    measure_error: bool = False,
+) -> Tiled:
     """``function`` run over tiles of the sequence: its forward keeps no intermediate (only its
     inputs are saved for backward, where saved-tensor hooks such as ``co.offload``'s see them), and
     its backward recomputes and differentiates one tile at a time.
@@ -345,5 +389,16 @@ def tiled(function, tile=None, *, tiles=None, dim: int = -2, split=None, reduce=
         y = co.tiled(mlp, tile=512)(x)             # 8 tiles; keeps only x for backward
         y.sum().backward()
     """
-    return Tiled(function, tile, tiles=tiles, dim=dim, split=split, reduce=reduce, out_dim=out_dim, params=params,
-                 token_wise=token_wise, preserve_rng_state=preserve_rng_state, measure_error=measure_error)
+    return Tiled(
+        function,
+        tile,
+        tiles=tiles,
+        dim=dim,
+        split=split,
+        reduce=reduce,
+        out_dim=out_dim,
+        params=params,
+        token_wise=token_wise,
+        preserve_rng_state=preserve_rng_state,
+        measure_error=measure_error,
+    )

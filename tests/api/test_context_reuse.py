@@ -80,8 +80,7 @@ def test_side_stream_copies_on_the_caller_are_bit_identical(pool, prefetch_bytes
             ctx = cpu_offload(pool, stream="side", prefetch_bytes=prefetch_bytes)
             assert_bit_identical(grads(ctx), reference)
             assert ctx.stats()["tensors_offloaded"] >= 3
-            assert torch.equal(big_grad(cpu_offload(pool, stream="side", prefetch_bytes=prefetch_bytes)),
-                               reference_big)
+            assert torch.equal(big_grad(cpu_offload(pool, stream="side", prefetch_bytes=prefetch_bytes)), reference_big)
     finally:
         co._C.testing.set_cpu_copy_delay_us(delay)
     co.synchronize()

@@ -19,8 +19,9 @@ from ckpt_offload._args import parse_bytes
 
 def _tiny_llama():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                      num_attention_heads=4, vocab_size=64)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=64
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -33,33 +34,53 @@ TYPOS = {
     "offload": (lambda: co.offload(min_byte=1), "min_bytes"),
     "offload_tensor": (lambda: co.offload_tensor(torch.ones(4), strem="side"), "stream"),
     "OffloadOptions": (lambda: co.OffloadOptions(mni_bytes=1), "min_bytes"),
-    "checkpoint": (lambda: co.checkpoint(lambda x: x * 2, torch.ones(2, requires_grad=True), use_reentrnt=False),
-                   "use_reentrant"),
-    "checkpoint_sequential": (lambda: co.checkpoint_sequential(list(_blocks()), 2, torch.ones(2, 4),
-                                                               use_reentrnt=False), "use_reentrant"),
+    "checkpoint": (
+        lambda: co.checkpoint(lambda x: x * 2, torch.ones(2, requires_grad=True), use_reentrnt=False),
+        "use_reentrant",
+    ),
+    "checkpoint_sequential": (
+        lambda: co.checkpoint_sequential(list(_blocks()), 2, torch.ones(2, 4), use_reentrnt=False),
+        "use_reentrant",
+    ),
     "apply": (lambda: co.apply(_blocks(), every_n_layer=2), "every_n_layers"),
     "HostPool": (lambda: co.HostPool(max_byte=1 << 20), "max_bytes"),
     "profile": (lambda: co.profile(record_shape=False), "record_shapes"),
-    "selective_offload_context": (lambda: co.selective_offload_context(lambda ctx, op, *a, **k: None,
-                                                                       allow_cache_entry_mutaton=True),
-                                  "allow_cache_entry_mutation"),
+    "selective_offload_context": (
+        lambda: co.selective_offload_context(lambda ctx, op, *a, **k: None, allow_cache_entry_mutaton=True),
+        "allow_cache_entry_mutation",
+    ),
     "plan": (lambda: co.plan(_blocks(), lambda m: None, budgt="1MiB"), "budget"),
     "hf.enable": (lambda: co.hf.enable(_tiny_llama(), every_n_layer=2), "every_n_layers"),
     "hf.disable": (lambda: co.hf.disable(_tiny_llama(), modle=1), "model"),
     "hf.OffloadCheckpointCallback": (lambda: co.hf.OffloadCheckpointCallback(every_n_layer=2), "every_n_layers"),
     "hf.OffloadCallback": (lambda: co.hf.OffloadCallback(min_byte=1), "min_bytes"),
     "tiled": (lambda: co.tiled(torch.nn.Linear(4, 4), token_wize=True), "token_wise"),
-    "tiled_cross_entropy": (lambda: co.tiled_cross_entropy(torch.ones(2, 4), torch.nn.Linear(4, 8),
-                                                           torch.zeros(2, dtype=torch.long), ignore_indx=0),
-                            "ignore_index"),
+    "tiled_cross_entropy": (
+        lambda: co.tiled_cross_entropy(
+            torch.ones(2, 4), torch.nn.Linear(4, 8), torch.zeros(2, dtype=torch.long), ignore_indx=0
+        ),
+        "ignore_index",
+    ),
     "tile": (lambda: co.tile(torch.nn.Linear(4, 4), tokens_wise=True), "token_wise"),
     "TileOptions": (lambda: co.TileOptions(norm=False), "norms"),
 }
 # Public names that take no keyword a user could misspell, or are results rather than calls.
-NOT_CALLED_WITH_KEYWORDS = {"keep", "default_pool", "pinned_available", "build_info", "synchronize",
-                            "CheckpointHandle", "ProfileReport", "Plan", "PoolFullError", "SpillError",
-                            "hf.HFCheckpointHandle", "hf.HFCheckpointFunction",
-                            "Tiled", "TileHandle"}  # made by co.tiled and co.tile
+NOT_CALLED_WITH_KEYWORDS = {
+    "keep",
+    "default_pool",
+    "pinned_available",
+    "build_info",
+    "synchronize",
+    "CheckpointHandle",
+    "ProfileReport",
+    "Plan",
+    "PoolFullError",
+    "SpillError",
+    "hf.HFCheckpointHandle",
+    "hf.HFCheckpointFunction",
+    "Tiled",
+    "TileHandle",
+}  # made by co.tiled and co.tile
 
 
 def _public_callables():
@@ -103,11 +124,14 @@ def _warnings_of(make):
     return [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    ({"measure_error": True}, "measure_error=True without store_dtype does nothing"),
-    ({"store_min_bytes": "1KiB"}, "store_min_bytes=1024 without store_dtype does nothing"),
-    ({"stream": "compute", "prefetch_bytes": "1MiB"}, "does nothing with stream='compute'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"measure_error": True}, "measure_error=True without store_dtype does nothing"),
+        ({"store_min_bytes": "1KiB"}, "store_min_bytes=1024 without store_dtype does nothing"),
+        ({"stream": "compute", "prefetch_bytes": "1MiB"}, "does nothing with stream='compute'"),
+    ],
+)
 def test_an_option_without_effect_warns_with_the_fix(kwargs, says):
     got = _warnings_of(lambda: co.offload(devices=["cpu"], **kwargs))
     assert any(says in m for m in got), got
@@ -195,8 +219,13 @@ def test_profile_report_save_to_a_folder_it_cannot_make_names_the_folder(tmp_pat
 def _cli(*args):
     # Run from outside the source tree, whose ckpt_offload/ (without the built extension when the
     # package is installed) would shadow the installed one.
-    return subprocess.run([sys.executable, "-m", "ckpt_offload", *args], capture_output=True, text=True,
-                          timeout=300, cwd=tempfile.gettempdir())
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt_offload", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tempfile.gettempdir(),
+    )
 
 
 def test_cli_byte_arguments_take_size_strings_and_refuse_fractions(tmp_path):

@@ -301,12 +301,12 @@ def test_property_cached_calls_give_what_an_uncached_call_gives(data):
     swapped = data.draw(st.sampled_from(names), label="swapped")
     variant = {**kwargs, swapped: data.draw(st.sampled_from(_VALUES[swapped]), label="swapped value")}
     for call in (kwargs, variant, kwargs, variant):
-        want = _outcome(lambda: OffloadOptions(**call))
-        got = _outcome(lambda: options_module.from_arguments("co.offload()", (), call))
+        want = _outcome(lambda call=call: OffloadOptions(**call))
+        got = _outcome(lambda call=call: options_module.from_arguments("co.offload()", (), call))
         assert got == want
         if isinstance(want, OffloadOptions):
             assert got.pool is want.pool and hash(got) == hash(want)
-        got = _outcome(lambda: as_options(dict(call)))
+        got = _outcome(lambda call=call: as_options(dict(call)))
         if isinstance(want, OffloadOptions):
             assert got == want and got.pool is want.pool
         else:  # as_options names its argument first

@@ -1,5 +1,6 @@
 """Routes that would offload nothing say so at the user's own line, once per call site; a pool
 cap hit under on_full="keep" warns once per context; misplaced options fail at construction."""
+
 import inspect
 import warnings
 
@@ -86,11 +87,17 @@ def test_apply_misplaced_offload_option_fails_at_construction(key):
 
 def test_callback_misplaced_offload_option_fails_at_construction():
     pytest.importorskip("transformers")
-    with pytest.raises(TypeError, match=r"OffloadCheckpointCallback: \['devices'\] is a co.offload option; pass it "
-                                        r"inside offload="):
+    with pytest.raises(
+        TypeError,
+        match=r"OffloadCheckpointCallback: \['devices'\] is a co.offload option; pass it "
+        r"inside offload=",
+    ):
         co.hf.OffloadCheckpointCallback(devices=["cpu"])
-    with pytest.raises(TypeError, match=r"unknown keyword argument 'bogus'; its options are: every_n_layers, "
-                                        r"offload, tile, use_reentrant, preserve_rng_state"):
+    with pytest.raises(
+        TypeError,
+        match=r"unknown keyword argument 'bogus'; its options are: every_n_layers, "
+        r"offload, tile, use_reentrant, preserve_rng_state",
+    ):
         co.hf.OffloadCheckpointCallback(bogus=1)
     with pytest.raises(TypeError, match=r"'evry_n_layers' \(did you mean 'every_n_layers'\?\)"):
         co.hf.OffloadCheckpointCallback(evry_n_layers=2)
@@ -215,8 +222,9 @@ def test_full_disk_warns_once_per_context_like_a_full_pool(tmp_path):
 
     torch.manual_seed(0)
     model, x = Chain(n=8), torch.randn(512, 512)
-    pool = co.HostPool(pinned=False, max_bytes=2 << 20, spill_dir=str(tmp_path), spill_max_bytes=2 << 20,
-                       spill_file_bytes=1 << 20)
+    pool = co.HostPool(
+        pinned=False, max_bytes=2 << 20, spill_dir=str(tmp_path), spill_max_bytes=2 << 20, spill_file_bytes=1 << 20
+    )
     ctx = co.offload(devices=["cpu"], min_bytes=0, pool=pool)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -250,8 +258,14 @@ def test_a_warning_prints_once_and_reaches_a_configured_logger(logging_setup, tm
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", _ONE_CHANNEL, logging_setup], capture_output=True, text=True,
-                       timeout=300, cwd=tmp_path, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _ONE_CHANNEL, logging_setup],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr.count("the host pool is at its cap") == (1 if logging_setup == "unconfigured" else 2), r.stderr
     assert r.stderr.count("UserWarning: co.offload(): the host pool is at its cap") == 1, r.stderr
@@ -280,8 +294,11 @@ def test_checkpoint_keyword_typo_is_an_error_not_an_argument_for_the_function():
 
 def test_offload_callback_lists_its_options_and_points_every_n_layers_at_the_checkpoint_callback():
     pytest.importorskip("transformers")
-    with pytest.raises(TypeError, match=r"'min_byte' \(did you mean 'min_bytes'\?\); its options are: "
-                                        r"min_bytes, stream, devices, pool, on_full"):
+    with pytest.raises(
+        TypeError,
+        match=r"'min_byte' \(did you mean 'min_bytes'\?\); its options are: "
+        r"min_bytes, stream, devices, pool, on_full",
+    ):
         co.hf.OffloadCallback(min_byte=0)
     with pytest.raises(TypeError, match=r"every_n_layers=.*co.hf.OffloadCheckpointCallback\(every_n_layers="):
         co.hf.OffloadCallback(every_n_layers=2)
@@ -296,16 +313,25 @@ print("planned", len(plan.choices))
 """
 
 
-@pytest.mark.skipif(not torch.version.cuda or torch.cuda.is_available(),
-                    reason="the noise comes from a CUDA build of torch on a machine without a usable GPU")
+@pytest.mark.skipif(
+    not torch.version.cuda or torch.cuda.is_available(),
+    reason="the noise comes from a CUDA build of torch on a machine without a usable GPU",
+)
 def test_plan_on_a_cuda_torch_without_a_gpu_prints_no_gpu_probe_noise(tmp_path):
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    r = subprocess.run([sys.executable, "-c", _PLAN_QUIETLY], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path, env=env, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", _PLAN_QUIETLY],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert "planned 4" in r.stdout
     for noise in ("gpuGetDeviceCount", "USDT:", "profiler_start"):

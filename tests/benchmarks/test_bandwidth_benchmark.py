@@ -32,8 +32,26 @@ def test_numa_node_option_places_the_pool_and_reports_it(tmp_path):
     if not nodes:
         pytest.skip("this kernel shows no NUMA nodes (/sys/devices/system/node)")
     bw = _load()
-    code = bw.main(["--device", "cpu", "--quick", "--min-size", "64K", "--max-size", "256K", "--repeats", "1",
-                    "--warmup", "0", "--skip-overhead", "--numa-node", str(nodes[-1]), "--out", str(tmp_path)])
+    code = bw.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--min-size",
+            "64K",
+            "--max-size",
+            "256K",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--skip-overhead",
+            "--numa-node",
+            str(nodes[-1]),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     report = json.loads((tmp_path / "bandwidth.json").read_text())
     numa = report["numa"]

@@ -10,15 +10,37 @@ import sys
 
 from helpers import REPO_ROOT
 
-ARMS = ["torch_checkpoint", "torch_checkpoint (again)", "co_checkpoint", "co_checkpoint_offload",
-        "co_checkpoint_offload_dict", "co_apply_offload"]
+ARMS = [
+    "torch_checkpoint",
+    "torch_checkpoint (again)",
+    "co_checkpoint",
+    "co_checkpoint_offload",
+    "co_checkpoint_offload_dict",
+    "co_apply_offload",
+]
 
 
 def test_quick_run_writes_json_and_markdown(tmp_path):
     out = subprocess.run(
-        [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "call_overhead.py"), "--quick", "--device", "cpu",
-         "--rounds", "3", "--warmup", "1", "--reps", "1", "--out", str(tmp_path)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(REPO_ROOT, "benchmarks", "call_overhead.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--rounds",
+            "3",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.load(open(tmp_path / "call_overhead.json"))

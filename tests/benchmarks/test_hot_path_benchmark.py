@@ -20,15 +20,42 @@ def _load():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-VARIANTS = ["plain", "identity", "save_on_cpu", "clone_hook", "co_keep", "co_offload_compute", "co_offload_side",
-            "co_prefetch", "co_batch"]
+
+
+VARIANTS = [
+    "plain",
+    "identity",
+    "save_on_cpu",
+    "clone_hook",
+    "co_keep",
+    "co_offload_compute",
+    "co_offload_side",
+    "co_prefetch",
+    "co_batch",
+]
 
 
 def test_quick_run_writes_json_and_markdown(tmp_path):
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "hot_path.py"), "--quick", "--device", "cpu",
-         "--blocks", "4", "--rounds", "3", "--reps", "2", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "hot_path.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--blocks",
+            "4",
+            "--rounds",
+            "3",
+            "--reps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.load(open(tmp_path / "hot_path.json"))
@@ -87,6 +114,12 @@ def test_spread_and_bad_reps():
     hp = _load()
     assert hp.spread([3.0, 1.0, None, 2.0]) == {"median": 2.0, "p25": 1.5, "p75": 2.5, "min": 1.0, "max": 3.0}
     assert hp.spread([None])["median"] is None
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "hot_path.py"), "--device", "cpu",
-                          "--reps", "0"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "hot_path.py"), "--device", "cpu", "--reps", "0"],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--reps must be at least 1, got 0" in out.stderr

@@ -21,8 +21,9 @@ if os.path.join(ROOT, "benchmarks") not in sys.path:
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("long_context_benchmark",
-                                                  os.path.join(ROOT, "benchmarks", "long_context.py"))
+    spec = importlib.util.spec_from_file_location(
+        "long_context_benchmark", os.path.join(ROOT, "benchmarks", "long_context.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -148,8 +149,11 @@ def test_bytes_moved_match_what_each_recipe_saves(quick_run):
         for name in ("co_checkpoint_offload_tile", "co_checkpoint_offload_tile_norms"):
             assert rows[name]["bytes_moved_d2h"] == rows["co_checkpoint_offload"]["bytes_moved_d2h"], name
         plan = rows["co_plan"]
-        assert plan["checkpoint_offload_predicted_peak_bytes"] <= plan["budget_bytes"] \
+        assert (
+            plan["checkpoint_offload_predicted_peak_bytes"]
+            <= plan["budget_bytes"]
             <= plan["checkpoint_predicted_peak_bytes"]
+        )
         assert plan["predicted_peak_bytes"] <= plan["budget_bytes"]
 
 
@@ -195,8 +199,21 @@ def test_wrong_gradients_fail_the_run(lc, tmp_path, monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(lc, "build_arm", build)
-    rc = lc.main(["--quick", "--seq-lens", "32", "--rounds", "1", "--steps", "1", "--arms",
-                  "none,checkpoint,co_checkpoint", "--out", str(tmp_path)])
+    rc = lc.main(
+        [
+            "--quick",
+            "--seq-lens",
+            "32",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--arms",
+            "none,checkpoint,co_checkpoint",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     report = json.loads((tmp_path / "long_context.json").read_text())
     g = report["results"][0]["arms"]["co_checkpoint"]["grads"]
     assert rc == 1 and g["ok"] is False and g["max_rel_err"] > 1e-3
@@ -219,7 +236,9 @@ def test_max_seq_fit_predicts_the_cap_length(lc):
     points = [(s, 2_000_000_000 + 300_000 * s) for s in (2048, 4096, 8192)]
     a, b = lc.fit_linear(points)
     assert a == pytest.approx(2e9) and b == pytest.approx(3e5)
-    assert lc.predict_max_seq((a, b), 40_000_000_000) == 123 * 1024  # 38e9 / 3e5 = 126666 tokens, rounded down to a multiple of 1024
+    assert (
+        lc.predict_max_seq((a, b), 40_000_000_000) == 123 * 1024
+    )  # 38e9 / 3e5 = 126666 tokens, rounded down to a multiple of 1024
     assert lc.fit_linear(points[:1]) is None
 
 
@@ -235,8 +254,9 @@ def test_layer_count_follows_the_budget(lc):
         assert layers[8192] >= layers[16384] >= layers[32768] >= lc.MIN_LAYERS
         assert why["arm_weight"] == pytest.approx(8 + 2.5)
     # the calibration scales the FLOP model: a slower GPU gets fewer layers
-    slow, _ = lc.choose_layers(_ns(args, budget_s=600.0), lc.GPU_SHAPE, 9,
-                               {"scale": {8192: 1.6, 32768: 1.4}, "offload_factor": 2.5})
+    slow, _ = lc.choose_layers(
+        _ns(args, budget_s=600.0), lc.GPU_SHAPE, 9, {"scale": {8192: 1.6, 32768: 1.4}, "offload_factor": 2.5}
+    )
     assert slow[8192] < big[8192]
 
 

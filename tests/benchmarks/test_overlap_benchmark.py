@@ -137,8 +137,11 @@ def test_quick_run_headline_markdown_and_plot(quick_run):
     for p in per_seq:
         assert p["ours_overhead"] is not None and p["hf_overhead"] is not None
     assert set(report["headline"]["targets"]) >= {
-        "within_3pct_of_checkpoint", "bandwidth_at_least_90pct_of_raw", "reserved_at_most_1_1x_requested",
-        "zero_backend_allocs_after_first_step"}
+        "within_3pct_of_checkpoint",
+        "bandwidth_at_least_90pct_of_raw",
+        "reserved_at_most_1_1x_requested",
+        "zero_backend_allocs_after_first_step",
+    }
     md = (out / "overlap.md").read_text()
     assert "CPU NUMBERS, NOT GPU NUMBERS" in md
     for seq in report["args"]["seq_lens"]:
@@ -226,8 +229,9 @@ def test_llama_apply_offload_gives_bit_identical_grads():
     # the benchmark's way: a per-layer checkpoint function, rotary tables passed by keyword (a
     # pageable pool of its own: the default pool is pinned on a GPU machine)
     model.zero_grad(set_to_none=True)
-    fn = functools.partial(co.checkpoint, offload={"devices": ["cpu"], "min_bytes": 0, "stream": "side",
-                                                   "pool": co.HostPool(pinned=False)})
+    fn = functools.partial(
+        co.checkpoint, offload={"devices": ["cpu"], "min_bytes": 0, "stream": "side", "pool": co.HostPool(pinned=False)}
+    )
     causal_lm_loss(model, tokens, checkpoint_fn=fn).backward()
     co.synchronize()
     assert_bit_identical(grads_of(model), reference)

@@ -23,7 +23,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "store_dtype.py")
 
 # The largest relative rounding error of one value (round to nearest, p significant bits: 2^-p),
 # for values in the format's normal range; a norm-relative error of a tensor is below it.
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}
 # Stated bounds on the gradient error per step (||g - g_exact|| / ||g_exact||) of the tiny model.
 GRAD_BOUND = {"bf16": 1e-2, "fp16": 1e-2, "fp8_e4m3": 0.3, "fp8_e5m2": 0.3}
 # ... and on the loss difference after the quick run's 20 Adam steps (the loss is about 4.6).
@@ -47,8 +47,14 @@ def sd():
 def quick_run(tmp_path_factory):
     """The script as a user runs it: its own process, its own import of the package."""
     out = tmp_path_factory.mktemp("store_dtype")
-    proc = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "store_dtype.json") as f:
         report = json.load(f)
@@ -112,8 +118,11 @@ def test_lossy_arms_store_the_bytes_their_format_implies(quick_run, sd):
         r = arms[name]
         assert r["stats_constant_over_steps"]
         # every storage dtype converts the same tensors: every fp32 one; the two token tensors stay exact
-        assert (r["tensors_offloaded"], r["bytes_offloaded"], r["tensors_converted"]) == \
-            (first["tensors_offloaded"], first["bytes_offloaded"], converted)
+        assert (r["tensors_offloaded"], r["bytes_offloaded"], r["tensors_converted"]) == (
+            first["tensors_offloaded"],
+            first["bytes_offloaded"],
+            converted,
+        )
         assert r["tensors_offloaded"] - r["tensors_converted"] == 2
         if name in SCALED:
             # one byte per element, each tensor padded to 4 bytes, then its 4-byte fp32 scale
@@ -174,8 +183,23 @@ def test_exact_storage_that_is_not_exact_fails_the_run(sd, tmp_path, monkeypatch
     """If 'exact' storage rounded, the run must say so: exit status 1 and the reason on stderr."""
     monkeypatch.setitem(sd.ARMS, "exact", torch.bfloat16)
     threads = torch.get_num_threads()
-    rc = sd.main(["--quick", "--rounds", "1", "--steps", "1", "--warmup", "0", "--batches", "1",
-                  "--train-steps", "0", "--out", str(tmp_path)])
+    rc = sd.main(
+        [
+            "--quick",
+            "--rounds",
+            "1",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--batches",
+            "1",
+            "--train-steps",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     report = json.loads((tmp_path / "store_dtype.json").read_text())
     assert rc == 1 and report["train"] is None
     assert torch.get_num_threads() == threads  # --threads 1 held only while measuring

@@ -23,7 +23,7 @@ from helpers import REPO_ROOT
 ROOT = REPO_ROOT
 RUNNER = os.path.join(ROOT, "benchmarks", "_suite_tests.py")
 
-SYNTHETIC = '''
+SYNTHETIC = """
 import os
 import signal
 
@@ -47,7 +47,7 @@ def test_c_fails():
 
 def test_not_gpu():
     pass
-'''
+"""
 
 
 def run_runner(tmp_path, *extra, files=None, budget_s=120, backtrace=False):
@@ -61,16 +61,40 @@ def run_runner(tmp_path, *extra, files=None, budget_s=120, backtrace=False):
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # a few seconds faster; none is needed
     env.pop("SUITE_TESTS_RECORD", None)
     p = subprocess.run(
-        [sys.executable, RUNNER, "run", "--root", str(tmp_path / "t"), "--work", str(tmp_path / "work"),
-         "--xml", str(xml), "--log", str(log), "--summary", str(md), "--budget-s", str(budget_s),
-         "--test-timeout-s", "0", *([] if backtrace else ["--no-backtrace"]), *extra, "."],
-        check=False, capture_output=True, text=True, env=env, timeout=180)
+        [
+            sys.executable,
+            RUNNER,
+            "run",
+            "--root",
+            str(tmp_path / "t"),
+            "--work",
+            str(tmp_path / "work"),
+            "--xml",
+            str(xml),
+            "--log",
+            str(log),
+            "--summary",
+            str(md),
+            "--budget-s",
+            str(budget_s),
+            "--test-timeout-s",
+            "0",
+            *([] if backtrace else ["--no-backtrace"]),
+            *extra,
+            ".",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
     return p, xml, log, md
 
 
 def headers(log):
     """The log's section headers: one per process the runner started."""
-    return [ln[len("===== "):] for ln in log.read_text().splitlines() if ln.startswith("===== ")]
+    return [ln[len("===== ") :] for ln in log.read_text().splitlines() if ln.startswith("===== ")]
 
 
 def xml_cases(xml):
@@ -78,8 +102,10 @@ def xml_cases(xml):
     out = {}
     for tc in ET.parse(xml).getroot().iter("testcase"):
         el = next((tc.find(k) for k in ("error", "failure", "skipped") if tc.find(k) is not None), None)
-        out[tc.get("name")] = (el.get("type", el.tag) if el is not None and el.tag == "error" else
-                               el.tag if el is not None else "passed", el)
+        out[tc.get("name")] = (
+            el.get("type", el.tag) if el is not None and el.tag == "error" else el.tag if el is not None else "passed",
+            el,
+        )
     return out
 
 
@@ -162,15 +188,27 @@ THREE_FILES = {
             pass
         """,
 }
-THREE_FILES_OUTCOMES = {"test_a1": "passed", "test_a2": "passed", "test_b1": "passed", "test_b2_segfaults": "crashed",
-                        "test_b3[1]": "passed", "test_b3[2]": "failure", "test_c1": "passed", "test_c2": "skipped"}
+THREE_FILES_OUTCOMES = {
+    "test_a1": "passed",
+    "test_a2": "passed",
+    "test_b1": "passed",
+    "test_b2_segfaults": "crashed",
+    "test_b3[1]": "passed",
+    "test_b3[2]": "failure",
+    "test_c1": "passed",
+    "test_c2": "skipped",
+}
 
 
-@pytest.mark.parametrize(("mode", "processes"), [
-    ((), 3),  # every test, test_b2 alone, every test left (of b, a and c) in one fresh process
-    (("--isolate",), 8),  # every test, test_b2 alone, then each of the 6 left alone
-    (("--per-file",), 6),  # a collection, then b, test_b2 alone, the rest of b, a, c
-], ids=["one-process", "isolate", "per-file"])
+@pytest.mark.parametrize(
+    ("mode", "processes"),
+    [
+        ((), 3),  # every test, test_b2 alone, every test left (of b, a and c) in one fresh process
+        (("--isolate",), 8),  # every test, test_b2 alone, then each of the 6 left alone
+        (("--per-file",), 6),  # a collection, then b, test_b2 alone, the rest of b, a, c
+    ],
+    ids=["one-process", "isolate", "per-file"],
+)
 def test_one_process_for_every_file_and_one_for_the_rest_after_a_crash(tmp_path, mode, processes):
     p, xml, log, md = run_runner(tmp_path, "--first", "b/", *mode, files=THREE_FILES)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -196,8 +234,14 @@ def test_one_process_for_every_file_and_one_for_the_rest_after_a_crash(tmp_path,
     cmd = next(ln for ln in sections[2].splitlines() if ln.startswith("$ "))
     assert " b/test_two.py::test_b3[1] b/test_two.py::test_b3[2] a/test_one.py c/test_three.py -m gpu " in cmd
     ran_rest = [ln.split()[0] for ln in sections[2].splitlines() if ln.endswith("%]")]
-    assert ran_rest == ["b/test_two.py::test_b3[1]", "b/test_two.py::test_b3[2]", "a/test_one.py::test_a1",
-                        "a/test_one.py::test_a2", "c/test_three.py::test_c1", "c/test_three.py::test_c2"]
+    assert ran_rest == [
+        "b/test_two.py::test_b3[1]",
+        "b/test_two.py::test_b3[2]",
+        "a/test_one.py::test_a1",
+        "a/test_one.py::test_a2",
+        "c/test_three.py::test_c1",
+        "c/test_three.py::test_c2",
+    ]
 
 
 HANG = {
@@ -230,7 +274,10 @@ def test_a_hanging_test_is_killed_and_the_rest_run(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     cases = xml_cases(xml)
     assert {name: outcome for name, (outcome, _) in cases.items()} == {
-        "test_before": "passed", "test_hangs": "timeout", "test_after": "passed"}
+        "test_before": "passed",
+        "test_hangs": "timeout",
+        "test_after": "passed",
+    }
     hang = cases["test_hangs"][1]
     assert "ran past 2s" in hang.get("message")
     assert "Fatal Python error: Aborted" in hang.text and "in test_hangs" in hang.text  # faulthandler's stacks
@@ -246,7 +293,10 @@ def test_a_test_cut_off_by_the_budget_is_not_run_and_so_is_the_rest(tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     cases = xml_cases(xml)
     assert {name: outcome for name, (outcome, _) in cases.items()} == {
-        "test_before": "passed", "test_hangs": "notrun", "test_after": "notrun"}
+        "test_before": "passed",
+        "test_hangs": "notrun",
+        "test_after": "notrun",
+    }
     assert "the step's time budget ran out while it ran" in cases["test_hangs"][1].get("message")
     assert "time budget" in cases["test_after"][1].get("message")
     heads = headers(log)
@@ -264,10 +314,29 @@ def test_a_stopped_runner_keeps_what_its_running_process_finished(tmp_path):
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     env.pop("SUITE_TESTS_RECORD", None)
     p = subprocess.Popen(
-        [sys.executable, RUNNER, "run", "--root", str(tmp_path / "t"), "--work", str(tmp_path / "work"),
-         "--xml", str(xml), "--log", str(tmp_path / "test_logs.txt"), "--budget-s", "120",
-         "--test-timeout-s", "0", "--no-backtrace", "."],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        [
+            sys.executable,
+            RUNNER,
+            "run",
+            "--root",
+            str(tmp_path / "t"),
+            "--work",
+            str(tmp_path / "work"),
+            "--xml",
+            str(xml),
+            "--log",
+            str(tmp_path / "test_logs.txt"),
+            "--budget-s",
+            "120",
+            "--test-timeout-s",
+            "0",
+            "--no-backtrace",
+            ".",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (record.exists() and '"start", "nodeid": "test_a.py::test_hangs"' in record.read_text()):
@@ -279,7 +348,11 @@ def test_a_stopped_runner_keeps_what_its_running_process_finished(tmp_path):
         p.kill()
     cases = xml_cases(xml)
     assert {name: outcome for name, (outcome, _) in cases.items()} == {
-        "test_before": "passed", "test_hangs": "notrun", "test_after": "notrun", "<runner>": "timeout"}
+        "test_before": "passed",
+        "test_hangs": "notrun",
+        "test_after": "notrun",
+        "<runner>": "timeout",
+    }
     assert "stopped by SIGTERM while it ran" in cases["test_hangs"][1].get("message")
 
 
@@ -299,8 +372,21 @@ def test_a_crash_gets_a_native_backtrace_after_every_test(tmp_path):
 
 
 SUITE = os.path.join(ROOT, "benchmarks", "gpu_suite.sh")
-STEPS = ["build", "build_info", "diagnose", "long_context", "gpu_tests", "cpu_tests", "store_dtype", "planner",
-         "overlap", "disk_tier", "bandwidth", "hot_path", "demo"]
+STEPS = [
+    "build",
+    "build_info",
+    "diagnose",
+    "long_context",
+    "gpu_tests",
+    "cpu_tests",
+    "store_dtype",
+    "planner",
+    "overlap",
+    "disk_tier",
+    "bandwidth",
+    "hot_path",
+    "demo",
+]
 
 
 def test_suite_steps_are_listed_and_an_unknown_step_is_a_usage_error(tmp_path):
@@ -310,19 +396,31 @@ def test_suite_steps_are_listed_and_an_unknown_step_is_a_usage_error(tmp_path):
     listed = [ln.split()[0] for ln in h.stdout.splitlines() if ln.startswith("  ") and ln.split()[0] in STEPS]
     assert listed == STEPS  # every step, in the order they run
     for args in (["--only", "build,gpu_test"], ["--skip", "bandwith"], ["--only"]):
-        p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), *args], check=False, capture_output=True, text=True,
-                           timeout=30)
+        p = subprocess.run(
+            ["bash", SUITE, str(tmp_path / "out"), *args], check=False, capture_output=True, text=True, timeout=30
+        )
         assert p.returncode == 2, args
         assert "valid steps: build, build_info, diagnose, long_context, gpu_tests" in p.stderr, p.stderr
         assert not (tmp_path / "out").exists()
-    p = subprocess.run(["bash", SUITE, str(tmp_path / "out"), "--only", "build,gpu_test"], check=False,
-                       capture_output=True, text=True, timeout=30)
+    p = subprocess.run(
+        ["bash", SUITE, str(tmp_path / "out"), "--only", "build,gpu_test"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert "unknown step 'gpu_test' in --only" in p.stderr
 
 
 def suite_list(*args, env=None):
-    p = subprocess.run(["bash", SUITE, "--list", *args], check=False, capture_output=True, text=True, timeout=30,
-                       env={**os.environ, "DIAGNOSE": "0", "STORE_DTYPE": "0", **(env or {})})
+    p = subprocess.run(
+        ["bash", SUITE, "--list", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "DIAGNOSE": "0", "STORE_DTYPE": "0", **(env or {})},
+    )
     return p.returncode, p.stdout.split(), p.stderr
 
 
@@ -330,8 +428,17 @@ def test_a_lease_runs_the_headline_first_and_the_rest_second():
     # The default is what a GPU lease runs first: the build, the long-context headline, then every GPU test with the
     # time left; no CPU suite (CI runs it). The second command's preset is the other benchmarks, most wanted first.
     assert suite_list() == (0, ["build", "build_info", "long_context", "gpu_tests"], "")
-    assert suite_list("--preset", "rest")[1] == ["build", "build_info", "store_dtype", "planner", "overlap",
-                                                 "disk_tier", "bandwidth", "hot_path", "demo"]
+    assert suite_list("--preset", "rest")[1] == [
+        "build",
+        "build_info",
+        "store_dtype",
+        "planner",
+        "overlap",
+        "disk_tier",
+        "bandwidth",
+        "hot_path",
+        "demo",
+    ]
     rc, every, _ = suite_list("--preset", "all")
     assert rc == 0 and every == [s for s in STEPS if s not in ("diagnose", "store_dtype")]
     assert suite_list("--preset", "all", env={"DIAGNOSE": "1", "STORE_DTYPE": "1"})[1] == STEPS

@@ -15,8 +15,9 @@ if os.path.join(REPO_ROOT, "benchmarks") not in sys.path:
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("tiling_exactness_benchmark",
-                                                  os.path.join(REPO_ROOT, "benchmarks", "tiling_exactness.py"))
+    spec = importlib.util.spec_from_file_location(
+        "tiling_exactness_benchmark", os.path.join(REPO_ROOT, "benchmarks", "tiling_exactness.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -30,9 +31,9 @@ def test_quick_run_reports_the_error_against_the_untiled_run(tmp_path):
     # float32: parameter gradients differ by their summation order only; the loss of a step too
     assert 0 < g["max_rel_error"] <= 1e-5 and g["loss_rel_error"] <= 1e-6
     assert g["bit_identical_params"] < g["params"] and g["tiles_per_mlp_call"] > 1
-    assert t["aa_max_deviation"] == 0   # the untiled run repeats itself exactly
+    assert t["aa_max_deviation"] == 0  # the untiled run repeats itself exactly
     steps = report["args"]["steps"]
     assert len(t["curves"]["tiled_seed0"]) == len(t["seed_spread_std"]) == steps
-    assert t["max_tiled_deviation"] < t["min_seed_spread"]   # far inside the seed-to-seed spread
+    assert t["max_tiled_deviation"] < t["min_seed_spread"]  # far inside the seed-to-seed spread
     md = (tmp_path / "tiling_exactness_cpu.md").read_text()
     assert "max relative gradient error" in md and "seed-to-seed spread" in md

@@ -21,8 +21,18 @@ from helpers import HAS_GPU
 
 VOCAB, SEQ = 97, 16
 # The kept reasons co.offload reports today (README, co.offload.stats()).
-KNOWN_REASONS = {"parameter", "buffer", "too_small", "device", "layout", "subclass", "pool_full",
-                 "cuda_graph_capture", "disk_full", "no_data"}
+KNOWN_REASONS = {
+    "parameter",
+    "buffer",
+    "too_small",
+    "device",
+    "layout",
+    "subclass",
+    "pool_full",
+    "cuda_graph_capture",
+    "disk_full",
+    "no_data",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")

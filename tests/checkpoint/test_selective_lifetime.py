@@ -22,10 +22,13 @@ import ckpt_offload as co
 from ckpt_offload.checkpointing import TORCH_KEYWORDS
 
 pytestmark = [
-    pytest.mark.skipif(not hasattr(tc, "create_selective_checkpoint_contexts"),
-                       reason="torch without selective checkpointing"),
-    pytest.mark.skipif("respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
-                       reason="torch without respect_saved_tensors_hooks (its cache bypasses saved-tensor hooks)"),
+    pytest.mark.skipif(
+        not hasattr(tc, "create_selective_checkpoint_contexts"), reason="torch without selective checkpointing"
+    ),
+    pytest.mark.skipif(
+        "respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
+        reason="torch without respect_saved_tensors_hooks (its cache bypasses saved-tensor hooks)",
+    ),
 ]
 
 ROUTES = ["torch-checkpoint-in-offload", "co.checkpoint"]
@@ -130,8 +133,9 @@ def test_backward_empties_the_pool_while_the_output_lives(route, stream, pool):
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_cached_tensor_modified_in_place_raises_and_leaves_nothing(route, stream, pool):
     def sin_only(ctx, op, *args, **kwargs):
-        return tc.CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.sin.default else \
-            tc.CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            tc.CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.sin.default else tc.CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     def block(x):
         return x.sin().mul_(2).cos().exp()

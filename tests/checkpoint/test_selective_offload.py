@@ -18,8 +18,10 @@ import ckpt_offload as co
 from conftest import assert_bit_identical, grads_of, step_peak_bytes
 from helpers import gpt2, llama, loss_of
 
-pytestmark = pytest.mark.skipif(not hasattr(getattr(tc, "CheckpointPolicy", None), "MUST_CPU_OFFLOAD"),
-                                reason="torch without CheckpointPolicy.MUST_CPU_OFFLOAD")
+pytestmark = pytest.mark.skipif(
+    not hasattr(getattr(tc, "CheckpointPolicy", None), "MUST_CPU_OFFLOAD"),
+    reason="torch without CheckpointPolicy.MUST_CPU_OFFLOAD",
+)
 
 P = getattr(tc, "CheckpointPolicy", None)
 MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
@@ -39,9 +41,11 @@ def prefer_offload_matmuls(ctx, op, *args, **kwargs):
 
 def as_saved(policy):
     """The same policy with offload read as save: what torch's own selective checkpoint is given."""
+
     def saved(ctx, op, *args, **kwargs):
         p = policy(ctx, op, *args, **kwargs)
         return P.MUST_SAVE if p in (P.MUST_CPU_OFFLOAD, P.PREFER_CPU_OFFLOAD) else p
+
     return saved
 
 
@@ -53,8 +57,8 @@ class Blocks(nn.Module):
     def __init__(self, n=4, dim=32, hidden=64):
         super().__init__()
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(0.1), nn.Linear(hidden, dim))
-            for _ in range(n))
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(0.1), nn.Linear(hidden, dim)) for _ in range(n)
+        )
 
     def forward(self, x, context_fn=None, route="torch"):
         for b in self.blocks:
@@ -96,8 +100,9 @@ def test_gradients_on_each_device(device, stream, pool):
     torch.manual_seed(0)
     model, x = Blocks().to(device), torch.randn(8, 32, device=device)
     expected = grads_after(model, x, context_fn=torch_sac(offload_matmuls))
-    ctx_fn = co.selective_offload_context(offload_matmuls, dict(devices=[device.type], min_bytes=0, pool=pool,
-                                                                stream=stream))
+    ctx_fn = co.selective_offload_context(
+        offload_matmuls, dict(devices=[device.type], min_bytes=0, pool=pool, stream=stream)
+    )
     got = grads_after(model, x, context_fn=ctx_fn)
     assert_bit_identical(expected, got)
     assert ctx_fn.stats()["tensors_offloaded"] == 2 * len(model.blocks)
@@ -155,6 +160,7 @@ def test_offload_lowers_the_step_peak_below_save(pool):
         def run():
             model.zero_grad(set_to_none=False)  # the gradients exist (warm-up): the peak is activations
             model(x, context_fn=context_fn).backward()
+
         return run
 
     def save_matmuls(ctx, op, *args, **kwargs):
@@ -176,8 +182,9 @@ def test_hugging_face_gradient_checkpointing_enable(make, pool):
     model = copy.deepcopy(reference)
     reference.train()
     model.train()
-    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
-        "context_fn": torch_sac(offload_matmuls), "use_reentrant": False})
+    reference.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"context_fn": torch_sac(offload_matmuls), "use_reentrant": False}
+    )
     loss_of(reference).backward()
 
     ctx_fn = co.selective_offload_context(offload_matmuls, cpu(pool))
@@ -208,8 +215,12 @@ def test_a_saved_output_modified_in_place_raises(pool):
         return P.MUST_SAVE if op is torch.ops.aten.sin.default else P.PREFER_RECOMPUTE
 
     x = torch.randn(4, requires_grad=True)
-    out = tc.checkpoint(lambda a: a.sin().mul_(2).cos().sum(), x, use_reentrant=False,
-                        context_fn=co.selective_offload_context(policy, cpu(pool)))
+    out = tc.checkpoint(
+        lambda a: a.sin().mul_(2).cos().sum(),
+        x,
+        use_reentrant=False,
+        context_fn=co.selective_offload_context(policy, cpu(pool)),
+    )
     with pytest.raises(RuntimeError, match="modified in place"):
         out.backward()
 
@@ -222,8 +233,9 @@ def test_allow_cache_entry_mutation_covers_saved_outputs_not_offloaded_ones(pool
         return lambda ctx, op, *args, **kwargs: policy if op is torch.ops.aten.sin.default else P.PREFER_RECOMPUTE
 
     x = torch.randn(4, requires_grad=True)
-    torch_fn = functools.partial(tc.create_selective_checkpoint_contexts, sin_as(P.MUST_SAVE),
-                                 allow_cache_entry_mutation=True)
+    torch_fn = functools.partial(
+        tc.create_selective_checkpoint_contexts, sin_as(P.MUST_SAVE), allow_cache_entry_mutation=True
+    )
     tc.checkpoint(block, x, use_reentrant=False, context_fn=torch_fn).backward()
     expected, x.grad = x.grad, None
     saved = co.selective_offload_context(sin_as(P.MUST_SAVE), cpu(pool), allow_cache_entry_mutation=True)
@@ -273,7 +285,8 @@ def test_offload_options_are_checked():
 
 RESPECTS_HOOKS = pytest.mark.skipif(
     "respect_saved_tensors_hooks" not in co.checkpointing.TORCH_KEYWORDS,
-    reason="torch without respect_saved_tensors_hooks (its selective checkpoint's cache bypasses saved-tensor hooks)")
+    reason="torch without respect_saved_tensors_hooks (its selective checkpoint's cache bypasses saved-tensor hooks)",
+)
 
 
 def save_matmuls(ctx, op, *args, **kwargs):

@@ -60,9 +60,9 @@ def test_forward_and_input_grad_bit_identical_params_within_tolerance(batch):
     tiled = co.tiled(m, tile=64)
     y, got = run(tiled, m, x, g)
     assert tiled.stats()["tiles"] == 5 and tiled.stats()["tiles_recomputed"] == 5  # 4 x 64 + 44
-    assert torch.equal(y, y_ref)                      # every token's output: the untiled bits
-    assert torch.equal(got[0], ref[0])                # the input's gradient too, tile by tile
-    for a, b in zip(got[1:], ref[1:]):                # parameters: summed over tiles
+    assert torch.equal(y, y_ref)  # every token's output: the untiled bits
+    assert torch.equal(got[0], ref[0])  # the input's gradient too, tile by tile
+    for a, b in zip(got[1:], ref[1:]):  # parameters: summed over tiles
         assert rel(a, b) <= PARAM_RTOL
 
 
@@ -73,7 +73,7 @@ def test_each_tile_is_the_function_on_that_tile():
     y = co.tiled(m, tile=50)(x)
     with torch.no_grad():
         for s in range(0, 200, 50):
-            assert torch.equal(y[:, s:s + 50], m(x[:, s:s + 50]))
+            assert torch.equal(y[:, s : s + 50], m(x[:, s : s + 50]))
 
 
 def test_measure_error_reports_against_the_untiled_run():
@@ -96,10 +96,10 @@ def test_low_precision_parameter_gradients_accumulate_in_float32():
     g = torch.randn(1, 1024, 32, dtype=torch.bfloat16)
     _, ref = run(lambda t: m.float()(t.float()).to(torch.bfloat16), m, x, g)  # float32 reference
     m.to(torch.bfloat16)
-    _, got = run(co.tiled(m, tile=16), m, x, g)   # 64 tiles
+    _, got = run(co.tiled(m, tile=16), m, x, g)  # 64 tiles
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
-        assert rel(a.float(), b.float()) < 2e-2   # a bf16 rounding, not 64 of them
+        assert rel(a.float(), b.float()) < 2e-2  # a bf16 rounding, not 64 of them
 
 
 # --- what it keeps -------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_offload_around_the_tiled_call_stores_only_its_inputs():
     x = torch.randn(1, 512, 32, requires_grad=True)
     with co.offload(**CPU, pool=co.HostPool(pinned=False)) as ctx:
         y = co.tiled(m, tile=128)(x * 1.0)
-    assert ctx.stats()["bytes_offloaded"] == x.numel() * 4     # x * 1.0, saved once: no MLP activation
+    assert ctx.stats()["bytes_offloaded"] == x.numel() * 4  # x * 1.0, saved once: no MLP activation
     y.sum().backward()
     assert x.grad is not None
 
@@ -226,11 +226,11 @@ def test_dropout_is_replayed_per_tile(preserve):
     torch.manual_seed(0)
     y = tiled(x)
     y.backward(torch.ones_like(y))
-    kept = (y != 0).float() / (1 - p)   # the masks forward drew
+    kept = (y != 0).float() / (1 - p)  # the masks forward drew
     if preserve:
         assert torch.equal(x.grad, kept)
     else:
-        assert not torch.equal(x.grad, kept)   # the test can fail: other masks in backward
+        assert not torch.equal(x.grad, kept)  # the test can fail: other masks in backward
 
 
 def test_autocast_is_replayed_in_backward():
@@ -249,7 +249,7 @@ def test_autocast_is_replayed_in_backward():
     y.backward(g)
     got = grads(m, x)
     assert torch.equal(got[0], ref[0])
-    assert all(rel(a, b) < 1e-2 for a, b in zip(got[1:], ref[1:]))   # bf16 matmuls, float32 sums
+    assert all(rel(a, b) < 1e-2 for a, b in zip(got[1:], ref[1:]))  # bf16 matmuls, float32 sums
 
 
 def test_split_and_shared_arguments():
@@ -269,8 +269,12 @@ def test_split_and_shared_arguments():
     ref = [t.grad.clone() for t in (h, w, scale, bias)]
     for t in (h, w, scale, bias):
         t.grad = None
-    tiled = co.tiled(lambda a, b, bias: f(a.reshape(-1, 16), b.reshape(-1), bias=bias).reshape(a.shape[:2]),
-                     tile=32, dim=1, split={1: 1})
+    tiled = co.tiled(
+        lambda a, b, bias: f(a.reshape(-1, 16), b.reshape(-1), bias=bias).reshape(a.shape[:2]),
+        tile=32,
+        dim=1,
+        split={1: 1},
+    )
     loss = tiled(h, labels, bias=bias)
     assert tiled.stats()["tiles"] == 3
     assert torch.allclose(loss, ref_loss, rtol=1e-6, atol=1e-6)
@@ -285,9 +289,9 @@ def test_a_closed_over_parameter_is_found_and_an_activation_refused():
     head(h).sum().backward()
     ref = head.weight.grad.clone()
     head.zero_grad(set_to_none=True)
-    co.tiled(lambda t: head(t), tile=32)(h).sum().backward()   # no params=: found at the first call
+    co.tiled(lambda t: head(t), tile=32)(h).sum().backward()  # no params=: found at the first call
     assert rel(head.weight.grad, ref) <= PARAM_RTOL
-    act = torch.randn(16, requires_grad=True) * 2   # a non-leaf requiring grad
+    act = torch.randn(16, requires_grad=True) * 2  # a non-leaf requiring grad
     with pytest.raises(RuntimeError, match="neither one of its arguments nor a parameter"):
         co.tiled(lambda t: t * act, tile=32)(h)
 
@@ -353,7 +357,7 @@ def test_tiled_cross_entropy_edge_cases():
     head = nn.Linear(8, 20)
     h = torch.randn(1, 40, 8, requires_grad=True)
     labels = torch.full((1, 40), -100)
-    assert torch.isnan(co.tiled_cross_entropy(h, head, labels, tile=8))   # nothing to average, as torch
+    assert torch.isnan(co.tiled_cross_entropy(h, head, labels, tile=8))  # nothing to average, as torch
     labels = torch.randint(0, 20, (1, 40))
     smooth = co.tiled_cross_entropy(h, head, labels, tile=8, label_smoothing=0.1, ignore_index=3)
     ref = F.cross_entropy(head(h).reshape(-1, 20), labels.reshape(-1), label_smoothing=0.1, ignore_index=3)
@@ -366,7 +370,7 @@ def test_tiled_cross_entropy_edge_cases():
 # --- refusals and bad arguments ------------------------------------------------------------------
 
 
-class FakeAttention(nn.Module):   # Hugging Face-style naming: the structure says attention
+class FakeAttention(nn.Module):  # Hugging Face-style naming: the structure says attention
     def __init__(self):
         super().__init__()
         self.q_proj = nn.Linear(8, 8)
@@ -375,10 +379,19 @@ class FakeAttention(nn.Module):   # Hugging Face-style naming: the structure say
         return self.q_proj(x)
 
 
-@pytest.mark.parametrize("module", [
-    nn.MultiheadAttention(8, 2), nn.TransformerEncoderLayer(8, 2), nn.Conv1d(8, 8, 3), nn.BatchNorm1d(8),
-    nn.GRU(8, 8), FakeAttention(), nn.Sequential(nn.Linear(8, 8), FakeAttention()),
-], ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize(
+    "module",
+    [
+        nn.MultiheadAttention(8, 2),
+        nn.TransformerEncoderLayer(8, 2),
+        nn.Conv1d(8, 8, 3),
+        nn.BatchNorm1d(8),
+        nn.GRU(8, 8),
+        FakeAttention(),
+        nn.Sequential(nn.Linear(8, 8), FakeAttention()),
+    ],
+    ids=lambda m: type(m).__name__,
+)
 def test_token_mixing_modules_are_refused(module):
     with pytest.raises(ValueError, match="mixes tokens.*token_wise=True"):
         co.tiled(module, tile=4)
@@ -392,20 +405,23 @@ def test_token_wise_true_is_the_callers_promise():
     assert torch.equal(co.tiled(m, tile=4, token_wise=True)(x), m(x))
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"tile": 0}, ValueError, "tile must be >= 1"),
-    ({"tile": "lots"}, ValueError, "tile: cannot read 'lots'"),
-    ({"tile": 1.5}, TypeError, "tile must be an int"),
-    ({"tile": 8, "tiles": 2}, ValueError, "not both"),
-    ({"tiles": 0}, ValueError, "tiles must be >= 1"),
-    ({"reduce": "mean"}, ValueError, "reduce must be None"),
-    ({"split": [1]}, TypeError, "split must be a dict"),
-    ({"split": {0: 1}}, ValueError, "split: 0 is not an argument position"),
-    ({"dim": "seq"}, TypeError, "dim must be an int"),
-    ({"params": 3}, TypeError, "params must be an iterable"),
-    ({"token_wise": False}, ValueError, "token_wise must be None"),
-    ({"measure_error": 1}, TypeError, "measure_error must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"tile": 0}, ValueError, "tile must be >= 1"),
+        ({"tile": "lots"}, ValueError, "tile: cannot read 'lots'"),
+        ({"tile": 1.5}, TypeError, "tile must be an int"),
+        ({"tile": 8, "tiles": 2}, ValueError, "not both"),
+        ({"tiles": 0}, ValueError, "tiles must be >= 1"),
+        ({"reduce": "mean"}, ValueError, "reduce must be None"),
+        ({"split": [1]}, TypeError, "split must be a dict"),
+        ({"split": {0: 1}}, ValueError, "split: 0 is not an argument position"),
+        ({"dim": "seq"}, TypeError, "dim must be an int"),
+        ({"params": 3}, TypeError, "params must be an iterable"),
+        ({"token_wise": False}, ValueError, "token_wise must be None"),
+        ({"measure_error": 1}, TypeError, "measure_error must be True or False"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
         co.tiled(nn.Linear(4, 4), **kwargs)
@@ -424,8 +440,9 @@ def test_bad_calls_name_what_is_wrong():
     with pytest.raises(ValueError, match="labels must have the shape"):
         co.tiled_cross_entropy(torch.randn(2, 8, 4), nn.Linear(4, 5), torch.zeros(2, 7, dtype=torch.long))
     with pytest.raises(ValueError, match="reduction must be one of"):
-        co.tiled_cross_entropy(torch.randn(2, 8, 4), nn.Linear(4, 5), torch.zeros(2, 8, dtype=torch.long),
-                               reduction="avg")
+        co.tiled_cross_entropy(
+            torch.randn(2, 8, 4), nn.Linear(4, 5), torch.zeros(2, 8, dtype=torch.long), reduction="avg"
+        )
     with pytest.raises(TypeError, match="modules must be None, 'mlp'"):
         co.tile(nn.Linear(4, 4), modules="attention")
 
@@ -445,7 +462,7 @@ def test_co_tile_in_place_keeps_parameters_and_state_dict_and_removes():
     model(x).sum().backward()
     assert all(rel(p.grad, r) <= PARAM_RTOL for p, r in zip(model.parameters(), ref))
     assert handle.stats()["tiles"] == 4
-    copied = copy.deepcopy(model)                     # each copy tiles its own module
+    copied = copy.deepcopy(model)  # each copy tiles its own module
     assert copied[1].forward.tiled.module is copied[1]
     restored = pickle.loads(pickle.dumps(model))
     assert restored[1].forward.tiled.module is restored[1]
@@ -458,15 +475,22 @@ def test_co_tile_in_place_keeps_parameters_and_state_dict_and_removes():
 
 def test_co_apply_tile_finds_the_demo_models_mlps():
     cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=64, vocab=61, batch=2)
-    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                            dropout=0.0, seed=0).train()
+    model = TinyTransformer(
+        vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq, dropout=0.0, seed=0
+    ).train()
     batch = make_batch(cfg, seed=1)
     lm_loss(model, batch).backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     handle = co.apply(model, offload=CPU, tile=16)
-    assert handle.tiles.names == ["blocks.0.mlp", "blocks.1.mlp", "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
-                                  "blocks.1.ln2"]
+    assert handle.tiles.names == [
+        "blocks.0.mlp",
+        "blocks.1.mlp",
+        "blocks.0.ln1",
+        "blocks.0.ln2",
+        "blocks.1.ln1",
+        "blocks.1.ln2",
+    ]
     assert handle.tiles.kinds == ["mlp", "mlp", "norm", "norm", "norm", "norm"]
     lm_loss(model, batch).backward()
     for n, p in model.named_parameters():
@@ -480,6 +504,6 @@ def test_co_apply_tile_refuses_blocks_without_an_mlp():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     with pytest.raises(ValueError, match="found no MLP"):
         co.apply(model, tile=True)
-    assert co.blocks.active_handle(model) is None   # nothing left applied
+    assert co.blocks.active_handle(model) is None  # nothing left applied
     with pytest.raises(TypeError, match="tile: unknown option"):
         co.apply(model, tile={"tokens": 4})

@@ -514,7 +514,9 @@ def test_raising_backward_in_a_fresh_process(device, stream, size, warm, tmp_pat
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
         [sys.executable, "-X", "faulthandler", str(script), stream, str(size), "1" if warm else "0", here, TESTS_DIR],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and "clean" in proc.stdout, (
         f"exit {proc.returncode} (negative: killed by that signal)\nstdout:\n{proc.stdout[-4000:]}\n"
@@ -655,8 +657,17 @@ def test_offload_tensor_on_non_default_stream(device, pool, stream):
 # ----------------------------------------------------------------------------------------------
 
 
-ROUNDTRIP_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int32,
-                    torch.int64, torch.uint8, torch.bool]
+ROUNDTRIP_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def _source(dtype, device, shape=(96, 160)):
@@ -793,8 +804,9 @@ def _mlp_step(blocks: int, options: dict | None) -> dict:
     behind compute the forward of an offloaded step can hold up to what the plain one holds.
     The prefetch window acts on the backward."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
-                            for _ in range(blocks)]).cuda()
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)) for _ in range(blocks)]
+    ).cuda()
     x = torch.randn(ROWS, WIDTH, device="cuda")
     ctx = co.offload(pool=co.HostPool(), **options) if options is not None else contextlib.nullcontext()
 

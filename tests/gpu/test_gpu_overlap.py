@@ -5,7 +5,6 @@ A spin kernel (``torch.cuda._sleep``) holds the compute stream so that a copy th
 wait for it would read or overwrite too early; sentinel values make that visible.
 """
 
-
 from __future__ import annotations
 
 import random
@@ -101,12 +100,12 @@ def test_gather_scatter_matches_plain_copies(device, staging):
     pool = co.HostPool()
     ctx = co.offload(pool=pool, min_bytes=0, batch_below=64 * 1024, batch_bytes=512 * 1024)
     tensors, expect_batched = [], 0
-    for i in range(300):
+    for _ in range(300):
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float64])
         n = rng.randrange(1, 20000)
         base = torch.randint(-100, 100, (n + 64,), device=device).to(dtype)
         off = rng.randrange(0, 64)
-        tensors.append(base[off:off + n])
+        tensors.append(base[off : off + n])
         # Only spans under batch_below are batched; the larger ones are offloaded one by one.
         expect_batched += n * tensors[-1].element_size() < 64 * 1024
     assert 0 < expect_batched < 300

@@ -57,10 +57,18 @@ def _why(timeline, stats):
         if alloc_s <= at < free_s:
             n, b = held.get(why, (0, 0))
             held[why] = (n + 1, b + nbytes)
-    keys = ("prefetches", "prefetch_hits", "prefetches_unused", "peak_prefetch_bytes", "tensors_reloaded",
-            "device_saved_peak_bytes")
-    return (f"peak at {at * 1e3:.3f} ms (backward from {(timeline.backward_start_s or 0) * 1e3:.3f} ms) holds "
-            f"{held}; {({k: stats.get(k) for k in keys})}")
+    keys = (
+        "prefetches",
+        "prefetch_hits",
+        "prefetches_unused",
+        "peak_prefetch_bytes",
+        "tensors_reloaded",
+        "device_saved_peak_bytes",
+    )
+    return (
+        f"peak at {at * 1e3:.3f} ms (backward from {(timeline.backward_start_s or 0) * 1e3:.3f} ms) holds "
+        f"{held}; { ({k: stats.get(k) for k in keys}) }"
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS + ("nested",))
@@ -100,8 +108,9 @@ def test_gpu_plan_within_budget_bit_identical(case):
     step()
     reference = grads_of(model)
     model.zero_grad(set_to_none=True)
-    full = simulate(measure_costs(step, named, "cuda", bandwidth=Bandwidth(10e9, 10e9, 1e-5)),
-                    singles(["keep"] * len(named))).peak_bytes
+    full = simulate(
+        measure_costs(step, named, "cuda", bandwidth=Bandwidth(10e9, 10e9, 1e-5)), singles(["keep"] * len(named))
+    ).peak_bytes
     model.zero_grad(set_to_none=True)
     plan = co.plan(model, step, budget=full // 3)
     model.zero_grad(set_to_none=True)

@@ -55,7 +55,7 @@ def test_tiles_lower_the_device_peak():
     x = torch.randn(1, 16384, 256, device="cuda", requires_grad=True)
 
     def peak(fn):
-        fn(x).sum().backward()   # warm-up: gradients exist
+        fn(x).sum().backward()  # warm-up: gradients exist
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -25,7 +25,7 @@ import ckpt_offload as co
 from ckpt_offload.demo.model import TinyTransformer, lm_loss
 
 MODEL = dict(vocab=64, dim=32, layers=3, heads=4, seq=16, dropout=0.1)
-SAMPLES = 40      # 2 ranks x 5 batches of 4: LocalSGD averages after steps 2 and 4, and on exit
+SAMPLES = 40  # 2 ranks x 5 batches of 4: LocalSGD averages after steps 2 and 4, and on exit
 BATCH = 4
 
 

@@ -82,8 +82,12 @@ def scenario(name):
     pool = co.HostPool(pinned=False)
     got = train(stage, how, pool)
     co.synchronize()
-    return {"plain": plain["params"], "got": got["params"], **{k: v for k, v in got.items() if k != "params"},
-            "pool": {k: v for k, v in pool.stats().items() if isinstance(v, int)}}
+    return {
+        "plain": plain["params"],
+        "got": got["params"],
+        **{k: v for k, v in got.items() if k != "params"},
+        "pool": {k: v for k, v in pool.stats().items() if isinstance(v, int)},
+    }
 
 
 def main(out_dir: str, names: list) -> None:

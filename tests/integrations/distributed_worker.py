@@ -41,8 +41,10 @@ def rank() -> int:
 def batches(steps=STEPS, micro=1):
     """[step][micro] token batches; different on every rank."""
     g = torch.Generator().manual_seed(100 + rank())
-    return [[torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=g) for _ in range(micro)]
-            for _ in range(steps)]
+    return [
+        [torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=g) for _ in range(micro)]
+        for _ in range(steps)
+    ]
 
 
 def cpu_options(pool):
@@ -109,8 +111,8 @@ def train_ddp(how, pool, micro=1, find_unused=False):
         for i, tokens in enumerate(step):
             # no_sync on every micro-batch but the last: gradients accumulate locally and the
             # last backward all-reduces their sum.
-            with (ddp.no_sync() if i < micro - 1 else contextlib.nullcontext()):
-                with (ctx if ctx is not None else contextlib.nullcontext()):
+            with ddp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                with ctx if ctx is not None else contextlib.nullcontext():
                     loss = lm_loss(ddp, tokens)
                 loss.backward()
         opt.step()
@@ -153,7 +155,7 @@ def train_fsdp2(how, pool, order, reshard):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1234)
     for (tokens,) in batches():
-        with (ctx if ctx is not None else contextlib.nullcontext()):
+        with ctx if ctx is not None else contextlib.nullcontext():
             loss = lm_loss(model, tokens)
         loss.backward()
         opt.step()
@@ -278,9 +280,9 @@ def dtensor_details_scenario():
     d = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]).requires_grad_()
     ctx = co.offload(**cpu_options(pool))
     with ctx:
-        h = d * 3                       # a DTensor activation
-        a = h.sin()                     # saves h
-        b = h.view(-1).cos()            # saves a view of h: the same local storage
+        h = d * 3  # a DTensor activation
+        a = h.sin()  # saves h
+        b = h.view(-1).cos()  # saves a view of h: the same local storage
     (a.sum() + b.sum()).backward()
     d2 = d.detach().clone().requires_grad_()  # the same without ckpt_offload
     h2 = d2 * 3
@@ -359,8 +361,9 @@ def heads_to_seq(x, world):
 
 def sdpa(q, k, v, causal):
     """Attention on ``[B, S, H, hd]`` tensors."""
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          is_causal=causal).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+    ).transpose(1, 2)
 
 
 def ulysses_attention(q, k, v, causal=True):
@@ -495,13 +498,17 @@ def sp_scenario(kind, how, causal=True, backend=None):
     except NotImplementedError as e:
         if kind == "ulysses":
             raise
-        return {"unsupported": f"torch {torch.__version__}'s context_parallel, {backend or 'default'} attention on "
-                               f"CPU (is_causal={causal}), fails without ckpt_offload: {e}"}
+        return {
+            "unsupported": f"torch {torch.__version__}'s context_parallel, {backend or 'default'} attention on "
+            f"CPU (is_causal={causal}), fails without ckpt_offload: {e}"
+        }
     pool = co.HostPool(pinned=False)
     got, ctx, handle, after_backward = train_sp(attention, step, how, pool)
     initial = SPModel(attention).state_dict()
-    extra = {"bytes_after_backward": after_backward,
-             "trained": any(not torch.equal(initial[n], p) for n, p in got.items())}
+    extra = {
+        "bytes_after_backward": after_backward,
+        "trained": any(not torch.equal(initial[n], p) for n, p in got.items()),
+    }
     if handle is not None:
         extra["apply_stats"] = handle.stats()  # the checkpoints' own offload contexts
     # Dropout off, one step: the sequence-parallel gradient equals the gradient of the whole
@@ -511,8 +518,9 @@ def sp_scenario(kind, how, causal=True, backend=None):
     step(sharded, batch, contextlib.nullcontext())
     whole = SPModel(lambda q, k, v: sdpa(q, k, v, causal), dropout=0.0)
     sp_loss(whole, *batch).backward()
-    extra["max_diff_to_unsharded"] = max((a.grad - b.grad).abs().max().item()
-                                         for a, b in zip(sharded.parameters(), whole.parameters()))
+    extra["max_diff_to_unsharded"] = max(
+        (a.grad - b.grad).abs().max().item() for a, b in zip(sharded.parameters(), whole.parameters())
+    )
     return result(plain, got, pool, ctx, handle, **extra)
 
 
@@ -537,7 +545,9 @@ def accelerate_fsdp2_scenario():
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["Block"],
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["Block"],
             reshard_after_forward=True,
         )
         accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
@@ -576,8 +586,16 @@ def hf_trainer_scenario(out_dir):
 
     def model():
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, use_cache=False)
+        cfg = transformers.GPT2Config(
+            n_layer=4,
+            n_embd=32,
+            n_head=2,
+            vocab_size=100,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            use_cache=False,
+        )
         return transformers.GPT2LMHeadModel(cfg)
 
     class Tokens(torch.utils.data.Dataset):
@@ -591,8 +609,16 @@ def hf_trainer_scenario(out_dir):
 
     def train(m, callbacks, tag):
         args = transformers.TrainingArguments(
-            output_dir=os.path.join(out_dir, tag), report_to=[], max_steps=3, per_device_train_batch_size=2,
-            use_cpu=True, logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+            output_dir=os.path.join(out_dir, tag),
+            report_to=[],
+            max_steps=3,
+            per_device_train_batch_size=2,
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            seed=7,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
             ddp_backend="gloo",
         )
         trainer = transformers.Trainer(model=m, args=args, train_dataset=Tokens(), callbacks=callbacks)
@@ -604,9 +630,18 @@ def hf_trainer_scenario(out_dir):
     pool = co.HostPool(pinned=False)
     cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_options(pool))
     losses, got, trainer = train(model(), [cb], "offload")
-    return result(plain, got, pool, handle=cb.handle, plain_losses=plain_losses, losses=losses,
-                  calls=cb.handle.function.calls, world_size=trainer.args.world_size,
-                  parallel_mode=str(trainer.args.parallel_mode), wrapped=type(trainer.model_wrapped).__name__)
+    return result(
+        plain,
+        got,
+        pool,
+        handle=cb.handle,
+        plain_losses=plain_losses,
+        losses=losses,
+        calls=cb.handle.function.calls,
+        world_size=trainer.args.world_size,
+        parallel_mode=str(trainer.args.parallel_mode),
+        wrapped=type(trainer.model_wrapped).__name__,
+    )
 
 
 def trl_sft_scenario(out_dir):
@@ -626,14 +661,31 @@ def trl_sft_scenario(out_dir):
 
     def model():
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(n_layer=4, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False)
+        cfg = transformers.GPT2Config(
+            n_layer=4,
+            n_embd=32,
+            n_head=2,
+            vocab_size=100,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+            use_cache=False,
+        )
         return transformers.GPT2LMHeadModel(cfg)
 
     def train(m, callbacks, tag):
         args = trl.SFTConfig(
-            output_dir=os.path.join(out_dir, tag), report_to=[], max_steps=3, per_device_train_batch_size=2,
-            use_cpu=True, logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+            output_dir=os.path.join(out_dir, tag),
+            report_to=[],
+            max_steps=3,
+            per_device_train_batch_size=2,
+            use_cpu=True,
+            logging_steps=1,
+            save_strategy="no",
+            seed=7,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
             ddp_backend="gloo",
         )
         trainer = trl.SFTTrainer(model=m, args=args, train_dataset=data, processing_class=tok, callbacks=callbacks)
@@ -645,8 +697,17 @@ def trl_sft_scenario(out_dir):
     pool = co.HostPool(pinned=False)
     cb = co.hf.OffloadCheckpointCallback(every_n_layers=2, offload=cpu_options(pool))
     losses, got, trainer = train(model(), [cb], "offload")
-    return result(plain, got, pool, handle=cb.handle, plain_losses=plain_losses, losses=losses,
-                  calls=cb.handle.function.calls, world_size=trainer.args.world_size, trl=trl.__version__)
+    return result(
+        plain,
+        got,
+        pool,
+        handle=cb.handle,
+        plain_losses=plain_losses,
+        losses=losses,
+        calls=cb.handle.function.calls,
+        world_size=trainer.args.world_size,
+        trl=trl.__version__,
+    )
 
 
 SCENARIOS = {

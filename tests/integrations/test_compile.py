@@ -69,13 +69,23 @@ def mlp_step(x, w1, w2):
     return (torch.nn.functional.gelu(h @ w2) * h.sum(-1, keepdim=True)).sum()
 
 
-@pytest.mark.parametrize("backend", [
-    "aot_eager",
-    # Inductor generates and compiles C++ kernels: ~50 s on a busy 2-core machine, too slow for CI.
-    pytest.param("inductor", marks=[pytest.mark.slow, pytest.mark.skipif(
-        not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
-        reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")]),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "aot_eager",
+        # Inductor generates and compiles C++ kernels: ~50 s on a busy 2-core machine, too slow for CI.
+        pytest.param(
+            "inductor",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(
+                    not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
+                    reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1",
+                ),
+            ],
+        ),
+    ],
+)
 def test_compiled_function_saved_tensors_are_offloaded(pool, backend):
     """One graph, no breaks: the tensors AOTAutograd's compiled function saves for backward go
     through co.offload's hooks into the pool, and come back bit-identical."""

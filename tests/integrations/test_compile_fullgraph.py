@@ -62,8 +62,14 @@ def torch_checkpoint_refuses(name):
     return None
 
 
-CASES = [("demo", "co.apply"), ("demo", "plan recompute_offload"), ("gpt2", "co.apply"), ("llama", "co.apply"),
-         ("gpt2", "co.hf.enable"), ("llama", "co.hf.enable")]
+CASES = [
+    ("demo", "co.apply"),
+    ("demo", "plan recompute_offload"),
+    ("gpt2", "co.apply"),
+    ("llama", "co.apply"),
+    ("gpt2", "co.hf.enable"),
+    ("llama", "co.hf.enable"),
+]
 
 
 @pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
@@ -194,8 +200,15 @@ def test_the_ops_have_fake_kernels(pool):
 
 def test_a_route_that_cannot_compile_fullgraph_says_which_does(pool):
     model, loss_fn, _ = MODELS["demo"]()
-    plan = co.plan(model, lambda: loss_fn(model).backward(), budget=2**40, bandwidth=math.inf,
-                   kinds=("offload",), segments=False, offload={**OPTS, "pool": pool})
+    plan = co.plan(
+        model,
+        lambda: loss_fn(model).backward(),
+        budget=2**40,
+        bandwidth=math.inf,
+        kinds=("offload",),
+        segments=False,
+        offload={**OPTS, "pool": pool},
+    )
     model.zero_grad(set_to_none=True)
     plan.apply()
     with pytest.raises(Exception, match=r"fullgraph=True") as info:
@@ -316,8 +329,11 @@ def test_the_ops_keep_sizes_and_strides_and_copy_the_span(pool):
         assert pool.stats()["bytes_in_use"] == 0
 
 
-@pytest.mark.xfail(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12), strict=True,
-                   reason="torch 2.11's partitioner puts 3 of the 4 reloads in the forward graph (docs/scale_out.md)")
+@pytest.mark.xfail(
+    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12),
+    strict=True,
+    reason="torch 2.11's partitioner puts 3 of the 4 reloads in the forward graph (docs/scale_out.md)",
+)
 def test_backward_reloads_block_by_block(pool):
     """In the compiled backward each block's input comes back as that block's backward starts
     (between the matmuls of the block after it and its own), not all up front."""
@@ -356,8 +372,9 @@ def test_compiled_autograd_gradients_and_pool(pool):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"),
-                    reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("CKPT_OFFLOAD_SLOW_TESTS"), reason="slow (inductor's C++ compile); set CKPT_OFFLOAD_SLOW_TESTS=1"
+)
 def test_fullgraph_inductor_compiles_and_runs(pool):
     model, loss_fn, blocks = MODELS["demo"]()
     torch.manual_seed(1234)

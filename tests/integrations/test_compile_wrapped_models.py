@@ -37,10 +37,21 @@ pytestmark = pytest.mark.usefixtures("_fresh_dynamo")  # tests/conftest.py
 
 # --- every wrapped block runs compiled, forward and recompute ---------------------------------------
 
-CASES = [("demo", "co.apply"), ("demo", "co.apply segments"), ("demo", "plan offload"),
-         ("demo", "plan recompute_offload"), ("gpt2", "co.hf.enable"), ("sequential", "co.apply")]
-RECOMPUTES = {"co.apply": True, "co.apply segments": True, "plan offload": False, "plan recompute_offload": True,
-              "co.hf.enable": True}
+CASES = [
+    ("demo", "co.apply"),
+    ("demo", "co.apply segments"),
+    ("demo", "plan offload"),
+    ("demo", "plan recompute_offload"),
+    ("gpt2", "co.hf.enable"),
+    ("sequential", "co.apply"),
+]
+RECOMPUTES = {
+    "co.apply": True,
+    "co.apply segments": True,
+    "plan offload": False,
+    "plan recompute_offload": True,
+    "co.hf.enable": True,
+}
 
 
 @pytest.mark.parametrize("name,route", CASES, ids=[f"{n}-{r.replace(' ', '_')}" for n, r in CASES])
@@ -146,14 +157,22 @@ def test_compiled_autograd_reloads_one_by_one_and_warns_once(pool, route, monkey
         if route == "co.apply":
             handle = co.apply(model, offload=opts)
         else:
-            handle = co.plan(model, lambda: model(x).sum().backward(), budget=2**40, bandwidth=math.inf,
-                             kinds=("offload",), segments=False, offload=opts).apply()
+            handle = co.plan(
+                model,
+                lambda: model(x).sum().backward(),
+                budget=2**40,
+                bandwidth=math.inf,
+                kinds=("offload",),
+                segments=False,
+                offload=opts,
+            ).apply()
         model.zero_grad(set_to_none=True)
         x.grad = None
         reloads = []  # (block, tensors reloaded so far, pool bytes in use) as each block's weight gets its grad
         for i, block in enumerate(model):
             block[0].weight.register_post_accumulate_grad_hook(
-                lambda p, i=i: reloads.append((i, handle.stats()["tensors_reloaded"], pool.stats()["bytes_in_use"])))
+                lambda p, i=i: reloads.append((i, handle.stats()["tensors_reloaded"], pool.stats()["bytes_in_use"]))
+            )
         # Compiled autograd is on for the backward of a compiled step made while the flag is set.
         monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", compiled_autograd)
         compiled = torch.compile(model, backend="aot_eager")
@@ -193,8 +212,15 @@ def test_fullgraph_over_wrapped_model_says_what_works(pool):
     # checkpoints have one: tests/integrations/test_compile_fullgraph.py).
     model = mlp_blocks(2, 16)
     x = torch.randn(2, 16)
-    co.plan(model, lambda: model(x).sum().backward(), budget=2**40, bandwidth=math.inf, kinds=("offload",),
-            segments=False, offload={**OPTS, "pool": pool}).apply()
+    co.plan(
+        model,
+        lambda: model(x).sum().backward(),
+        budget=2**40,
+        bandwidth=math.inf,
+        kinds=("offload",),
+        segments=False,
+        offload={**OPTS, "pool": pool},
+    ).apply()
     model.zero_grad(set_to_none=True)
     with pytest.raises(Exception, match=r"fullgraph=True") as info:
         torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randn(2, 16))
@@ -242,8 +268,15 @@ def test_wrapped_model_compiled_inside_its_own_contexts_does_not_warn(pool, monk
     co.apply(model, offload={**OPTS, "pool": pool})
     plan_model = mlp_blocks(2, 32)
     x = torch.randn(16, 32)
-    co.plan(plan_model, lambda: plan_model(x).sum().backward(), budget=2**40, bandwidth=math.inf,
-            kinds=("offload",), segments=False, offload={**OPTS, "pool": pool}).apply()
+    co.plan(
+        plan_model,
+        lambda: plan_model(x).sum().backward(),
+        budget=2**40,
+        bandwidth=math.inf,
+        kinds=("offload",),
+        segments=False,
+        offload={**OPTS, "pool": pool},
+    ).apply()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for m in (model, plan_model):

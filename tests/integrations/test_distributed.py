@@ -46,10 +46,22 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 WORKER_TIMEOUT_S = 240  # measured 45-60 s for the whole launch on a busy 2-core machine
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)  # as in the worker
 
-DDP = ["ddp_offload", "ddp_checkpoint", "ddp_apply2", "ddp_apply2_no_sync", "ddp_offload_no_sync",
-       "ddp_apply2_find_unused", "ddp_offload_find_unused"]
-FSDP2 = ["fsdp2_offload_reshard", "fsdp2_offload_no_reshard", "fsdp2_apply_before_reshard",
-         "fsdp2_apply_after_reshard", "fsdp2_apply_before_no_reshard"]
+DDP = [
+    "ddp_offload",
+    "ddp_checkpoint",
+    "ddp_apply2",
+    "ddp_apply2_no_sync",
+    "ddp_offload_no_sync",
+    "ddp_apply2_find_unused",
+    "ddp_offload_find_unused",
+]
+FSDP2 = [
+    "fsdp2_offload_reshard",
+    "fsdp2_offload_no_reshard",
+    "fsdp2_apply_before_reshard",
+    "fsdp2_apply_after_reshard",
+    "fsdp2_apply_before_no_reshard",
+]
 FSDP2_TP = ["fsdp2_tp_offload", "fsdp2_tp_apply"]
 TP = ["tp_offload", "tp_apply", *FSDP2_TP]
 HF = ["accelerate_fsdp2", "hf_trainer"]
@@ -75,8 +87,7 @@ def results(tmp_path_factory):
     if not gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
     out = tmp_path_factory.mktemp("distributed")
-    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + TP + ["dtensor_details"] + HF + TRL + SP), out,
-               WORKER_TIMEOUT_S)
+    wait_ranks(launch_ranks(WORKER, out, DDP + FSDP2 + TP + ["dtensor_details"] + HF + TRL + SP), out, WORKER_TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -94,8 +105,9 @@ def check_trained_alike(name, per_rank, extra_params=()):
     for r, res in enumerate(per_rank):
         # Fails when ckpt_offload changes a single bit of any gradient in any step.
         assert_same_params(res["plain"], res["got"], f"{name} rank {r}: with ckpt_offload vs without")
-        assert any(not torch.equal(initial[n], p) for n, p in res["plain"].items() if n in initial), \
+        assert any(not torch.equal(initial[n], p) for n, p in res["plain"].items() if n in initial), (
             f"{name}: rank {r} did not train"
+        )
         # Every offloaded tensor came back and was released: none is left in the pool.
         assert res["pool"]["num_allocs"] > 0, f"{name}: nothing went to the pool ({res['pool']})"
         assert res["pool"]["bytes_in_use"] == 0, res["pool"]
@@ -133,13 +145,15 @@ def test_fsdp2_unsharded_parameters_are_kept_activations_offloaded(results, name
     engine re-gathers anyway. The counts must equal those of the same ``co.offload`` around the
     same model unsharded in one process: as many parameter views kept, the same activations
     (tensors and bytes) offloaded."""
-    for r, res in enumerate(scenario(results, name)):
+    for res in scenario(results, name):
         got, ref = res["ctx"], res["reference_ctx"]
         assert got["kept_by_reason"]["parameter"] > 0, got
         assert got["kept_by_reason"]["parameter"] == ref["kept_by_reason"]["parameter"], (got, ref)
         assert got["kept_bytes_by_reason"]["parameter"] == ref["kept_bytes_by_reason"]["parameter"], (got, ref)
-        assert (got["tensors_offloaded"], got["bytes_offloaded"]) == (ref["tensors_offloaded"],
-                                                                     ref["bytes_offloaded"]), (got, ref)
+        assert (got["tensors_offloaded"], got["bytes_offloaded"]) == (
+            ref["tensors_offloaded"],
+            ref["bytes_offloaded"],
+        ), (got, ref)
         assert got["bytes_offloaded"] > 0
 
 
@@ -189,7 +203,7 @@ def test_fsdp2_tensor_parallel_2x2_mesh_offloads_dtensors(results_2x2, name):
 
 
 def test_dtensor_views_deduplicated_inplace_detected_parameters_kept(results):
-    for r, res in enumerate(scenario(results, "dtensor_details")):
+    for res in scenario(results, "dtensor_details"):
         # h and a view of h are saved: one copy of h's local storage, the view deduplicated.
         assert (res["ctx"]["tensors_offloaded"], res["ctx"]["tensors_deduplicated"]) == (1, 1), res["ctx"]
         assert res["grad_bit_identical"] and res["grad_type"] == "DTensor", res
@@ -252,9 +266,11 @@ def test_the_ranks_port_is_held_from_the_moment_it_is_picked(tmp_path):
     import time
 
     worker = tmp_path / "port_worker.py"
-    worker.write_text("import os, sys\n"
-                      "open(os.path.join(sys.argv[1], 'port.tmp'), 'w').write(os.environ['MASTER_PORT'])\n"
-                      "os.replace(os.path.join(sys.argv[1], 'port.tmp'), os.path.join(sys.argv[1], 'port'))\n")
+    worker.write_text(
+        "import os, sys\n"
+        "open(os.path.join(sys.argv[1], 'port.tmp'), 'w').write(os.environ['MASTER_PORT'])\n"
+        "os.replace(os.path.join(sys.argv[1], 'port.tmp'), os.path.join(sys.argv[1], 'port'))\n"
+    )
     procs = launch_ranks(worker, tmp_path, world_size=1)
     deadline = time.monotonic() + 60
     while not (tmp_path / "port").exists() and time.monotonic() < deadline:

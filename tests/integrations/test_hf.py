@@ -13,7 +13,6 @@ from helpers import B, T, TokenDataset, batch, bert, gpt2, llama, loss_of, train
 from helpers import hf_cpu_options as cpu_offload  # noqa: E402
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     # Tiny matrices: on a busy 2-core machine intra-op threads only wait for each other (10-50x slower).
@@ -197,8 +196,11 @@ def test_model_reenable_keeps_our_function_and_warns_on_ignored_settings():
         with pytest.warns(UserWarning, match=r"keeps ckpt_offload's checkpoint .* ignores every_n_layers=3"):
             getattr(model, n)(every_n_layers=3)
         assert handle.names == names
-        assert all(m._gradient_checkpointing_func is handle.function for m in model.modules()
-                   if hasattr(m, "gradient_checkpointing"))
+        assert all(
+            m._gradient_checkpointing_func is handle.function
+            for m in model.modules()
+            if hasattr(m, "gradient_checkpointing")
+        )
     assert input_grad_hooks(model) == hf_input_grad_hooks("gpt2")  # re-enabling did not stack hooks
     handle.remove()
     assert input_grad_hooks(model) == 0
@@ -223,8 +225,10 @@ def test_errors_name_the_fix():
         co.hf.enable(model)
     assert "_ckpt_offload_handle" not in model.__dict__  # and the failed enable was undone:
     assert input_grad_hooks(model) == 0
-    assert all(m.__dict__.get("gradient_checkpointing") is keys_m.get("gradient_checkpointing")
-               for m, keys_m in zip(model.modules(), before))
+    assert all(
+        m.__dict__.get("gradient_checkpointing") is keys_m.get("gradient_checkpointing")
+        for m, keys_m in zip(model.modules(), before)
+    )
 
     def old_format(self, module, value=False):  # transformers' pre-4.35 format
         if hasattr(module, "gradient_checkpointing"):
@@ -340,8 +344,11 @@ def checkpointing_args(**kwargs):
     """TrainingArguments that turn Hugging Face's checkpointing on, under this release's names."""
     fields = transformers.TrainingArguments.__dataclass_fields__
     new = "activation_checkpointing" in fields
-    flag, kw = ("activation_checkpointing", "activation_checkpointing_kwargs") if new else \
-        ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+    flag, kw = (
+        ("activation_checkpointing", "activation_checkpointing_kwargs")
+        if new
+        else ("gradient_checkpointing", "gradient_checkpointing_kwargs")
+    )
     return {flag: True, kw: kwargs}
 
 
@@ -419,8 +426,16 @@ def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path
 
 def _train_logged(tmp_path, cb, max_steps, logging_steps, model=None):
     targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path), report_to=[], max_steps=max_steps, per_device_train_batch_size=2, use_cpu=True,
-        logging_steps=logging_steps, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(tmp_path),
+        report_to=[],
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        logging_steps=logging_steps,
+        save_strategy="no",
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     trainer = transformers.Trainer(model=model or gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=[cb])
     trainer.train()
@@ -432,7 +447,9 @@ def test_callback_logs_per_step_stats_not_running_totals(tmp_path):
     # same tensors, so each entry reports the same per-step counts (not 1x, 2x, 3x of them).
     # A pool of its own: the checkpoint context of these options is then this run's alone (the
     # shared context of an option set counts every handle's use of it).
-    cb = co.hf.OffloadCheckpointCallback(offload={"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)})
+    cb = co.hf.OffloadCheckpointCallback(
+        offload={"devices": ["cpu"], "min_bytes": 0, "pool": co.HostPool(pinned=False)}
+    )
     logged = _train_logged(tmp_path, cb, max_steps=3, logging_steps=1)
     assert [e["step"] for e in logged] == [1, 2, 3]
     total = cb.handle.stats()
@@ -461,8 +478,11 @@ def test_offload_callback_logs_per_step_averages_over_the_logging_interval(tmp_p
 def test_hf_disable_method_removes_the_handle_and_enable_works_again():
     model = gpt2()
     handle = co.hf.enable(model, offload={"devices": ["cpu"]})
-    disable = "activation_checkpointing_disable" if hasattr(model, "activation_checkpointing_disable") \
+    disable = (
+        "activation_checkpointing_disable"
+        if hasattr(model, "activation_checkpointing_disable")
         else "gradient_checkpointing_disable"
+    )
     getattr(model, disable)()
     assert handle.removed
     assert "_ckpt_offload_handle" not in model.__dict__ and disable not in model.__dict__
@@ -484,8 +504,11 @@ def test_model_disable_pauses_the_callbacks_handle_and_enable_resumes_it(tmp_pat
     for name in names:  # both names: TRL 1.16 calls the deprecated one
         getattr(model, f"{name}_disable")()
         assert not handle.removed and model._ckpt_offload_handle is handle
-        assert not model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing") \
+        assert (
+            not model.is_activation_checkpointing
+            if hasattr(model, "is_activation_checkpointing")
             else not model.is_gradient_checkpointing
+        )
         allocs = pool.stats()["num_allocs"]
         with torch.no_grad():
             model(**batch())  # runs the layers as they are: nothing checkpointed, nothing offloaded
@@ -604,12 +627,16 @@ def test_enable_handle_device_peak_is_the_profiles():
 
 @pytest.mark.parametrize("order", ["offload_first", "checkpoint_first"])
 def test_offload_callback_and_checkpoint_callback_together_are_refused(tmp_path, order):
-    targs = transformers.TrainingArguments(output_dir=str(tmp_path), report_to=[], max_steps=1, use_cpu=True,
-                                           save_strategy="no", disable_tqdm=True)
-    callbacks = [co.hf.OffloadCallback(devices=["cpu"], min_bytes=0),
-                 co.hf.OffloadCheckpointCallback(every_n_layers=1, offload={"devices": ["cpu"], "min_bytes": 0})]
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], max_steps=1, use_cpu=True, save_strategy="no", disable_tqdm=True
+    )
+    callbacks = [
+        co.hf.OffloadCallback(devices=["cpu"], min_bytes=0),
+        co.hf.OffloadCheckpointCallback(every_n_layers=1, offload={"devices": ["cpu"], "min_bytes": 0}),
+    ]
     if order == "checkpoint_first":
         callbacks.reverse()
-    with pytest.raises(RuntimeError,
-                       match="OffloadCallback and co.hf.OffloadCheckpointCallback on one model.*Keep one"):
+    with pytest.raises(
+        RuntimeError, match="OffloadCallback and co.hf.OffloadCheckpointCallback on one model.*Keep one"
+    ):
         transformers.Trainer(model=gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=callbacks)

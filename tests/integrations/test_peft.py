@@ -123,4 +123,3 @@ def test_lora_trainer_callback_matches_without_ckpt_offload(tmp_path):
     fresh = dict(lora().named_parameters())
     moved = {n for n, p in params.items() if not torch.equal(p, fresh[n])}
     assert moved and all("lora_" in n for n in moved), moved
-

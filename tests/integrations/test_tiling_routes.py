@@ -22,13 +22,33 @@ def tiny(kind: str, vocab: int = 96):
     torch.manual_seed(0)
     common = {"vocab_size": vocab, "bos_token_id": 0, "eos_token_id": 0}
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=256, resid_pdrop=0.0,
-                                      embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, **common)
+        cfg = transformers.GPT2Config(
+            n_layer=2,
+            n_embd=32,
+            n_head=2,
+            n_positions=256,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            **common,
+        )
         return transformers.GPT2LMHeadModel(cfg).train()
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
-    cfg = cls[0](num_hidden_layers=2, hidden_size=32, intermediate_size=88, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=256, pad_token_id=0, use_cache=False, **common)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    cfg = cls[0](
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=88,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        use_cache=False,
+        **common,
+    )
     return cls[1](cfg).train()
 
 
@@ -62,16 +82,16 @@ def test_hf_enable_tiles_every_mlp_and_fuses_the_head(kind):
     layers = "transformer.h" if kind == "gpt2" else "model.layers"
     names = handle.tiles.names
     assert names[:2] == [f"{layers}.0.mlp", f"{layers}.1.mlp"] and names[-1] == "<head>"
-    assert handle.tiles.kinds == ["mlp"] * 2 + ["norm"] * 4 + ["head"]   # two norms a layer (the default)
+    assert handle.tiles.kinds == ["mlp"] * 2 + ["norm"] * 4 + ["head"]  # two norms a layer (the default)
     out = model(**b)
-    assert out.logits.shape == (2, 0, model.config.vocab_size)   # never the full logits
+    assert out.logits.shape == (2, 0, model.config.vocab_size)  # never the full logits
     assert torch.allclose(out.loss, ref_loss, rtol=1e-6)
     out.loss.backward()
     assert_close({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, ref)
     head = handle.tiles.tiled[-1].stats()
-    assert head["tiles"] == 5 and head["tiles_recomputed"] == 5    # 192 tokens in tiles of 40
+    assert head["tiles"] == 5 and head["tiles_recomputed"] == 5  # 192 tokens in tiles of 40
     model.eval()
-    with torch.no_grad():   # outside training: the model's own forward, logits and all
+    with torch.no_grad():  # outside training: the model's own forward, logits and all
         assert model(**b).logits.shape == (2, 96, model.config.vocab_size)
     handle.remove()
     assert "forward" not in model.__dict__ and not any("forward" in m.__dict__ for m in model.modules())
@@ -118,7 +138,6 @@ def test_trainer_callback_refuses_a_bad_tile():
 # --- torch.compile -------------------------------------------------------------------------------
 
 
-
 class CountingBackend:
     """aot_eager that counts the graphs it is given."""
 
@@ -136,8 +155,9 @@ def demo_model():
     from models_for_tests import TinyTransformer, lm_loss, make_batch, make_config
 
     cfg = make_config("tiny", layers=2, dim=32, heads=2, seq=32, vocab=61, batch=2)
-    model = TinyTransformer(vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                            dropout=0.0, seed=0).train()
+    model = TinyTransformer(
+        vocab=cfg.vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq, dropout=0.0, seed=0
+    ).train()
     tokens = make_batch(cfg, seed=1)
     return model, lambda m: lm_loss(m, tokens)
 
@@ -186,5 +206,5 @@ def test_fullgraph_with_the_fused_head():
     _, got = loss_and_grads(torch.compile(model, backend=backend, fullgraph=True), b)
     assert backend.graphs == 1 and not counters["graph_break"], dict(counters["graph_break"])
     assert_close({k.replace("_orig_mod.", ""): v for k, v in got.items()}, ref)
-    assert handle.tiles.tiled[-1].stats()["tiles_recomputed"] > 0   # the head: eager, tiled
+    assert handle.tiles.tiled[-1].stats()["tiles_recomputed"] > 0  # the head: eager, tiled
     handle.remove()

@@ -79,8 +79,13 @@ class Watch(transformers.TrainerCallback):
     def before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._start = self.counts()
-        self.forwards.append({"grad": torch.is_grad_enabled(), "generate": self.generating,
-                              "tokens": None if ids is None else ids.shape[-1]})
+        self.forwards.append(
+            {
+                "grad": torch.is_grad_enabled(),
+                "generate": self.generating,
+                "tokens": None if ids is None else ids.shape[-1],
+            }
+        )
 
     def after(self, module, args, output):
         allocs, calls = self.counts()
@@ -103,11 +108,29 @@ def grpo_run(tmp_path, tag, callback=None):
     policy, pool = model(), co.HostPool(pinned=False)
     callbacks = [] if callback is None else [callback(pool)]
     watch = Watch(policy, pool, lambda: getattr(callbacks[0], "handle", None) if callbacks else None)
-    args = trl.GRPOConfig(output_dir=str(tmp_path / tag), report_to=[], max_steps=STEPS, learning_rate=1e-3,
-                          per_device_train_batch_size=4, num_generations=4, max_completion_length=6, use_cpu=True,
-                          logging_steps=1, save_strategy="no", seed=7, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = trl.GRPOTrainer(model=policy, args=args, train_dataset=data, processing_class=word_tokenizer(),
-                              reward_funcs=reward, callbacks=callbacks + [watch])
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / tag),
+        report_to=[],
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = trl.GRPOTrainer(
+        model=policy,
+        args=args,
+        train_dataset=data,
+        processing_class=word_tokenizer(),
+        reward_funcs=reward,
+        callbacks=callbacks + [watch],
+    )
     trainer.train()
     return trainer, watch, callbacks
 
@@ -120,11 +143,27 @@ def dpo_run(tmp_path, tag, callback=None):
     policy, pool = model(), co.HostPool(pinned=False)
     callbacks = [] if callback is None else [callback(pool)]
     watch = Watch(policy, pool, lambda: getattr(callbacks[0], "handle", None) if callbacks else None)
-    args = trl.DPOConfig(output_dir=str(tmp_path / tag), report_to=[], max_steps=STEPS, learning_rate=1e-3,
-                         per_device_train_batch_size=2, use_cpu=True, logging_steps=1, save_strategy="no", seed=7,
-                         dataloader_num_workers=0, disable_tqdm=True)
-    trainer = trl.DPOTrainer(model=policy, ref_model=model(), args=args, train_dataset=data,
-                             processing_class=word_tokenizer(), callbacks=callbacks + [watch])
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / tag),
+        report_to=[],
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        per_device_train_batch_size=2,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=model(),
+        args=args,
+        train_dataset=data,
+        processing_class=word_tokenizer(),
+        callbacks=callbacks + [watch],
+    )
     trainer.train()
     return trainer, watch, callbacks
 

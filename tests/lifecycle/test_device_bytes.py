@@ -141,8 +141,11 @@ def test_zero_after_offload_tensor_handles(pool, stream):
     assert saved_bytes() == start
 
 
-@pytest.mark.parametrize("options", [{"stream": "compute", "prefetch_bytes": 0}, {"prefetch_bytes": 64 * MiB}],
-                         ids=["compute stream", "prefetch wide"])
+@pytest.mark.parametrize(
+    "options",
+    [{"stream": "compute", "prefetch_bytes": 0}, {"prefetch_bytes": 64 * MiB}],
+    ids=["compute stream", "prefetch wide"],
+)
 def test_context_stats_device_peak_is_the_profiles(options):
     """``stats()["device_saved_peak_bytes"]`` is the most device bytes of saved activations seen
     at this context's packs and unpacks: the same quantity co.profile's memory timeline samples,

@@ -32,6 +32,7 @@ from ckpt_offload.options import as_options
 def context_for(options):
     return _context_for(as_options(options))
 
+
 CPU = {"devices": ["cpu"], "min_bytes": 0}
 
 
@@ -352,10 +353,12 @@ def _sac_context_fn():
     return create_selective_checkpoint_contexts(policy)
 
 
-@pytest.mark.skipif(not hasattr(tc, "create_selective_checkpoint_contexts"),
-                    reason="torch without selective checkpointing")
-@pytest.mark.skipif("respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
-                    reason="torch without respect_saved_tensors_hooks")
+@pytest.mark.skipif(
+    not hasattr(tc, "create_selective_checkpoint_contexts"), reason="torch without selective checkpointing"
+)
+@pytest.mark.skipif(
+    "respect_saved_tensors_hooks" not in TORCH_KEYWORDS, reason="torch without respect_saved_tensors_hooks"
+)
 @pytest.mark.parametrize("respect", [None, False])
 def test_selective_checkpoint_offloads_what_the_policy_saves(respect):
     g = torch.Generator().manual_seed(1)
@@ -774,4 +777,5 @@ print("clean")
 def test_graph_dropped_while_the_capture_probe_raises_does_not_abort(stream):
     proc = run_python(_FAILING_PROBE_SCRIPT, stream)
     assert proc.returncode == 0 and "clean" in proc.stdout, (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}")
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )

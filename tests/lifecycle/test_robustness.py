@@ -181,8 +181,10 @@ def skip_unless_torch_runs_backward_after_fork():
     _plain_backward()
     error = _forked(_plain_backward, timeout=60)
     if error and "Autograd-and-Fork" in error:
-        pytest.skip("torch refuses backward in a forked child here (autograd's device threads started: "
-                    "a machine with a GPU); the same child without ckpt_offload fails alike")
+        pytest.skip(
+            "torch refuses backward in a forked child here (autograd's device threads started: "
+            "a machine with a GPU); the same child without ckpt_offload fails alike"
+        )
 
 
 def _train_in_child(expected, stream, parent_graph):
@@ -214,7 +216,7 @@ def test_forked_child_trains_a_step(stream):
     leaf = torch.randn(512, 512, requires_grad=True)
     with co.offload(stream=stream, **CPU):
         loss = leaf.exp().sin().sum()
-    want = (leaf.detach().exp().cos() * leaf.detach().exp())
+    want = leaf.detach().exp().cos() * leaf.detach().exp()
     run_forked(_train_in_child, expected, stream, (loss, leaf, want))
     loss.backward()  # the parent's own copy of the graph is intact too
     assert torch.allclose(leaf.grad, want)
@@ -244,8 +246,9 @@ def test_dataloader_fork_workers_offload():
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
     expected = step_grads(model, x)
     step_grads(model, x, co.offload(**CPU))  # the copy threads exist before the workers fork
-    loader = torch.utils.data.DataLoader(_OffloadedStepDataset(expected), batch_size=None, num_workers=2,
-                                         multiprocessing_context="fork", timeout=120)
+    loader = torch.utils.data.DataLoader(
+        _OffloadedStepDataset(expected), batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120
+    )
     assert list(loader) == [True] * 4
 
 
@@ -472,13 +475,17 @@ def _sac_step(hooks, allow_mutation, x, w):
     return x.grad, w.grad
 
 
-@pytest.mark.skipif("respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
-                    reason="torch without respect_saved_tensors_hooks (its cache bypasses saved-tensor hooks)")
+@pytest.mark.skipif(
+    "respect_saved_tensors_hooks" not in TORCH_KEYWORDS,
+    reason="torch without respect_saved_tensors_hooks (its cache bypasses saved-tensor hooks)",
+)
 @pytest.mark.parametrize("min_bytes", [0, 1 << 30], ids=["offloaded", "kept"])
 def test_selective_checkpoint_allow_cache_entry_mutation_is_honoured(pool, min_bytes):
     def inputs():
         g = torch.Generator().manual_seed(3)
-        return torch.randn(64, 64, generator=g, requires_grad=True), torch.randn(64, 64, generator=g, requires_grad=True)
+        return torch.randn(64, 64, generator=g, requires_grad=True), torch.randn(
+            64, 64, generator=g, requires_grad=True
+        )
 
     # Offloading returns the copy made when SAC cached the tensor (a clone at pack time: what
     # save_on_cpu returns on a GPU; on CPU its .cpu() is the tensor itself), whether the copy

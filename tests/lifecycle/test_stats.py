@@ -114,8 +114,9 @@ def test_docs_list_every_stats_key_and_keep_reason():
     missing = [k for k, _ in _C.stats_keys() if k not in named] + [r for r in _C.keep_reasons() if r not in named]
     assert missing == [], f"docs/api.md does not name {missing}"
     doc = co.offload.stats.__doc__
-    missing = [k for k, _ in _C.stats_keys() if f"``{k}``" not in doc] + \
-              [r for r in _C.keep_reasons() if f"``{r}``" not in doc]
+    missing = [k for k, _ in _C.stats_keys() if f"``{k}``" not in doc] + [
+        r for r in _C.keep_reasons() if f"``{r}``" not in doc
+    ]
     assert missing == [], f"co.offload.stats's docstring does not name {missing}"
 
 
@@ -140,10 +141,10 @@ def test_pool_reset_peak_sets_every_peak_of_the_table_back():
     s = pool.stats()
     peaks = [k for k in s if k.startswith("peak_")]
     assert peaks == ["peak_bytes_in_use", "peak_bytes_reserved"]
-    assert all(s[k] > s[k[len("peak_"):]] for k in peaks), s  # the test would see a peak left alone
+    assert all(s[k] > s[k[len("peak_") :]] for k in peaks), s  # the test would see a peak left alone
     pool.reset_peak()
     after = pool.stats()
-    assert all(after[k] == after[k[len("peak_"):]] > 0 for k in peaks), after
+    assert all(after[k] == after[k[len("peak_") :]] > 0 for k in peaks), after
     del small
 
 
@@ -409,8 +410,14 @@ def test_host_pool_takes_size_strings(tmp_path):
     pool.max_bytes = "2 MiB"
     assert pool.max_bytes == 2 * MiB
     assert pool.reserve("1MiB") >= MiB
-    spill = co.HostPool(pinned=False, max_bytes="1MiB", spill_dir=str(tmp_path), spill_max_bytes="64MiB",
-                        spill_file_bytes="8MiB", spill_staging_bytes="2MiB")
+    spill = co.HostPool(
+        pinned=False,
+        max_bytes="1MiB",
+        spill_dir=str(tmp_path),
+        spill_max_bytes="64MiB",
+        spill_file_bytes="8MiB",
+        spill_staging_bytes="2MiB",
+    )
     assert spill.max_bytes == MiB
 
 
@@ -425,11 +432,14 @@ def test_plan_takes_size_strings():
         co.plan(model, lambda: None, budget="1MiB", costs=costs, offload={"devices": ["cpu"], "min_bytes": "lots"})
 
 
-@pytest.mark.parametrize("call", [
-    lambda: co.offload(devices=["cpu"], min_bytes="lots"),
-    lambda: co.HostPool(pinned=False, max_bytes="12 parsecs"),
-    lambda: co.HostPool(pinned=False).set_max_bytes("-1MiB"),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: co.offload(devices=["cpu"], min_bytes="lots"),
+        lambda: co.HostPool(pinned=False, max_bytes="12 parsecs"),
+        lambda: co.HostPool(pinned=False).set_max_bytes("-1MiB"),
+    ],
+)
 def test_bad_size_strings_name_the_argument(call):
     with pytest.raises(ValueError, match=r"(min_bytes|max_bytes): cannot read .* as bytes; write e.g. '2GiB'"):
         call()

@@ -46,8 +46,14 @@ def main(out_dir: str, node_max_bytes: str, spill_dir: str) -> None:
         dist.barrier()  # every rank's pool fills at about the same time
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pool = co.HostPool(max_bytes="auto", node_max_bytes=int(node_max_bytes), pinned=False,
-                               segment_bytes=64 << 10, spill_dir=spill_dir, spill_staging_bytes=256 << 10)
+            pool = co.HostPool(
+                max_bytes="auto",
+                node_max_bytes=int(node_max_bytes),
+                pinned=False,
+                segment_bytes=64 << 10,
+                spill_dir=spill_dir,
+                spill_staging_bytes=256 << 10,
+            )
             ctx = co.offload(devices=["cpu"], min_bytes=0, pool=pool)
             got = train(ctx)
         co.synchronize()

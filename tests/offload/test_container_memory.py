@@ -32,15 +32,17 @@ HOST_AVAILABLE = 64 * GiB  # the fake host's MemAvailable: far above every fake 
 V2_MOUNT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw"
 
 
-def fake_host(root: Path, cgroup: str, mountinfo: list[str], files: dict[str, str],
-              mem_available: int = HOST_AVAILABLE) -> Path:
+def fake_host(
+    root: Path, cgroup: str, mountinfo: list[str], files: dict[str, str], mem_available: int = HOST_AVAILABLE
+) -> Path:
     """A /proc and /sys tree under ``root``: this process's cgroup lines, its mounts, the host's
     MemAvailable and the cgroup files (``{"/sys/fs/cgroup/x/memory.max": "1073741824"}``)."""
     (root / "proc/self").mkdir(parents=True)
     (root / "proc/self/cgroup").write_text(cgroup)
     (root / "proc/self/mountinfo").write_text("\n".join(mountinfo) + "\n")
-    (root / "proc/meminfo").write_text(f"MemTotal:       {2 * mem_available // 1024} kB\n"
-                                       f"MemAvailable:   {mem_available // 1024} kB\n")
+    (root / "proc/meminfo").write_text(
+        f"MemTotal:       {2 * mem_available // 1024} kB\nMemAvailable:   {mem_available // 1024} kB\n"
+    )
     for path, text in files.items():
         p = root / path.lstrip("/")
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -51,8 +53,10 @@ def fake_host(root: Path, cgroup: str, mountinfo: list[str], files: dict[str, st
 @pytest.fixture
 def host(tmp_path, monkeypatch):
     """Builds a fake host (fake_host's arguments) and points the budget's reads at it."""
+
     def make(*args, **kwargs):
         monkeypatch.setattr(_host_memory, "_ROOT", str(fake_host(tmp_path, *args, **kwargs)))
+
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     return make
 
@@ -63,9 +67,15 @@ def stat(**fields) -> str:
 
 def test_v2_limit_less_usage_plus_inactive_page_cache_bounds_the_budget(host):
     d = "/sys/fs/cgroup/kubepods/pod1/ctr"
-    host("0::/kubepods/pod1/ctr\n", [V2_MOUNT], {
-        f"{d}/memory.max": str(2 * GiB), f"{d}/memory.current": str(3 * GiB // 2),
-        f"{d}/memory.stat": stat(active_file=200 * MiB, inactive_file=GiB)})
+    host(
+        "0::/kubepods/pod1/ctr\n",
+        [V2_MOUNT],
+        {
+            f"{d}/memory.max": str(2 * GiB),
+            f"{d}/memory.current": str(3 * GiB // 2),
+            f"{d}/memory.stat": stat(active_file=200 * MiB, inactive_file=GiB),
+        },
+    )
     headroom = 2 * GiB - 3 * GiB // 2 + GiB  # inactive page cache counts as free, active does not
     pool = co.HostPool(max_bytes="auto", pinned=False, local_world_size=2)
     share = pool.share
@@ -73,18 +83,32 @@ def test_v2_limit_less_usage_plus_inactive_page_cache_bounds_the_budget(host):
     assert share["available_bytes"] == headroom
     assert share["node_max_bytes"] == headroom // 2  # host_fraction 0.5
     assert pool.max_bytes == headroom // 2 // 2 // 4096 * 4096
-    assert share["cgroup"] == {"version": 2, "path": f"{d}/memory.max", "limit": 2 * GiB,
-                               "usage": 3 * GiB // 2, "reclaimable": GiB, "headroom": headroom}
+    assert share["cgroup"] == {
+        "version": 2,
+        "path": f"{d}/memory.max",
+        "limit": 2 * GiB,
+        "usage": 3 * GiB // 2,
+        "reclaimable": GiB,
+        "headroom": headroom,
+    }
 
 
 def test_v2_nested_parent_limit_binds_and_max_is_no_limit(host):
     pod, ctr = "/sys/fs/cgroup/kubepods/pod1", "/sys/fs/cgroup/kubepods/pod1/ctr"
-    host("0::/kubepods/pod1/ctr\n", [V2_MOUNT], {
-        f"{ctr}/memory.max": "max", f"{ctr}/memory.current": str(100 * MiB), f"{ctr}/memory.stat": stat(),
-        # /sys/fs/cgroup/kubepods has no files at all: skipped; the root has no memory.max.
-        f"{pod}/memory.max": str(GiB), f"{pod}/memory.current": str(900 * MiB),
-        f"{pod}/memory.stat": stat(inactive_file=60 * MiB),
-        "/sys/fs/cgroup/memory.stat": stat(inactive_file=10 * GiB)})
+    host(
+        "0::/kubepods/pod1/ctr\n",
+        [V2_MOUNT],
+        {
+            f"{ctr}/memory.max": "max",
+            f"{ctr}/memory.current": str(100 * MiB),
+            f"{ctr}/memory.stat": stat(),
+            # /sys/fs/cgroup/kubepods has no files at all: skipped; the root has no memory.max.
+            f"{pod}/memory.max": str(GiB),
+            f"{pod}/memory.current": str(900 * MiB),
+            f"{pod}/memory.stat": stat(inactive_file=60 * MiB),
+            "/sys/fs/cgroup/memory.stat": stat(inactive_file=10 * GiB),
+        },
+    )
     cg = _host_memory.cgroup_headroom()
     assert cg["path"] == f"{pod}/memory.max" and cg["headroom"] == GiB - 900 * MiB + 60 * MiB
     assert _host_memory.available()["bounded_by"] == f"cgroup v2 {pod}/memory.max"
@@ -92,17 +116,27 @@ def test_v2_nested_parent_limit_binds_and_max_is_no_limit(host):
 
 def test_v2_memory_high_below_max_binds(host):
     d = "/sys/fs/cgroup/job"
-    host("0::/job\n", [V2_MOUNT], {
-        f"{d}/memory.max": str(4 * GiB), f"{d}/memory.high": str(3 * GiB),
-        f"{d}/memory.current": str(GiB), f"{d}/memory.stat": stat(inactive_file=0)})
+    host(
+        "0::/job\n",
+        [V2_MOUNT],
+        {
+            f"{d}/memory.max": str(4 * GiB),
+            f"{d}/memory.high": str(3 * GiB),
+            f"{d}/memory.current": str(GiB),
+            f"{d}/memory.stat": stat(inactive_file=0),
+        },
+    )
     cg = _host_memory.cgroup_headroom()
     assert (cg["path"], cg["headroom"]) == (f"{d}/memory.high", 2 * GiB)
 
 
 def test_v2_all_max_leaves_mem_available(host):
     d = "/sys/fs/cgroup/user.slice"
-    host("0::/user.slice\n", [V2_MOUNT], {f"{d}/memory.max": "max", f"{d}/memory.high": "max",
-                                          f"{d}/memory.current": str(GiB)})
+    host(
+        "0::/user.slice\n",
+        [V2_MOUNT],
+        {f"{d}/memory.max": "max", f"{d}/memory.high": "max", f"{d}/memory.current": str(GiB)},
+    )
     assert _host_memory.cgroup_headroom() is None
     pool = co.HostPool(max_bytes="auto", pinned=False)
     assert pool.share["bounded_by"] == "MemAvailable"
@@ -111,8 +145,12 @@ def test_v2_all_max_leaves_mem_available(host):
 
 def test_mem_available_below_the_cgroup_headroom_binds(host):
     d = "/sys/fs/cgroup/job"
-    host("0::/job\n", [V2_MOUNT], {f"{d}/memory.max": str(32 * GiB), f"{d}/memory.current": str(GiB)},
-         mem_available=8 * GiB)
+    host(
+        "0::/job\n",
+        [V2_MOUNT],
+        {f"{d}/memory.max": str(32 * GiB), f"{d}/memory.current": str(GiB)},
+        mem_available=8 * GiB,
+    )
     mem = _host_memory.available()
     assert mem["bounded_by"] == "MemAvailable" and mem["available_bytes"] == 8 * GiB
     assert mem["cgroup"]["headroom"] == 31 * GiB
@@ -122,12 +160,20 @@ def test_v1_container_view_with_hierarchical_limit(host):
     # Docker without a cgroup namespace: /proc/self/cgroup names the full path, the mount's root
     # is that cgroup, so its files are at the mount point itself.
     m = "/sys/fs/cgroup/memory"
-    host("12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n0::/\n", [
-        f"35 31 0:32 /docker/abc {m} ro,nosuid - cgroup cgroup rw,memory",
-        "36 31 0:33 /docker/abc /sys/fs/cgroup/cpu,cpuacct ro - cgroup cgroup rw,cpu,cpuacct",
-    ], {f"{m}/memory.limit_in_bytes": V1_UNLIMITED, f"{m}/memory.usage_in_bytes": str(400 * MiB),
-        f"{m}/memory.stat": stat(inactive_file=5 * MiB, total_inactive_file=100 * MiB,
-                                 hierarchical_memory_limit=GiB)})
+    host(
+        "12:memory:/docker/abc\n11:cpu,cpuacct:/docker/abc\n0::/\n",
+        [
+            f"35 31 0:32 /docker/abc {m} ro,nosuid - cgroup cgroup rw,memory",
+            "36 31 0:33 /docker/abc /sys/fs/cgroup/cpu,cpuacct ro - cgroup cgroup rw,cpu,cpuacct",
+        ],
+        {
+            f"{m}/memory.limit_in_bytes": V1_UNLIMITED,
+            f"{m}/memory.usage_in_bytes": str(400 * MiB),
+            f"{m}/memory.stat": stat(
+                inactive_file=5 * MiB, total_inactive_file=100 * MiB, hierarchical_memory_limit=GiB
+            ),
+        },
+    )
     cg = _host_memory.cgroup_headroom()
     assert cg["version"] == 1 and cg["path"] == f"{m}/memory.stat:hierarchical_memory_limit"
     assert cg["headroom"] == GiB - 400 * MiB + 100 * MiB  # total_inactive_file: the hierarchy's
@@ -136,13 +182,20 @@ def test_v1_container_view_with_hierarchical_limit(host):
 def test_v1_own_limit_in_a_hybrid_layout(host):
     # v1 memory next to a cgroup2 mount without the memory controller (systemd's hybrid layout).
     d = "/sys/fs/cgroup/memory/slurm/uid_0/job_7"
-    host("4:memory:/slurm/uid_0/job_7\n0::/\n", [
-        "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory",
-        "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw",
-    ], {f"{d}/memory.limit_in_bytes": str(2 * GiB), f"{d}/memory.usage_in_bytes": str(GiB),
-        f"{d}/memory.stat": stat(total_inactive_file=0, hierarchical_memory_limit=2 * GiB),
-        "/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
-        "/sys/fs/cgroup/unified/cgroup.controllers": "hugetlb"})
+    host(
+        "4:memory:/slurm/uid_0/job_7\n0::/\n",
+        [
+            "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory",
+            "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw",
+        ],
+        {
+            f"{d}/memory.limit_in_bytes": str(2 * GiB),
+            f"{d}/memory.usage_in_bytes": str(GiB),
+            f"{d}/memory.stat": stat(total_inactive_file=0, hierarchical_memory_limit=2 * GiB),
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
+            "/sys/fs/cgroup/unified/cgroup.controllers": "hugetlb",
+        },
+    )
     cg = _host_memory.cgroup_headroom()
     assert (cg["version"], cg["path"], cg["headroom"]) == (1, f"{d}/memory.limit_in_bytes", GiB)
 
@@ -150,8 +203,11 @@ def test_v1_own_limit_in_a_hybrid_layout(host):
 @pytest.mark.parametrize("missing", ["usage", "stat", "limit", "proc_cgroup", "mountinfo"])
 def test_missing_files(host, tmp_path, missing):
     d = "/sys/fs/cgroup/job"
-    files = {f"{d}/memory.max": str(2 * GiB), f"{d}/memory.current": str(GiB),
-             f"{d}/memory.stat": stat(inactive_file=GiB // 2)}
+    files = {
+        f"{d}/memory.max": str(2 * GiB),
+        f"{d}/memory.current": str(GiB),
+        f"{d}/memory.stat": stat(inactive_file=GiB // 2),
+    }
     files.pop({"usage": f"{d}/memory.current", "stat": f"{d}/memory.stat"}.get(missing, ""), None)
     if missing == "limit":
         files.pop(f"{d}/memory.max")
@@ -171,15 +227,17 @@ def test_missing_files(host, tmp_path, missing):
 
 
 def test_path_outside_the_mounts_view_uses_the_mount(host):
-    host("0::/../sibling\n", [V2_MOUNT], {"/sys/fs/cgroup/memory.max": str(GiB),
-                                          "/sys/fs/cgroup/memory.current": "0"})
+    host("0::/../sibling\n", [V2_MOUNT], {"/sys/fs/cgroup/memory.max": str(GiB), "/sys/fs/cgroup/memory.current": "0"})
     assert _host_memory.cgroup_headroom()["path"] == "/sys/fs/cgroup/memory.max"
 
 
 def test_node_max_bytes_past_the_cgroup_warns_naming_both_and_is_lowered(host):
     d = "/sys/fs/cgroup/job"
-    host("0::/job\n", [V2_MOUNT], {f"{d}/memory.max": str(2 * GiB), f"{d}/memory.current": str(GiB),
-                                   f"{d}/memory.stat": stat(inactive_file=0)})
+    host(
+        "0::/job\n",
+        [V2_MOUNT],
+        {f"{d}/memory.max": str(2 * GiB), f"{d}/memory.current": str(GiB), f"{d}/memory.stat": stat(inactive_file=0)},
+    )
     with pytest.warns(UserWarning) as record:
         pool = co.HostPool(max_bytes="auto", node_max_bytes="4GiB", pinned=False)
     msg = str(record[0].message)
@@ -195,8 +253,11 @@ def test_node_max_bytes_past_the_cgroup_warns_naming_both_and_is_lowered(host):
 
 def test_a_full_cgroup_leaves_no_share_and_says_which_limit(host):
     d = "/sys/fs/cgroup/job"
-    host("0::/job\n", [V2_MOUNT], {f"{d}/memory.max": str(GiB), f"{d}/memory.current": str(GiB),
-                                   f"{d}/memory.stat": stat(inactive_file=0)})
+    host(
+        "0::/job\n",
+        [V2_MOUNT],
+        {f"{d}/memory.max": str(GiB), f"{d}/memory.current": str(GiB), f"{d}/memory.stat": stat(inactive_file=0)},
+    )
     with pytest.raises(ValueError, match=f"cgroup v2 {d}/memory.max.*container's memory limit"):
         co.HostPool(max_bytes="auto", pinned=False)
 
@@ -252,11 +313,20 @@ def test_real_cgroup_limit_bounds_the_pool_and_the_process_survives(tmp_path):
     except OSError as e:
         pytest.skip(f"cannot create a memory cgroup under {parent}: {e}")
     try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1",
-               "PYTHONPATH": os.pathsep.join([str(Path(co.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "LOCAL_WORLD_SIZE": "1",
+            "PYTHONPATH": os.pathsep.join([str(Path(co.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        }
         # The shell joins the cgroup, then becomes Python: everything the pool takes is charged there.
-        proc = subprocess.run(["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" -c "$1"',
-                               sys.executable, CHILD], env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" -c "$1"', sys.executable, CHILD],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         cgroup.rmdir()
     assert proc.returncode == 0, f"child died (rc {proc.returncode}; -9: killed at the limit): {proc.stderr[-2000:]}"

@@ -1,5 +1,6 @@
 """co.offload as a decorator and co.keep(): a region (or a decorated function) inside an offload
 context that keeps its saved tensors on the device, with gradients unchanged."""
+
 import torch
 from torch import nn
 

@@ -8,8 +8,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import (assert_bit_identical, cpu_offload, device_bytes_saved, grads_of, hypothesis_examples,
-                      run_a_backward)
+from conftest import (
+    assert_bit_identical,
+    cpu_offload,
+    device_bytes_saved,
+    grads_of,
+    hypothesis_examples,
+    run_a_backward,
+)
 
 import ckpt_offload as co
 
@@ -271,8 +277,8 @@ def test_gpt2_grads_bit_identical(pool, stream):
 # Property: any views of one storage, packed in any order.
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 
 @st.composite
@@ -420,7 +426,7 @@ def test_a_tensor_saved_twice_unpacks_to_one_tensor(pool, stream, retain, device
     x, w = torch.randn(3, device=device, requires_grad=True), torch.randn(8, 8, device=device)
     with co.offload(pool=pool, stream=stream, devices=[device], min_bytes=0) as ctx:
         y = SavesTwice.apply(x, w)
-    for second in ([False, True] if retain else [False]):
+    for second in [False, True] if retain else [False]:
         y.sum().backward(retain_graph=retain)
         a, b, c = SavesTwice.seen
         assert (a is b) != second and c is not a

@@ -216,8 +216,16 @@ def test_small_file_system_full(tmp_path):
         assert pool.stats()["disk"]["num_cap_hits"] == 0
         print("OK", s["kept_by_reason"], s["tensors_spilled"])
     """)
-    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-           f'mount -t tmpfs -o size=2m tmpfs "{d}" || exit 77; exec "{sys.executable}" -c "$0"', script]
+    cmd = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size=2m tmpfs "{d}" || exit 77; exec "{sys.executable}" -c "$0"',
+        script,
+    ]
     r = run_child(cmd)
     if r.returncode == 77:
         pytest.skip("cannot mount a tmpfs here: " + r.stderr.strip()[:200])
@@ -236,6 +244,7 @@ def test_nothing_left_after_graph_dies_or_backward_raises(spill_dir):
     del y
     gc.collect()
     _assert_all_back(pool)
+
     # A backward that raises halfway (after some blocks were read back and prefetched).
     def boom(grad):
         raise RuntimeError("boom")

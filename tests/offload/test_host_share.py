@@ -38,18 +38,31 @@ def test_auto_divides_node_budget_between_local_ranks(monkeypatch):
     pool = co.HostPool(max_bytes="auto", node_max_bytes="1MiB", pinned=False)
     share = (1 << 20) // 3 // 4096 * 4096  # rounded down to whole pages: 3 shares fit in the budget
     assert pool.max_bytes == share
-    assert {k: pool.share[k] for k in ("max_bytes", "node_max_bytes", "local_world_size", "host_fraction",
-                                       "bounded_by")} == {"max_bytes": share, "node_max_bytes": 1 << 20,
-                                                          "local_world_size": 3, "host_fraction": None,
-                                                          "bounded_by": "node_max_bytes"}
+    assert {
+        k: pool.share[k] for k in ("max_bytes", "node_max_bytes", "local_world_size", "host_fraction", "bounded_by")
+    } == {
+        "max_bytes": share,
+        "node_max_bytes": 1 << 20,
+        "local_world_size": 3,
+        "host_fraction": None,
+        "bounded_by": "node_max_bytes",
+    }
     # local_world_size= overrides the environment.
     assert co.HostPool(max_bytes="auto", node_max_bytes="1MiB", local_world_size=4, pinned=False).max_bytes == 1 << 18
 
 
 def test_auto_uses_a_fraction_of_available_memory(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(_host_memory, "available", lambda: {"available_bytes": 100 << 20, "bounded_by": "MemAvailable",
-                                                            "mem_available": 100 << 20, "cgroup": None})
+    monkeypatch.setattr(
+        _host_memory,
+        "available",
+        lambda: {
+            "available_bytes": 100 << 20,
+            "bounded_by": "MemAvailable",
+            "mem_available": 100 << 20,
+            "cgroup": None,
+        },
+    )
     pool = co.HostPool(max_bytes="auto", pinned=False)
     assert pool.share["host_fraction"] == pool_module.DEFAULT_HOST_FRACTION == 0.5
     assert pool.max_bytes == (50 << 20) // 2
@@ -64,15 +77,21 @@ def test_auto_reads_real_available_memory():
     assert abs(available - meminfo["MemAvailable"]) < (256 << 20)  # read moments apart
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_bytes="auto", node_max_bytes="1MiB", host_fraction=0.5), "node_max_bytes or host_fraction, not both"),
-    (dict(max_bytes="auto", host_fraction=0), r"host_fraction must be a number in \(0, 1\]"),
-    (dict(max_bytes="auto", host_fraction=1.5), r"host_fraction must be a number in \(0, 1\]"),
-    (dict(max_bytes="auto", node_max_bytes=4096, local_world_size=8), "LOCAL_WORLD_SIZE=8 local ranks leave 0 bytes"),
-    (dict(max_bytes=1 << 20, node_max_bytes="1MiB"), "node_max_bytes needs max_bytes='auto'"),
-    (dict(host_fraction=0.5), "host_fraction needs max_bytes='auto'"),
-    (dict(max_bytes="auto", local_world_size=0), "local_world_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_bytes="auto", node_max_bytes="1MiB", host_fraction=0.5), "node_max_bytes or host_fraction, not both"),
+        (dict(max_bytes="auto", host_fraction=0), r"host_fraction must be a number in \(0, 1\]"),
+        (dict(max_bytes="auto", host_fraction=1.5), r"host_fraction must be a number in \(0, 1\]"),
+        (
+            dict(max_bytes="auto", node_max_bytes=4096, local_world_size=8),
+            "LOCAL_WORLD_SIZE=8 local ranks leave 0 bytes",
+        ),
+        (dict(max_bytes=1 << 20, node_max_bytes="1MiB"), "node_max_bytes needs max_bytes='auto'"),
+        (dict(host_fraction=0.5), "host_fraction needs max_bytes='auto'"),
+        (dict(max_bytes="auto", local_world_size=0), "local_world_size"),
+    ],
+)
 def test_auto_bad_arguments(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         co.HostPool(pinned=False, **kwargs)
@@ -149,8 +168,11 @@ def test_auto_share_full_without_spill_dir_warns_naming_the_option(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", f"test-{uuid.uuid4().hex}")  # a launch of its own: a fresh marker
     pool = co.HostPool(max_bytes="auto", node_max_bytes=4 * 65536, pinned=False, segment_bytes=65536)
     plain = _train()
-    with pytest.warns(UserWarning, match=r"max_bytes='auto'.*node_max_bytes=262144.*LOCAL_WORLD_SIZE=4.*"
-                                         r"65536 bytes per rank.*kept_by_reason\['pool_full'\].*spill_dir="):
+    with pytest.warns(
+        UserWarning,
+        match=r"max_bytes='auto'.*node_max_bytes=262144.*LOCAL_WORLD_SIZE=4.*"
+        r"65536 bytes per rank.*kept_by_reason\['pool_full'\].*spill_dir=",
+    ):
         got = _train(pool)
     for a, b in zip(plain, got):
         assert torch.equal(a, b)
@@ -222,12 +244,19 @@ def test_each_launch_from_one_parent_and_port_warns_and_leaves_no_marker():
     import tempfile
 
     port = f"test-{uuid.uuid4().hex}"
-    env = dict(os.environ, LOCAL_WORLD_SIZE="2", MASTER_PORT=port, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(Path(co.__file__).resolve().parent.parent),
-                                                       os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        LOCAL_WORLD_SIZE="2",
+        MASTER_PORT=port,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(Path(co.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH")) if p
+        ),
+    )
     for launch in range(2):
-        rank = subprocess.run([sys.executable, "-c", _LAUNCHED_RANK], env=env, capture_output=True, text=True,
-                              timeout=120)
+        rank = subprocess.run(
+            [sys.executable, "-c", _LAUNCHED_RANK], env=env, capture_output=True, text=True, timeout=120
+        )
         assert rank.returncode == 0, f"launch {launch}:\n{rank.stderr[-3000:]}"
         said = json.loads(rank.stdout.strip().splitlines()[-1])
         assert len(said) == 1 and "LOCAL_WORLD_SIZE=2" in said[0], f"launch {launch}: {said}"

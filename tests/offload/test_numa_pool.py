@@ -30,6 +30,7 @@ def real_memory_nodes() -> list[int]:
 @pytest.fixture
 def fake_sysfs(tmp_path, monkeypatch):
     """A sysfs with the given nodes with memory and the fake GPU's node (None: no file)."""
+
     def make(has_memory: str, gpu_node: str | None, gpu=(0, GPU_ADDRESS), device_count: int = 1):
         (tmp_path / "sys/devices/system/node").mkdir(parents=True)
         (tmp_path / "sys/devices/system/node/has_memory").write_text(has_memory + "\n")
@@ -40,12 +41,12 @@ def fake_sysfs(tmp_path, monkeypatch):
         monkeypatch.setattr(_numa, "_ROOT", str(tmp_path))
         monkeypatch.setattr(_numa, "_current_gpu", lambda: gpu)
         monkeypatch.setattr(_numa, "_device_count", lambda: device_count)
+
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return make
 
 
-@pytest.mark.parametrize("text, nodes", [("0", [0]), ("0-1", [0, 1]), ("0-1,3\n", [0, 1, 3]), ("", []),
-                                         ("0-x", [])])
+@pytest.mark.parametrize("text, nodes", [("0", [0]), ("0-1", [0, 1]), ("0-1,3\n", [0, 1, 3]), ("", []), ("0-x", [])])
 def test_parse_node_list(text, nodes):
     assert _numa.parse_node_list(text) == nodes
 
@@ -60,13 +61,16 @@ def test_auto_takes_the_gpus_node(fake_sysfs):
     assert _numa.resolve("auto") == (1, f"GPU 0 ({GPU_ADDRESS}) is on node 1")
 
 
-@pytest.mark.parametrize("has_memory, gpu_node, gpu, reason", [
-    ("0-1", "1", None, "no usable GPU"),
-    ("0", "0", (0, GPU_ADDRESS), "one NUMA node with memory (0): nothing to choose"),
-    ("0-1", "-1", (0, GPU_ADDRESS), f"sysfs gives GPU 0 ({GPU_ADDRESS}) no NUMA node"),
-    ("0-1", None, (0, GPU_ADDRESS), f"sysfs gives GPU 0 ({GPU_ADDRESS}) no NUMA node"),
-    ("0-1", "2", (0, GPU_ADDRESS), f"GPU 0 ({GPU_ADDRESS}) is on node 2, which has no memory"),
-])
+@pytest.mark.parametrize(
+    "has_memory, gpu_node, gpu, reason",
+    [
+        ("0-1", "1", None, "no usable GPU"),
+        ("0", "0", (0, GPU_ADDRESS), "one NUMA node with memory (0): nothing to choose"),
+        ("0-1", "-1", (0, GPU_ADDRESS), f"sysfs gives GPU 0 ({GPU_ADDRESS}) no NUMA node"),
+        ("0-1", None, (0, GPU_ADDRESS), f"sysfs gives GPU 0 ({GPU_ADDRESS}) no NUMA node"),
+        ("0-1", "2", (0, GPU_ADDRESS), f"GPU 0 ({GPU_ADDRESS}) is on node 2, which has no memory"),
+    ],
+)
 def test_auto_places_nothing_without_a_known_node(fake_sysfs, has_memory, gpu_node, gpu, reason):
     fake_sysfs(has_memory, gpu_node, gpu)
     assert _numa.resolve("auto") == (None, reason)
@@ -131,13 +135,16 @@ def test_default_pool_without_a_gpu_places_nothing():
     assert co.default_pool().stats()["numa_node"] is None
 
 
-@pytest.mark.parametrize("value, error, match", [
-    ("fast", ValueError, "numa_node must be 'auto', a node number or None"),
-    (True, TypeError, "numa_node must be an int"),
-    (1.0, TypeError, "numa_node must be an int"),
-    (-1, ValueError, "numa_node must be >= 0"),
-    (1 << 40, ValueError, "numa_node must be <= 1023"),
-])
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        ("fast", ValueError, "numa_node must be 'auto', a node number or None"),
+        (True, TypeError, "numa_node must be an int"),
+        (1.0, TypeError, "numa_node must be an int"),
+        (-1, ValueError, "numa_node must be >= 0"),
+        (1 << 40, ValueError, "numa_node must be <= 1023"),
+    ],
+)
 def test_bad_numa_node(value, error, match):
     with pytest.raises(error, match=match):
         co.HostPool(pinned=False, numa_node=value)
@@ -145,6 +152,9 @@ def test_bad_numa_node(value, error, match):
 
 def test_node_this_process_may_not_use_names_the_allowed_ones():
     nodes = real_memory_nodes()
-    with pytest.raises(ValueError, match=rf"numa_node=1000 is not a node this process may place memory on "
-                                         rf"\(allowed: {nodes[0]}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"numa_node=1000 is not a node this process may place memory on "
+        rf"\(allowed: {nodes[0]}",
+    ):
         co.HostPool(pinned=False, numa_node=1000)

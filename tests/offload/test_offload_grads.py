@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ckpt_offload as co
 from conftest import assert_bit_identical, cpu_offload, grads_of
 from helpers import Probe
 from models_for_tests import MLP, ConvNet, Transformer

@@ -217,7 +217,11 @@ def test_functional_parameter_use_is_not_offloaded(pool):
 
 def test_cpu_tensors_not_offloaded_unless_asked(pool):
     x = torch.randn(64, 64, requires_grad=True)
-    with pytest.warns(UserWarning, match="devices=\\['cpu'\\]") if not torch.cuda.is_available() else warnings.catch_warnings():
+    with (
+        pytest.warns(UserWarning, match="devices=\\['cpu'\\]")
+        if not torch.cuda.is_available()
+        else warnings.catch_warnings()
+    ):
         ctx = co.offload(pool=pool, min_bytes=0)
     with ctx:
         y = x.sin()
@@ -509,8 +513,17 @@ def test_stats_keys(pool):
     with cpu_offload(pool) as ctx:
         pass
     s = ctx.stats()
-    for key in ["tensors_offloaded", "bytes_offloaded", "tensors_kept", "bytes_kept", "kept_by_reason",
-                "tensors_deduplicated", "bytes_deduplicated", "tensors_reloaded", "bytes_reloaded"]:
+    for key in [
+        "tensors_offloaded",
+        "bytes_offloaded",
+        "tensors_kept",
+        "bytes_kept",
+        "kept_by_reason",
+        "tensors_deduplicated",
+        "bytes_deduplicated",
+        "tensors_reloaded",
+        "bytes_reloaded",
+    ]:
         assert key in s
     assert re.match(r"co\.offload\(min_bytes=0, stream='side', devices=\['cpu'\]", repr(ctx))
 

@@ -226,8 +226,9 @@ def test_batch_with_a_full_pool_keeps_tensors_on_the_device():
     s = ctx.stats()
     assert s["kept_by_reason"].get("pool_full", 0) > 0
     assert s["tensors_offloaded"] + s["kept_by_reason"]["pool_full"] >= 10
-    strict = cpu_offload(co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096), batch_below=64 * 1024,
-                         on_full="raise")
+    strict = cpu_offload(
+        co.HostPool(pinned=False, max_bytes=4096, segment_bytes=4096), batch_below=64 * 1024, on_full="raise"
+    )
     with pytest.raises(co.PoolFullError, match="batch of .* small saved tensors"), strict:
         model(x)
 
@@ -268,15 +269,17 @@ def test_chunk_plan_copies_like_plain_copies():
     the chunk size, empty copies, odd alignments, more copies than one launch holds."""
     chunk = co._C.BATCH_CHUNK_BYTES
     rng = random.Random(1)
-    sizes = [0, 1, 15, 16, 17, chunk - 1, chunk, chunk + 1, 3 * chunk + 5] + [rng.randrange(0, 3 * chunk) for _ in range(80)]
+    sizes = [0, 1, 15, 16, 17, chunk - 1, chunk, chunk + 1, 3 * chunk + 5] + [
+        rng.randrange(0, 3 * chunk) for _ in range(80)
+    ]
     src = torch.randint(0, 256, (sum(sizes) + 4096,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     segs, expected, offset = [], torch.zeros_like(src), 0
     for i, n in enumerate(sizes):
-        s_off = offset + (i % 7)       # misaligned sources
-        d_off = offset + (i % 13)      # and destinations, differently
+        s_off = offset + (i % 7)  # misaligned sources
+        d_off = offset + (i % 13)  # and destinations, differently
         segs.append((dst.data_ptr() + d_off, src.data_ptr() + s_off, n))
-        expected[d_off:d_off + n] = src[s_off:s_off + n]
+        expected[d_off : d_off + n] = src[s_off : s_off + n]
         offset += n + 16
     co._C.testing.copy_batch_on_host(segs)
     assert torch.equal(dst, expected)

@@ -1,6 +1,7 @@
 """The default prefetch window follows the model (Note [Prefetch window]): backward holds about
 the block it differentiates plus one block prefetched, not the whole step. Peaks are measured
 independently of ckpt_offload's counters, with torch.profiler's CPU memory events."""
+
 import pytest
 import torch
 from torch import nn
@@ -14,8 +15,9 @@ WIDTH, HIDDEN, ROWS = 256, 1024, 128  # one block saves 0.5 MiB + 0.5 MiB + 0.12
 
 def mlp(blocks: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH))
-                           for _ in range(blocks)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(WIDTH, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, WIDTH)) for _ in range(blocks)]
+    )
 
 
 def offload_step(model, x, **options):
@@ -24,6 +26,7 @@ def offload_step(model, x, **options):
             loss = model(x).sum()
         loss.backward()
         model.zero_grad(set_to_none=False)
+
     return step
 
 
@@ -31,6 +34,7 @@ def plain_step(model, x):
     def step():
         model(x).sum().backward()
         model.zero_grad(set_to_none=False)
+
     return step
 
 
@@ -72,8 +76,6 @@ def test_user_prefetch_bytes_is_a_fixed_window():
     assert s["prefetch_window_bytes"] == 2**20 and s["peak_prefetch_bytes"] <= 2**20
 
 
-
-
 @pytest.mark.parametrize("window", [None, 256 * 2**20])
 def test_checkpoint_with_offload_stays_flat_with_depth(window):
     x = torch.randn(ROWS, WIDTH, requires_grad=True)
@@ -84,10 +86,12 @@ def test_checkpoint_with_offload_stays_flat_with_depth(window):
         def step():
             h = x
             for block in model:
-                h = co.checkpoint(block, h, offload={"devices": ["cpu"], "pool": pool, "min_bytes": 0,
-                                                   "prefetch_bytes": window})
+                h = co.checkpoint(
+                    block, h, offload={"devices": ["cpu"], "pool": pool, "min_bytes": 0, "prefetch_bytes": window}
+                )
             h.sum().backward()
             model.zero_grad(set_to_none=False)
+
         pool = co.HostPool(pinned=False)
         return step_peak_bytes(step)
 

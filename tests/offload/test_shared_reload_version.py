@@ -143,8 +143,9 @@ def test_selective_checkpoint_of_a_same_layout_view_runs_as_torch(route):
         x = torch.randn(70000, generator=torch.Generator().manual_seed(0), requires_grad=True)
         idx = torch.arange(70000)
         if use_co:
-            y = co.checkpoint(gather_fn, x, idx, context_fn=context_fn,
-                              offload={"devices": ["cpu"], "min_bytes": 0, **ROUTES[route]})
+            y = co.checkpoint(
+                gather_fn, x, idx, context_fn=context_fn, offload={"devices": ["cpu"], "min_bytes": 0, **ROUTES[route]}
+            )
         else:
             y = checkpoint(gather_fn, x, idx, use_reentrant=False, context_fn=context_fn)
         y.backward()
@@ -180,7 +181,8 @@ def test_selective_offload_context_on_plain_attention_runs_as_torchs_selective_c
         ws = [torch.randn(32, 32, generator=g, requires_grad=True) for _ in range(3)]
         if use_co:
             context_fn = co.selective_offload_context(
-                size_policy, offload=dict(pool=pool, devices=["cpu"], min_bytes=0, **ROUTES[route]))
+                size_policy, offload=dict(pool=pool, devices=["cpu"], min_bytes=0, **ROUTES[route])
+            )
         else:
             context_fn = functools.partial(create_selective_checkpoint_contexts, save_policy)
         checkpoint(attention, x, *ws, use_reentrant=False, context_fn=context_fn).backward()

@@ -31,9 +31,27 @@ def sample(dtype, n=1 << 14, device="cpu", seed=0):
     """Values over many binades, with the edge cases of each format: subnormals, ties, overflow."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-30, 20, (n,), generator=g))
-    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 65504.0, 65520.0, 70000.0, 2.0 ** -24, 2.0 ** -25, 2.0 ** -14 * 0.75,
-                            3.0e38, -3.0e38, 1e-40, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11],
-                           dtype=torch.float64)
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            65504.0,
+            65520.0,
+            70000.0,
+            2.0**-24,
+            2.0**-25,
+            2.0**-14 * 0.75,
+            3.0e38,
+            -3.0e38,
+            1e-40,
+            1.0 + 2.0**-8,
+            1.0 + 3 * 2.0**-8,
+            1.0 + 2.0**-11,
+        ],
+        dtype=torch.float64,
+    )
     x = torch.cat([special, x])
     return x.to(dtype).to(device)
 
@@ -128,8 +146,11 @@ def test_fp8_scales_from_finite_values_and_keeps_infinities(src, fmt):
 
 
 def test_store_convert_refuses_what_is_stored_exactly():
-    for t, fmt in [(torch.ones(4, dtype=torch.int64), "bfloat16"), (torch.ones(4, dtype=torch.bfloat16), "float16"),
-                   (torch.ones(4, dtype=torch.float16), "bfloat16")]:
+    for t, fmt in [
+        (torch.ones(4, dtype=torch.int64), "bfloat16"),
+        (torch.ones(4, dtype=torch.bfloat16), "float16"),
+        (torch.ones(4, dtype=torch.float16), "bfloat16"),
+    ]:
         with pytest.raises(ValueError, match="does not convert"):
             _C._store_convert(t, fmt)
 
@@ -348,7 +369,7 @@ def test_measure_error_per_class():
     assert set(err) == {"float32->bfloat16", "float64->bfloat16"}
     for e in err.values():
         assert e["tensors"] == 1
-        assert 1e-4 < e["max_rel_error"] < 2.0 ** -8  # bf16: 8 significant bits
+        assert 1e-4 < e["max_rel_error"] < 2.0**-8  # bf16: 8 significant bits
     _, stats, _ = roundtrip(xs, store_dtype=torch.bfloat16)
     assert stats["store_error"] == {}  # off unless asked
 
@@ -362,8 +383,7 @@ def test_measure_error_classes_name_the_module_under_profile():
             loss = model(x).square().mean()  # square() saves its input outside every module
         loss.backward()
     err = ctx.stats()["store_error"]
-    assert set(err) == {"float32->bfloat16", "float32->bfloat16 @ 0", "float32->bfloat16 @ 1",
-                        "float32->bfloat16 @ 2"}
+    assert set(err) == {"float32->bfloat16", "float32->bfloat16 @ 0", "float32->bfloat16 @ 1", "float32->bfloat16 @ 2"}
     assert sum(e["tensors"] for e in err.values()) == ctx.stats()["tensors_converted"]
 
 
@@ -371,7 +391,7 @@ def test_measure_error_fp8_larger_than_bf16():
     x = [torch.randn(8192)]
     e4 = roundtrip(x, store_dtype=torch.float8_e4m3fn, measure_error=True)[1]["store_error"]["float32->float8_e4m3fn"]
     bf = roundtrip(x, store_dtype=torch.bfloat16, measure_error=True)[1]["store_error"]["float32->bfloat16"]
-    assert bf["max_rel_error"] < e4["max_rel_error"] < 2.0 ** -3
+    assert bf["max_rel_error"] < e4["max_rel_error"] < 2.0**-3
 
 
 # --- argument checks and routes --------------------------------------------------------------------------------
@@ -428,7 +448,9 @@ def test_apply_and_hf_routes_store_narrower_and_merge_stats():
         assert stats["tensors_converted"] > 0
         assert stats["bytes_stored"] < stats["bytes_offloaded"]
         err = stats["store_error"]["float32->bfloat16"]
-        assert err["tensors"] == stats["tensors_converted"] and 0 < err["mean_rel_error"] <= err["max_rel_error"] < 2.0 ** -8
+        assert (
+            err["tensors"] == stats["tensors_converted"] and 0 < err["mean_rel_error"] <= err["max_rel_error"] < 2.0**-8
+        )
         handle.remove()
 
 
@@ -464,8 +486,12 @@ def test_tiny_gpt2_training_error_bounded():
     # 1e-6 / 4e-4; e4m3: 2e-4 / 5e-2; e5m2: 6e-4 / 0.13), and the host bytes against exact
     # storage: a tensor saved twice is converted and stored once, as exact storage keeps one copy, so
     # 1/2 and 1/4 but for the int64 ids and the fp8 scales (measured: 0.5006 and 0.2515).
-    bounds = {torch.bfloat16: (1e-4, 1.5e-2, 0.505), torch.float16: (1e-5, 2e-3, 0.505),
-              torch.float8_e4m3fn: (1e-3, 0.2, 0.26), torch.float8_e5m2: (3e-3, 0.5, 0.26)}
+    bounds = {
+        torch.bfloat16: (1e-4, 1.5e-2, 0.505),
+        torch.float16: (1e-5, 2e-3, 0.505),
+        torch.float8_e4m3fn: (1e-3, 0.2, 0.26),
+        torch.float8_e5m2: (3e-3, 0.5, 0.26),
+    }
     for fmt, (loss_tol, grad_tol, byte_ratio) in bounds.items():
         losses, grads, stats = _train(fmt)
         assert stats["tensors_converted"] > 0

@@ -72,7 +72,7 @@ def attention(q, k, v, ctx, distinct):
     """softmax saves its output p; the bmm with v saves p reshaped (another layout, the same span)."""
     b, h, t, d = q.shape
     with ctx:
-        p = torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5, dim=-1)
+        p = torch.softmax(q @ k.transpose(-1, -2) / d**0.5, dim=-1)
         p2 = (p.clone() if distinct else p).reshape(b * h, t, t)
         out = torch.bmm(p2, v.reshape(b * h, t, d))
         loss = out.square().sum()
@@ -199,9 +199,9 @@ def test_a_new_version_of_the_span_is_converted_again():
     x = torch.randn(64, 64, requires_grad=True)
     with offloading(torch.bfloat16) as ctx:
         y = x * 1.0
-        a = y.sin()   # saves y at version 0
-        y.mul_(3.0)   # version 1: the bytes differ
-        b = y.cos()   # saves y again: not the stored copy
+        a = y.sin()  # saves y at version 0
+        y.mul_(3.0)  # version 1: the bytes differ
+        b = y.cos()  # saves y again: not the stored copy
     s = ctx.stats()
     assert s["tensors_deduplicated"] == 0 and s["tensors_converted"] >= 2
     del a, b, y  # the graph dies unpacked: the pool gets every block back (the fixture checks)
@@ -247,8 +247,16 @@ def test_shared_reload_is_one_storage_with_each_layout():
         @staticmethod
         def backward(ctx, g):
             y, v = ctx.saved_tensors
-            seen.append((y.untyped_storage().data_ptr(), v.untyped_storage().data_ptr(), v.size(), v.stride(),
-                         v.storage_offset() - y.storage_offset(), torch.equal(v, y.t())))
+            seen.append(
+                (
+                    y.untyped_storage().data_ptr(),
+                    v.untyped_storage().data_ptr(),
+                    v.size(),
+                    v.stride(),
+                    v.storage_offset() - y.storage_offset(),
+                    torch.equal(v, y.t()),
+                )
+            )
             return g * 2, None
 
     x = torch.randn(48, 80, requires_grad=True)
@@ -257,7 +265,7 @@ def test_shared_reload_is_one_storage_with_each_layout():
         out = Both.apply(y, y.t())
     out.sum().backward()
     assert ctx.stats()["tensors_deduplicated"] >= 1
-    (py_, pv, size, stride, off, same), = seen
+    ((py_, pv, size, stride, off, same),) = seen
     assert py_ == pv and size == (80, 48) and stride == (1, 80) and off == 0 and same
 
 
@@ -297,7 +305,7 @@ def test_partial_backward_leaves_nothing_behind():
     w = torch.randn(64, 64, requires_grad=True)
     with offloading(torch.bfloat16) as ctx:
         y = x.exp()
-        a = y.sin()          # saves y
+        a = y.sin()  # saves y
         b = y.reshape(32, 128) * w.reshape(32, 128)  # saves y reshaped (and w)
     torch.autograd.backward(a.sum(), inputs=[x])
     assert ctx.stats()["tensors_deduplicated"] >= 1

@@ -117,16 +117,25 @@ def test_demo_leads_with_the_recipe_and_the_bandwidth_arithmetic():
     assert bw["bandwidth_source"].startswith("measured by co.profile") and "CPU memcpy" in bw["bandwidth_source"]
     for name, compute in (("offload_everything", r["baseline"]), ("recipe", r["checkpoint"])):
         a = bw[name]
-        assert a["copy_s"] == pytest.approx(a["d2h_bytes"] / (bw["d2h_gbps"] * 1e9)
-                                            + a["h2d_bytes"] / (bw["h2d_gbps"] * 1e9))
+        assert a["copy_s"] == pytest.approx(
+            a["d2h_bytes"] / (bw["d2h_gbps"] * 1e9) + a["h2d_bytes"] / (bw["h2d_gbps"] * 1e9)
+        )
         assert a["compute_s"] == compute["median_step_s"]
         assert a["copy_over_compute"] == pytest.approx(a["copy_s"] / a["compute_s"])
     assert bw["offload_everything"]["d2h_bytes"] == r["bytes_offloaded_to_pool"]
     assert rc["time_ratio_vs_checkpoint"] == pytest.approx(
-        r["recipe_run"]["median_step_s"] / r["checkpoint"]["median_step_s"])
+        r["recipe_run"]["median_step_s"] / r["checkpoint"]["median_step_s"]
+    )
     text = format_report(r)
-    order = [text.index(k) for k in ("recommended: checkpointed blocks", "contrast: offload every saved tensor",
-                                     "bandwidth arithmetic", "offload everything, in detail")]
+    order = [
+        text.index(k)
+        for k in (
+            "recommended: checkpointed blocks",
+            "contrast: offload every saved tensor",
+            "bandwidth arithmetic",
+            "offload everything, in detail",
+        )
+    ]
     assert order == sorted(order)
     assert "co.apply(model, offload=True)" in text and "bit-identical to the baseline" in text
 
@@ -179,7 +188,11 @@ def test_info_subprocess(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(co.__file__)))
     p = subprocess.run(
-        [sys.executable, "-m", "ckpt_offload", "info"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [sys.executable, "-m", "ckpt_offload", "info"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env=env,
     )
     assert p.returncode == 0, p.stderr
@@ -305,8 +318,7 @@ def test_tiny_transformer_under_offload_matches():
 
 
 def test_demo_reports_device_peak_against_total_and_time_spread(tmp_path, capsys):
-    rc = main(["demo", "--size", "small", "--steps", "3", "--device", "cpu", "--no-progress",
-               "--out", str(tmp_path)])
+    rc = main(["demo", "--size", "small", "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
     r = json.loads((tmp_path / "demo.json").read_text())
@@ -356,7 +368,7 @@ def test_a_warning_during_a_progress_bar_is_printed_above_it():
         warnings.simplefilter("always")
         for i in _warnings_above(tqdm(range(3), desc="run", file=out, ascii=True)):
             if i == 1:
-                warnings.warn("a library warning")
+                warnings.warn("a library warning", stacklevel=1)
     assert warnings.showwarning is before  # restored after the bar
     lines = out.getvalue().replace("\r", "\n").splitlines()
     warned = [line for line in lines if "a library warning" in line]

@@ -49,8 +49,15 @@ def _blocks():
             before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
             skip = SKIP.search(before)
             nothing = OFFLOADS_NOTHING.search(before)
-            out.append((path, line, m.group(1), skip.group(1).strip() if skip else None,
-                        nothing.group(1).strip() if nothing else None))
+            out.append(
+                (
+                    path,
+                    line,
+                    m.group(1),
+                    skip.group(1).strip() if skip else None,
+                    nothing.group(1).strip() if nothing else None,
+                )
+            )
     return out
 
 
@@ -68,8 +75,9 @@ def test_the_docs_have_snippets_and_few_skips():
     assert all(reason for _, _, _, reason in SNIPPETS if reason is not None), "every skip marker gives a reason"
 
 
-@pytest.mark.parametrize("path,line,code,skip", SNIPPETS,
-                         ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _, _ in SNIPPETS])
+@pytest.mark.parametrize(
+    "path,line,code,skip", SNIPPETS, ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _, _ in SNIPPETS]
+)
 def test_snippet_runs(path, line, code, skip, tmp_path, monkeypatch):
     if skip is not None:
         pytest.skip(f"{path.name}:{line} opts out: {skip}")
@@ -81,7 +89,8 @@ def test_snippet_runs(path, line, code, skip, tmp_path, monkeypatch):
     reason = NOTHING_ON_PURPOSE.get((path, line))
     if reason is None:
         assert not offloaded_nothing, (
-            f"{path.name}:{line} offloads nothing, while its text says it offloads: {offloaded_nothing[0]}")
+            f"{path.name}:{line} offloads nothing, while its text says it offloads: {offloaded_nothing[0]}"
+        )
     else:
         assert reason, f"{path.name}:{line}: an 'offloads nothing' marker gives a reason"
 
@@ -108,17 +117,20 @@ def run_recording_offloaded_nothing(compiled, namespace, monkeypatch) -> list:
 
 def test_a_block_that_offloads_nothing_is_caught(monkeypatch):
     # The check itself: a block with every saved tensor under the default min_bytes.
-    code = ("import torch, ckpt_offload as co\n"
-            "x = torch.randn(4, requires_grad=True)\n"
-            "with co.offload(devices=['cpu']):\n"
-            "    y = (x * x).sum()\n"
-            "y.backward()\n")
-    found = run_recording_offloaded_nothing(compile(code, "example.md", "exec"), {"__name__": "__main__"},
-                                            monkeypatch)
+    code = (
+        "import torch, ckpt_offload as co\n"
+        "x = torch.randn(4, requires_grad=True)\n"
+        "with co.offload(devices=['cpu']):\n"
+        "    y = (x * x).sum()\n"
+        "y.backward()\n"
+    )
+    found = run_recording_offloaded_nothing(compile(code, "example.md", "exec"), {"__name__": "__main__"}, monkeypatch)
     assert found and "min_bytes" in found[0]
     fixed = code.replace("devices=['cpu']", "devices=['cpu'], min_bytes=0")
-    assert run_recording_offloaded_nothing(compile(fixed, "example.md", "exec"), {"__name__": "__main__"},
-                                           monkeypatch) == []
+    assert (
+        run_recording_offloaded_nothing(compile(fixed, "example.md", "exec"), {"__name__": "__main__"}, monkeypatch)
+        == []
+    )
 
 
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
@@ -176,8 +188,9 @@ def test_undefined_names_finds_what_a_block_does_not_define():
 SKIPPED = [(p, line, code, reason) for p, line, code, reason in SNIPPETS if reason is not None]
 
 
-@pytest.mark.parametrize("path,line,code,skip", SKIPPED,
-                         ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _, _ in SKIPPED])
+@pytest.mark.parametrize(
+    "path,line,code,skip", SKIPPED, ids=[f"{p.relative_to(ROOT)}:{line}" for p, line, _, _ in SKIPPED]
+)
 def test_skipped_snippet_fails_only_for_its_stated_reason(path, line, code, skip, tmp_path, monkeypatch):
     where = f"{path.relative_to(ROOT)}:{line}"
     missing = undefined_names(code)
@@ -193,8 +206,9 @@ def test_skipped_snippet_fails_only_for_its_stated_reason(path, line, code, skip
         exec(compiled, namespace)  # noqa: S102  (the block, as test_snippet_runs runs it)
     except Exception as e:  # noqa: BLE001  (expected: what the reason says is missing here)
         message = f"{type(e).__name__}: {e}"
-        assert any(re.search(p, message) for p in stated), \
+        assert any(re.search(p, message) for p in stated), (
             f"{where} fails for a reason its skip does not state ({skip!r}): {message}"
+        )
     else:
         pytest.fail(f"{where} runs here: remove its skip marker")
     finally:
@@ -265,16 +279,16 @@ def test_ci_runs_the_readmes_test_command_first_then_the_release_checks():
     readme = (ROOT / "README.md").read_text()
     assert "exec bash scripts/dev.sh ci" in ci
     assert "bash scripts/dev.sh test" in readme and "`bash scripts/dev.sh ci`" in readme
-    ci_branch = dev[dev.index("\n  ci)"):]
+    ci_branch = dev[dev.index("\n  ci)") :]
     ci_branch = ci_branch[: ci_branch.index(";;")]
     assert ci_branch.index("run_tests") < ci_branch.index("run_release_checks"), ci_branch
-    test_branch = dev[dev.index("\n  test)"):]
+    test_branch = dev[dev.index("\n  test)") :]
     test_branch = test_branch[: test_branch.index(";;")]
     assert "run_release_checks" not in test_branch  # the user's command stays the fast one
-    release = dev[dev.index("run_release_checks() {"):]
+    release = dev[dev.index("run_release_checks() {") :]
     release = release[: release.index("\n}\n")]
-    for check in ("CKPT_OFFLOAD_TSAN=ON", "check_torch_headers.sh", "check_sdist.sh"):
-        assert check in release and check not in dev[dev.index("run_tests() {"):dev.index("run_release_checks() {")]
+    for check in ("lint.sh", "CKPT_OFFLOAD_TSAN=ON", "check_torch_headers.sh", "check_sdist.sh"):
+        assert check in release and check not in dev[dev.index("run_tests() {") : dev.index("run_release_checks() {")]
 
 
 def test_each_option_is_described_once_and_the_docstrings_and_api_md_are_made_from_it():
@@ -301,7 +315,9 @@ def test_each_option_is_described_once_and_the_docstrings_and_api_md_are_made_fr
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     text = (ROOT / "docs" / "api.md").read_text()
-    assert script.rewritten(text) == text, "docs/api.md's options table is not current: run python scripts/option_docs.py"
+    assert script.rewritten(text) == text, (
+        "docs/api.md's options table is not current: run python scripts/option_docs.py"
+    )
     assert script.table() in text
 
 

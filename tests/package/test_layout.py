@@ -78,7 +78,9 @@ def import_graph() -> dict:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 found = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
                 continue
@@ -118,20 +120,36 @@ def test_no_import_circle_in_the_package():
 
 def test_lower_layers_import_nothing_above_them():
     graph = import_graph()
-    low = {"ckpt_offload._args", "ckpt_offload._runtime", "ckpt_offload._warn", "ckpt_offload._units",
-           "ckpt_offload._version", "ckpt_offload._torch_compat"}
+    low = {
+        "ckpt_offload._args",
+        "ckpt_offload._runtime",
+        "ckpt_offload._warn",
+        "ckpt_offload._units",
+        "ckpt_offload._version",
+        "ckpt_offload._torch_compat",
+    }
     for name in low:
         assert graph[name] <= low | {"ckpt_offload._build_config", "ckpt_offload._C"}, name
     # The engine layers never reach the planner, the integrations or the command line.
-    for name in ("ckpt_offload.options", "ckpt_offload.offloading", "ckpt_offload.checkpointing", "ckpt_offload.blocks"):
+    for name in (
+        "ckpt_offload.options",
+        "ckpt_offload.offloading",
+        "ckpt_offload.checkpointing",
+        "ckpt_offload.blocks",
+    ):
         reach, todo = set(), [name]
         while todo:
             for w in graph[todo.pop()]:
                 if w not in reach:
                     reach.add(w)
                     todo.append(w)
-        assert not {r for r in reach if r.startswith(("ckpt_offload.planner", "ckpt_offload.integrations",
-                                                       "ckpt_offload.cli", "ckpt_offload.demo"))}, name
+        assert not {
+            r
+            for r in reach
+            if r.startswith(
+                ("ckpt_offload.planner", "ckpt_offload.integrations", "ckpt_offload.cli", "ckpt_offload.demo")
+            )
+        }, name
 
 
 def _include_graph():
@@ -208,10 +226,15 @@ def test_no_public_name_shadows_a_submodule():
     assert isinstance(co.offload, type) and callable(co.checkpoint)
 
 
-@pytest.mark.parametrize("old, new", [("ckpt_offload.offload", "ckpt_offload.offloading"),
-                                      ("ckpt_offload.checkpoint", "ckpt_offload.checkpointing"),
-                                      ("ckpt_offload.planner.plan", "ckpt_offload.planner.planning"),
-                                      ("ckpt_offload.demo.cli", "ckpt_offload.cli")])
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("ckpt_offload.offload", "ckpt_offload.offloading"),
+        ("ckpt_offload.checkpoint", "ckpt_offload.checkpointing"),
+        ("ckpt_offload.planner.plan", "ckpt_offload.planner.planning"),
+        ("ckpt_offload.demo.cli", "ckpt_offload.cli"),
+    ],
+)
 def test_an_old_module_path_names_the_new_one(old, new):
     with pytest.raises(ModuleNotFoundError, match=re.escape(new)):
         importlib.import_module(old)
@@ -231,10 +254,12 @@ def test_names_of_0_1_0_kept_for_one_release_warn_at_the_readers_line():
     from ckpt_offload import profiling
     from ckpt_offload.planner import solver
 
-    for module, name, expected, fix in [(co, "Profile", co.ProfileReport, "ProfileReport"),
-                                        (profiling, "Profile", co.ProfileReport, "ProfileReport"),
-                                        (co.planner, "chain_dp", solver.chain_dp, "planner.solver"),
-                                        (planner_apply, "PlanHandle", co.CheckpointHandle, "co.CheckpointHandle")]:
+    for module, name, expected, fix in [
+        (co, "Profile", co.ProfileReport, "ProfileReport"),
+        (profiling, "Profile", co.ProfileReport, "ProfileReport"),
+        (co.planner, "chain_dp", solver.chain_dp, "planner.solver"),
+        (planner_apply, "PlanHandle", co.CheckpointHandle, "co.CheckpointHandle"),
+    ]:
         with pytest.warns(DeprecationWarning, match=re.escape(fix)) as record:
             assert getattr(module, name) is expected
         assert record[0].filename == __file__, (module.__name__, name, record[0].filename)
@@ -286,21 +311,43 @@ def test_every_spelling_of_the_options_is_one_value():
     assert "min_bytes=65536" in repr(a) and "stream" not in repr(a)
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: OffloadOptions(stream="gpu"), ValueError, "stream must be one of"),
-    (lambda: OffloadOptions(min_bytes=-1), ValueError, "min_bytes must be >= 0"),
-    (lambda: OffloadOptions(batch_below=2 << 20, batch_bytes=1 << 20), ValueError, "batch_below .* must not exceed"),
-    (lambda: OffloadOptions(store_dtype=torch.int8), ValueError, "store_dtype must be None or one of"),
-    (lambda: OffloadOptions(pool="pool"), TypeError, "pool must be a ckpt_offload.HostPool"),
-    (lambda: OffloadOptions(min_bytes="cpu"), TypeError, "names a device"),
-    (lambda: co.offload(mni_bytes=0), TypeError, r"unknown co.offload option\(s\) 'mni_bytes' \(did you mean 'min_bytes'\?\)"),
-    (lambda: co.offload(0, "side", None, None, "keep", None, 0, 1 << 20, None), TypeError,
-     r"takes one positional option \(min_bytes\), got 9; pass the others by keyword"),
-    (lambda: co.offload(0, min_bytes=0), TypeError, "min_bytes both by position and by keyword"),
-    (lambda: as_options({"strem": "side"}), TypeError, r"offload: unknown co.offload option\(s\) 'strem' \(did you mean 'stream'\?\)"),
-    (lambda: as_options({"stream": "gpu"}, name="co.apply(offload=...)"), ValueError, r"co.apply\(offload=...\): stream must be"),
-    (lambda: OffloadOptions().replace(bogus=1), TypeError, r"OffloadOptions.replace: unknown co.offload option"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: OffloadOptions(stream="gpu"), ValueError, "stream must be one of"),
+        (lambda: OffloadOptions(min_bytes=-1), ValueError, "min_bytes must be >= 0"),
+        (
+            lambda: OffloadOptions(batch_below=2 << 20, batch_bytes=1 << 20),
+            ValueError,
+            "batch_below .* must not exceed",
+        ),
+        (lambda: OffloadOptions(store_dtype=torch.int8), ValueError, "store_dtype must be None or one of"),
+        (lambda: OffloadOptions(pool="pool"), TypeError, "pool must be a ckpt_offload.HostPool"),
+        (lambda: OffloadOptions(min_bytes="cpu"), TypeError, "names a device"),
+        (
+            lambda: co.offload(mni_bytes=0),
+            TypeError,
+            r"unknown co.offload option\(s\) 'mni_bytes' \(did you mean 'min_bytes'\?\)",
+        ),
+        (
+            lambda: co.offload(0, "side", None, None, "keep", None, 0, 1 << 20, None),
+            TypeError,
+            r"takes one positional option \(min_bytes\), got 9; pass the others by keyword",
+        ),
+        (lambda: co.offload(0, min_bytes=0), TypeError, "min_bytes both by position and by keyword"),
+        (
+            lambda: as_options({"strem": "side"}),
+            TypeError,
+            r"offload: unknown co.offload option\(s\) 'strem' \(did you mean 'stream'\?\)",
+        ),
+        (
+            lambda: as_options({"stream": "gpu"}, name="co.apply(offload=...)"),
+            ValueError,
+            r"co.apply\(offload=...\): stream must be",
+        ),
+        (lambda: OffloadOptions().replace(bogus=1), TypeError, r"OffloadOptions.replace: unknown co.offload option"),
+    ],
+)
 def test_bad_options_name_the_option(call, error, message):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the 9-positional call warns before it raises
@@ -320,8 +367,9 @@ def test_options_after_min_bytes_by_position_warn_with_the_call_spelled_by_keywo
     assert "co.offload(min_bytes=0, stream='compute', devices=['cpu'])" in said[0] and "0.3.0" in said[0]
     assert "co.OffloadOptions(min_bytes=0, stream='compute')" in said[1]
     assert all(w.filename == __file__ for w in caught)
-    assert [p.name for p in inspect.signature(co.offload).parameters.values()
-            if p.kind is p.POSITIONAL_OR_KEYWORD] == ["min_bytes"]
+    assert [p.name for p in inspect.signature(co.offload).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == [
+        "min_bytes"
+    ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         co.offload(4096, devices=["cpu"])  # min_bytes alone by position: no warning
@@ -405,14 +453,21 @@ class _Stack(nn.Module):
 
 def _instance_forward(block):
     """A forward set on the instance (as a library that patches modules would)."""
+
     def forward(x, scale=1.0):
         return type(block).forward(block, x, scale) + 0.0
+
     return forward
 
 
 def _units():
-    return [Unit(0, 0, "offload"), Unit(1, 1, "recompute"), Unit(2, 3, "recompute_offload"),
-            Unit(4, 4, "recompute_offload"), Unit(5, 5, "keep")]
+    return [
+        Unit(0, 0, "offload"),
+        Unit(1, 1, "recompute"),
+        Unit(2, 3, "recompute_offload"),
+        Unit(4, 4, "recompute_offload"),
+        Unit(5, 5, "keep"),
+    ]
 
 
 def test_a_plan_handle_puts_back_the_forward_each_block_had():
@@ -421,8 +476,13 @@ def test_a_plan_handle_puts_back_the_forward_each_block_had():
     model.layers[2].forward = patched  # an instance-level forward before the plan
     before = {i: m.__dict__.get("forward") for i, m in enumerate(model.layers)}
     handle = install_units(model, select_blocks(model, None), _units(), CPU)
-    assert handle.kinds == ["offload", "recompute", "recompute_offload_segment", "recompute_offload_segment",
-                            "recompute_offload"]
+    assert handle.kinds == [
+        "offload",
+        "recompute",
+        "recompute_offload_segment",
+        "recompute_offload_segment",
+        "recompute_offload",
+    ]
     assert all(isinstance(m.__dict__["forward"], BlockForward) for m in list(model.layers)[:5])
     x = torch.randn(4, 32, requires_grad=True)
     model(x).sum().backward()

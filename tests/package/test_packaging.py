@@ -230,7 +230,9 @@ def test_wheel_check_refuses_tests_and_a_missing_marker(tmp_path):
     bad = [n for n in good if n != "ckpt_offload/py.typed"] + ["tests/api/test_api.py"]
     write_wheel(tmp_path / "bad.whl", bad, metadata.replace(">=3.11", ">=3.9"))
     problems = check_dist.check_wheel(str(tmp_path / "bad.whl"))
-    assert "tests/api/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
+    assert (
+        "tests/api/test_api.py: not part of the package (tests, benchmarks and scripts stay in the sdist)" in problems
+    )
     assert "ckpt_offload/py.typed: missing from the wheel" in problems
     assert "METADATA Requires-Python: '>=3.9', expected '>=3.11'" in problems
 
@@ -241,9 +243,17 @@ def test_no_two_sources_build_to_one_object_file():
     # generate"), which a C++-only build never shows. setup.py refuses it; this keeps it so.
     import glob
 
-    sources = [p for pattern in ("csrc/core/*.cpp", "csrc/core/*.cu", "csrc/torch/*.cpp", "csrc/torch/cuda/*.cpp",
-                                 "csrc/torch/cpu/*.cpp")
-               for p in glob.glob(os.path.join(SOURCE_ROOT, pattern))]
+    sources = [
+        p
+        for pattern in (
+            "csrc/core/*.cpp",
+            "csrc/core/*.cu",
+            "csrc/torch/*.cpp",
+            "csrc/torch/cuda/*.cpp",
+            "csrc/torch/cpu/*.cpp",
+        )
+        for p in glob.glob(os.path.join(SOURCE_ROOT, pattern))
+    ]
     assert sources
     stems = [os.path.splitext(p)[0] for p in sources]
     assert sorted({s for s in stems if stems.count(s) > 1}) == []
@@ -283,8 +293,11 @@ def test_torch_layer_outside_cuda_folder_has_no_cuda_code():
     # csrc/torch/ reach CUDA through csrc/torch/device_runtime.h only.
     import glob
 
-    paths = glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/*.cpp")) + glob.glob(
-        os.path.join(SOURCE_ROOT, "csrc/torch/*.h")) + glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/cpu/*"))
+    paths = (
+        glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/*.cpp"))
+        + glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/*.h"))
+        + glob.glob(os.path.join(SOURCE_ROOT, "csrc/torch/cpu/*"))
+    )
     assert paths
     offenders = []
     for path in paths:
@@ -302,11 +315,16 @@ def test_extension_sources_use_no_iostreams():
     import glob
     import re
 
-    paths = [p for p in glob.glob(os.path.join(SOURCE_ROOT, "csrc/**/*"), recursive=True)
-             if p.endswith((".cpp", ".h", ".cu")) and os.path.basename(p) != "text.h"]
+    paths = [
+        p
+        for p in glob.glob(os.path.join(SOURCE_ROOT, "csrc/**/*"), recursive=True)
+        if p.endswith((".cpp", ".h", ".cu")) and os.path.basename(p) != "text.h"
+    ]
     assert len(paths) > 20
-    pattern = re.compile(r"#include\s*<(sstream|fstream|iostream|istream|ostream)>|std::(o|i)?(string|f)?stream\b"
-                         r"|std::(cout|cerr|clog)\b|\bc10::str\(")
+    pattern = re.compile(
+        r"#include\s*<(sstream|fstream|iostream|istream|ostream)>|std::(o|i)?(string|f)?stream\b"
+        r"|std::(cout|cerr|clog)\b|\bc10::str\("
+    )
     offenders = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
@@ -324,14 +342,27 @@ def test_extension_binds_libstdcxx_symbols_to_libstdcxx(tmp_path):
     so = co._C.__file__
     trace = tmp_path / "bindings"
     env = dict(os.environ, LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(trace))
-    done = subprocess.run([sys.executable, "-c", "import ckpt_offload"], cwd=PACKAGE_PARENT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "import ckpt_offload"],
+        cwd=PACKAGE_PARENT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
-    lines = [line for f in tmp_path.glob("bindings*") for line in f.read_text(errors="replace").splitlines()
-             if f"binding file {so} " in line]
+    lines = [
+        line
+        for f in tmp_path.glob("bindings*")
+        for line in f.read_text(errors="replace").splitlines()
+        if f"binding file {so} " in line
+    ]
     assert lines, "LD_DEBUG reported no binding of the extension"
-    to_torch = [line.split("symbol ")[-1] for line in lines
-                if "/torch/lib/" in line and re.search(r"symbol `_Z(N|NK|NKR|T[VIT]N)?St|symbol `_ZSt", line)]
+    to_torch = [
+        line.split("symbol ")[-1]
+        for line in lines
+        if "/torch/lib/" in line and re.search(r"symbol `_Z(N|NK|NKR|T[VIT]N)?St|symbol `_ZSt", line)
+    ]
     assert to_torch == []
 
 
@@ -391,8 +422,14 @@ def test_setup_without_a_gpu_defaults_to_the_cpp_engine_and_says_how_to_force_cu
     if build_env.usable_gpu(torch):
         pytest.skip("a GPU is here: the default builds the CUDA engine")
     env = {k: v for k, v in os.environ.items() if k != "CKPT_OFFLOAD_CUDA"}
-    r = subprocess.run([sys.executable, os.path.join(SOURCE_ROOT, "setup.py"), "--name"], cwd=SOURCE_ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, os.path.join(SOURCE_ROOT, "setup.py"), "--name"],
+        cwd=SOURCE_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     # Either the toolchain is missing (C++-only for that reason) or the GPU is: both say C++-only.
     assert "C++-only" in r.stderr, r.stderr

@@ -150,9 +150,13 @@ def test_measure_reads_the_hosts_copy_ranges_only(tiny, monkeypatch):
     def with_device_twins(prof):
         events = seen["host"] = read(prof)
         end = max(e["ts"] + e.get("dur", 0) for e in events if "ts" in e)
-        twins = [dict(e, cat="gpu_user_annotation", pid=0, tid="stream 7", ts=e["ts"] + e["dur"],
-                      dur=end - e["ts"] - e["dur"])
-                 for e in events if e.get("ph") == "X" and e.get("name") in measure._RELOAD_RANGES]
+        twins = [
+            dict(
+                e, cat="gpu_user_annotation", pid=0, tid="stream 7", ts=e["ts"] + e["dur"], dur=end - e["ts"] - e["dur"]
+            )
+            for e in events
+            if e.get("ph") == "X" and e.get("name") in measure._RELOAD_RANGES
+        ]
         assert twins
         return events + twins
 
@@ -202,8 +206,7 @@ def test_selective_offload_is_offered_where_selective_does_not_fit(tiny):
     cm = tiny.costs
     kinds = ("keep", "selective", "selective_offload")
     with pytest.raises(InfeasibleBudget) as keep_or_selective:
-        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm,
-                kinds=("keep", "selective"))
+        co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm, kinds=("keep", "selective"))
     with pytest.raises(InfeasibleBudget) as with_offload:
         co.plan(tiny.model, tiny.step, budget=1000, offload=CPU_ALL, costs=cm, kinds=kinds)
     assert with_offload.value.minimum < keep_or_selective.value.minimum
@@ -319,7 +322,11 @@ def test_copy_latency_is_a_delay_not_queue_time():
     cm.pre_s = cm.mid_s = cm.post_s = 0.0
     for b_ in cm.blocks:
         b_.storages = [Storage(1000, i, i) for i in range(20)]
-        b_.packs, b_.nodes, b_.input_sizes = list(range(20)), list(range(19, -1, -1)), [1000]  # last packed, first unpacked
+        b_.packs, b_.nodes, b_.input_sizes = (
+            list(range(20)),
+            list(range(19, -1, -1)),
+            [1000],
+        )  # last packed, first unpacked
         b_.forward_s, b_.backward_s = 1e-3, 2e-4  # 10 us a node: the reloads, not the compute, set the pace
     units = singles(["keep", "offload"])
     times = {}
@@ -349,14 +356,31 @@ def _random_costs(rng, n, bw=1e9, latency=1e-5):
         sizes = [rng.randint(1, 64) * 1000 for _ in range(rng.randint(1, 4))]
         storages = [Storage(s, j, j, is_input=(j == 0)) for j, s in enumerate(sizes)]
         sel = rng.randint(0, 32) * 1000
-        blocks.append(BlockCost(
-            name=f"b{i}", storages=storages, packs=list(range(len(sizes))), nodes=list(range(len(sizes), 0, -1)),
-            input_sizes=[sizes[0]], selective=[sel] if sel else [], selective_saved=[-1] if sel else [],
-            selective_last_use=[1] if sel else [], forward_s=rng.uniform(1e-4, 1e-2),
-            backward_s=rng.uniform(2e-4, 2e-2), selective_recompute_s=rng.uniform(0, 5e-3)))
-    return CostModel(blocks=blocks, bandwidth=Bandwidth(bw, bw, latency), min_bytes=rng.choice([0, 20_000]),
-                     pre_bytes=rng.randint(0, 50) * 1000, post_bytes=rng.randint(0, 50) * 1000,
-                     pre_s=1e-3, mid_s=1e-3, post_s=1e-3)
+        blocks.append(
+            BlockCost(
+                name=f"b{i}",
+                storages=storages,
+                packs=list(range(len(sizes))),
+                nodes=list(range(len(sizes), 0, -1)),
+                input_sizes=[sizes[0]],
+                selective=[sel] if sel else [],
+                selective_saved=[-1] if sel else [],
+                selective_last_use=[1] if sel else [],
+                forward_s=rng.uniform(1e-4, 1e-2),
+                backward_s=rng.uniform(2e-4, 2e-2),
+                selective_recompute_s=rng.uniform(0, 5e-3),
+            )
+        )
+    return CostModel(
+        blocks=blocks,
+        bandwidth=Bandwidth(bw, bw, latency),
+        min_bytes=rng.choice([0, 20_000]),
+        pre_bytes=rng.randint(0, 50) * 1000,
+        post_bytes=rng.randint(0, 50) * 1000,
+        pre_s=1e-3,
+        mid_s=1e-3,
+        post_s=1e-3,
+    )
 
 
 def _dp_equals_exhaustive_search(seed, n, fraction, prefetch, bw):
@@ -374,12 +398,18 @@ def _dp_equals_exhaustive_search(seed, n, fraction, prefetch, bw):
 
 if given is not None:
     test_dp_equals_exhaustive_search = settings(
-        max_examples=40, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow])(
-        given(seed=st.integers(0, 2**31), n=st.integers(1, 8), fraction=st.floats(0.05, 1.2),
-              prefetch=st.sampled_from([0, 30_000, 10**9]), bw=st.sampled_from([1e7, 1e9, math.inf]))(
-            _dp_equals_exhaustive_search))
+        max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )(
+        given(
+            seed=st.integers(0, 2**31),
+            n=st.integers(1, 8),
+            fraction=st.floats(0.05, 1.2),
+            prefetch=st.sampled_from([0, 30_000, 10**9]),
+            bw=st.sampled_from([1e7, 1e9, math.inf]),
+        )(_dp_equals_exhaustive_search)
+    )
 else:
+
     @pytest.mark.skip(reason="needs hypothesis (pip install hypothesis)")
     def test_dp_equals_exhaustive_search():
         pass
@@ -532,8 +562,9 @@ def test_cli_plan_writes_summary_json_and_plot(tmp_path, capsys):
     # 3 MiB of the tiny model's 4.1: feasible by recompute alone, whatever the measured link. The
     # step is not drained here (a user's step), so copies still running when backward starts count
     # in the measured peak: the exit status (0 within the budget, 1 over) is not asserted.
-    status = main(["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--steps", "1",
-                   "--out", str(tmp_path)])
+    status = main(
+        ["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--steps", "1", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     assert status in (0, 1), out
     assert "peak of saved activations" in out and "measured with the plan" in out
@@ -550,8 +581,9 @@ def test_warns_when_hf_cache_keeps_recomputed_tensors(gpt2):
     try:
         full = simulate(gpt2.costs, singles(["keep"] * 3)).peak_bytes
         with pytest.warns(UserWarning, match="use_cache is True"):
-            co.plan(gpt2.model, gpt2.step, budget=full // 2, offload=CPU_ALL, costs=gpt2.costs,
-                    kinds=("keep", "recompute"))
+            co.plan(
+                gpt2.model, gpt2.step, budget=full // 2, offload=CPU_ALL, costs=gpt2.costs, kinds=("keep", "recompute")
+            )
     finally:
         gpt2.model.config.use_cache = False
 
@@ -570,8 +602,10 @@ def test_cli_plan_script(tmp_path, capsys):
         "def wrong():\n"
         "    return 3\n"
     )
-    assert main(["plan", "--script", f"{script}:build", "--budget", "1MiB", "--steps", "1", "--out",
-                 str(tmp_path / "o")]) == 0
+    assert (
+        main(["plan", "--script", f"{script}:build", "--budget", "1MiB", "--steps", "1", "--out", str(tmp_path / "o")])
+        == 0
+    )
     assert "measured with the plan" in capsys.readouterr().out
     with pytest.raises(SystemExit) as info:
         main(["plan", "--script", f"{script}:wrong", "--budget", "1MiB"])
@@ -595,8 +629,14 @@ def test_plan_applies_through_a_spilling_pool(tiny, tmp_path):
     cm = tiny.costs
     full = simulate(cm, singles(["keep"] * len(cm.blocks))).peak_bytes
     pool = co.HostPool(pinned=False, max_bytes=64 * 1024, spill_dir=str(tmp_path))
-    plan = co.plan(tiny.model, tiny.step, budget=int(full * 0.2), offload={**CPU_ALL, "pool": pool}, costs=cm,
-                   kinds=("keep", "offload"))
+    plan = co.plan(
+        tiny.model,
+        tiny.step,
+        budget=int(full * 0.2),
+        offload={**CPU_ALL, "pool": pool},
+        costs=cm,
+        kinds=("keep", "offload"),
+    )
     assert "offload" in plan.choices.values()
     reference = _grads(tiny)
     handle = plan.apply()
@@ -651,26 +691,44 @@ def test_plan_takes_the_option_set(tiny):
     assert small.stats()["bytes_in_use"] == 0
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    (dict(offload={"min_bytes": 0}, min_bytes=1), TypeError,
-     r"co.plan got min_bytes twice with different values: min_bytes=1 as an argument and 0 in offload="),
-    # A value equal to the default is given too (it used to lose silently to the loose argument).
-    (dict(offload={"min_bytes": co.DEFAULT_MIN_BYTES}, min_bytes=0), TypeError, "co.plan got min_bytes twice"),
-    (dict(offload=co.OffloadOptions(), pool=co.HostPool(pinned=False)), TypeError, "co.plan got pool twice"),
-    (dict(offload={"store_dtype": torch.bfloat16}), ValueError, r"pass lossy=torch.bfloat16 instead"),
-    (dict(offload={"stream": "compute"}), ValueError, r"stream='compute'.*leave stream out"),
-    (dict(offload=False), ValueError, r"kinds=\('keep', 'recompute', 'selective'\)"),
-    (dict(offload={"min_byte": 0}), TypeError, r"co.plan offload: unknown co.offload option\(s\) 'min_byte' \(did you mean 'min_bytes'"),
-    (dict(offload="cpu"), TypeError, "co.plan offload must be False, True, or a dict"),
-    (dict(pool="fast"), TypeError, "co.plan: pool must be a ckpt_offload.HostPool"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            dict(offload={"min_bytes": 0}, min_bytes=1),
+            TypeError,
+            r"co.plan got min_bytes twice with different values: min_bytes=1 as an argument and 0 in offload=",
+        ),
+        # A value equal to the default is given too (it used to lose silently to the loose argument).
+        (dict(offload={"min_bytes": co.DEFAULT_MIN_BYTES}, min_bytes=0), TypeError, "co.plan got min_bytes twice"),
+        (dict(offload=co.OffloadOptions(), pool=co.HostPool(pinned=False)), TypeError, "co.plan got pool twice"),
+        (dict(offload={"store_dtype": torch.bfloat16}), ValueError, r"pass lossy=torch.bfloat16 instead"),
+        (dict(offload={"stream": "compute"}), ValueError, r"stream='compute'.*leave stream out"),
+        (dict(offload=False), ValueError, r"kinds=\('keep', 'recompute', 'selective'\)"),
+        (
+            dict(offload={"min_byte": 0}),
+            TypeError,
+            r"co.plan offload: unknown co.offload option\(s\) 'min_byte' \(did you mean 'min_bytes'",
+        ),
+        (dict(offload="cpu"), TypeError, "co.plan offload must be False, True, or a dict"),
+        (dict(pool="fast"), TypeError, "co.plan: pool must be a ckpt_offload.HostPool"),
+    ],
+)
 def test_plan_option_set_errors(tiny, kwargs, error, match):
     with pytest.raises(error, match=match):
         co.plan(tiny.model, tiny.step, budget="1MiB", costs=tiny.costs, **kwargs)
 
 
-@pytest.mark.parametrize("kinds", [("recompute",), ("offload",), ("recompute", "recompute_offload"),
-                                   ("recompute", "selective"), ("offload", "recompute")])
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ("recompute",),
+        ("offload",),
+        ("recompute", "recompute_offload"),
+        ("recompute", "selective"),
+        ("offload", "recompute"),
+    ],
+)
 @pytest.mark.parametrize("segments", [False, True])
 def test_plan_gives_only_the_kinds_allowed(tiny, kinds, segments):
     """kinds= is a promise: no block gets another kind. Rotor's keep/recompute recipe and the

@@ -85,8 +85,10 @@ def _aux_case():
 SEGMENT_UNITS = {
     "flat": [Unit(0, 3, R), Unit(4, 4, "keep"), Unit(5, 11, "recompute_offload")],
     "nested": [Unit(0, 11, R, inner=(Unit(0, 5, R, inner=(Unit(0, 2, R), Unit(3, 5, R))), Unit(6, 11, R)))],
-    "nested_offloaded": [Unit(0, 7, "recompute_offload", inner=(Unit(0, 3, R), Unit(4, 4, "keep"), Unit(5, 7, R))),
-                         Unit(8, 11, R, inner=(Unit(8, 9, R), Unit(10, 11, R)))],
+    "nested_offloaded": [
+        Unit(0, 7, "recompute_offload", inner=(Unit(0, 3, R), Unit(4, 4, "keep"), Unit(5, 7, R))),
+        Unit(8, 11, R, inner=(Unit(8, 9, R), Unit(10, 11, R))),
+    ],
 }
 
 
@@ -94,8 +96,9 @@ SEGMENT_UNITS = {
 def test_segments_hand_each_block_its_own_outputs(name):
     model, step = _aux_case()
     ref = _run(model, step)
-    handle = install_units(model, _select_blocks(model, None), SEGMENT_UNITS[name],
-                           {"devices": ["cpu"], "min_bytes": 0})
+    handle = install_units(
+        model, _select_blocks(model, None), SEGMENT_UNITS[name], {"devices": ["cpu"], "min_bytes": 0}
+    )
     try:
         got = _run(model, step)
     finally:
@@ -123,8 +126,17 @@ def test_apply_segments_hand_each_block_its_own_outputs(segments):
 
 def test_segments_keep_hf_gpt2_hidden_states():
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2, use_cache=False,
-                                     output_hidden_states=True, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=4,
+        n_head=2,
+        use_cache=False,
+        output_hidden_states=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config)
     model.train()
@@ -143,8 +155,9 @@ def test_segments_keep_hf_gpt2_hidden_states():
         if how == "apply":
             handle = co.apply(model, segments=2)
         else:
-            handle = install_units(model, _select_blocks(model, None),
-                                   [Unit(0, 3, R, inner=(Unit(0, 1, R), Unit(2, 3, R)))], {})
+            handle = install_units(
+                model, _select_blocks(model, None), [Unit(0, 3, R, inner=(Unit(0, 1, R), Unit(2, 3, R)))], {}
+            )
         try:
             got = _run(model, step)
         finally:
@@ -229,11 +242,17 @@ class HazardChain(nn.Module):
 
 HAZARDS = {
     # hazard: (the kinds the plan may use, the kinds the hazard rules out, the reason's name)
-    "input_write": (("keep", "recompute"), {"recompute", "recompute_offload", "selective", "selective_offload"},
-                    "input_write"),
+    "input_write": (
+        ("keep", "recompute"),
+        {"recompute", "recompute_offload", "selective", "selective_offload"},
+        "input_write",
+    ),
     "saved_mutation": (("keep", "selective"), {"selective", "selective_offload"}, "saved_mutation"),
-    "running_stats": (("keep", "recompute"), {"recompute", "recompute_offload", "selective", "selective_offload"},
-                      "state_write"),
+    "running_stats": (
+        ("keep", "recompute"),
+        {"recompute", "recompute_offload", "selective", "selective_offload"},
+        "state_write",
+    ),
 }
 
 
@@ -242,7 +261,9 @@ def _hazard_case(hazard):
 
     torch.manual_seed(0)
     model = HazardChain(hazard)
-    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))  # saved tensors >> the RNG state a checkpoint keeps
+    x = torch.randn(
+        256, 32, generator=torch.Generator().manual_seed(1)
+    )  # saved tensors >> the RNG state a checkpoint keeps
 
     def step_of(m):
         def step():
@@ -309,10 +330,17 @@ def test_allow_inexact_bad_values():
         co.plan(model, step_of(model), allow_inexact=3)
 
 
-@pytest.mark.parametrize("hazard, match", [
-    ("input_write", r"recomputes blocks.0 in backward, but it writes its input in place"),
-    ("running_stats", r"recomputes blocks.0 in backward, but it updates its buffer\(s\) 'bn.running_mean', 'bn.running_var', 'bn.num_batches_tracked' in forward"),
-])
+@pytest.mark.parametrize(
+    "hazard, match",
+    [
+        ("input_write", r"recomputes blocks.0 in backward, but it writes its input in place"),
+        (
+            "running_stats",
+            r"recomputes blocks.0 in backward, but it updates its buffer\(s\) 'bn.running_mean', 'bn.running_var', "
+            r"'bn.num_batches_tracked' in forward",
+        ),
+    ],
+)
 def test_apply_segments_refuse_inexact_blocks(hazard, match):
     # Blocks 0, 2, 4 hold the hazard; two segments of 3 blocks recompute them. Without the refusal
     # the statistics were updated twice (or torch raised its in-place error in backward).
@@ -391,12 +419,17 @@ def _exhaustive_minimum(cm, kinds, levels):
     return best
 
 
-@pytest.mark.parametrize("seed, kinds, levels", [
-    (1, ("keep", "recompute"), 3), (3, ("keep", "recompute"), 3), (4, ("keep", "recompute"), 2),
-    (7, ("keep", "offload", "recompute", "recompute_offload"), 1),
-    (17, ("keep", "offload", "recompute", "recompute_offload"), 1),
-    (19, ("keep", "offload", "recompute", "recompute_offload"), 1),
-])
+@pytest.mark.parametrize(
+    "seed, kinds, levels",
+    [
+        (1, ("keep", "recompute"), 3),
+        (3, ("keep", "recompute"), 3),
+        (4, ("keep", "recompute"), 2),
+        (7, ("keep", "offload", "recompute", "recompute_offload"), 1),
+        (17, ("keep", "offload", "recompute", "recompute_offload"), 1),
+        (19, ("keep", "offload", "recompute", "recompute_offload"), 1),
+    ],
+)
 def test_infeasible_minimum_equals_exhaustive_search(seed, kinds, levels):
     import random
 
@@ -439,8 +472,9 @@ def twice():
     torch.manual_seed(0)
     model, x = TwiceChain(), torch.randn(64, 32)
     named = _select_blocks(model, None)
-    costs = measure_costs(lambda: model(x).backward(), named, "cpu", bandwidth=Bandwidth(math.inf, math.inf, 0.0),
-                          min_bytes=0)
+    costs = measure_costs(
+        lambda: model(x).backward(), named, "cpu", bandwidth=Bandwidth(math.inf, math.inf, 0.0), min_bytes=0
+    )
     return model, x, named, costs
 
 

@@ -110,11 +110,28 @@ def _two_blocks():
     from ckpt_offload.planner import BlockCost, CostModel, Storage
 
     mb = 1 << 20
-    once = BlockCost("once", storages=[Storage(mb, 0, 0)], packs=[0], nodes=[1], pack_dtypes=["float32"],
-                     pack_spans=[mb], input_sizes=[], forward_s=1e-3, backward_s=2e-3)
-    thrice = BlockCost("thrice", storages=[Storage(mb, 0, 2)], packs=[0, 0, 0], nodes=[3, 2, 1],
-                       pack_dtypes=["float32"] * 3, pack_spans=[mb] * 3, input_sizes=[], forward_s=1e-3,
-                       backward_s=2e-3)
+    once = BlockCost(
+        "once",
+        storages=[Storage(mb, 0, 0)],
+        packs=[0],
+        nodes=[1],
+        pack_dtypes=["float32"],
+        pack_spans=[mb],
+        input_sizes=[],
+        forward_s=1e-3,
+        backward_s=2e-3,
+    )
+    thrice = BlockCost(
+        "thrice",
+        storages=[Storage(mb, 0, 2)],
+        packs=[0, 0, 0],
+        nodes=[3, 2, 1],
+        pack_dtypes=["float32"] * 3,
+        pack_spans=[mb] * 3,
+        input_sizes=[],
+        forward_s=1e-3,
+        backward_s=2e-3,
+    )
     return CostModel(blocks=[once, thrice], bandwidth=Bandwidth(math.inf, 1e9, 0.0, convert=100e9), min_bytes=0)
 
 
@@ -146,16 +163,34 @@ def _random_costs(seed, n):
         dtypes = [rng.choice(["float32", "float32", "int64", "bfloat16"]) for _ in sizes]
         saves = [rng.choice([1, 1, 2]) for _ in sizes]  # some storages saved twice
         packs = [j for j, k in enumerate(saves) for _ in range(k)]
-        storages = [Storage(sz, packs.index(j), len(packs) - 1 - packs[::-1].index(j), is_input=(j == 0))
-                    for j, sz in enumerate(sizes)]
-        blocks.append(BlockCost(
-            name=f"b{i}", storages=storages, packs=packs, nodes=list(range(len(packs), 0, -1)),
-            pack_dtypes=[dtypes[j] for j in packs], pack_spans=[sizes[j] for j in packs],
-            input_sizes=[sizes[0]], input_dtypes=[dtypes[0]], input_spans=[sizes[0]],
-            forward_s=rng.uniform(1e-4, 1e-2), backward_s=rng.uniform(2e-4, 2e-2)))
+        storages = [
+            Storage(sz, packs.index(j), len(packs) - 1 - packs[::-1].index(j), is_input=(j == 0))
+            for j, sz in enumerate(sizes)
+        ]
+        blocks.append(
+            BlockCost(
+                name=f"b{i}",
+                storages=storages,
+                packs=packs,
+                nodes=list(range(len(packs), 0, -1)),
+                pack_dtypes=[dtypes[j] for j in packs],
+                pack_spans=[sizes[j] for j in packs],
+                input_sizes=[sizes[0]],
+                input_dtypes=[dtypes[0]],
+                input_spans=[sizes[0]],
+                forward_s=rng.uniform(1e-4, 1e-2),
+                backward_s=rng.uniform(2e-4, 2e-2),
+            )
+        )
     bw = rng.choice([1e7, 1e8, 1e9])
-    return CostModel(blocks=blocks, bandwidth=Bandwidth(bw, bw, 1e-5, convert=rng.choice([1e9, 1e10])),
-                     min_bytes=0, pre_s=1e-3, mid_s=1e-3, post_s=1e-3)
+    return CostModel(
+        blocks=blocks,
+        bandwidth=Bandwidth(bw, bw, 1e-5, convert=rng.choice([1e9, 1e10])),
+        min_bytes=0,
+        pre_s=1e-3,
+        mid_s=1e-3,
+        post_s=1e-3,
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -226,23 +261,34 @@ def test_budget_only_lossy_storage_meets_is_met(tiny, lossy, ratio):
     assert peak == pytest.approx(simulate(instant, plan.units, plan.prefetch_bytes).peak_bytes, rel=0.05)
     assert peak <= budget
     assert stats["bytes_stored"] == plan.predicted_host_bytes
-    converted = sum(len(v) for u in lossy_units for v in converted_packs(tiny.costs.blocks[u.start], plan.lossy).values())
+    converted = sum(
+        len(v) for u in lossy_units for v in converted_packs(tiny.costs.blocks[u.start], plan.lossy).values()
+    )
     assert stats["tensors_converted"] == converted > 0
     assert stats["store_dtype"] == str(plan.lossy).removeprefix("torch.")
 
 
-@pytest.mark.parametrize("units", [
-    [Unit(0, 0, "offload", store=True), Unit(1, 1, "offload"), Unit(2, 2, "keep")],
-    [Unit(0, 1, "recompute_offload", store=True), Unit(2, 2, "offload", store=True)],
-    [Unit(0, 0, "recompute_offload", store=True), Unit(1, 1, "recompute_offload"), Unit(2, 2, "offload")],
-], ids=["offload_mixed", "segment", "inputs_mixed"])
+@pytest.mark.parametrize(
+    "units",
+    [
+        [Unit(0, 0, "offload", store=True), Unit(1, 1, "offload"), Unit(2, 2, "keep")],
+        [Unit(0, 1, "recompute_offload", store=True), Unit(2, 2, "offload", store=True)],
+        [Unit(0, 0, "recompute_offload", store=True), Unit(1, 1, "recompute_offload"), Unit(2, 2, "offload")],
+    ],
+    ids=["offload_mixed", "segment", "inputs_mixed"],
+)
 @pytest.mark.parametrize("prefetch", [0, 100_000])
 def test_simulated_lossy_peak_and_host_bytes_match_measured(tiny, units, prefetch):
     # Exact and lossy units together: two offload contexts, each with its own prefetch window.
     cm = dataclasses.replace(tiny.costs, bandwidth=INSTANT, store_dtype=torch.bfloat16)
     predicted = simulate(cm, units, prefetch)
-    handle = install_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0,
-                                                           "prefetch_bytes": prefetch}, store_dtype=torch.bfloat16)
+    handle = install_units(
+        tiny.model,
+        tiny.named,
+        units,
+        {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": prefetch},
+        store_dtype=torch.bfloat16,
+    )
     peak, stats = _measure(tiny, handle)
     assert peak == pytest.approx(predicted.peak_bytes, rel=0.05), (predicted.peak_bytes, peak)
     assert stats["bytes_stored"] == sum(i["pool_bytes"] for i in predicted.units)
@@ -268,8 +314,9 @@ def test_lossy_gradients_close_and_later_blocks_bit_exact(tiny, dtype):
     # and everything before it (block 0, the embeddings) differ by the rounding, within the tolerance.
     reference = tiny.grads()
     units = [Unit(0, 0, "offload"), Unit(1, 1, "offload", store=True), Unit(2, 2, "offload")]
-    handle = install_units(tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
-                           store_dtype=dtype)
+    handle = install_units(
+        tiny.model, tiny.named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0}, store_dtype=dtype
+    )
     try:
         got = tiny.grads()
         assert handle.stats()["tensors_converted"] > 0
@@ -332,8 +379,9 @@ class _Net(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                                   torch.bool, torch.complex64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
+)
 def test_the_planner_counts_the_bytes_the_engine_stores_for_every_format(dtype):
     """For every storage format the engine has, the planner's stored bytes of a saved tensor are
     what the engine's conversion writes and what an offload with that store_dtype stores (None:
@@ -396,8 +444,9 @@ def test_integer_tensors_are_not_counted_as_convertible():
     assert narrow == sum(span // 2 for v in conv.values() for _, span, _ in v)
     assert predicted.units[0]["pool_bytes"] == int_bytes + narrow
     assert exact.units[0]["pool_bytes"] == b.saved_bytes
-    handle = install_units(model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0},
-                           store_dtype=torch.bfloat16)
+    handle = install_units(
+        model, named, units, {"devices": ["cpu"], "min_bytes": 0, "prefetch_bytes": 0}, store_dtype=torch.bfloat16
+    )
     try:
         step()
         co.synchronize()
@@ -405,16 +454,24 @@ def test_integer_tensors_are_not_counted_as_convertible():
     finally:
         handle.remove()
     assert stats["bytes_stored"] == sum(i["pool_bytes"] for i in predicted.units)
-    assert stats["tensors_converted"] == sum(len(v) for blk in cm.blocks
-                                             for v in converted_packs(blk, torch.bfloat16).values())
+    assert stats["tensors_converted"] == sum(
+        len(v) for blk in cm.blocks for v in converted_packs(blk, torch.bfloat16).values()
+    )
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, error", [
-    ("int8", ValueError), (torch.int8, ValueError), (torch.float32, ValueError), (True, TypeError), (3, TypeError),
-])
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("int8", ValueError),
+        (torch.int8, ValueError),
+        (torch.float32, ValueError),
+        (True, TypeError),
+        (3, TypeError),
+    ],
+)
 def test_bad_lossy_raises_naming_it(tiny, value, error):
     with pytest.raises(error, match=r"lossy must be None .*torch.bfloat16.*'bf16'"):
         tiny.plan(budget="1MiB", lossy=value)
@@ -454,16 +511,32 @@ def test_cli_plan_lossy(tmp_path, capsys):
 
     # --lossy reaches co.plan (the measured link decides whether a block stores lossy) and the
     # plan's json says what it allowed and which blocks store lossy; a bad name exits 2.
-    status = main(["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--steps", "1",
-                   "--lossy", "bf16", "--out", str(tmp_path)])
+    status = main(
+        [
+            "plan",
+            "--size",
+            "tiny",
+            "--device",
+            "cpu",
+            "--budget",
+            "3MiB",
+            "--steps",
+            "1",
+            "--lossy",
+            "bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert status in (0, 1), out
     result = json.loads((tmp_path / "plan.json").read_text())
     assert result["lossy"] == "bfloat16"
     assert set(result["store_dtypes"]) <= set(result["choices"])
     with pytest.raises(SystemExit) as info:
-        main(["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--lossy", "int8",
-              "--out", str(tmp_path)])
+        main(
+            ["plan", "--size", "tiny", "--device", "cpu", "--budget", "3MiB", "--lossy", "int8", "--out", str(tmp_path)]
+        )
     assert info.value.code == 2
     assert "lossy must be None" in capsys.readouterr().err
 
@@ -499,12 +572,17 @@ def test_gpu_lossy_peak_and_host_bytes_match_measured(dtype):
     cm = measure_costs(step, named, "cuda", bandwidth=Bandwidth(math.inf, 10e9, 0.0), min_bytes=0)
     model.zero_grad(set_to_none=True)
     cm = dataclasses.replace(cm, store_dtype=dtype)
-    units = [Unit(0, 0, "offload"), Unit(1, 1, "offload", store=True), Unit(2, 2, "recompute_offload", store=True),
-             Unit(3, 3, "keep")]
+    units = [
+        Unit(0, 0, "offload"),
+        Unit(1, 1, "offload", store=True),
+        Unit(2, 2, "recompute_offload", store=True),
+        Unit(3, 3, "keep"),
+    ]
     prefetch = max(b.saved_bytes for b in cm.blocks)
     predicted = simulate(cm, units, prefetch)
-    handle = install_units(model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch},
-                           store_dtype=dtype)
+    handle = install_units(
+        model, named, units, {"devices": ["cuda"], "min_bytes": 0, "prefetch_bytes": prefetch}, store_dtype=dtype
+    )
     try:
         drained()
         handle.reset_stats()

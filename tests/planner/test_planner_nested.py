@@ -55,10 +55,14 @@ THREE = Unit(0, 3, R, inner=(Unit(0, 2, R, inner=(Unit(0, 1, R), _keep(2))), Uni
 NESTED_CASES = {
     "two_levels": (lambda: [TWO], 0),
     "three_levels": (lambda: [THREE], 0),
-    "two_levels_offloaded_input": (lambda: [Unit(0, 2, "recompute_offload", inner=(Unit(0, 1, R), _keep(2))),
-                                            Unit(3, 3, "offload")], 100_000),
-    "inner_singles_last": (lambda: [Unit(0, 1, R, inner=(Unit(0, 0, R), Unit(1, 1, R))),
-                                    Unit(2, 3, R, inner=(_keep(2), Unit(3, 3, R)))], 0),
+    "two_levels_offloaded_input": (
+        lambda: [Unit(0, 2, "recompute_offload", inner=(Unit(0, 1, R), _keep(2))), Unit(3, 3, "offload")],
+        100_000,
+    ),
+    "inner_singles_last": (
+        lambda: [Unit(0, 1, R, inner=(Unit(0, 0, R), Unit(1, 1, R))), Unit(2, 3, R, inner=(_keep(2), Unit(3, 3, R)))],
+        0,
+    ),
 }
 
 
@@ -191,7 +195,7 @@ def test_co_checkpoint_nests():
         layers.zero_grad(set_to_none=True)
         x.grad = None
 
-        def two(h, a, b):
+        def two(h, a, b, inner=inner):
             return co.checkpoint(lambda y: layers[b](layers[a](y)), h, offload=inner)
 
         def outer_fn(h):
@@ -210,7 +214,10 @@ def test_unit_validation_and_names():
     assert TWO.levels == 2 and THREE.levels == 3 and Unit(0, 3, R).levels == 1
     assert THREE.describe() == "0..3 recompute [0..2 recompute [0..1 recompute, 2 keep], 3 recompute]"
     assert choice_names([TWO, Unit(4, 4, "keep")]) == ["recompute_segment>recompute_segment"] * 2 + [
-        "recompute_segment>recompute", "recompute_segment", "keep"]
+        "recompute_segment>recompute",
+        "recompute_segment",
+        "keep",
+    ]
     assert choice_names([THREE])[0] == "recompute_segment>recompute_segment>recompute_segment"
     with pytest.raises(ValueError, match="inner units must cover blocks 0..3 in order"):
         Unit(0, 3, R, inner=(Unit(0, 1, R), Unit(3, 3, R)))
@@ -234,9 +241,18 @@ def _equal_chain(n, size=1000, per_block=4, bw=0.0):
     blocks = []
     for i in range(n):
         st_ = [Storage(size, j, j, is_input=(j == 0)) for j in range(per_block)]
-        blocks.append(BlockCost(name=f"b{i}", storages=st_, packs=list(range(per_block)),
-                                nodes=list(range(per_block, 0, -1)), input_sizes=[size],
-                                forward_s=1e-3, backward_s=2e-3, selective_recompute_s=1e-3))  # keeps nothing
+        blocks.append(
+            BlockCost(
+                name=f"b{i}",
+                storages=st_,
+                packs=list(range(per_block)),
+                nodes=list(range(per_block, 0, -1)),
+                input_sizes=[size],
+                forward_s=1e-3,
+                backward_s=2e-3,
+                selective_recompute_s=1e-3,
+            )
+        )  # keeps nothing
     return CostModel(blocks=blocks, bandwidth=Bandwidth(bw, bw, 0.0))
 
 
@@ -285,10 +301,25 @@ def test_chain_model_counts_recompute_once():
     # and each recompute once (flat: blocks of a segment once more; nested: the outer recompute plus
     # the inner ones). It once added the recompute twice, steering the DP away from recompute.
     cm = _equal_chain(8)
-    for units in ([Unit(0, 7, R)], singles([R] * 8),
-                  [Unit(0, 3, R), Unit(4, 7, R, inner=(Unit(4, 5, R), _keep(6), _keep(7)))],
-                  [Unit(0, 7, R, inner=(Unit(0, 3, R, inner=(Unit(0, 1, R), _keep(2), _keep(3))), _keep(4), _keep(5),
-                                        _keep(6), _keep(7)))]):
+    for units in (
+        [Unit(0, 7, R)],
+        singles([R] * 8),
+        [Unit(0, 3, R), Unit(4, 7, R, inner=(Unit(4, 5, R), _keep(6), _keep(7)))],
+        [
+            Unit(
+                0,
+                7,
+                R,
+                inner=(
+                    Unit(0, 3, R, inner=(Unit(0, 1, R), _keep(2), _keep(3))),
+                    _keep(4),
+                    _keep(5),
+                    _keep(6),
+                    _keep(7),
+                ),
+            )
+        ],
+    ):
         assert chain_cost(cm, units, 0)[1] == pytest.approx(simulate(cm, units).step_s, rel=1e-12), units
 
 
@@ -300,8 +331,10 @@ def test_fronts_equal_every_nesting():
         f = fronts(cm, levels)
         for (s, e), points in f.items():
             # (seconds rounded: the same sum in another order differs in the last bits)
-            every = {(wx, round(x, 12)) for wx, x in (nested_terms(cm, Unit(s, e, R, inner=inner))
-                                                      for inner in structures(s, e, levels))}
+            every = {
+                (wx, round(x, 12))
+                for wx, x in (nested_terms(cm, Unit(s, e, R, inner=inner)) for inner in structures(s, e, levels))
+            }
             pareto = sorted(p for p in every if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in every))
             assert [(wx, round(x, 12)) for wx, x, _ in points] == pareto
             for wx, x, inner in points:
@@ -313,12 +346,27 @@ def _random_costs(rng, n, bw=1e9):
     for i in range(n):
         sizes = [rng.randint(1, 64) * 1000 for _ in range(rng.randint(1, 4))]
         storages = [Storage(s, j, j, is_input=(j == 0)) for j, s in enumerate(sizes)]
-        blocks.append(BlockCost(name=f"b{i}", storages=storages, packs=list(range(len(sizes))),
-                                nodes=list(range(len(sizes), 0, -1)), input_sizes=[sizes[0]],
-                                forward_s=rng.uniform(1e-4, 1e-2), backward_s=rng.uniform(2e-4, 2e-2)))
-    return CostModel(blocks=blocks, bandwidth=Bandwidth(bw, bw, 1e-5), min_bytes=rng.choice([0, 20_000]),
-                     pre_bytes=rng.randint(0, 50) * 1000, post_bytes=rng.randint(0, 50) * 1000,
-                     pre_s=1e-3, mid_s=1e-3, post_s=1e-3)
+        blocks.append(
+            BlockCost(
+                name=f"b{i}",
+                storages=storages,
+                packs=list(range(len(sizes))),
+                nodes=list(range(len(sizes), 0, -1)),
+                input_sizes=[sizes[0]],
+                forward_s=rng.uniform(1e-4, 1e-2),
+                backward_s=rng.uniform(2e-4, 2e-2),
+            )
+        )
+    return CostModel(
+        blocks=blocks,
+        bandwidth=Bandwidth(bw, bw, 1e-5),
+        min_bytes=rng.choice([0, 20_000]),
+        pre_bytes=rng.randint(0, 50) * 1000,
+        post_bytes=rng.randint(0, 50) * 1000,
+        pre_s=1e-3,
+        mid_s=1e-3,
+        post_s=1e-3,
+    )
 
 
 def _dp_equals_exhaustive_with_nesting(seed, n, fraction, levels, bw):
@@ -339,14 +387,21 @@ def _dp_equals_exhaustive_with_nesting(seed, n, fraction, levels, bw):
     assert chain_exhaustive(cm, least - 1, 30_000, kinds=kinds, levels=levels) is None
     assert chain_exhaustive(cm, least, 30_000, kinds=kinds, levels=levels) is not None
 
+
 if given is not None:
     test_dp_equals_exhaustive_search_with_nesting = settings(
-        max_examples=25, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow])(
-        given(seed=st.integers(0, 2**31), n=st.integers(2, 5), fraction=st.floats(0.05, 1.2),
-              levels=st.sampled_from([2, 3]), bw=st.sampled_from([0.0, 1e7, math.inf]))(
-            _dp_equals_exhaustive_with_nesting))
+        max_examples=25, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+    )(
+        given(
+            seed=st.integers(0, 2**31),
+            n=st.integers(2, 5),
+            fraction=st.floats(0.05, 1.2),
+            levels=st.sampled_from([2, 3]),
+            bw=st.sampled_from([0.0, 1e7, math.inf]),
+        )(_dp_equals_exhaustive_with_nesting)
+    )
 else:
+
     @pytest.mark.skip(reason="needs hypothesis (pip install hypothesis)")
     def test_dp_equals_exhaustive_search_with_nesting():
         pass

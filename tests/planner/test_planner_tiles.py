@@ -18,7 +18,7 @@ from ckpt_offload.planner import saved_activation_peak
 from ckpt_offload.planner.solver import solve
 from ckpt_offload.planner.tiles import mixed_costs, tile_order
 
-KINDS = ("keep", "recompute")   # no copies: peaks are bytes only, the same from run to run
+KINDS = ("keep", "recompute")  # no copies: peaks are bytes only, the same from run to run
 
 
 class Block(nn.Module):
@@ -53,7 +53,7 @@ def case():
     def step():
         model(x).square().mean().backward()
 
-    roomy = co.plan(model, step, budget="1GiB", kinds=KINDS, tile=16)   # measures both cost models
+    roomy = co.plan(model, step, budget="1GiB", kinds=KINDS, tile=16)  # measures both cost models
     model.zero_grad(set_to_none=True)
     return model, step, roomy
 
@@ -85,14 +85,14 @@ def test_the_fewest_tiles_that_fit_and_the_measured_peak(case):
     plan = co.plan(model, step, budget=budget, kinds=KINDS, tile=16)
     model.zero_grad(set_to_none=True)
     k = len(plan.tiles)
-    assert k == 1 and plan.tiles == ["blocks.1"]   # the widest MLP: tiling it alone fits
+    assert k == 1 and plan.tiles == ["blocks.1"]  # the widest MLP: tiling it alone fits
     assert plan.predicted_peak_bytes <= budget
     assert "1 of 3 blocks tiled (MLP and norms), the fewest that fit" in plan.summary()
     assert plan.tile_info["untiled_minimum"] > budget - 256
     # One block fewer, in the planner's order, does not fit.
     tiled_costs = plan.costs
     order = tile_order(untiled_costs, tiled_costs)
-    fewer = mixed_costs(untiled_costs, tiled_costs, order[:k - 1])
+    fewer = mixed_costs(untiled_costs, tiled_costs, order[: k - 1])
     assert _minimum(fewer) > budget - 256
     # Applied: the measured peak of saved activations is the predicted one, gradients within tolerance.
     step()

@@ -740,8 +740,22 @@ def test_cli_profile_fixed_whole_step_window_shows_no_saving(tmp_path, capsys):
     """The same run with a window larger than the step brings everything back at once: the
     measurement above can fail."""
     out = tmp_path / "prof"
-    rc = main(["profile", "--size", "small", "--device", "cpu", "--steps", "1", "--out", str(out), "--no-progress",
-               "--prefetch-bytes", str(256 * 2**20)])
+    rc = main(
+        [
+            "profile",
+            "--size",
+            "small",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--prefetch-bytes",
+            str(256 * 2**20),
+        ]
+    )
     assert rc == 0
     totals = json.loads((out / "profile.json").read_text())["totals"]
     assert totals["device_saved_peak_bytes"] > 0.9 * totals["pool_peak_bytes"]

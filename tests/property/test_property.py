@@ -76,8 +76,21 @@ def _assert_drained(pool, start: int):
 # One step of a graph: (name, i, j, p, q). i and j pick operands among the values made so far
 # (modulo their number), p and q parametrize the op; all are plain integers so that hypothesis
 # shrinks a failure to a short program with small numbers.
-OPS = ("unary", "mul", "matmul", "t", "slice", "expand", "as_strided", "inplace", "dropout", "conv", "linear",
-       "softmax", "cat")
+OPS = (
+    "unary",
+    "mul",
+    "matmul",
+    "t",
+    "slice",
+    "expand",
+    "as_strided",
+    "inplace",
+    "dropout",
+    "conv",
+    "linear",
+    "softmax",
+    "cat",
+)
 _op = st.tuples(st.sampled_from(OPS), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63), st.integers(0, 63))
 _UNARY = (torch.tanh, torch.sigmoid, torch.sin, torch.relu, F.gelu, lambda x: x * x, F.silu)
 
@@ -127,14 +140,14 @@ def _forward(g: Graph, inputs, conv_w, weight):
             v = _UNARY[p % len(_UNARY)](a)
         elif name == "mul":  # slices of both operands (views with storage offsets) are saved
             r, c = min(m, b.shape[0]), min(n, b.shape[1])
-            v = a[m - r:, :c] * b[:r, b.shape[1] - c:]
+            v = a[m - r :, :c] * b[:r, b.shape[1] - c :]
         elif name == "matmul":
             k = min(n, b.shape[0])
             v = a[:, :k] @ b[:k, :]
         elif name == "t":
             v = a.t()
         elif name == "slice":
-            v = a[p % m:, q % n::1 + (p + q) % 2]
+            v = a[p % m :, q % n :: 1 + (p + q) % 2]
         elif name == "expand":  # a stride-0 view; whatever saves it saves the expanded tensor
             v = a[:, :1].expand(-1, 1 + q % 6) if p % 2 else a[:1].expand(1 + q % 6, -1)
         elif name == "as_strided":  # possibly overlapping windows over a fresh storage
@@ -212,12 +225,14 @@ class _NoHooks:
         return None
 
 
-_configs = st.fixed_dictionaries({
-    "stream": st.sampled_from(("side", "compute")),
-    "prefetch_bytes": st.sampled_from((0, 1 << 20)),
-    "batch_below": st.sampled_from((0, 512, 4096)),
-    "batch_bytes": st.sampled_from((8192, 65536)),
-})
+_configs = st.fixed_dictionaries(
+    {
+        "stream": st.sampled_from(("side", "compute")),
+        "prefetch_bytes": st.sampled_from((0, 1 << 20)),
+        "batch_below": st.sampled_from((0, 512, 4096)),
+        "batch_bytes": st.sampled_from((8192, 65536)),
+    }
+)
 # The pool: the shared one (no cap), or one at a one-page cap with this many bytes still free
 # (the rest held by another graph), so that copies and batch flushes are refused.
 _free = st.sampled_from((None, None, 0, 512, 2048, 4096))
@@ -276,7 +291,7 @@ def _stored(t: torch.Tensor, store) -> torch.Tensor:
     inf = bool(torch.isinf(f).any())
     top = (416.0 if inf else 448.0) if store == torch.float8_e4m3fn else 57344.0
     scale = amax / top if amax > 0 else torch.tensor(1.0)
-    back = (torch.where(finite, f / scale, 0).to(store).float() * scale)
+    back = torch.where(finite, f / scale, 0).to(store).float() * scale
     return torch.where(finite, back, f).to(t.dtype)
 
 
@@ -300,8 +315,9 @@ def chunk_cases(draw):
         # what a scale taken over the span (gaps included) gets wrong.
         "exps": draw(st.lists(st.integers(-24, 24), min_size=chunks, max_size=chunks)),
         # (flat index, value) of +-inf and NaN
-        "specials": draw(st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(("inf", "-inf", "nan"))),
-                                  max_size=3)),
+        "specials": draw(
+            st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from(("inf", "-inf", "nan"))), max_size=3)
+        ),
         "seed": draw(st.integers(0, 2**31 - 1)),
     }
 
@@ -318,7 +334,7 @@ def test_chunked_views_come_back_as_the_storage_dtype_promises(c, shared_pool):
     base = torch.randn(*shape, generator=gen, dtype=torch.float64)
     parts = base.chunk(c["chunks"], c["dim"])
     for p, e in zip(parts, c["exps"]):
-        p.mul_(2.0 ** e)
+        p.mul_(2.0**e)
     flat = base.view(-1)
     for i, v in c["specials"]:
         flat[i % flat.numel()] = float(v)
@@ -418,8 +434,9 @@ def _model_grads(c: ModelCase, pool, checkpointed: bool):
     torch.manual_seed(c.seed)
     model = RModel(c.n, c.dim, nested if checkpointed else [None] * c.n, c.dropout, c.dtype)
     gen = torch.Generator().manual_seed(c.seed)
-    x, bias, a, b = (torch.randn(c.rows, c.dim, generator=gen, dtype=torch.float64).to(c.dtype).requires_grad_()
-                     for _ in range(4))
+    x, bias, a, b = (
+        torch.randn(c.rows, c.dim, generator=gen, dtype=torch.float64).to(c.dtype).requires_grad_() for _ in range(4)
+    )
     offload = dict(opts) if c.offload else False
     ckpt, handle = None, None
     if checkpointed and c.how == "apply":
@@ -480,8 +497,12 @@ class HostPoolMachine(RuleBasedStateMachine):
         self.pool.synchronize()
         return self.pool.stats()
 
-    @rule(target=handles, nbytes=st.integers(1, 3 * _SEGMENT), stream=st.sampled_from(("side", "compute")),
-          seed=st.integers(0, 255))
+    @rule(
+        target=handles,
+        nbytes=st.integers(1, 3 * _SEGMENT),
+        stream=st.sampled_from(("side", "compute")),
+        seed=st.integers(0, 255),
+    )
     def offload(self, nbytes, stream, seed):
         src = (torch.arange(nbytes, dtype=torch.int32) * 7 + seed).remainder(251).to(torch.uint8)
         block = _round(nbytes, _ALIGN)
@@ -639,8 +660,16 @@ class HModel(nn.Module):
         return h.sum() + sum((i + 2) * a for i, a in enumerate(aux))
 
 
-_spec = st.fixed_dictionaries({"aux": st.booleans(), "inplace_input": st.booleans(), "mutate_matmul": st.booleans(),
-                               "bn": st.booleans(), "dict": st.booleans(), "keyword": st.booleans()})
+_spec = st.fixed_dictionaries(
+    {
+        "aux": st.booleans(),
+        "inplace_input": st.booleans(),
+        "mutate_matmul": st.booleans(),
+        "bn": st.booleans(),
+        "dict": st.booleans(),
+        "keyword": st.booleans(),
+    }
+)
 
 
 @dataclass
@@ -653,8 +682,11 @@ class HCase:
 @st.composite
 def h_cases(draw):
     n = draw(st.integers(2, 4))
-    return HCase(specs=draw(st.lists(_spec, min_size=n, max_size=n)), rows=draw(st.integers(32, 64)),
-                 seed=draw(st.integers(0, 2**31 - 1)))
+    return HCase(
+        specs=draw(st.lists(_spec, min_size=n, max_size=n)),
+        rows=draw(st.integers(32, 64)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 _DIM = 32  # with rows >= 32, saved tensors (8 KiB+) outweigh the RNG state (5 KiB) a CPU checkpoint keeps
@@ -686,13 +718,20 @@ def _assert_same_step(ref, got, what):
     assert not differing, f"{what}: {differing} differ"
 
 
-_plan_options = st.fixed_dictionaries({
-    "fraction": st.sampled_from((0.0, 0.5, 0.8)),  # of the peak without a plan; 0: the least any plan reaches
-    "kinds": st.sampled_from((("keep", "recompute"), ("keep", "selective"), ("keep", "offload", "recompute",
-                                                                           "recompute_offload", "selective"))),
-    "levels": st.integers(1, 2),
-    "segments": st.booleans(),
-})
+_plan_options = st.fixed_dictionaries(
+    {
+        "fraction": st.sampled_from((0.0, 0.5, 0.8)),  # of the peak without a plan; 0: the least any plan reaches
+        "kinds": st.sampled_from(
+            (
+                ("keep", "recompute"),
+                ("keep", "selective"),
+                ("keep", "offload", "recompute", "recompute_offload", "selective"),
+            )
+        ),
+        "levels": st.integers(1, 2),
+        "segments": st.booleans(),
+    }
+)
 
 
 @settings(max_examples=hypothesis_examples(8))
@@ -705,11 +744,21 @@ def test_random_plans_never_change_loss_gradients_or_state(c, o, shared_pool):
     (ref_model, planned, probe), x = _h_models(c, 3)
     start = shared_pool.stats()["bytes_in_use"]
     ref = _h_step(ref_model, x)
-    costs = measure_costs(lambda: probe(x).backward(), _select_blocks(probe, None), "cpu",
-                          bandwidth=Bandwidth(math.inf, math.inf, 0.0), min_bytes=0)
+    costs = measure_costs(
+        lambda: probe(x).backward(),
+        _select_blocks(probe, None),
+        "cpu",
+        bandwidth=Bandwidth(math.inf, math.inf, 0.0),
+        min_bytes=0,
+    )
     full = simulate(costs, singles(["keep"] * len(costs.blocks))).peak_bytes
-    opts = dict(offload={"devices": ["cpu"], "min_bytes": 0, "pool": shared_pool}, kinds=o["kinds"],
-                levels=o["levels"], segments=o["segments"], costs=costs)
+    opts = dict(
+        offload={"devices": ["cpu"], "min_bytes": 0, "pool": shared_pool},
+        kinds=o["kinds"],
+        levels=o["levels"],
+        segments=o["segments"],
+        costs=costs,
+    )
     try:
         plan = co.plan(planned, lambda: None, budget=max(1, int(full * o["fraction"])), **opts)
     except co.planner.InfeasibleBudget as e:

@@ -34,8 +34,17 @@ _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _same_bits(a: list, b: list) -> bool:
     return len(a) == len(b) and all(
-        (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-            x.view(_INT[x.element_size()]), y.view(_INT[y.element_size()])))) for x, y in zip(a, b))
+        (x is None) == (y is None)
+        and (
+            x is None
+            or (
+                x.dtype == y.dtype
+                and x.shape == y.shape
+                and torch.equal(x.view(_INT[x.element_size()]), y.view(_INT[y.element_size()]))
+            )
+        )
+        for x, y in zip(a, b)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +62,7 @@ def _drained(pool, start):
 
 
 # --- custom Functions that save a tensor twice or write it in backward -------------------------------------------
+
 
 class Twice(torch.autograd.Function):
     """Saves a twice, a same-layout view of it and its transpose: four saved tensors of one storage."""
@@ -84,9 +94,13 @@ class Graph:
 
 @st.composite
 def graphs(draw):
-    return Graph(m=draw(st.sampled_from((2, 4, 6))), n_inputs=draw(st.integers(1, 3)),
-                 ops=draw(st.lists(_op, min_size=1, max_size=8)),
-                 dtype=draw(st.sampled_from((torch.float32, torch.float64))), seed=draw(st.integers(0, 2**31 - 1)))
+    return Graph(
+        m=draw(st.sampled_from((2, 4, 6))),
+        n_inputs=draw(st.integers(1, 3)),
+        ops=draw(st.lists(_op, min_size=1, max_size=8)),
+        dtype=draw(st.sampled_from((torch.float32, torch.float64))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def _program(g: Graph):
@@ -114,15 +128,18 @@ def _program(g: Graph):
             else:
                 v = Twice.apply(a)
             values.append(v)
-        return sum(v.sum() for v in values[len(inputs):])
+        return sum(v.sum() for v in values[len(inputs) :])
+
     return fn
 
 
 def _run(g: Graph, route: str, cfg: dict | None, pool, writes: bool):
     """Gradients of the graph's inputs, or the error backward raised. cfg None: without ckpt_offload."""
     gen = torch.Generator().manual_seed(g.seed)
-    inputs = [torch.randn(g.m, g.m, generator=gen, dtype=torch.float64).to(g.dtype).requires_grad_()
-              for _ in range(g.n_inputs)]
+    inputs = [
+        torch.randn(g.m, g.m, generator=gen, dtype=torch.float64).to(g.dtype).requires_grad_()
+        for _ in range(g.n_inputs)
+    ]
     fn = _program(g)
     opts = None if cfg is None else dict(cfg, devices=["cpu"], min_bytes=0, pool=pool)
     Scribble.writes = writes  # False: the "clean" run, where Scribble's write goes nowhere
@@ -145,13 +162,15 @@ def _run(g: Graph, route: str, cfg: dict | None, pool, writes: bool):
     return [x.grad for x in inputs]
 
 
-_configs = st.sampled_from([
-    {"stream": "compute", "batch_below": 0},
-    {"stream": "compute", "batch_below": 4096},
-    {"stream": "side", "prefetch_bytes": 0, "batch_below": 0},
-    {"stream": "side", "prefetch_bytes": 1 << 20, "batch_below": 0},
-    {"stream": "side", "prefetch_bytes": 1 << 20, "batch_below": 4096},
-])
+_configs = st.sampled_from(
+    [
+        {"stream": "compute", "batch_below": 0},
+        {"stream": "compute", "batch_below": 4096},
+        {"stream": "side", "prefetch_bytes": 0, "batch_below": 0},
+        {"stream": "side", "prefetch_bytes": 1 << 20, "batch_below": 0},
+        {"stream": "side", "prefetch_bytes": 1 << 20, "batch_below": 4096},
+    ]
+)
 
 
 def _check(ref, clean, got, close=None):
@@ -201,10 +220,18 @@ def test_saved_twice_or_written_in_backward_under_store_dtype_raises_as_torch(g,
 SAC_OPS = ("view_flat", "view_same", "transpose", "mul", "sin", "bmm", "expand", "gather")
 _CHOICES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_CPU_OFFLOAD)
 # The aten ops a policy decides for (SAC asks for every op; the rest recompute).
-_ATEN = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.transpose.int,
-         torch.ops.aten.mul.Tensor, torch.ops.aten.sin.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.expand.default, torch.ops.aten.index.Tensor, torch.ops.aten.arange.default,
-         torch.ops.aten.clone.default)
+_ATEN = (
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.sin.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.arange.default,
+    torch.ops.aten.clone.default,
+)
 
 
 @dataclass
@@ -217,10 +244,16 @@ class SacCase:
 
 @st.composite
 def sac_cases(draw):
-    return SacCase(ops=draw(st.lists(st.tuples(st.sampled_from(SAC_OPS), st.integers(0, 15), st.integers(0, 15)),
-                                     min_size=1, max_size=6)),
-                   policy=draw(st.dictionaries(st.integers(0, len(_ATEN) - 1), st.integers(0, 2))),
-                   stream=draw(st.sampled_from(("side", "compute"))), seed=draw(st.integers(0, 2**31 - 1)))
+    return SacCase(
+        ops=draw(
+            st.lists(
+                st.tuples(st.sampled_from(SAC_OPS), st.integers(0, 15), st.integers(0, 15)), min_size=1, max_size=6
+            )
+        ),
+        policy=draw(st.dictionaries(st.integers(0, len(_ATEN) - 1), st.integers(0, 2))),
+        stream=draw(st.sampled_from(("side", "compute"))),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def _sac_program(c: SacCase):
@@ -247,6 +280,7 @@ def _sac_program(c: SacCase):
                 v = a.reshape(-1)[idx.view(-1)].view(a.shape)
             values.append(v)
         return sum(v.sum() for v in values[2:])
+
     return fn
 
 
@@ -284,8 +318,9 @@ def test_selective_checkpoint_over_views_matches_torchs(c, route, pool):
             with co.offload(**opts):
                 out = co.checkpoint(fn, x, w, context_fn=torch_ctx)
         else:
-            out = checkpoint(fn, x, w, use_reentrant=False,
-                             context_fn=co.selective_offload_context(offload_policy, offload=opts))
+            out = checkpoint(
+                fn, x, w, use_reentrant=False, context_fn=co.selective_offload_context(offload_policy, offload=opts)
+            )
         out.backward()
         return [x.grad, w.grad]
 

@@ -51,5 +51,14 @@ from ckpt_offload.integrations.hf.trainer import (
     OffloadCheckpointCallback,
 )
 
-__all__ = ["enable", "disable", "HFCheckpointHandle", "HFCheckpointFunction", "OffloadCheckpointCallback",
-           "OffloadCallback", "PER_STEP_KEYS", "PEAK_KEYS", "LOG_KEYS"]
+__all__ = [
+    "enable",
+    "disable",
+    "HFCheckpointHandle",
+    "HFCheckpointFunction",
+    "OffloadCheckpointCallback",
+    "OffloadCallback",
+    "PER_STEP_KEYS",
+    "PEAK_KEYS",
+    "LOG_KEYS",
+]

@@ -42,7 +42,8 @@ _COMPILE_MESSAGE = (
     "forward hook and computes the tiled loss in eager code, which Dynamo does not trace into a "
     "torch.compile(fullgraph=True) graph. Under fullgraph=True pass tile=co.TileOptions(head=False) (the blocks' "
     "MLPs are traced tiled; the head stays as it is); without fullgraph the graph breaks around the head and the "
-    "model's own forward is compiled.")
+    "model's own forward is compiled."
+)
 
 
 def fused_reason(model) -> str | None:
@@ -181,9 +182,12 @@ def _fuse(model, options, route: str):
     why = fused_reason(model)
     if why is not None:
         if type(model).__name__.endswith("ForCausalLM"):
-            warn_at_user_line(f"{route}(tile=...): the head of {type(model).__name__} stays as it is (its logits and "
-                              f"loss are not tiled): {why}. Its blocks' MLPs are tiled. Pass "
-                              "tile=co.TileOptions(head=False) to say so and silence this.", key=f"{route}-head")
+            warn_at_user_line(
+                f"{route}(tile=...): the head of {type(model).__name__} stays as it is (its logits and "
+                f"loss are not tiled): {why}. Its blocks' MLPs are tiled. Pass "
+                "tile=co.TileOptions(head=False) to say so and silence this.",
+                key=f"{route}-head",
+            )
         return None
     head = model.get_output_embeddings()
     tokens, nbytes, _ = _check_tile(options.head_tile, None, name="head_tile")
@@ -191,8 +195,18 @@ def _fuse(model, options, route: str):
         tokens = max(1, (nbytes or _DEFAULT_HEAD_TILE_BYTES) // (head.out_features * 4))
     if _owner_module(head) is None:  # pragma: no cover - fused_reason checked it is a Linear
         return None
-    tiled = Tiled(_HeadLoss(head, -100, "sum", True, 0.0), tokens, dim=0, split={1: 0}, reduce="sum", out_dim=0,
-                  params=list(head.parameters()), token_wise=True, measure_error=options.measure_error, name=route)
+    tiled = Tiled(
+        _HeadLoss(head, -100, "sum", True, 0.0),
+        tokens,
+        dim=0,
+        split={1: 0},
+        reduce="sum",
+        out_dim=0,
+        params=list(head.parameters()),
+        token_wise=True,
+        measure_error=options.measure_error,
+        name=route,
+    )
     wrapper = FusedHeadForward(model, tiled)
     wrapper.install()
     return wrapper.uninstall, tiled

@@ -195,8 +195,9 @@ class HFCheckpointHandle(CheckpointHandle):
         print(handle.names[:2], handle.stats()["bytes_offloaded"])
     """
 
-    def __init__(self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict,
-                 offload_given: bool = True):
+    def __init__(
+        self, model, every_n_layers: int, options, use_reentrant: bool, torch_kwargs: dict, offload_given: bool = True
+    ):
         self.function = HFCheckpointFunction(options, use_reentrant, torch_kwargs)
         # Its stats are its function's: the contexts of the checkpoints Hugging Face's layers ran.
         super().__init__(model, [], [], [], every_n_layers, collector=self.function.collector)
@@ -294,8 +295,10 @@ class HFCheckpointHandle(CheckpointHandle):
     @staticmethod
     def _ckpt_kwargs_of(args, kwargs):
         """The checkpoint-kwargs dict of a call of the model's enable method (positional or named)."""
-        return args[0] if args else kwargs.get(
-            "activation_checkpointing_kwargs", kwargs.get("gradient_checkpointing_kwargs")
+        return (
+            args[0]
+            if args
+            else kwargs.get("activation_checkpointing_kwargs", kwargs.get("gradient_checkpointing_kwargs"))
         )
 
     def _offload_requested(self, args, kwargs):
@@ -357,8 +360,11 @@ class HFCheckpointHandle(CheckpointHandle):
         callback's handle]. Its wrappers are set aside meanwhile (Hugging Face's disable calls the
         deprecated name when it finds an instance attribute there)."""
         model = self._model
-        wrappers = {n: model.__dict__.pop(n) for n in _ENABLE_NAMES + _DISABLE_NAMES
-                    if isinstance(model.__dict__.get(n), (_KeepOurs, _OnDisable))}
+        wrappers = {
+            n: model.__dict__.pop(n)
+            for n in _ENABLE_NAMES + _DISABLE_NAMES
+            if isinstance(model.__dict__.get(n), (_KeepOurs, _OnDisable))
+        }
         try:
             return getattr(model, name)(*args, **kwargs)
         finally:
@@ -389,8 +395,9 @@ class HFCheckpointHandle(CheckpointHandle):
 
     def disable(self) -> None:
         """Deprecated alias of :meth:`remove` (goes in 0.3.0)."""
-        warnings.warn("handle.disable() is deprecated and goes in 0.3.0: use handle.remove()", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "handle.disable() is deprecated and goes in 0.3.0: use handle.remove()", DeprecationWarning, stacklevel=2
+        )
         self.remove()
 
     def __repr__(self) -> str:
@@ -429,12 +436,16 @@ def _checkpoint_layers(model) -> list:
 
 def _snapshot(model) -> list:
     keys = ("gradient_checkpointing", "_gradient_checkpointing_func")
-    return [(m, {k: m.__dict__.get(k, _MISSING) for k in keys}) for m in model.modules()
-            if hasattr(m, "gradient_checkpointing")]
+    return [
+        (m, {k: m.__dict__.get(k, _MISSING) for k in keys})
+        for m in model.modules()
+        if hasattr(m, "gradient_checkpointing")
+    ]
 
 
-def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions | None = False, tile=None,
-           **checkpoint_kwargs) -> HFCheckpointHandle:
+def enable(
+    model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions | None = False, tile=None, **checkpoint_kwargs
+) -> HFCheckpointHandle:
     """Makes :func:`ckpt_offload.checkpoint` the gradient-checkpointing function of a Hugging Face model.
 
     Calls the model's own ``activation_checkpointing_enable`` (or, where that does not exist,
@@ -491,9 +502,17 @@ def enable(model, every_n_layers: int = 1, offload: bool | dict | OffloadOptions
     return install(model, every_n_layers, offload, checkpoint_kwargs, tile=tile)
 
 
-def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: dict | None = None, *,
-            route: str | None = "co.hf.enable(offload=...)", offload_decided: bool | None = None,
-            pause_on_disable: bool = False, tile=None) -> HFCheckpointHandle:
+def install(
+    model,
+    every_n_layers: int = 1,
+    offload=False,
+    checkpoint_kwargs: dict | None = None,
+    *,
+    route: str | None = "co.hf.enable(offload=...)",
+    offload_decided: bool | None = None,
+    pause_on_disable: bool = False,
+    tile=None,
+) -> HFCheckpointHandle:
     """:func:`enable` with the checkpoint keywords as one dict, for callers that resolved the
     settings themselves (the Trainer callbacks). ``route``: the name the offloads-nothing warning
     gives (None: the caller checked that at the user's own line already); ``offload_decided``:
@@ -536,8 +555,14 @@ def install(model, every_n_layers: int = 1, offload=False, checkpoint_kwargs: di
             "co.apply(model, layers=<its block class>, every_n_layers=..., offload=...) instead."
         )
     check_not_applied(model, route="co.hf.enable")
-    handle = HFCheckpointHandle(model, every_n_layers, options, use_reentrant, checkpoint_kwargs,
-                                offload_given=options is not None if offload_decided is None else offload_decided)
+    handle = HFCheckpointHandle(
+        model,
+        every_n_layers,
+        options,
+        use_reentrant,
+        checkpoint_kwargs,
+        offload_given=options is not None if offload_decided is None else offload_decided,
+    )
     handle._saved_state = _snapshot(model)
     handle._pause_on_disable = pause_on_disable
     try:

@@ -17,10 +17,12 @@ from ckpt_offload.tile_model import as_tile_options
 
 __all__ = ["OffloadCheckpointCallback", "OffloadCallback", "PER_STEP_KEYS", "PEAK_KEYS", "LOG_KEYS"]
 
+
 def _args_checkpoint_kwargs(args) -> dict:
     """The checkpoint kwargs of TrainingArguments, under its new or its deprecated name."""
-    if args is None or not (getattr(args, "activation_checkpointing", None)
-                            or getattr(args, "gradient_checkpointing", None)):
+    if args is None or not (
+        getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    ):
         return {}
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         value = getattr(args, name, None)
@@ -45,7 +47,8 @@ BOTH_CALLBACKS = (
     "tensor of the forward, the second checkpoints the layers and offloads their inputs, and together each "
     "layer's inputs would be copied twice while the recompute saves them again. Keep one: "
     "OffloadCheckpointCallback(every_n_layers=..., offload=True) to recompute with offloaded inputs, or "
-    "OffloadCallback(...) to offload without recompute")
+    "OffloadCallback(...) to offload without recompute"
+)
 
 
 def _has_offload_callback(model) -> bool:
@@ -127,10 +130,14 @@ class OffloadCheckpointCallback(TrainerCallback):
         self.checkpoint_kwargs = checkpoint_kwargs
         # Bad or misplaced options fail here, not at the first step: a co.offload option is told
         # to go inside offload={...}; anything else lists every option the callback takes.
-        check_checkpoint_keywords({k: v for k, v in checkpoint_kwargs.items() if k in OFFLOAD_KEYS},
-                                  "OffloadCheckpointCallback")
-        check_keywords("OffloadCheckpointCallback", checkpoint_kwargs,
-                       ("every_n_layers", "offload", "tile", "use_reentrant", *TORCH_KEYWORDS))
+        check_checkpoint_keywords(
+            {k: v for k, v in checkpoint_kwargs.items() if k in OFFLOAD_KEYS}, "OffloadCheckpointCallback"
+        )
+        check_keywords(
+            "OffloadCheckpointCallback",
+            checkpoint_kwargs,
+            ("every_n_layers", "offload", "tile", "use_reentrant", *TORCH_KEYWORDS),
+        )
         options = as_options(offload)
         check_reentrant(checkpoint_kwargs.get("use_reentrant"), options)
         if options is not None:
@@ -147,12 +154,14 @@ class OffloadCheckpointCallback(TrainerCallback):
             offload = self.offload
         else:
             # From TrainingArguments (or the default, True): checked now, where it is known.
-            options = as_options(False if offload is None else offload,
-                                      name="activation_checkpointing_kwargs['offload']")
+            options = as_options(
+                False if offload is None else offload, name="activation_checkpointing_kwargs['offload']"
+            )
             offload = False if offload is None else offload
             if options is not None:
-                check_offloads_something(options.devices, "OffloadCheckpointCallback (offload from "
-                                         "TrainingArguments' checkpointing kwargs)")
+                check_offloads_something(
+                    options.devices, "OffloadCheckpointCallback (offload from TrainingArguments' checkpointing kwargs)"
+                )
         return every_n, offload, {**from_args, **self.checkpoint_kwargs}
 
     def _ensure(self, args, model) -> None:
@@ -178,8 +187,9 @@ class OffloadCheckpointCallback(TrainerCallback):
         # pause_on_disable: Trainer subclasses (TRL's GRPO and DPO trainers) turn checkpointing off and
         # on around their no-grad passes; the handle must outlive that (Note [Disable pauses a
         # callback's handle] in hook.py).
-        self.handle = install(model, every_n, offload, kwargs, route=None, offload_decided=True,
-                              pause_on_disable=True, tile=self.tile)
+        self.handle = install(
+            model, every_n, offload, kwargs, route=None, offload_decided=True, pause_on_disable=True, tile=self.tile
+        )
         self.handle._from_callback = True  # OffloadCallback refuses to join it
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -221,10 +231,16 @@ class OffloadCallback(TrainerCallback):
     """
 
     def __init__(self, options=None, /, **kwargs):
-        recompute = ("OffloadCallback offloads without recompute; to checkpoint as well use "
-                     "co.hf.OffloadCheckpointCallback(every_n_layers=..., offload={...}) instead")
-        check_keywords("OffloadCallback", kwargs, OFFLOAD_KEYS,
-                       elsewhere={k: recompute for k in ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS)})
+        recompute = (
+            "OffloadCallback offloads without recompute; to checkpoint as well use "
+            "co.hf.OffloadCheckpointCallback(every_n_layers=..., offload={...}) instead"
+        )
+        check_keywords(
+            "OffloadCallback",
+            kwargs,
+            OFFLOAD_KEYS,
+            elsewhere={k: recompute for k in ("every_n_layers", "offload", "use_reentrant", *TORCH_KEYWORDS)},
+        )
         if options is None:
             opts = from_arguments("OffloadCallback", (), kwargs)  # bad options fail here
         else:
