@@ -14,6 +14,7 @@ fuse its head and loss (``ckpt_offload.integrations.hf.head``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import sys
 
@@ -381,9 +382,9 @@ def _fuse_hf_head(model, options, route):
     A Hugging Face model loads the Hugging Face integration first (``co.hf``), which registers its fuser."""
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(model, getattr(transformers, "PreTrainedModel", ())):
-        import ckpt_offload
-
-        ckpt_offload.hf  # noqa: B018 - the lazy attribute imports the integration (and registers its fuser)
+        # The integration registers its fuser in HEAD_FUSERS when imported (a registry, so that this
+        # module imports nothing above it).
+        importlib.import_module("ckpt_offload.integrations.hf.head")
     for fuser in HEAD_FUSERS:
         fused = fuser(model, options, route)
         if fused is not None:
