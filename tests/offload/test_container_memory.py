@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import textwrap
 import warnings
@@ -320,9 +321,12 @@ def test_real_cgroup_limit_bounds_the_pool_and_the_process_survives(tmp_path):
             "PYTHONPATH": os.pathsep.join([str(Path(co.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
         }
         # The shell joins the cgroup, then becomes Python: everything the pool takes is charged there.
+        # Outside the tree: `python -c` puts its cwd first on sys.path, where a checkout's
+        # ckpt_offload/ (without a built _C) would shadow the installed package.
         proc = subprocess.run(
             ["sh", "-c", f'echo $$ > "{cgroup}/cgroup.procs" && exec "$0" -c "$1"', sys.executable, CHILD],
             env=env,
+            cwd=tempfile.gettempdir(),
             capture_output=True,
             text=True,
             timeout=300,

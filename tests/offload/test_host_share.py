@@ -254,8 +254,13 @@ def test_each_launch_from_one_parent_and_port_warns_and_leaves_no_marker():
         ),
     )
     for launch in range(2):
-        rank = subprocess.run(
-            [sys.executable, "-c", _LAUNCHED_RANK], env=env, capture_output=True, text=True, timeout=120
+        rank = subprocess.run(  # outside the tree: a checkout's ckpt_offload/ would shadow the installed one
+            [sys.executable, "-c", _LAUNCHED_RANK],
+            env=env,
+            cwd=tempfile.gettempdir(),
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert rank.returncode == 0, f"launch {launch}:\n{rank.stderr[-3000:]}"
         said = json.loads(rank.stdout.strip().splitlines()[-1])
