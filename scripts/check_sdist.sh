@@ -13,7 +13,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON=${PYTHON:-python3}
-PYTHON=$(command -v "$PYTHON")
+# Absolute (a relative .venv/bin/python would break in the folders below) but not resolved: a
+# venv's python is a link whose target is not the venv.
+PYTHON=$(realpath -s "$(command -v "$PYTHON")")
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_offload_sdist.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 start=$SECONDS
