@@ -11,7 +11,8 @@
 * Paths: ``TESTS_DIR`` (this folder, where the shared helper modules are; the test modules sit in
   its subfolders) and ``REPO_ROOT`` (the checkout: benchmarks/, docs/, scripts/).
 * Hugging Face: tiny models (``gpt2``, ``llama``, ``bert``; no download), ``batch``, ``loss_of``,
-  ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``hf_cpu_options``, ``word_tokenizer``. transformers is
+  ``TokenDataset``, ``train`` (3 Trainer steps on CPU), ``QUIET_CPU_TRAINING`` (the Trainer arguments every
+  test run shares), ``hf_cpu_options``, ``word_tokenizer``. transformers is
   imported inside the functions: the modules that use them skip without it.
 
 Fixtures and the assertions every test uses (``pool``, ``stream``, ``device``, ``cpu_offload``,
@@ -280,22 +281,25 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+# The TrainingArguments (and TRL configs) every test run shares: on CPU, logging each step, seeded, no
+# checkpoint written, no report, no worker process, no progress bar.
+QUIET_CPU_TRAINING = dict(
+    report_to=[],
+    use_cpu=True,
+    logging_steps=1,
+    save_strategy="no",
+    seed=7,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+)
+
+
 def train(tmp_path, model, callbacks=(), **args):
     """Trains `model` 3 steps with the Trainer on CPU; returns the logged losses and the final parameters."""
     import transformers
 
     targs = transformers.TrainingArguments(
-        output_dir=str(tmp_path),
-        report_to=[],
-        max_steps=3,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        seed=7,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        **args,
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, **{**QUIET_CPU_TRAINING, **args}
     )
     trainer = transformers.Trainer(model=model, args=targs, train_dataset=TokenDataset(), callbacks=list(callbacks))
     trainer.train()

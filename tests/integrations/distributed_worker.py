@@ -29,6 +29,10 @@ import ckpt_offload as co
 from ckpt_offload.demo.model import TinyTransformer, lm_loss
 from worker_main import run_rank
 
+# tests/ (the shared helpers) after this script's folder, which Python put first.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import QUIET_CPU_TRAINING  # noqa: E402
+
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
 STEPS = 3
 BATCH = 4
@@ -610,16 +614,10 @@ def hf_trainer_scenario(out_dir):
     def train(m, callbacks, tag):
         args = transformers.TrainingArguments(
             output_dir=os.path.join(out_dir, tag),
-            report_to=[],
             max_steps=3,
             per_device_train_batch_size=2,
-            use_cpu=True,
-            logging_steps=1,
-            save_strategy="no",
-            seed=7,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
             ddp_backend="gloo",
+            **QUIET_CPU_TRAINING,
         )
         trainer = transformers.Trainer(model=m, args=args, train_dataset=Tokens(), callbacks=callbacks)
         trainer.train()
@@ -677,16 +675,10 @@ def trl_sft_scenario(out_dir):
     def train(m, callbacks, tag):
         args = trl.SFTConfig(
             output_dir=os.path.join(out_dir, tag),
-            report_to=[],
             max_steps=3,
             per_device_train_batch_size=2,
-            use_cpu=True,
-            logging_steps=1,
-            save_strategy="no",
-            seed=7,
-            dataloader_num_workers=0,
-            disable_tqdm=True,
             ddp_backend="gloo",
+            **QUIET_CPU_TRAINING,
         )
         trainer = trl.SFTTrainer(model=m, args=args, train_dataset=data, processing_class=tok, callbacks=callbacks)
         trainer.train()

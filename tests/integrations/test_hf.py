@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_bit_identical, grads_of  # noqa: E402
-from helpers import B, T, TokenDataset, batch, bert, gpt2, llama, loss_of, train  # noqa: E402
+from helpers import QUIET_CPU_TRAINING, B, T, TokenDataset, batch, bert, gpt2, llama, loss_of, train  # noqa: E402
 from helpers import hf_cpu_options as cpu_offload  # noqa: E402
 
 
@@ -427,15 +427,9 @@ def test_callback_offload_false_in_training_arguments_turns_offload_off(tmp_path
 def _train_logged(tmp_path, cb, max_steps, logging_steps, model=None):
     targs = transformers.TrainingArguments(
         output_dir=str(tmp_path),
-        report_to=[],
         max_steps=max_steps,
         per_device_train_batch_size=2,
-        use_cpu=True,
-        logging_steps=logging_steps,
-        save_strategy="no",
-        seed=7,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **{**QUIET_CPU_TRAINING, "logging_steps": logging_steps},
     )
     trainer = transformers.Trainer(model=model or gpt2(), args=targs, train_dataset=TokenDataset(), callbacks=[cb])
     trainer.train()

@@ -25,7 +25,7 @@ datasets = pytest.importorskip("datasets")
 
 import ckpt_offload as co  # noqa: E402
 from conftest import assert_same_params  # noqa: E402
-from helpers import hf_cpu_options, llama, word_tokenizer  # noqa: E402
+from helpers import QUIET_CPU_TRAINING, hf_cpu_options, llama, word_tokenizer  # noqa: E402
 
 STEPS = 2
 LAYERS = 4  # llama(): 4 layers; every_n_layers=2 checkpoints 2 of them
@@ -110,18 +110,12 @@ def grpo_run(tmp_path, tag, callback=None):
     watch = Watch(policy, pool, lambda: getattr(callbacks[0], "handle", None) if callbacks else None)
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / tag),
-        report_to=[],
         max_steps=STEPS,
         learning_rate=1e-3,
         per_device_train_batch_size=4,
         num_generations=4,
         max_completion_length=6,
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        seed=7,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **QUIET_CPU_TRAINING,
     )
     trainer = trl.GRPOTrainer(
         model=policy,
@@ -145,16 +139,10 @@ def dpo_run(tmp_path, tag, callback=None):
     watch = Watch(policy, pool, lambda: getattr(callbacks[0], "handle", None) if callbacks else None)
     args = trl.DPOConfig(
         output_dir=str(tmp_path / tag),
-        report_to=[],
         max_steps=STEPS,
         learning_rate=1e-3,
         per_device_train_batch_size=2,
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        seed=7,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **QUIET_CPU_TRAINING,
     )
     trainer = trl.DPOTrainer(
         model=policy,
