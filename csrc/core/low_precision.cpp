@@ -4,41 +4,6 @@
 
 namespace ckpt_offload {
 namespace lowp {
-namespace {
-
-// Every source is read as fp32 first: fp64 -> fp32 -> narrow is what torch's casts do too
-// (double rounding included), so results match `t.to(dtype)` bit for bit.
-float load(Source s, const void* p, int64_t i) {
-  switch (s) {
-    case Source::F32:
-      return static_cast<const float*>(p)[i];
-    case Source::F64:
-      return static_cast<float>(static_cast<const double*>(p)[i]);
-    case Source::F16:
-      return from_f16(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return from_bf16(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-void store(Source s, void* p, int64_t i, float v) {
-  switch (s) {
-    case Source::F32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case Source::F64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case Source::F16:
-      static_cast<uint16_t*>(p)[i] = to_f16(v);
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = to_bf16(v);
-      break;
-  }
-}
-
-}  // namespace
 
 void down_cpu(Source s, const void* src, int64_t n, Format f, void* dst, const uint32_t* word) {
   Scaling sc;

@@ -180,6 +180,39 @@ CKPT_HD float decode(Format f, uint32_t c, Scaling sc) {
   }
 }
 
+// Element i of a buffer of source type s, as fp32 / written from fp32 (CPU loops and CUDA kernels).
+// Every source is read as fp32 first: fp64 -> fp32 -> narrow is what torch's casts do too
+// (double rounding included), so results match `t.to(dtype)` bit for bit.
+CKPT_HD float load(Source s, const void* p, int64_t i) {
+  switch (s) {
+    case Source::F32:
+      return static_cast<const float*>(p)[i];
+    case Source::F64:
+      return static_cast<float>(static_cast<const double*>(p)[i]);
+    case Source::F16:
+      return from_f16(static_cast<const uint16_t*>(p)[i]);
+    default:
+      return from_bf16(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+CKPT_HD void store(Source s, void* p, int64_t i, float v) {
+  switch (s) {
+    case Source::F32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case Source::F64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case Source::F16:
+      static_cast<uint16_t*>(p)[i] = to_f16(v);
+      break;
+    default:
+      static_cast<uint16_t*>(p)[i] = to_bf16(v);
+      break;
+  }
+}
+
 // CPU: n elements of `src` (type s) into `dst` (stored_bytes(f, n) bytes, the scale word
 // included). `word`: the scale word when the caller has it (a strided view's own elements,
 // not the span's); null: from the n elements.

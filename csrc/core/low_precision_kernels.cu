@@ -16,36 +16,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kVec = 4;  // elements per thread per step: one 16-byte load of fp32
 
-__device__ __forceinline__ float load(Source s, const void* p, int64_t i) {
-  switch (s) {
-    case Source::F32:
-      return static_cast<const float*>(p)[i];
-    case Source::F64:
-      return static_cast<float>(static_cast<const double*>(p)[i]);
-    case Source::F16:
-      return from_f16(static_cast<const uint16_t*>(p)[i]);
-    default:
-      return from_bf16(static_cast<const uint16_t*>(p)[i]);
-  }
-}
-
-__device__ __forceinline__ void store(Source s, void* p, int64_t i, float v) {
-  switch (s) {
-    case Source::F32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case Source::F64:
-      static_cast<double*>(p)[i] = v;
-      break;
-    case Source::F16:
-      static_cast<uint16_t*>(p)[i] = to_f16(v);
-      break;
-    default:
-      static_cast<uint16_t*>(p)[i] = to_bf16(v);
-      break;
-  }
-}
-
 // Loads kVec consecutive elements from i (i a multiple of kVec); a 16-byte vector load when
 // fp32 and aligned, else element by element (tail, other sources).
 __device__ __forceinline__ void load_vec(Source s, const void* p, int64_t i, int64_t n, bool aligned, float* v) {
