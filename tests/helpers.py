@@ -192,11 +192,21 @@ class Scribble(torch.autograd.Function):
         return ga, gb
 
 
-def gpt2():
+def gpt2(**config):
+    """A 4-layer GPT-2 of width 32 (``config``: GPT2Config fields to change, e.g. ``use_cache=False``)."""
     import transformers
 
     cfg = transformers.GPT2Config(
-        n_layer=4, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+        **{
+            "n_layer": 4,
+            "n_embd": 32,
+            "n_head": 2,
+            "vocab_size": VOCAB,
+            "n_positions": 64,
+            "bos_token_id": 0,
+            "eos_token_id": 0,
+            **config,
+        }
     )
     return transformers.GPT2LMHeadModel(cfg)
 

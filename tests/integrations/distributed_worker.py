@@ -31,7 +31,7 @@ from worker_main import run_rank
 
 # tests/ (the shared helpers) after this script's folder, which Python put first.
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import QUIET_CPU_TRAINING  # noqa: E402
+from helpers import QUIET_CPU_TRAINING, gpt2  # noqa: E402
 
 MODEL = dict(vocab=64, dim=32, layers=4, heads=4, seq=16, dropout=0.1)
 STEPS = 3
@@ -590,17 +590,7 @@ def hf_trainer_scenario(out_dir):
 
     def model():
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(
-            n_layer=4,
-            n_embd=32,
-            n_head=2,
-            vocab_size=100,
-            n_positions=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            use_cache=False,
-        )
-        return transformers.GPT2LMHeadModel(cfg)
+        return gpt2(use_cache=False)
 
     class Tokens(torch.utils.data.Dataset):
         ids = torch.randint(1, 100, (16, 8), generator=torch.Generator().manual_seed(2))
@@ -659,18 +649,7 @@ def trl_sft_scenario(out_dir):
 
     def model():
         torch.manual_seed(0)
-        cfg = transformers.GPT2Config(
-            n_layer=4,
-            n_embd=32,
-            n_head=2,
-            vocab_size=100,
-            n_positions=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            use_cache=False,
-        )
-        return transformers.GPT2LMHeadModel(cfg)
+        return gpt2(use_cache=False, pad_token_id=0)
 
     def train(m, callbacks, tag):
         args = trl.SFTConfig(
